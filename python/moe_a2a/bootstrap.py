@@ -1,0 +1,133 @@
+"""Ranks, nodes and start-up exchanges, from mpi4py or a torch process group.
+
+Everything the core needs from the outside world at start-up passes through a
+`Bootstrap`: this rank's place (rank, world size, node, local rank) and an
+all-gather of byte blobs (fabric addresses, region descriptors, shared-memory
+names).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this rank sits: `node` groups ranks that share memory."""
+
+    rank: int
+    world_size: int
+    node: int
+    local_rank: int
+    local_size: int
+    node_ranks: tuple[int, ...]  # the ranks of this rank's node, ascending
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.local_size if self.world_size % self.local_size == 0 else -1
+
+    def node_of(self, rank: int) -> int:
+        """Node of any rank (nodes are contiguous, equal-sized blocks)."""
+        return rank // self.local_size
+
+
+class Bootstrap:
+    """Rank layout plus blob all-gather over an mpi4py communicator or a torch process group."""
+
+    def __init__(self, comm: Any = None, ranks_per_node: int | None = None) -> None:
+        self._torch_group = None
+        self._comm = None
+        if comm is None or _is_mpi_comm(comm):
+            if comm is None:
+                from mpi4py import MPI
+
+                comm = MPI.COMM_WORLD
+            self._comm = comm
+            rank, world = comm.Get_rank(), comm.Get_size()
+            hosts = comm.allgather(_host_id())
+        else:
+            import torch.distributed as dist
+
+            self._torch_group = comm
+            rank, world = dist.get_rank(comm), dist.get_world_size(comm)
+            hosts = [None] * world
+            dist.all_gather_object(hosts, _host_id(), group=comm)
+        self.topology = _layout(rank, world, hosts, ranks_per_node)
+        self.single_host = len(set(hosts)) == 1
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    def allgather(self, blob: bytes) -> list[bytes]:
+        """Every rank's blob, index = rank."""
+        if self._comm is not None:
+            return self._comm.allgather(bytes(blob))
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, bytes(blob), group=self._torch_group)
+        return out
+
+    def barrier(self) -> None:
+        if self._comm is not None:
+            self._comm.Barrier()
+        else:
+            import torch.distributed as dist
+
+            dist.barrier(group=self._torch_group)
+
+    def abort(self, code: int = 1) -> None:
+        """End every rank of the job (used when one rank fails)."""
+        if self._comm is not None:
+            self._comm.Abort(code)
+        os._exit(code)
+
+
+def _is_mpi_comm(comm: Any) -> bool:
+    return hasattr(comm, "Get_rank") and hasattr(comm, "allgather")
+
+
+def _host_id() -> str:
+    return socket.gethostname()
+
+
+def _layout(rank: int, world: int, hosts: list[str], ranks_per_node: int | None) -> Topology:
+    """Node layout from host names, or virtual nodes of `ranks_per_node` consecutive ranks."""
+    if ranks_per_node is not None:
+        if not isinstance(ranks_per_node, int) or ranks_per_node < 1 or world % ranks_per_node != 0:
+            raise ValueError(
+                f"ranks_per_node: got {ranks_per_node!r}; expected a positive integer that divides "
+                f"the world size {world}"
+            )
+        if any(hosts[r] != hosts[(r // ranks_per_node) * ranks_per_node] for r in range(world)):
+            raise ValueError(
+                f"ranks_per_node={ranks_per_node} puts ranks of different hosts into one node; "
+                "virtual nodes must lie within one host"
+            )
+        size = ranks_per_node
+    else:
+        size = sum(1 for h in hosts if h == hosts[rank])
+        # Nodes must be contiguous, equal blocks of ranks (as mpirun/srun place them by default).
+        for r in range(world):
+            if hosts[r] != hosts[(r // size) * size]:
+                raise ValueError(
+                    "ranks are not placed in contiguous, equal blocks per host "
+                    f"(host of each rank: {hosts}); use block placement or pass ranks_per_node"
+                )
+    node = rank // size
+    return Topology(
+        rank=rank,
+        world_size=world,
+        node=node,
+        local_rank=rank % size,
+        local_size=size,
+        node_ranks=tuple(range(node * size, (node + 1) * size)),
+    )

@@ -1,0 +1,80 @@
+"""The transfer engine from Python: open, connect through a bootstrap, register buffers."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from moe_a2a import _core
+from moe_a2a.bootstrap import Bootstrap
+
+PROVIDERS = ("tcp", "shm", "efa", "verbs")
+
+ScatterItem = _core.ScatterItem
+
+
+def default_provider() -> str:
+    """`MOE_A2A_PROVIDER`, else `efa` where libfabric offers it, else `tcp`."""
+    chosen = os.environ.get("MOE_A2A_PROVIDER")
+    if chosen:
+        return chosen
+    offered = _core.libfabric_providers()
+    return "efa" if "efa" in offered else "tcp"
+
+
+def prepare_environment(bootstrap: Bootstrap, provider: str) -> None:
+    """Provider settings that must be in place before libfabric starts."""
+    if provider == "tcp" and bootstrap.single_host:
+        # Without it, tcp binds the first network interface, which may not route to ourselves.
+        os.environ.setdefault("FI_TCP_IFACE", "lo")
+
+
+class Engine:
+    """A connected transfer engine: every rank's address is known once this returns."""
+
+    def __init__(
+        self,
+        bootstrap: Bootstrap,
+        provider: str | None = None,
+        num_nics: int = 1,
+        split_threshold: int = 1 << 20,
+    ) -> None:
+        provider = provider or default_provider()
+        if not isinstance(provider, str) or not provider:
+            raise ValueError(f"provider: got {provider!r}; expected one of {PROVIDERS} or a libfabric name")
+        if not isinstance(num_nics, int) or num_nics < 1:
+            raise ValueError(f"num_nics: got {num_nics!r}; expected a positive integer")
+        prepare_environment(bootstrap, provider)
+        self.bootstrap = bootstrap
+        self.core = _core.TransferEngine(
+            bootstrap.rank, bootstrap.world_size, provider, num_nics, split_threshold
+        )
+        self.core.connect(bootstrap.allgather(self.core.address()))
+
+    @property
+    def rank(self) -> int:
+        return self.core.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.core.world
+
+    def register(self, array: np.ndarray) -> int:
+        """Register a contiguous host array; returns the local region id."""
+        if not array.flags.c_contiguous:
+            raise ValueError("register: expected a C-contiguous array")
+        return self.core.register_region(array.ctypes.data, array.nbytes)
+
+    def exchange_region(self, region: int) -> list[int | None]:
+        """All-gather a region's descriptor; returns each peer's remote region id (None for ourselves)."""
+        blobs = self.bootstrap.allgather(self.core.region_descriptor(region))
+        return [
+            None if peer == self.rank else self.core.add_remote_region(peer, blob)
+            for peer, blob in enumerate(blobs)
+        ]
+
+    def group(self, peers: Sequence[int], remotes: Sequence[int | None]) -> int:
+        """A peer group whose writes land in each peer's `remotes[peer]` region."""
+        return self.core.create_group(list(peers), [remotes[p] for p in peers])

@@ -1,0 +1,63 @@
+// Counters of arrived immediates. The worker thread adds arrivals; callers
+// wait for "n arrivals of immediate X" and consume them. Arrivals before the
+// wait are counted, so a fast peer is never missed.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <unordered_map>
+
+namespace moe_a2a::fabric {
+
+class ImmCounters {
+ public:
+  void add(uint32_t imm, uint64_t n = 1) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      counts_[imm] += n;
+    }
+    cv_.notify_all();
+  }
+
+  uint64_t peek(uint32_t imm) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = counts_.find(imm);
+    return it == counts_.end() ? 0 : it->second;
+  }
+
+  // Waits until `n` arrivals of `imm` are counted, then consumes them.
+  // `failed` is checked on every wake-up so an engine error ends the wait.
+  // Returns the count seen when time ran out, or n on success.
+  bool wait(uint32_t imm, uint64_t n, std::chrono::nanoseconds timeout, const std::function<void()>& check_failed,
+            uint64_t* seen) {
+    auto deadline = std::chrono::steady_clock::now() + timeout;
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      uint64_t& count = counts_[imm];
+      if (count >= n) {
+        count -= n;
+        return true;
+      }
+      lock.unlock();
+      check_failed();
+      lock.lock();
+      if (std::chrono::steady_clock::now() >= deadline) {
+        *seen = counts_[imm];
+        return false;
+      }
+      // Short slices so an engine error is noticed without a notification.
+      cv_.wait_for(lock, kCheckInterval);
+    }
+  }
+
+ private:
+  static constexpr std::chrono::milliseconds kCheckInterval{5};
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::unordered_map<uint32_t, uint64_t> counts_;
+};
+
+}  // namespace moe_a2a::fabric

@@ -1,0 +1,272 @@
+// Backend over libfabric's reliable datagram endpoints (FI_EP_RDM): efa, the
+// tcp and verbs providers under ofi_rxm, and shm. One write is one
+// fi_writemsg; immediates travel as remote CQ data.
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <set>
+#include <sstream>
+
+#include "backend.h"
+#include "error.h"
+
+namespace moe_a2a::fabric {
+namespace {
+
+constexpr uint32_t kFabricVersion = FI_VERSION(1, 17);
+constexpr size_t kImmBytes = sizeof(uint32_t);
+constexpr size_t kCqDepth = 4096;
+// Keys we choose ourselves where the provider does not (mr_mode without
+// FI_MR_PROV_KEY); unique within the process, so within every domain.
+std::atomic<uint64_t> g_next_key{1};
+
+std::string fi_message(int rc) { return std::string(fi_strerror(-rc)) + " (" + std::to_string(rc) + ")"; }
+
+// Names users type, mapped to libfabric's provider strings.
+std::string libfabric_name(const std::string& provider) {
+  if (provider == "tcp") return "tcp;ofi_rxm";
+  if (provider == "verbs") return "verbs;ofi_rxm";
+  return provider;
+}
+
+struct InfoDeleter {
+  void operator()(fi_info* p) const { fi_freeinfo(p); }
+};
+using InfoPtr = std::unique_ptr<fi_info, InfoDeleter>;
+
+// Per-write context: providers in FI_CONTEXT/FI_CONTEXT2 mode own the first
+// bytes while the write is in flight.
+struct WriteContext {
+  fi_context2 fi;
+  uint64_t id;
+};
+
+template <typename T>
+void close_fid(T*& obj) {
+  if (obj != nullptr) fi_close(&obj->fid);
+  obj = nullptr;
+}
+
+class LibfabricBackend final : public Backend {
+ public:
+  explicit LibfabricBackend(const BackendOptions& opts) : provider_(opts.provider), index_(opts.index) {
+    info_ = find_info();
+    mr_mode_ = info_->domain_attr->mr_mode;
+    check(fi_fabric(info_->fabric_attr, &fabric_, nullptr), "fi_fabric");
+    check(fi_domain(fabric_, info_.get(), &domain_, nullptr), "fi_domain");
+    fi_cq_attr cq_attr{};
+    cq_attr.format = FI_CQ_FORMAT_DATA;
+    cq_attr.size = kCqDepth;
+    cq_attr.wait_obj = FI_WAIT_NONE;
+    check(fi_cq_open(domain_, &cq_attr, &cq_, nullptr), "fi_cq_open");
+    fi_av_attr av_attr{};
+    av_attr.type = FI_AV_TABLE;
+    check(fi_av_open(domain_, &av_attr, &av_, nullptr), "fi_av_open");
+    check(fi_endpoint(domain_, info_.get(), &ep_, nullptr), "fi_endpoint");
+    check(fi_ep_bind(ep_, &cq_->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind(cq)");
+    check(fi_ep_bind(ep_, &av_->fid, 0), "fi_ep_bind(av)");
+    check(fi_enable(ep_), "fi_enable");
+  }
+
+  ~LibfabricBackend() override {
+    close_fid(ep_);
+    close_fid(av_);
+    close_fid(cq_);
+    close_fid(domain_);
+    close_fid(fabric_);
+  }
+
+  const std::string& provider() const override { return provider_; }
+
+  Bytes address() const override {
+    Bytes addr(256);
+    size_t len = addr.size();
+    int rc = fi_getname(&ep_->fid, addr.data(), &len);
+    if (rc == -FI_ETOOSMALL) {
+      addr.resize(len);
+      rc = fi_getname(&ep_->fid, addr.data(), &len);
+    }
+    check(rc, "fi_getname");
+    addr.resize(len);
+    return addr;
+  }
+
+  void insert_peers(const std::vector<Bytes>& addresses) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    peers_.assign(addresses.size(), FI_ADDR_UNSPEC);
+    for (size_t r = 0; r < addresses.size(); ++r) {
+      int n = fi_av_insert(av_, addresses[r].data(), 1, &peers_[r], 0, nullptr);
+      if (n != 1) fail("fi_av_insert of peer " + std::to_string(r), n < 0 ? n : -FI_EINVAL);
+    }
+  }
+
+  LocalMemory register_memory(void* ptr, size_t len) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    fid_mr* mr = nullptr;
+    uint64_t requested_key = g_next_key.fetch_add(1);
+    int rc = fi_mr_reg(domain_, ptr, len, FI_REMOTE_WRITE | FI_WRITE, 0, requested_key, 0, &mr, nullptr);
+    if (rc != 0) fail("fi_mr_reg of " + std::to_string(len) + " bytes", rc);
+    LocalMemory mem;
+    mem.handle = mr;
+    mem.desc = fi_mr_desc(mr);
+    mem.remote.key = fi_mr_key(mr);
+    // FI_MR_VIRT_ADDR: peers address the region by our virtual address;
+    // otherwise by the offset from its start.
+    mem.remote.base = (mr_mode_ & FI_MR_VIRT_ADDR) ? reinterpret_cast<uint64_t>(ptr) : 0;
+    return mem;
+  }
+
+  void deregister_memory(const LocalMemory& mem) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto* mr = static_cast<fid_mr*>(mem.handle);
+    if (mr != nullptr) fi_close(&mr->fid);
+  }
+
+  bool post_write(const WriteDesc& w) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (w.peer < 0 || static_cast<size_t>(w.peer) >= peers_.size())
+      throw FabricError(where() + ": write to peer " + std::to_string(w.peer) + ", which is not connected (" +
+                        std::to_string(peers_.size()) + " peers)");
+    iovec iov{const_cast<void*>(w.src), w.len};
+    void* desc = w.desc;
+    fi_rma_iov rma{w.remote_addr, w.len, w.remote_key};
+    fi_msg_rma msg{};
+    msg.msg_iov = &iov;
+    msg.desc = &desc;
+    msg.iov_count = 1;
+    msg.addr = peers_[w.peer];
+    msg.rma_iov = &rma;
+    msg.rma_iov_count = 1;
+    auto* ctx = new WriteContext{{}, w.context};
+    msg.context = ctx;
+    msg.data = w.imm;
+    uint64_t flags = FI_COMPLETION;
+    if (w.with_imm) flags |= FI_REMOTE_CQ_DATA;
+    if (w.delivery_complete) flags |= FI_DELIVERY_COMPLETE;
+    ssize_t rc = fi_writemsg(ep_, &msg, flags);
+    if (rc != 0) delete ctx;
+    if (rc == -FI_EAGAIN) return false;
+    if (rc != 0) fail("fi_writemsg of " + std::to_string(w.len) + " bytes to peer " + std::to_string(w.peer), rc);
+    return true;
+  }
+
+  int poll(Completion* out, int max) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    fi_cq_data_entry entries[64];
+    int want = max < 64 ? max : 64;
+    ssize_t n = fi_cq_read(cq_, entries, want);
+    if (n == -FI_EAGAIN) return 0;
+    if (n == -FI_EAVAIL) {
+      fi_cq_err_entry err{};
+      fi_cq_readerr(cq_, &err, 0);
+      std::ostringstream msg;
+      msg << where() << ": completion error: " << fi_strerror(err.err);
+      const char* detail = fi_cq_strerror(cq_, err.prov_errno, err.err_data, nullptr, 0);
+      if (detail != nullptr && *detail != '\0') msg << " (" << detail << ")";
+      last_error_ = msg.str();
+      out[0].kind = CompletionKind::kFailed;
+      out[0].context = take_context(err.op_context);
+      return 1;
+    }
+    if (n < 0) fail("fi_cq_read", static_cast<int>(n));
+    for (ssize_t i = 0; i < n; ++i) {
+      const fi_cq_data_entry& e = entries[i];
+      // Some providers mark the sender's own completion with
+      // FI_REMOTE_CQ_DATA too: only FI_REMOTE_WRITE means "arrived here".
+      if (e.flags & FI_REMOTE_WRITE) {
+        out[i] = {CompletionKind::kArrived, 0, static_cast<uint32_t>(e.data)};
+      } else {
+        out[i] = {CompletionKind::kSent, take_context(e.op_context), 0};
+      }
+    }
+    return static_cast<int>(n);
+  }
+
+  std::string last_error() const override { return last_error_; }
+
+ private:
+  static uint64_t take_context(void* p) {
+    auto* ctx = static_cast<WriteContext*>(p);
+    if (ctx == nullptr) return 0;
+    uint64_t id = ctx->id;
+    delete ctx;
+    return id;
+  }
+
+  std::string where() const { return "libfabric provider '" + provider_ + "' (NIC " + std::to_string(index_) + ")"; }
+
+  [[noreturn]] void fail(const std::string& what, int rc) const {
+    throw FabricError(where() + ": " + what + " failed: " + fi_message(rc));
+  }
+  void check(int rc, const char* what) const {
+    if (rc != 0) fail(what, rc);
+  }
+
+  InfoPtr find_info() {
+    InfoPtr hints(fi_allocinfo());
+    hints->ep_attr->type = FI_EP_RDM;
+    hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE;
+    hints->mode = FI_CONTEXT | FI_CONTEXT2;
+    // The modes this backend handles; the provider keeps those it needs.
+    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
+    hints->domain_attr->threading = FI_THREAD_DOMAIN;
+    hints->fabric_attr->prov_name = strdup(libfabric_name(provider_).c_str());
+    fi_info* found = nullptr;
+    int rc = fi_getinfo(kFabricVersion, nullptr, nullptr, 0, hints.get(), &found);
+    if (rc != 0 || found == nullptr) {
+      std::string offered;
+      for (const auto& p : libfabric_providers()) offered += (offered.empty() ? "" : ", ") + p;
+      throw FabricError("libfabric provider '" + provider_ + "' is not available on this machine (fi_getinfo: " +
+                        fi_message(rc) + "); providers offered here: " + offered);
+    }
+    InfoPtr all(found);
+    // Prefer IPv4 for tcp so that every rank picks the same fabric.
+    fi_info* pick = found;
+    for (fi_info* i = found; i != nullptr; i = i->next) {
+      if (i->addr_format == FI_SOCKADDR_IN) {
+        pick = i;
+        break;
+      }
+    }
+    if (pick->domain_attr->cq_data_size < kImmBytes)
+      throw FabricError(where() + ": the provider carries " + std::to_string(pick->domain_attr->cq_data_size) +
+                        " bytes of remote CQ data; 4 are needed for immediates");
+    return InfoPtr(fi_dupinfo(pick));
+  }
+
+  std::string provider_;
+  int index_;
+  InfoPtr info_;
+  uint64_t mr_mode_ = 0;
+  fid_fabric* fabric_ = nullptr;
+  fid_domain* domain_ = nullptr;
+  fid_cq* cq_ = nullptr;
+  fid_av* av_ = nullptr;
+  fid_ep* ep_ = nullptr;
+  std::vector<fi_addr_t> peers_;
+  mutable std::mutex mu_;
+  std::string last_error_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> open_libfabric(const BackendOptions& opts) { return std::make_unique<LibfabricBackend>(opts); }
+
+std::vector<std::string> libfabric_providers() {
+  fi_info* found = nullptr;
+  std::set<std::string> names;
+  if (fi_getinfo(kFabricVersion, nullptr, nullptr, 0, nullptr, &found) == 0) {
+    for (fi_info* i = found; i != nullptr; i = i->next) names.insert(i->fabric_attr->prov_name);
+    fi_freeinfo(found);
+  }
+  return {names.begin(), names.end()};
+}
+
+}  // namespace moe_a2a::fabric

@@ -1,0 +1,42 @@
+// Which NIC carries what: peers are sharded across a rank's NICs, and one
+// large write is split into a piece per NIC. Pure functions, unit-tested
+// without a fabric.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace moe_a2a::fabric {
+
+// Pieces of a split write start on this boundary, so each piece stays aligned.
+constexpr uint64_t kSplitAlign = 4096;
+
+// Peer p is served by NIC p mod n on both sides, so the sender's NIC k always
+// talks to the receiver's NIC k.
+inline int nic_for_peer(int peer, int num_nics) { return peer % num_nics; }
+
+struct Piece {
+  int nic;
+  uint64_t offset;
+  uint64_t length;
+};
+
+// One piece on the peer's NIC below `threshold` (or with one NIC); otherwise
+// one piece per NIC, aligned, the last one ending the write. Lengths sum to
+// `length`; no piece is empty unless the write is.
+inline std::vector<Piece> split_write(int peer, uint64_t length, int num_nics, uint64_t threshold) {
+  if (num_nics <= 1 || length < threshold || length < kSplitAlign * num_nics)
+    return {{nic_for_peer(peer, num_nics), 0, length}};
+  uint64_t chunk = (length / num_nics + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
+  std::vector<Piece> pieces;
+  uint64_t offset = 0;
+  for (int i = 0; i < num_nics && offset < length; ++i) {
+    uint64_t len = (i == num_nics - 1 || offset + chunk > length) ? length - offset : chunk;
+    // Rotate the starting NIC by peer so a scatter spreads its pieces.
+    pieces.push_back({(nic_for_peer(peer, num_nics) + i) % num_nics, offset, len});
+    offset += len;
+  }
+  return pieces;
+}
+
+}  // namespace moe_a2a::fabric

@@ -1,0 +1,182 @@
+#include "worker.h"
+
+#include <sched.h>
+
+#include "error.h"
+
+namespace moe_a2a::fabric {
+
+const char* op_name(OpKind op) {
+  switch (op) {
+    case OpKind::kWrite:
+      return "write";
+    case OpKind::kScatter:
+      return "scatter";
+    case OpKind::kBarrier:
+      return "barrier";
+  }
+  return "?";
+}
+
+Worker::Worker(std::vector<std::unique_ptr<Backend>>* backends, ImmCounters* imms, IdlePolicy idle)
+    : backends_(backends), imms_(imms), idle_(idle), thread_([this] { run(); }) {}
+
+Worker::~Worker() {
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    stop_ = true;
+  }
+  queue_cv_.notify_all();
+  thread_.join();
+}
+
+void Worker::submit(std::vector<Job>&& jobs) {
+  if (jobs.empty()) return;
+  submitted_.fetch_add(jobs.size());
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    for (auto& j : jobs) queue_.push_back(std::move(j));
+  }
+  queue_cv_.notify_one();
+}
+
+std::string Worker::error() const {
+  std::lock_guard<std::mutex> lock(error_mu_);
+  return error_;
+}
+
+void Worker::fail(const std::string& message) {
+  {
+    std::lock_guard<std::mutex> lock(error_mu_);
+    if (error_.empty()) error_ = message;
+  }
+  failed_.store(true);
+  idle_cv_.notify_all();
+}
+
+bool Worker::wait_idle(std::chrono::nanoseconds timeout) {
+  std::unique_lock<std::mutex> lock(idle_mu_);
+  return idle_cv_.wait_for(lock, timeout, [this] { return failed_.load() || completed_.load() >= submitted_.load(); });
+}
+
+void Worker::enqueue_piece(uint64_t job, OpKind op, const NicWrite& w, bool final_piece) {
+  uint64_t id = next_id_++;
+  NicWrite piece = w;
+  piece.write.context = id;
+  inflight_[id] = InFlight{job, op, w.write.peer, final_piece};
+  pending_.emplace_back(id, piece);
+}
+
+bool Worker::take_new_jobs() {
+  std::vector<Job> jobs;
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    if (queue_.empty()) return false;
+    jobs.swap(queue_);
+  }
+  for (auto& job : jobs) {
+    uint64_t id = next_job_++;
+    if (job.lead.empty()) {
+      enqueue_piece(id, job.op, job.last, true);
+      continue;
+    }
+    splits_[id] = Split{static_cast<int>(job.lead.size()), job.last, job.op};
+    for (const auto& piece : job.lead) enqueue_piece(id, job.op, piece, false);
+  }
+  return true;
+}
+
+bool Worker::post_pending() {
+  bool progress = false;
+  while (!pending_.empty()) {
+    auto& [id, piece] = pending_.front();
+    bool posted = false;
+    try {
+      posted = (*backends_)[piece.nic]->post_write(piece.write);
+    } catch (const FabricError& e) {
+      const InFlight& f = inflight_[id];
+      fail(std::string(e.what()) + " [" + op_name(f.op) + " to peer " + std::to_string(f.peer) + "]");
+      return progress;
+    }
+    if (!posted) break;  // queue full: completions first
+    pending_.pop_front();
+    progress = true;
+  }
+  return progress;
+}
+
+void Worker::piece_done(uint64_t id) {
+  auto it = inflight_.find(id);
+  if (it == inflight_.end()) return;
+  InFlight f = it->second;
+  inflight_.erase(it);
+  if (f.final_piece) {
+    completed_.fetch_add(1);
+    idle_cv_.notify_all();
+    return;
+  }
+  auto sit = splits_.find(f.job);
+  if (sit != splits_.end() && --sit->second.remaining == 0) {
+    Split s = sit->second;
+    splits_.erase(sit);
+    enqueue_piece(f.job, s.op, s.last, true);
+  }
+}
+
+bool Worker::poll_all() {
+  Completion done[32];
+  bool progress = false;
+  for (size_t nic = 0; nic < backends_->size(); ++nic) {
+    int n = 0;
+    try {
+      n = (*backends_)[nic]->poll(done, 32);
+    } catch (const FabricError& e) {
+      fail(e.what());
+      return progress;
+    }
+    for (int i = 0; i < n; ++i) {
+      const Completion& c = done[i];
+      if (c.kind == CompletionKind::kArrived) {
+        imms_->add(c.imm);
+      } else if (c.kind == CompletionKind::kSent) {
+        piece_done(c.context);
+      } else {
+        auto it = inflight_.find(c.context);
+        std::string what = (*backends_)[nic]->last_error();
+        if (it != inflight_.end())
+          what += " [" + std::string(op_name(it->second.op)) + " to peer " + std::to_string(it->second.peer) + "]";
+        fail(what);
+      }
+    }
+    progress = progress || n > 0;
+  }
+  return progress;
+}
+
+void Worker::run() {
+  int idle_polls = 0;
+  for (;;) {
+    bool progress = take_new_jobs();
+    if (!failed_.load()) {
+      progress = post_pending() || progress;
+      progress = poll_all() || progress;
+    }
+    if (progress) {
+      idle_polls = 0;
+      continue;
+    }
+    ++idle_polls;
+    if (idle_polls < idle_.spin_polls) continue;
+    if (idle_polls < idle_.yield_polls) {
+      sched_yield();
+      continue;
+    }
+    std::unique_lock<std::mutex> lock(queue_mu_);
+    if (stop_) return;
+    // A new job wakes us at once; arrivals are picked up within one slice.
+    queue_cv_.wait_for(lock, idle_.sleep, [this] { return stop_ || !queue_.empty(); });
+    if (stop_) return;
+  }
+}
+
+}  // namespace moe_a2a::fabric
