@@ -1,0 +1,153 @@
+"""Dispatch and combine for every rank at once, in one process, with torch.
+
+The ground truth for the tests: it follows the contract of DESIGN section 5 and
+the numerics of docs/protocol.md (fp8 block quantisation, expert-major padded
+layout, fp32 accumulation of the combine in k order), but none of the buffer
+mechanics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8_BLOCK = 128
+FP8_MAX = 448.0
+
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+}
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-quantise rows of `x` to e4m3: one fp32 scale per 128 elements."""
+    tokens, hidden = x.shape
+    blocks = (hidden + FP8_BLOCK - 1) // FP8_BLOCK
+    xf = x.float()
+    padded = torch.zeros(tokens, blocks * FP8_BLOCK, dtype=torch.float32, device=x.device)
+    padded[:, :hidden] = xf
+    amax = padded.view(tokens, blocks, FP8_BLOCK).abs().amax(dim=2)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scaled = padded.view(tokens, blocks, FP8_BLOCK) / scale.unsqueeze(2)
+    q = scaled.clamp(-FP8_MAX, FP8_MAX).view(tokens, -1)[:, :hidden].to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of `quantize_fp8` (up to rounding), in fp32."""
+    hidden = q.shape[1]
+    expanded = scale.repeat_interleave(FP8_BLOCK, dim=1)[:, :hidden]
+    return q.float() * expanded
+
+
+@dataclass
+class ReferenceDispatch:
+    """One rank's dispatch result, as `AllToAll.dispatch` returns it."""
+
+    expert_x: torch.Tensor
+    expert_x_scale: torch.Tensor | None
+    tokens_per_expert: torch.Tensor
+    # For each output row: (source rank, token, k), or (-1, -1, -1) for padding.
+    origin: torch.Tensor
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def dispatch_reference(
+    xs: list[torch.Tensor],
+    topk_ids: list[torch.Tensor],
+    num_experts: int,
+    dispatch_dtype: str = "bf16",
+    expert_padding: int = 1,
+) -> list[ReferenceDispatch]:
+    """Dispatch of every rank's tokens; `xs[r]` is rank r's `[T_r, hidden]` input."""
+    world = len(xs)
+    local = num_experts // world
+    hidden = xs[0].shape[1]
+    payload = []
+    scales = []
+    for x in xs:
+        if dispatch_dtype == "fp8":
+            q, s = quantize_fp8(x)
+            payload.append(q)
+            scales.append(s)
+        else:
+            payload.append(x.to(DTYPES[dispatch_dtype]))
+            scales.append(None)
+
+    results = []
+    for r in range(world):
+        rows: list[torch.Tensor] = []
+        scale_rows: list[torch.Tensor] = []
+        origin: list[tuple[int, int, int]] = []
+        counts = []
+        for i in range(local):
+            expert = r * local + i
+            n = 0
+            for s in range(world):
+                # nonzero walks (t, k) in row-major order: the send order.
+                hits = (topk_ids[s] == expert).nonzero()
+                for t, k in hits.tolist():
+                    rows.append(payload[s][t])
+                    if scales[s] is not None:
+                        scale_rows.append(scales[s][t])
+                    origin.append((s, t, k))
+                n += hits.shape[0]
+            counts.append(n)
+            pad = _round_up(n, expert_padding) - n
+            for _ in range(pad):
+                rows.append(torch.zeros(hidden, dtype=payload[0].dtype))
+                if scales[0] is not None:
+                    scale_rows.append(torch.zeros(scales[0].shape[1], dtype=torch.float32))
+                origin.append((-1, -1, -1))
+        dtype = DTYPES[dispatch_dtype]
+        expert_x = torch.stack(rows) if rows else torch.empty(0, hidden, dtype=dtype)
+        expert_scale = None
+        if dispatch_dtype == "fp8":
+            blocks = (hidden + FP8_BLOCK - 1) // FP8_BLOCK
+            expert_scale = torch.stack(scale_rows) if scale_rows else torch.empty(0, blocks)
+        results.append(
+            ReferenceDispatch(
+                expert_x=expert_x,
+                expert_x_scale=expert_scale,
+                tokens_per_expert=torch.tensor(counts, dtype=torch.int32),
+                origin=torch.tensor(origin, dtype=torch.int64).reshape(-1, 3),
+            )
+        )
+    return results
+
+
+def combine_reference(
+    ys: list[torch.Tensor],
+    dispatched: list[ReferenceDispatch],
+    topk_weights: list[torch.Tensor],
+    combine_dtype: str = "bf16",
+) -> list[torch.Tensor]:
+    """Weighted sum of expert outputs per token, back on the rank that sent it.
+
+    `ys[r]` has the shape of `dispatched[r].expert_x`. Each output is converted
+    to `combine_dtype` first (the wire format), then accumulated in fp32 in k
+    order and stored as `combine_dtype`.
+    """
+    wire = DTYPES[combine_dtype]
+    hidden = ys[0].shape[1] if ys else 0
+    gathered = [
+        torch.zeros(w.shape[0], w.shape[1], hidden, dtype=torch.float32) for w in topk_weights
+    ]
+    for r, d in enumerate(dispatched):
+        y = ys[r].to(wire).float()
+        for row, (s, t, k) in enumerate(d.origin.tolist()):
+            if s >= 0:
+                gathered[s][t, k] = y[row]
+    outs = []
+    for s, w in enumerate(topk_weights):
+        acc = torch.zeros(w.shape[0], hidden, dtype=torch.float32)
+        for k in range(w.shape[1]):
+            acc = acc + w[:, k : k + 1].float() * gathered[s][:, k]
+        outs.append(acc.to(wire))
+    return outs
