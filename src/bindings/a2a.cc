@@ -1,5 +1,89 @@
+// Bindings of the dispatch/combine core: configuration, the shared-memory
+// workspace and the CPU implementation. Tensors stay in Python; only their
+// data pointers cross.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "a2a/cpu/cpu_all_to_all.h"
+#include "a2a/errors.h"
+#include "a2a/workspace.h"
 
 namespace nb = nanobind;
+using namespace moe_a2a::a2a;
 
-void bind_a2a(nb::module_& m) { (void)m; }
+namespace {
+
+template <typename T>
+T* ptr(uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+
+}  // namespace
+
+void bind_a2a(nb::module_& m) {
+  using release = nb::call_guard<nb::gil_scoped_release>;
+  nb::exception<CapacityError>(m, "CapacityError", PyExc_RuntimeError);
+
+  nb::enum_<DType>(m, "DType").value("bf16", DType::kBf16).value("fp32", DType::kFp32).value("fp8", DType::kFp8);
+
+  nb::class_<A2AConfig>(m, "A2AConfig")
+      .def(nb::init<>())
+      .def_rw("rank", &A2AConfig::rank)
+      .def_rw("world", &A2AConfig::world)
+      .def_rw("ranks_per_node", &A2AConfig::ranks_per_node)
+      .def_rw("max_tokens", &A2AConfig::max_tokens)
+      .def_rw("hidden", &A2AConfig::hidden)
+      .def_rw("num_experts", &A2AConfig::num_experts)
+      .def_rw("topk", &A2AConfig::topk)
+      .def_rw("dispatch_dtype", &A2AConfig::dispatch_dtype)
+      .def_rw("combine_dtype", &A2AConfig::combine_dtype)
+      .def_rw("expert_padding", &A2AConfig::expert_padding)
+      .def_rw("max_private_tokens", &A2AConfig::max_private_tokens)
+      .def_rw("max_recv_tokens", &A2AConfig::max_recv_tokens)
+      .def_rw("timeout_s", &A2AConfig::timeout_s)
+      .def_prop_ro("dispatch_row_bytes", &A2AConfig::dispatch_row_bytes)
+      .def_prop_ro("combine_row_bytes", &A2AConfig::combine_row_bytes)
+      .def_prop_ro("workspace_bytes", [](const A2AConfig& c) { return Layout::of(c).total; })
+      .def("validate", &A2AConfig::validate);
+
+  nb::class_<Workspace>(m, "Workspace")
+      .def(nb::init<const A2AConfig&, const std::string&>(), nb::arg("config"), nb::arg("name"))
+      .def_prop_ro("name", &Workspace::name)
+      .def_prop_ro("ptr", [](const Workspace& w) { return reinterpret_cast<uintptr_t>(w.self()); })
+      .def_prop_ro("size", &Workspace::size)
+      .def("map_node", &Workspace::map_node, nb::arg("names"))
+      .def("unlink", &Workspace::unlink);
+
+  nb::class_<cpu::CpuAllToAll>(m, "CpuAllToAll")
+      .def(nb::init<Workspace*, moe_a2a::fabric::TransferEngine*, uint32_t, uint32_t, const std::vector<int>&>(),
+           nb::arg("workspace"), nb::arg("engine"), nb::arg("region"), nb::arg("group"), nb::arg("remote_peers"),
+           nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>())
+      .def(
+          "dispatch_send",
+          [](cpu::CpuAllToAll& a, uintptr_t x, DType x_dtype, uintptr_t x_scale, uintptr_t topk_ids, int num_tokens) {
+            a.dispatch_send(ptr<const void>(x), x_dtype, ptr<const float>(x_scale), ptr<const int32_t>(topk_ids),
+                            num_tokens);
+          },
+          nb::arg("x"), nb::arg("x_dtype"), nb::arg("x_scale"), nb::arg("topk_ids"), nb::arg("num_tokens"), release())
+      .def("dispatch_wait", &cpu::CpuAllToAll::dispatch_wait, release())
+      .def(
+          "dispatch_unpack",
+          [](cpu::CpuAllToAll& a, uintptr_t out_x, uintptr_t out_scale) {
+            a.dispatch_unpack(ptr<void>(out_x), ptr<float>(out_scale));
+          },
+          nb::arg("out_x"), nb::arg("out_scale"), release())
+      .def(
+          "combine_send", [](cpu::CpuAllToAll& a, uintptr_t y, DType y_dtype) { a.combine_send(ptr<const void>(y), y_dtype); },
+          nb::arg("y"), nb::arg("y_dtype"), release())
+      .def(
+          "combine_recv",
+          [](cpu::CpuAllToAll& a, uintptr_t weights, uintptr_t out) {
+            a.combine_recv(ptr<const float>(weights), ptr<void>(out));
+          },
+          nb::arg("weights"), nb::arg("out"), release())
+      .def_prop_ro("tokens_per_expert", &cpu::CpuAllToAll::tokens_per_expert)
+      .def("sent_counts", &cpu::CpuAllToAll::sent_counts)
+      .def("received_counts", &cpu::CpuAllToAll::received_counts)
+      .def_prop_ro("epoch", &cpu::CpuAllToAll::epoch);
+}

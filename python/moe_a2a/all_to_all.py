@@ -1,0 +1,428 @@
+"""AllToAll: expert-parallel dispatch and combine on torch tensors.
+
+The contract is DESIGN.md section 5; positions and numerics are in
+docs/protocol.md. This module validates inputs, owns the tensors and drives
+the C++ core, which does the work with the GIL released.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from moe_a2a import _core
+from moe_a2a.bootstrap import Bootstrap
+from moe_a2a.fabric import Engine
+
+DISPATCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
+COMBINE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_CORE_DTYPE = {
+    torch.bfloat16: _core.DType.bf16,
+    torch.float32: _core.DType.fp32,
+    torch.float8_e4m3fn: _core.DType.fp8,
+}
+FP8_BLOCK = 128
+PATHS = ("same_node", "fabric")
+
+CapacityError = _core.CapacityError
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name}: got {value!r}; expected an integer >= {minimum}")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Shape and policy of an AllToAll; fixed for its lifetime (buffers are sized from it)."""
+
+    max_tokens: int
+    hidden: int
+    num_experts: int
+    topk: int
+    dispatch_dtype: str = "bf16"
+    combine_dtype: str = "bf16"
+    expert_padding: int = 1
+    max_private_tokens: int | None = None
+    max_recv_tokens: int | None = None
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "hidden", "num_experts", "topk", "expert_padding"):
+            _positive_int(name, getattr(self, name))
+        if self.topk > self.num_experts:
+            raise ValueError(f"topk: got {self.topk}; expected at most num_experts={self.num_experts}")
+        if self.dispatch_dtype not in DISPATCH_DTYPES:
+            raise ValueError(f"dispatch_dtype: got {self.dispatch_dtype!r}; expected one of {list(DISPATCH_DTYPES)}")
+        if self.combine_dtype not in COMBINE_DTYPES:
+            raise ValueError(f"combine_dtype: got {self.combine_dtype!r}; expected one of {list(COMBINE_DTYPES)}")
+        if self.max_private_tokens is not None:
+            _positive_int("max_private_tokens", self.max_private_tokens, minimum=0)
+        if self.max_recv_tokens is not None:
+            _positive_int("max_recv_tokens", self.max_recv_tokens)
+        if not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
+            raise ValueError(f"timeout_s: got {self.timeout_s!r}; expected a positive number of seconds")
+
+    def resolved(self, world_size: int) -> tuple[int, int]:
+        """(max_private_tokens, max_recv_tokens) for a world size, defaults filled in."""
+        if self.num_experts % world_size != 0:
+            raise ValueError(
+                f"num_experts: got {self.num_experts}, which is not divisible by the world size {world_size}; "
+                "every rank must host the same number of experts"
+            )
+        local = self.num_experts // world_size
+        per_peer_worst = self.max_tokens * min(self.topk, local)
+        private = self.max_private_tokens
+        if private is None:
+            private = min(per_peer_worst, math.ceil(self.max_tokens * self.topk / world_size))
+        recv = self.max_recv_tokens if self.max_recv_tokens is not None else world_size * per_peer_worst
+        return private, recv
+
+
+@dataclass
+class PendingDispatch:
+    """A dispatch whose send half is done; pass it to `dispatch(handle=..., send=False)`."""
+
+    epoch: int
+    num_tokens: int
+    topk_weights: torch.Tensor
+
+
+@dataclass
+class Dispatched:
+    """What dispatch delivers to this rank's experts."""
+
+    expert_x: torch.Tensor
+    expert_x_scale: torch.Tensor | None
+    tokens_per_expert: torch.Tensor
+    epoch: int = field(repr=False, default=0)
+    num_tokens: int = field(repr=False, default=0)
+    topk_weights: torch.Tensor | None = field(repr=False, default=None)
+
+
+@dataclass
+class PendingCombine:
+    """A combine whose send half is done; pass it to `combine(handle=..., send=False)`."""
+
+    epoch: int
+    num_tokens: int
+    topk_weights: torch.Tensor
+
+
+def _describe(t: Any) -> str:
+    if not isinstance(t, torch.Tensor):
+        return f"a {type(t).__name__}"
+    return f"a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+
+
+class AllToAll:
+    """Dispatch tokens to the ranks that host their experts, and combine the results back."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        comm: Any = None,
+        device: str = "cpu",
+        provider: str = "auto",
+        ranks_per_node: int | None = None,
+        num_nics: int = 1,
+    ) -> None:
+        if not isinstance(cfg, Config):
+            raise TypeError(f"cfg: got {type(cfg).__name__}; expected moe_a2a.Config")
+        if device != "cpu":
+            raise ValueError(
+                f"device: got {device!r}; this build runs dispatch/combine on 'cpu' only "
+                "(the CUDA path is not wired into AllToAll yet)"
+            )
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self._boot = Bootstrap(comm, ranks_per_node)
+        topo = self._boot.topology
+        self.rank, self.world_size = topo.rank, topo.world_size
+        private, recv = cfg.resolved(self.world_size)
+        self.num_local_experts = cfg.num_experts // self.world_size
+
+        core_cfg = _core.A2AConfig()
+        core_cfg.rank = self.rank
+        core_cfg.world = self.world_size
+        core_cfg.ranks_per_node = topo.local_size
+        core_cfg.max_tokens = cfg.max_tokens
+        core_cfg.hidden = cfg.hidden
+        core_cfg.num_experts = cfg.num_experts
+        core_cfg.topk = cfg.topk
+        core_cfg.dispatch_dtype = _CORE_DTYPE[DISPATCH_DTYPES[cfg.dispatch_dtype]]
+        core_cfg.combine_dtype = _CORE_DTYPE[COMBINE_DTYPES[cfg.combine_dtype]]
+        core_cfg.expert_padding = cfg.expert_padding
+        core_cfg.max_private_tokens = private
+        core_cfg.max_recv_tokens = recv
+        core_cfg.timeout_s = float(cfg.timeout_s)
+        self._core_cfg = core_cfg
+        self.max_private_tokens, self.max_recv_tokens = private, recv
+        self._node = set(topo.node_ranks)
+
+        self._engine = Engine(self._boot, None if provider == "auto" else provider, num_nics=num_nics)
+        self._workspace = self._open_workspace(core_cfg)
+        region = self._engine.core.register_region(self._workspace.ptr, self._workspace.size)
+        remotes = self._engine.exchange_region(region)
+        self._remote_peers = [r for r in range(self.world_size) if r not in self._node]
+        group = self._engine.group(self._remote_peers, remotes)
+        self._impl = _core.CpuAllToAll(self._workspace, self._engine.core, region, group, self._remote_peers)
+        self._state = "idle"
+        self._failure: str | None = None
+        self._last: Dispatched | None = None
+        self._boot.barrier()  # every proxy runs before anyone writes
+
+    # -- start-up -------------------------------------------------------------------------------
+
+    def _open_workspace(self, core_cfg: Any) -> Any:
+        name = f"/moe-a2a-{os.getpid()}-{uuid.uuid4().hex[:12]}-r{self.rank}"
+        workspace = _core.Workspace(core_cfg, name)
+        names = self._boot.allgather(name.encode())
+        workspace.map_node([n.decode() if r in self._node else "" for r, n in enumerate(names)])
+        self._boot.barrier()  # everyone has mapped everyone: the names can go
+        workspace.unlink()
+        return workspace
+
+    # -- dispatch -------------------------------------------------------------------------------
+
+    def dispatch(
+        self,
+        x: torch.Tensor | None = None,
+        topk_ids: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        *,
+        x_scale: torch.Tensor | None = None,
+        send: bool = True,
+        recv: bool = True,
+        handle: PendingDispatch | None = None,
+    ) -> Dispatched | PendingDispatch:
+        """Send tokens to their experts' ranks and/or receive this rank's share.
+
+        `send=True, recv=False` returns a `PendingDispatch` while bytes are in flight;
+        `dispatch(handle=pending, send=False)` finishes it.
+        """
+        self._check_usable()
+        if not send and not recv:
+            raise ValueError("dispatch: send and recv are both False; nothing to do")
+        if send:
+            if handle is not None:
+                raise ValueError("dispatch: handle= is only for the receive half (send=False)")
+            handle = self._dispatch_send(x, topk_ids, topk_weights, x_scale)
+        if not recv:
+            return handle
+        if handle is None or not isinstance(handle, PendingDispatch):
+            raise ValueError(
+                f"dispatch: the receive half needs handle= from dispatch(..., recv=False); got {handle!r}"
+            )
+        return self._dispatch_recv(handle)
+
+    def _dispatch_send(self, x: Any, topk_ids: Any, topk_weights: Any, x_scale: Any) -> PendingDispatch:
+        if self._state != "idle":
+            raise RuntimeError(
+                f"dispatch: the previous dispatch (epoch {self._impl.epoch}) has not been combined yet; "
+                "every dispatch must be followed by combine before the next dispatch"
+            )
+        x, ids, weights, scale = self._validate_dispatch(x, topk_ids, topk_weights, x_scale)
+        num_tokens = x.shape[0]
+        self._guard(
+            self._impl.dispatch_send,
+            x.data_ptr(),
+            _CORE_DTYPE[x.dtype],
+            scale.data_ptr() if scale is not None else 0,
+            ids.data_ptr(),
+            num_tokens,
+        )
+        self._state = "dispatch_sent"
+        return PendingDispatch(epoch=self._impl.epoch, num_tokens=num_tokens, topk_weights=weights)
+
+    def _dispatch_recv(self, handle: PendingDispatch) -> Dispatched:
+        if self._state != "dispatch_sent" or handle.epoch != self._impl.epoch:
+            raise RuntimeError(
+                f"dispatch: handle of epoch {handle.epoch} is not the dispatch in flight "
+                f"(state {self._state}, epoch {self._impl.epoch})"
+            )
+        try:
+            rows = self._guard(self._impl.dispatch_wait)
+        except CapacityError:
+            self._state = "idle"  # every rank failed this call alike; the next one starts clean
+            raise
+        dtype = DISPATCH_DTYPES[self.cfg.dispatch_dtype]
+        expert_x = torch.empty(rows, self.cfg.hidden, dtype=dtype)
+        scale = None
+        if self.cfg.dispatch_dtype == "fp8":
+            blocks = (self.cfg.hidden + FP8_BLOCK - 1) // FP8_BLOCK
+            scale = torch.empty(rows, blocks, dtype=torch.float32)
+        self._guard(self._impl.dispatch_unpack, expert_x.data_ptr(), scale.data_ptr() if scale is not None else 0)
+        self._state = "dispatched"
+        d = Dispatched(
+            expert_x=expert_x,
+            expert_x_scale=scale,
+            tokens_per_expert=torch.tensor(self._impl.tokens_per_expert, dtype=torch.int32),
+            epoch=handle.epoch,
+            num_tokens=handle.num_tokens,
+            topk_weights=handle.topk_weights,
+        )
+        self._last = d
+        return d
+
+    # -- combine --------------------------------------------------------------------------------
+
+    def combine(
+        self,
+        y: torch.Tensor | None = None,
+        d: Dispatched | None = None,
+        *,
+        send: bool = True,
+        recv: bool = True,
+        handle: PendingCombine | None = None,
+    ) -> torch.Tensor | PendingCombine:
+        """Return expert outputs to their tokens' ranks; `out[t] = sum_k w[t,k] * y[row of (t,k)]`."""
+        self._check_usable()
+        if not send and not recv:
+            raise ValueError("combine: send and recv are both False; nothing to do")
+        if send:
+            if handle is not None:
+                raise ValueError("combine: handle= is only for the receive half (send=False)")
+            handle = self._combine_send(y, d)
+        if not recv:
+            return handle
+        if handle is None or not isinstance(handle, PendingCombine):
+            raise ValueError(f"combine: the receive half needs handle= from combine(..., recv=False); got {handle!r}")
+        if self._state != "combine_sent" or handle.epoch != self._impl.epoch:
+            raise RuntimeError(f"combine: handle of epoch {handle.epoch} is not the combine in flight")
+        out = torch.empty(handle.num_tokens, self.cfg.hidden, dtype=COMBINE_DTYPES[self.cfg.combine_dtype])
+        self._guard(self._impl.combine_recv, handle.topk_weights.data_ptr(), out.data_ptr())
+        self._state = "idle"
+        return out
+
+    def _combine_send(self, y: Any, d: Any) -> PendingCombine:
+        if not isinstance(d, Dispatched):
+            raise TypeError(f"combine: d: got {type(d).__name__}; expected the Dispatched returned by dispatch")
+        if self._state != "dispatched" or d is not self._last:
+            raise RuntimeError(
+                f"combine: d (epoch {d.epoch}) is not the latest dispatch of this AllToAll "
+                f"(state {self._state}, epoch {self._impl.epoch})"
+            )
+        expected = (d.expert_x.shape[0], self.cfg.hidden)
+        if not isinstance(y, torch.Tensor) or y.dim() != 2 or tuple(y.shape) != expected:
+            raise ValueError(f"combine: y: got {_describe(y)}; expected shape {expected} (that of d.expert_x)")
+        if y.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"combine: y: got dtype {y.dtype}; expected torch.bfloat16 or torch.float32")
+        if y.device != self.device:
+            raise ValueError(f"combine: y is on {y.device}; expected {self.device}")
+        y = y.contiguous()
+        self._guard(self._impl.combine_send, y.data_ptr(), _CORE_DTYPE[y.dtype])
+        self._state = "combine_sent"
+        assert d.topk_weights is not None
+        return PendingCombine(epoch=d.epoch, num_tokens=d.num_tokens, topk_weights=d.topk_weights)
+
+    # -- validation and state ---------------------------------------------------------------------
+
+    def _validate_dispatch(
+        self, x: Any, topk_ids: Any, topk_weights: Any, x_scale: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        cfg = self.cfg
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != cfg.hidden:
+            raise ValueError(f"dispatch: x: got {_describe(x)}; expected [T, {cfg.hidden}]")
+        tokens = x.shape[0]
+        if tokens > cfg.max_tokens:
+            raise ValueError(f"dispatch: x has {tokens} tokens; expected at most max_tokens={cfg.max_tokens}")
+        if x.device != self.device:
+            raise ValueError(f"dispatch: x is on {x.device}; expected {self.device}")
+        if x.dtype == torch.float8_e4m3fn:
+            if cfg.dispatch_dtype != "fp8":
+                raise ValueError(f"dispatch: x is fp8 but dispatch_dtype is {cfg.dispatch_dtype!r}")
+            blocks = (cfg.hidden + FP8_BLOCK - 1) // FP8_BLOCK
+            if (
+                not isinstance(x_scale, torch.Tensor)
+                or tuple(x_scale.shape) != (tokens, blocks)
+                or x_scale.dtype != torch.float32
+            ):
+                raise ValueError(
+                    f"dispatch: x_scale: got {_describe(x_scale)}; expected float32 [{tokens}, {blocks}] "
+                    "for already-quantised fp8 x"
+                )
+            x_scale = x_scale.contiguous()
+        elif x.dtype in (torch.bfloat16, torch.float32):
+            if x_scale is not None:
+                raise ValueError("dispatch: x_scale is only for already-quantised fp8 x")
+        else:
+            raise ValueError(f"dispatch: x: got dtype {x.dtype}; expected bfloat16, float32 or float8_e4m3fn")
+        shape = (tokens, cfg.topk)
+        if not isinstance(topk_ids, torch.Tensor) or tuple(topk_ids.shape) != shape:
+            raise ValueError(f"dispatch: topk_ids: got {_describe(topk_ids)}; expected shape {shape}")
+        if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool or topk_ids.is_complex():
+            raise ValueError(f"dispatch: topk_ids: got dtype {topk_ids.dtype}; expected an integer dtype")
+        if tokens > 0:
+            low, high = int(topk_ids.min()), int(topk_ids.max())
+            if low < 0 or high >= cfg.num_experts:
+                bad = low if low < 0 else high
+                raise ValueError(
+                    f"dispatch: topk_ids: found expert id {bad}; expected ids in [0, {cfg.num_experts})"
+                )
+        if not isinstance(topk_weights, torch.Tensor) or tuple(topk_weights.shape) != shape:
+            raise ValueError(f"dispatch: topk_weights: got {_describe(topk_weights)}; expected shape {shape}")
+        if not topk_weights.dtype.is_floating_point:
+            raise ValueError(f"dispatch: topk_weights: got dtype {topk_weights.dtype}; expected float32")
+        ids = topk_ids.to(device="cpu", dtype=torch.int32).contiguous()
+        weights = topk_weights.to(device="cpu", dtype=torch.float32).contiguous()
+        return x.contiguous(), ids, weights, x_scale
+
+    def _check_usable(self) -> None:
+        if self._impl is None:
+            raise RuntimeError("AllToAll is closed")
+        if self._failure is not None:
+            raise RuntimeError(f"AllToAll is unusable after an earlier failure: {self._failure}")
+
+    def _guard(self, fn: Any, *args: Any) -> Any:
+        """Run a core call; any failure but a capacity error leaves the instance unusable."""
+        try:
+            return fn(*args)
+        except CapacityError:
+            raise
+        except Exception as exc:
+            self._failure = str(exc)
+            raise
+
+    # -- statistics and teardown ------------------------------------------------------------------
+
+    def traffic(self) -> np.ndarray:
+        """Bytes this rank sent to each peer in the last dispatch + combine: int64 [world, len(PATHS)]."""
+        out = np.zeros((self.world_size, len(PATHS)), dtype=np.int64)
+        if self._last is None:
+            return out
+        sent = self._impl.sent_counts()
+        received = self._impl.received_counts()
+        routing = self.cfg.num_experts * 4
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                continue
+            path = 0 if peer in self._node else 1
+            out[peer, path] = (
+                routing
+                + sent[peer] * self._core_cfg.dispatch_row_bytes
+                + received[peer] * self._core_cfg.combine_row_bytes
+            )
+        return out
+
+    def close(self) -> None:
+        """Stop the proxy and the engine and release the buffers (collective when healthy)."""
+        if self._impl is None:
+            return
+        if self._failure is None:
+            self._boot.barrier()  # nobody may still be writing into our workspace
+        self._impl = None
+        self._engine = None
+        self._workspace = None
+
+    def __enter__(self) -> AllToAll:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,65 @@
+// Shape and policy of one dispatch/combine instance, shared by every
+// implementation. Sizes of rows and sections derive from it (docs/protocol.md).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace moe_a2a::a2a {
+
+enum class DType : uint8_t { kBf16 = 0, kFp32 = 1, kFp8 = 2 };
+
+constexpr int kFp8Block = 128;       // elements per fp32 scale
+constexpr float kFp8Max = 448.0f;    // largest finite e4m3fn value
+constexpr size_t kRowAlign = 16;     // token rows start on 16 bytes
+constexpr size_t kSectionAlign = 64; // workspace sections start on a cache line
+
+inline size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+inline size_t dtype_bytes(DType d) { return d == DType::kFp32 ? 4 : d == DType::kBf16 ? 2 : 1; }
+
+inline const char* dtype_name(DType d) { return d == DType::kFp32 ? "fp32" : d == DType::kBf16 ? "bf16" : "fp8"; }
+
+struct A2AConfig {
+  int rank = 0;
+  int world = 1;
+  int ranks_per_node = 1;  // node of rank r is r / ranks_per_node
+  int max_tokens = 0;
+  int hidden = 0;
+  int num_experts = 0;
+  int topk = 0;
+  DType dispatch_dtype = DType::kBf16;
+  DType combine_dtype = DType::kBf16;
+  int expert_padding = 1;
+  int max_private_tokens = 0;
+  int max_recv_tokens = 0;
+  double timeout_s = 60.0;
+
+  int num_local_experts() const { return num_experts / world; }
+  int node_of(int r) const { return r / ranks_per_node; }
+  bool same_node(int r) const { return node_of(r) == node_of(rank); }
+  int num_scales() const { return dispatch_dtype == DType::kFp8 ? (hidden + kFp8Block - 1) / kFp8Block : 0; }
+  size_t payload_bytes() const { return static_cast<size_t>(hidden) * dtype_bytes(dispatch_dtype); }
+  size_t dispatch_row_bytes() const { return align_up(payload_bytes() + num_scales() * sizeof(float), kRowAlign); }
+  size_t combine_row_bytes() const { return align_up(static_cast<size_t>(hidden) * dtype_bytes(combine_dtype), kRowAlign); }
+
+  // The Python layer validates with friendlier messages; this guards the core.
+  void validate() const {
+    auto bad = [](const std::string& what) { throw std::invalid_argument(what); };
+    if (world < 1) bad("world size must be >= 1, got " + std::to_string(world));
+    if (rank < 0 || rank >= world) bad("rank " + std::to_string(rank) + " outside [0, world)");
+    if (ranks_per_node < 1 || world % ranks_per_node != 0)
+      bad("ranks_per_node " + std::to_string(ranks_per_node) + " must divide world size " + std::to_string(world));
+    if (max_tokens < 1 || hidden < 1 || topk < 1) bad("max_tokens, hidden and topk must be >= 1");
+    if (num_experts < world || num_experts % world != 0)
+      bad("num_experts " + std::to_string(num_experts) + " must be a multiple of world size " + std::to_string(world));
+    if (topk > num_experts) bad("topk " + std::to_string(topk) + " exceeds num_experts");
+    if (expert_padding < 1) bad("expert_padding must be >= 1");
+    if (max_private_tokens < 0 || max_recv_tokens < 1) bad("max_private_tokens >= 0 and max_recv_tokens >= 1 expected");
+    if (combine_dtype == DType::kFp8) bad("combine_dtype must be bf16 or fp32");
+  }
+};
+
+}  // namespace moe_a2a::a2a

@@ -1,0 +1,64 @@
+// Dispatch and combine on the CPU: the compute steps run on the calling
+// thread, the proxy thread moves bytes to remote ranks. Each half returns as
+// soon as its part is done, so callers can overlap work between halves.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../plan.h"
+#include "../proxy.h"
+#include "../workspace.h"
+#include "kernels.h"
+
+namespace moe_a2a::a2a::cpu {
+
+class CpuAllToAll {
+ public:
+  CpuAllToAll(Workspace* workspace, fabric::TransferEngine* engine, uint32_t region, uint32_t group,
+              const std::vector<int>& remote_peers);
+  ~CpuAllToAll();
+
+  // Send half of dispatch: x is [T, hidden] (bf16, fp32, or fp8 with x_scale).
+  void dispatch_send(const void* x, DType x_dtype, const float* x_scale, const int32_t* topk_ids, int num_tokens);
+  // First step of the receive half: waits for every arrival; returns the
+  // number of (padded) output rows. tokens_per_expert() is valid after it.
+  uint64_t dispatch_wait();
+  // Second step: fills the caller's output.
+  void dispatch_unpack(void* out_x, float* out_scale);
+  void combine_send(const void* y, DType y_dtype);
+  void combine_recv(const float* weights, void* out);
+
+  const std::vector<int32_t>& tokens_per_expert() const { return plan_.tokens_per_expert; }
+  // Copies this rank sent to / received from each rank in the last dispatch.
+  std::vector<uint64_t> sent_counts() const;
+  std::vector<uint64_t> received_counts() const { return plan_.from; }
+  uint64_t epoch() const { return epoch_; }
+
+ private:
+  void wait_proxy(const Seq& seq, const char* what);
+  void wait_node(FlagKind kind, const char* what);
+  void signal_node(FlagKind kind);
+  void check_failed() const;
+
+  Workspace* ws_;
+  fabric::TransferEngine* engine_;
+  A2AConfig cfg_;
+  Layout layout_;
+  ProxySignals signals_;
+  std::unique_ptr<Proxy> proxy_;
+  Mappings maps_;
+
+  uint64_t epoch_ = 0;
+  int num_tokens_ = 0;
+  std::vector<uint32_t> counts_;     // our routing row
+  std::vector<int32_t> slots_;       // send row of each (t, k)
+  std::vector<uint32_t> routing_;    // snapshot of the routing matrix
+  RecvPlan plan_;
+  std::vector<int64_t> row_of_copy_;
+};
+
+}  // namespace moe_a2a::a2a::cpu

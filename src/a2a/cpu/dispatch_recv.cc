@@ -1,0 +1,43 @@
+// Dispatch, receive half: gather every received copy into the expert-major,
+// padded output. Same-node overflow is pulled from the sender's send section.
+#include <cstring>
+
+#include "kernels.h"
+
+namespace moe_a2a::a2a::cpu {
+
+void unpack_dispatch(const DispatchRecvParams& p) {
+  const A2AConfig& c = *p.cfg;
+  const Layout& l = *p.layout;
+  const RoutingView& v = *p.routing;
+  const RecvPlan& plan = *p.plan;
+  const int L = c.num_local_experts();
+  const uint64_t P = c.max_private_tokens;
+  const size_t row = l.dispatch_row, payload = c.payload_bytes();
+  const size_t scale_bytes = c.num_scales() * sizeof(float);
+
+  std::vector<uint64_t> filled(L, 0);  // rows of each expert written so far (senders in order)
+  for (int s = 0; s < c.world; ++s) {
+    uint64_t j = 0;
+    for (int i = 0; i < L; ++i) {
+      uint32_t n = v.count(s, c.rank * L + i);
+      for (uint32_t q = 0; q < n; ++q, ++j) {
+        const uint8_t* src;
+        if (j < P) {
+          src = p.ws.self + l.private_rows + (static_cast<size_t>(s) * P + j) * row;
+        } else if (c.same_node(s)) {
+          src = p.ws.of(s) + l.send + (plan.send_off_at[s] + j) * row;
+        } else {
+          src = p.ws.self + l.shared_rows + (plan.shared_off[s] + j - P) * row;
+        }
+        uint64_t out_row = plan.expert_start[i] + filled[i] + q;
+        std::memcpy(static_cast<uint8_t*>(p.out_x) + out_row * payload, src, payload);
+        if (scale_bytes > 0) std::memcpy(p.out_scale + out_row * c.num_scales(), src + payload, scale_bytes);
+        p.row_of_copy[plan.recv_base[s] + j] = static_cast<int64_t>(out_row);
+      }
+      filled[i] += n;
+    }
+  }
+}
+
+}  // namespace moe_a2a::a2a::cpu

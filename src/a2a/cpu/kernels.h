@@ -1,0 +1,79 @@
+// The CPU "kernels": the compute steps of dispatch and combine, run by the
+// calling thread. Each takes one parameter struct of raw pointers and sizes,
+// like its CUDA counterpart in ../cuda/.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "../config.h"
+#include "../layout.h"
+#include "../plan.h"
+
+namespace moe_a2a::a2a::cpu {
+
+// Where every rank's workspace is mapped here (nullptr for remote ranks).
+struct Mappings {
+  uint8_t* self = nullptr;
+  const std::vector<uint8_t*>* node = nullptr;  // index = rank
+  uint8_t* of(int r) const { return (*node)[r]; }
+};
+
+struct DispatchSendParams {
+  const A2AConfig* cfg = nullptr;
+  const Layout* layout = nullptr;
+  Mappings ws;
+  const void* x = nullptr;  // [T, hidden] in x_dtype
+  DType x_dtype = DType::kBf16;
+  const float* x_scale = nullptr;  // [T, num_scales] when x is fp8
+  const int32_t* topk_ids = nullptr;  // [T, topk]
+  int num_tokens = 0;
+  uint32_t* counts = nullptr;  // out: [num_experts], our routing row
+  int32_t* slots = nullptr;    // out: [T * topk], send row of each (t, k)
+};
+
+// Counts copies per expert into `counts`.
+void count_experts(const DispatchSendParams& p);
+// Assigns send rows (send order of docs/protocol.md) and packs every copy:
+// same-node private slots straight into the peer's workspace, the rest into
+// our send section.
+void pack_dispatch(const DispatchSendParams& p);
+
+struct DispatchRecvParams {
+  const A2AConfig* cfg = nullptr;
+  const Layout* layout = nullptr;
+  Mappings ws;
+  const RoutingView* routing = nullptr;
+  const RecvPlan* plan = nullptr;
+  void* out_x = nullptr;         // [output_rows, hidden] in dispatch dtype
+  float* out_scale = nullptr;    // [output_rows, num_scales] for fp8
+  int64_t* row_of_copy = nullptr;  // out: [total_received], output row of copy (s, j) at recv_base[s] + j
+};
+
+void unpack_dispatch(const DispatchRecvParams& p);
+
+struct CombineSendParams {
+  const A2AConfig* cfg = nullptr;
+  const Layout* layout = nullptr;
+  Mappings ws;
+  const RecvPlan* plan = nullptr;
+  const int64_t* row_of_copy = nullptr;
+  const void* y = nullptr;  // [output_rows, hidden]
+  DType y_dtype = DType::kBf16;
+};
+
+void pack_combine(const CombineSendParams& p);
+
+struct CombineRecvParams {
+  const A2AConfig* cfg = nullptr;
+  const Layout* layout = nullptr;
+  uint8_t* ws = nullptr;
+  const int32_t* slots = nullptr;
+  const float* weights = nullptr;  // [T, topk]
+  int num_tokens = 0;
+  void* out = nullptr;  // [T, hidden] in combine dtype
+};
+
+void reduce_combine(const CombineRecvParams& p);
+
+}  // namespace moe_a2a::a2a::cpu

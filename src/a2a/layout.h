@@ -1,0 +1,63 @@
+// Sections of a rank's workspace (docs/protocol.md, "Workspace of rank r"),
+// as byte offsets from its start. Same-node peers and the fabric address the
+// workspace with these offsets.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+#include "config.h"
+
+namespace moe_a2a::a2a {
+
+// Same-node signals: sender s stores the epoch into flag(s, kind) of the
+// receiver's workspace. Each flag has a cache line of its own.
+enum FlagKind : int { kFlagRoute = 0, kFlagDispatch = 1, kFlagCombine = 2, kFlagBarrier = 3, kNumFlagKinds = 4 };
+constexpr size_t kFlagStride = 64;
+
+struct Layout {
+  size_t flags = 0;
+  size_t routing = 0;
+  size_t private_rows = 0;
+  size_t shared_rows = 0;
+  size_t send = 0;
+  size_t combine_send = 0;
+  size_t combine_recv = 0;
+  size_t total = 0;
+  size_t dispatch_row = 0;
+  size_t combine_row = 0;
+
+  static Layout of(const A2AConfig& c) {
+    Layout l;
+    l.dispatch_row = c.dispatch_row_bytes();
+    l.combine_row = c.combine_row_bytes();
+    size_t at = 0;
+    auto section = [&at](size_t bytes) {
+      size_t start = at;
+      at = align_up(at + bytes, kSectionAlign);
+      return start;
+    };
+    size_t world = c.world, max_copies = static_cast<size_t>(c.max_tokens) * c.topk;
+    l.flags = section(world * kNumFlagKinds * kFlagStride);
+    l.routing = section(world * c.num_experts * sizeof(uint32_t));
+    l.private_rows = section(world * c.max_private_tokens * l.dispatch_row);
+    l.shared_rows = section(static_cast<size_t>(c.max_recv_tokens) * l.dispatch_row);
+    l.send = section(max_copies * l.dispatch_row);
+    l.combine_send = section(static_cast<size_t>(c.max_recv_tokens) * l.combine_row);
+    l.combine_recv = section(max_copies * l.combine_row);
+    l.total = at;
+    return l;
+  }
+
+  size_t flag(int sender, FlagKind kind) const { return flags + (static_cast<size_t>(sender) * kNumFlagKinds + kind) * kFlagStride; }
+  size_t routing_row(int sender, int num_experts) const {
+    return routing + static_cast<size_t>(sender) * num_experts * sizeof(uint32_t);
+  }
+};
+
+inline std::atomic<uint64_t>* flag_at(uint8_t* workspace, const Layout& l, int sender, FlagKind kind) {
+  return reinterpret_cast<std::atomic<uint64_t>*>(workspace + l.flag(sender, kind));
+}
+
+}  // namespace moe_a2a::a2a

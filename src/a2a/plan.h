@@ -1,0 +1,93 @@
+// The position formulas of docs/protocol.md, as pure functions of the routing
+// matrix (count[s][e], N x E). Every implementation (CPU loops, CUDA kernels,
+// the proxy) places rows with these, so they agree by construction.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "config.h"
+
+namespace moe_a2a::a2a {
+
+// Read-only view of the gathered routing matrix.
+struct RoutingView {
+  const uint32_t* counts = nullptr;  // [world][num_experts]
+  int world = 0;
+  int num_experts = 0;
+  int local = 0;  // experts per rank
+
+  uint32_t count(int s, int e) const { return counts[static_cast<size_t>(s) * num_experts + e]; }
+  // c[s][r]: copies from sender s to rank r.
+  uint64_t to_rank(int s, int r) const {
+    uint64_t n = 0;
+    for (int i = 0; i < local; ++i) n += count(s, r * local + i);
+    return n;
+  }
+  // send_off[s][r]: first send-buffer row of s's copies for r.
+  uint64_t send_offset(int s, int r) const {
+    uint64_t n = 0;
+    for (int q = 0; q < r; ++q) n += to_rank(s, q);
+    return n;
+  }
+  // Copies rank r receives in all.
+  uint64_t received(int r) const {
+    uint64_t n = 0;
+    for (int s = 0; s < world; ++s) n += to_rank(s, r);
+    return n;
+  }
+  // shared_off[s] at receiver r: overflow rows of the senders before s.
+  uint64_t shared_offset(int s, int r, uint64_t private_slots) const {
+    uint64_t n = 0;
+    for (int q = 0; q < s; ++q) {
+      uint64_t c = to_rank(q, r);
+      n += c > private_slots ? c - private_slots : 0;
+    }
+    return n;
+  }
+};
+
+// Everything receiver `rank` needs to place what it received.
+struct RecvPlan {
+  std::vector<uint64_t> from;         // c[s][rank]
+  std::vector<uint64_t> recv_base;    // sum_{s' < s} c[s'][rank]: combine_send staging row of (s, 0)
+  std::vector<uint64_t> shared_off;   // shared row of (s, P)
+  std::vector<uint64_t> send_off_at;  // send_off[s][rank]: where (s, 0) sits in s's send buffer / combine_recv
+  std::vector<int32_t> tokens_per_expert;  // n[i], unpadded
+  std::vector<uint64_t> expert_start;      // start[i] of the padded, expert-major output
+  uint64_t total_received = 0;
+  uint64_t output_rows = 0;  // padded
+};
+
+inline RecvPlan make_recv_plan(const RoutingView& v, int rank, uint64_t private_slots, int expert_padding) {
+  RecvPlan p;
+  p.from.resize(v.world);
+  p.recv_base.resize(v.world);
+  p.shared_off.resize(v.world);
+  p.send_off_at.resize(v.world);
+  uint64_t base = 0, shared = 0;
+  for (int s = 0; s < v.world; ++s) {
+    uint64_t c = v.to_rank(s, rank);
+    p.from[s] = c;
+    p.recv_base[s] = base;
+    p.shared_off[s] = shared;
+    p.send_off_at[s] = v.send_offset(s, rank);
+    base += c;
+    shared += c > private_slots ? c - private_slots : 0;
+  }
+  p.total_received = base;
+  p.tokens_per_expert.resize(v.local);
+  p.expert_start.resize(v.local);
+  uint64_t start = 0;
+  for (int i = 0; i < v.local; ++i) {
+    uint64_t n = 0;
+    for (int s = 0; s < v.world; ++s) n += v.count(s, rank * v.local + i);
+    p.tokens_per_expert[i] = static_cast<int32_t>(n);
+    p.expert_start[i] = start;
+    start += (n + expert_padding - 1) / expert_padding * expert_padding;
+  }
+  p.output_rows = start;
+  return p;
+}
+
+}  // namespace moe_a2a::a2a

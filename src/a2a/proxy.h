@@ -1,0 +1,59 @@
+// The host proxy: a state machine on its own thread that turns the compute
+// side's flags into fabric operations (routing rows, private and overflow
+// token writes, combine writes) and raises flags when remote data has landed.
+// It serves the CPU and the CUDA implementation alike.
+#pragma once
+
+#include <atomic>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "config.h"
+#include "fabric/engine.h"
+#include "layout.h"
+#include "signals.h"
+
+namespace moe_a2a::a2a {
+
+struct ProxyContext {
+  A2AConfig config;
+  Layout layout;
+  fabric::TransferEngine* engine = nullptr;
+  uint32_t region = 0;  // our workspace, registered with the engine
+  uint32_t group = 0;   // every remote peer, bound to its workspace
+  uint8_t* workspace = nullptr;
+  std::vector<uint8_t*> node_workspaces;  // index = rank; nullptr for remote ranks
+  std::vector<int> remote_peers;          // ranks, in group order
+  ProxySignals* signals = nullptr;
+};
+
+class Proxy {
+ public:
+  explicit Proxy(ProxyContext ctx);
+  ~Proxy();
+  Proxy(const Proxy&) = delete;
+  Proxy& operator=(const Proxy&) = delete;
+
+  // The first error, once signals->failed is set; the overflow message of the
+  // last overflowing epoch otherwise.
+  std::string error() const;
+  std::string overflow_message() const;
+
+ private:
+  void run();
+  bool wait_signal(const Seq& seq, uint64_t epoch);
+  void step(uint64_t epoch);
+  void node_barrier(uint64_t epoch);
+  void wait_node_flags(FlagKind kind, uint64_t epoch, const char* what);
+
+  ProxyContext ctx_;
+  std::atomic<bool> stop_{false};
+  mutable std::mutex mu_;
+  std::string error_;
+  std::string overflow_;
+  std::thread thread_;
+};
+
+}  // namespace moe_a2a::a2a

@@ -1,0 +1,32 @@
+// Flags between the compute side and the host proxy, in host memory: plain
+// atomics for the CPU implementation, pinned mapped memory that kernels store
+// to with system scope for the CUDA one. Each holds the epoch it last reached.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+namespace moe_a2a::a2a {
+
+struct alignas(64) Seq {
+  std::atomic<uint64_t> value{0};
+  uint64_t get() const { return value.load(std::memory_order_acquire); }
+  void set(uint64_t v) { value.store(v, std::memory_order_release); }
+};
+
+struct ProxySignals {
+  // compute -> proxy
+  Seq route_ready;     // this rank's routing row is in its workspace
+  Seq packed;          // the send section is packed
+  Seq combine_packed;  // the combine_send section is packed
+  // proxy -> compute
+  Seq dispatch_done;   // every expected remote write of the dispatch landed
+  Seq combine_done;    // every remote combine write landed
+  Seq overflow;        // epoch whose dispatch exceeded max_recv_tokens
+  Seq failed;          // non-zero once the proxy stopped on an error
+};
+
+// Immediate tags of the protocol's writes (docs/protocol.md, "Signals").
+enum Tag : uint32_t { kTagRoute = 1, kTagDispatch = 2, kTagCombine = 3, kTagBarrier = 4 };
+
+}  // namespace moe_a2a::a2a

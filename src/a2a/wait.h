@@ -1,0 +1,51 @@
+// Waiting on a 64-bit sequence number written by another thread, process or
+// GPU: spin briefly, then yield, then sleep in short slices, with a deadline.
+// Several ranks share few cores, so an idle waiter must get out of the way.
+#pragma once
+
+#include <sched.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <thread>
+
+namespace moe_a2a::a2a {
+
+struct Backoff {
+  static constexpr int kSpins = 128;
+  static constexpr int kYields = 512;
+  static constexpr std::chrono::microseconds kSleep{20};
+  int round = 0;
+  void pause() {
+    ++round;
+    if (round < kSpins) return;
+    if (round < kYields) {
+      sched_yield();
+      return;
+    }
+    std::this_thread::sleep_for(kSleep);
+  }
+};
+
+// True once `*seq >= target`; false at the deadline. `on_idle` runs between
+// polls (it may throw to abort the wait).
+template <typename OnIdle>
+bool wait_at_least(const std::atomic<uint64_t>* seq, uint64_t target, std::chrono::steady_clock::time_point deadline,
+                   OnIdle&& on_idle) {
+  Backoff backoff;
+  while (seq->load(std::memory_order_acquire) < target) {
+    if ((backoff.round & 63) == 0) {
+      on_idle();
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+    }
+    backoff.pause();
+  }
+  return true;
+}
+
+inline std::chrono::steady_clock::time_point deadline_after(double seconds) {
+  return std::chrono::steady_clock::now() + std::chrono::nanoseconds(static_cast<int64_t>(seconds * 1e9));
+}
+
+}  // namespace moe_a2a::a2a

@@ -1,0 +1,39 @@
+// A rank's workspace in POSIX shared memory, plus the mappings of the
+// workspaces of the other ranks of its node. Start-up is three steps that the
+// bootstrap drives: create ours, map the peers' by name, unlink.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "config.h"
+#include "layout.h"
+#include "shm.h"
+
+namespace moe_a2a::a2a {
+
+class Workspace {
+ public:
+  Workspace(const A2AConfig& cfg, const std::string& name);
+
+  const A2AConfig& config() const { return cfg_; }
+  const Layout& layout() const { return layout_; }
+  uint8_t* self() const { return own_->data(); }
+  size_t size() const { return layout_.total; }
+  const std::string& name() const { return own_->name(); }
+  // names[r]: the segment of rank r, for every rank of our node (others "").
+  void map_node(const std::vector<std::string>& names);
+  void unlink() { own_->unlink(); }
+  // index = rank; nullptr for ranks of other nodes.
+  const std::vector<uint8_t*>& node() const { return node_; }
+
+ private:
+  A2AConfig cfg_;
+  Layout layout_;
+  std::unique_ptr<ShmSegment> own_;
+  std::vector<std::unique_ptr<ShmSegment>> peers_;
+  std::vector<uint8_t*> node_;
+};
+
+}  // namespace moe_a2a::a2a
