@@ -59,9 +59,13 @@ class Config:
         if self.topk > self.num_experts:
             raise ValueError(f"topk: got {self.topk}; expected at most num_experts={self.num_experts}")
         if self.dispatch_dtype not in DISPATCH_DTYPES:
-            raise ValueError(f"dispatch_dtype: got {self.dispatch_dtype!r}; expected one of {list(DISPATCH_DTYPES)}")
+            raise ValueError(
+                f"dispatch_dtype: got {self.dispatch_dtype!r}; expected one of {list(DISPATCH_DTYPES)}"
+            )
         if self.combine_dtype not in COMBINE_DTYPES:
-            raise ValueError(f"combine_dtype: got {self.combine_dtype!r}; expected one of {list(COMBINE_DTYPES)}")
+            raise ValueError(
+                f"combine_dtype: got {self.combine_dtype!r}; expected one of {list(COMBINE_DTYPES)}"
+            )
         if self.max_private_tokens is not None:
             _positive_int("max_private_tokens", self.max_private_tokens, minimum=0)
         if self.max_recv_tokens is not None:
@@ -73,8 +77,8 @@ class Config:
         """(max_private_tokens, max_recv_tokens) for a world size, defaults filled in."""
         if self.num_experts % world_size != 0:
             raise ValueError(
-                f"num_experts: got {self.num_experts}, which is not divisible by the world size {world_size}; "
-                "every rank must host the same number of experts"
+                f"num_experts: got {self.num_experts}, which is not divisible by the world size "
+                f"{world_size}; every rank must host the same number of experts"
             )
         local = self.num_experts // world_size
         per_peer_worst = self.max_tokens * min(self.topk, local)
@@ -258,7 +262,9 @@ class AllToAll:
         if self.cfg.dispatch_dtype == "fp8":
             blocks = (self.cfg.hidden + FP8_BLOCK - 1) // FP8_BLOCK
             scale = torch.empty(rows, blocks, dtype=torch.float32)
-        self._guard(self._impl.dispatch_unpack, expert_x.data_ptr(), scale.data_ptr() if scale is not None else 0)
+        self._guard(
+            self._impl.dispatch_unpack, expert_x.data_ptr(), scale.data_ptr() if scale is not None else 0
+        )
         self._state = "dispatched"
         d = Dispatched(
             expert_x=expert_x,
@@ -293,7 +299,9 @@ class AllToAll:
         if not recv:
             return handle
         if handle is None or not isinstance(handle, PendingCombine):
-            raise ValueError(f"combine: the receive half needs handle= from combine(..., recv=False); got {handle!r}")
+            raise ValueError(
+                f"combine: the receive half needs handle= from combine(..., recv=False); got {handle!r}"
+            )
         if self._state != "combine_sent" or handle.epoch != self._impl.epoch:
             raise RuntimeError(f"combine: handle of epoch {handle.epoch} is not the combine in flight")
         out = torch.empty(handle.num_tokens, self.cfg.hidden, dtype=COMBINE_DTYPES[self.cfg.combine_dtype])
@@ -303,7 +311,9 @@ class AllToAll:
 
     def _combine_send(self, y: Any, d: Any) -> PendingCombine:
         if not isinstance(d, Dispatched):
-            raise TypeError(f"combine: d: got {type(d).__name__}; expected the Dispatched returned by dispatch")
+            raise TypeError(
+                f"combine: d: got {type(d).__name__}; expected the Dispatched returned by dispatch"
+            )
         if self._state != "dispatched" or d is not self._last:
             raise RuntimeError(
                 f"combine: d (epoch {d.epoch}) is not the latest dispatch of this AllToAll "
@@ -311,7 +321,9 @@ class AllToAll:
             )
         expected = (d.expert_x.shape[0], self.cfg.hidden)
         if not isinstance(y, torch.Tensor) or y.dim() != 2 or tuple(y.shape) != expected:
-            raise ValueError(f"combine: y: got {_describe(y)}; expected shape {expected} (that of d.expert_x)")
+            raise ValueError(
+                f"combine: y: got {_describe(y)}; expected shape {expected} (that of d.expert_x)"
+            )
         if y.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"combine: y: got dtype {y.dtype}; expected torch.bfloat16 or torch.float32")
         if y.device != self.device:
@@ -411,12 +423,16 @@ class AllToAll:
             )
         return out
 
-    def close(self) -> None:
-        """Stop the proxy and the engine and release the buffers (collective when healthy)."""
+    def close(self, wait_for_peers: bool = True) -> None:
+        """Stop the proxy and the engine and release the buffers.
+
+        Collective while healthy: it first waits until no peer can still write into
+        this rank's buffers. Pass `wait_for_peers=False` when peers are gone.
+        """
         if self._impl is None:
             return
-        if self._failure is None:
-            self._boot.barrier()  # nobody may still be writing into our workspace
+        if wait_for_peers and self._failure is None:
+            self._boot.barrier()
         self._impl = None
         self._engine = None
         self._workspace = None

@@ -32,7 +32,7 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = padded.view(tokens, blocks, FP8_BLOCK).abs().amax(dim=2)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     scaled = padded.view(tokens, blocks, FP8_BLOCK) / scale.unsqueeze(2)
-    q = scaled.clamp(-FP8_MAX, FP8_MAX).view(tokens, -1)[:, :hidden].to(torch.float8_e4m3fn)
+    q = scaled.clamp(-FP8_MAX, FP8_MAX).reshape(tokens, blocks * FP8_BLOCK)[:, :hidden].to(torch.float8_e4m3fn)
     return q, scale
 
 
@@ -136,9 +136,7 @@ def combine_reference(
     """
     wire = DTYPES[combine_dtype]
     hidden = ys[0].shape[1] if ys else 0
-    gathered = [
-        torch.zeros(w.shape[0], w.shape[1], hidden, dtype=torch.float32) for w in topk_weights
-    ]
+    gathered = [torch.zeros(w.shape[0], w.shape[1], hidden, dtype=torch.float32) for w in topk_weights]
     for r, d in enumerate(dispatched):
         y = ys[r].to(wire).float()
         for row, (s, t, k) in enumerate(d.origin.tolist()):

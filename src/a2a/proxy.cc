@@ -79,8 +79,11 @@ void Proxy::step(uint64_t epoch) {
   const uint64_t P = c.max_private_tokens;
   const size_t row = l.dispatch_row;
   const size_t routing_bytes = static_cast<size_t>(c.num_experts) * sizeof(uint32_t);
-  RoutingView view{reinterpret_cast<const uint32_t*>(ctx_.workspace + l.routing), c.world, c.num_experts,
-                   c.num_local_experts()};
+  // Our own row is final once route_ready is raised; the others are read once
+  // they have all arrived, into a snapshot (same-node peers rewrite their rows
+  // as soon as our combine flag frees them, before this step is over).
+  const auto* live = reinterpret_cast<const uint32_t*>(ctx_.workspace + l.routing);
+  RoutingView own{live, c.world, c.num_experts, c.num_local_experts()};
 
   // 1. Our routing row, to every remote peer at once.
   std::vector<ScatterItem> items;
@@ -94,7 +97,7 @@ void Proxy::step(uint64_t epoch) {
   items.clear();
   std::vector<uint64_t> to(c.world), send_off(c.world);
   for (int r = 0, off = 0; r < c.world; ++r) {
-    to[r] = view.to_rank(c.rank, r);
+    to[r] = own.to_rank(c.rank, r);
     send_off[r] = off;
     off += static_cast<int>(to[r]);
   }
@@ -111,6 +114,8 @@ void Proxy::step(uint64_t epoch) {
   //    overflow writes into each peer's shared section.
   for (int s : remotes) engine.wait_imm(kTagRoute, s, 1, c.timeout_s);
   wait_node_flags(kFlagRoute, epoch, "routing row");
+  routing_.assign(live, live + static_cast<size_t>(c.world) * c.num_experts);
+  RoutingView view{routing_.data(), c.world, c.num_experts, c.num_local_experts()};
   int worst_rank = -1;
   uint64_t worst = 0;
   for (int r = 0; r < c.world; ++r) {

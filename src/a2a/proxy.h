@@ -53,6 +53,7 @@ class Proxy {
   mutable std::mutex mu_;
   std::string error_;
   std::string overflow_;
+  std::vector<uint32_t> routing_;  // snapshot of the routing matrix of the current epoch
   std::thread thread_;
 };
 

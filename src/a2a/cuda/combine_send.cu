@@ -1,0 +1,75 @@
+// Combine, send half (docs/protocol.md, "Combine"): every filled output row
+// (s, j) goes back, converted to the combine dtype, to sender s's
+// combine_recv row send_off[s][rank] + j: directly for same-node senders
+// (CUDA IPC), into our fabric combine_send staging at recv_base[s] + j for
+// remote ones (the proxy writes those with one write per peer). The last
+// block raises combine_packed and the combine flag of same-node peers.
+#include <cuda_runtime.h>
+
+#include "launch.h"
+#include "rows.cuh"
+#include "segments.cuh"
+#include "signal.cuh"
+
+namespace moe_a2a::a2a::cuda {
+namespace {
+
+constexpr int kReturnThreads = 256;
+
+__device__ __forceinline__ uint8_t* return_row(const Instance& in, const SenderPlan* senders, int s, int64_t j) {
+  const Layout& l = in.layout;
+  const size_t row = l.combine_row;
+  if (same_node(in, s)) return in.peers[s].device + l.combine_recv + (senders[s].send_off + j) * row;
+  return in.fabric_ws + l.combine_send + (senders[s].recv_base + j) * row;
+}
+
+// One row by one warp, converted from y_dtype to out_dtype (bf16 or fp32).
+__device__ __forceinline__ void convert_row(uint8_t* dst, const uint8_t* src, int hidden, int y_dtype, int out_dtype,
+                                            int lane) {
+  const int out_bytes = dtype_size(out_dtype);
+  if (y_dtype == out_dtype) {
+    warp_copy(dst, src, static_cast<int64_t>(hidden) * out_bytes, lane);
+    return;
+  }
+  const int pieces = (hidden + kVec - 1) / kVec;
+  for (int piece = lane; piece < pieces; piece += kWarp) {
+    const int64_t first = static_cast<int64_t>(piece) * kVec;
+    const int n = hidden - first < kVec ? static_cast<int>(hidden - first) : kVec;
+    float v[kVec];
+    load_piece(src, y_dtype, first, n, v);
+    const Encoded enc = out_bytes == 4 ? encode_fp32(v) : encode_bf16(v);
+    store_piece(dst + first * out_bytes, enc, out_bytes, n);
+  }
+}
+
+__global__ void return_kernel(CombineSendParams p) {
+  extern __shared__ Segment segs[];
+  const Instance& in = p.inst;
+  load_segments(segs, p.scratch.segments, in.num_experts);
+  __syncthreads();
+  const int rows = *p.scratch.output_rows;
+  const int64_t y_row = static_cast<int64_t>(in.hidden) * dtype_size(p.y_dtype);
+  const RowWalk walk;
+  for (int row = walk.first; row < rows; row += walk.stride) {
+    int s, j;
+    if (!locate(segs, in.num_experts, row, &s, &j)) continue;  // padding rows go nowhere
+    convert_row(return_row(in, p.scratch.senders, s, j), static_cast<const uint8_t*>(p.y) + row * y_row, in.hidden,
+                p.y_dtype, in.combine_dtype, walk.lane);
+  }
+  signal_when_grid_done(in, p.scratch.done_blocks, kFlagCombine, in.proxy.combine_packed);
+}
+
+}  // namespace
+
+cudaError_t launch_combine_send(const CombineSendParams& p, cudaStream_t stream) {
+  const Instance& in = p.inst;
+  const size_t seg_smem = static_cast<size_t>(in.num_experts) * sizeof(Segment);
+  cudaError_t err =
+      cudaFuncSetAttribute(return_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(seg_smem));
+  if (err != cudaSuccess) return err;
+  const int blocks = persistent_blocks(max_output_rows(in), kReturnThreads / kWarp);
+  return_kernel<<<blocks, kReturnThreads, seg_smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace moe_a2a::a2a::cuda

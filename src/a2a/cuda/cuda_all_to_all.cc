@@ -1,0 +1,315 @@
+#include "cuda_all_to_all.h"
+
+#include <cstring>
+#include <new>
+#include <stdexcept>
+
+#include "../errors.h"
+#include "fabric/error.h"
+#include "launch.h"
+
+namespace moe_a2a::a2a::cuda {
+namespace {
+
+constexpr size_t kScratchAlign = 256;
+constexpr double kNsPerSecond = 1e9;
+// Kernels give the proxy time to report its own timeout first (as the CPU
+// path does): twice the configured timeout plus a second.
+constexpr double kProxyGrace = 2.0;
+constexpr double kGraceSeconds = 1.0;
+
+void check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("CUDA error in ") + what + ": " + cudaGetErrorName(err) + " (" +
+                             cudaGetErrorString(err) + ")");
+}
+
+size_t aligned_size(size_t bytes) { return align_up(bytes, kScratchAlign); }
+
+}  // namespace
+
+CudaAllToAll::CudaAllToAll(Workspace* host_workspace, fabric::TransferEngine* engine, uint32_t region, uint32_t group,
+                           const std::vector<int>& remote_peers)
+    : cfg_(host_workspace->config()), layout_(host_workspace->layout()) {
+  allocate();
+  const auto& node = host_workspace->node();
+  register_host(host_workspace->self(), layout_.total, &host_ws_);
+  peers_[cfg_.rank].host = host_ws_;
+  for (int r = 0; r < cfg_.world; ++r)
+    if (r != cfg_.rank && node[r] != nullptr) register_host(node[r], layout_.total, &peers_[r].host);
+
+  ProxyContext ctx;
+  ctx.config = cfg_;
+  ctx.layout = layout_;
+  ctx.engine = engine;
+  ctx.region = region;
+  ctx.group = group;
+  ctx.workspace = host_workspace->self();
+  ctx.node_workspaces = node;
+  ctx.remote_peers = remote_peers;
+  ctx.signals = signals_;
+  proxy_ = std::make_unique<Proxy>(std::move(ctx));
+}
+
+CudaAllToAll::CudaAllToAll(const A2AConfig& config) : cfg_(config), layout_(Layout::of(config)) {
+  cfg_.validate();
+  allocate();
+  void* host = nullptr;
+  check_cuda(cudaHostAlloc(&host, layout_.total, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc(workspace)");
+  std::memset(host, 0, layout_.total);
+  own_host_ws_ = true;
+  registered_.push_back(host);
+  check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_ws_), host, 0), "cudaHostGetDevicePointer");
+  peers_[cfg_.rank].host = host_ws_;
+}
+
+void CudaAllToAll::allocate() {
+  check_cuda(cudaGetDevice(&device_), "cudaGetDevice");
+  for (int r = 0; r < cfg_.world; ++r) has_remote_ = has_remote_ || !cfg_.same_node(r);
+  peers_.assign(cfg_.world, PeerWorkspaces{});
+
+  check_cuda(cudaMalloc(&device_ws_, layout_.total), "cudaMalloc(device workspace)");
+  check_cuda(cudaMemset(device_ws_, 0, layout_.total), "cudaMemset(device workspace)");
+  peers_[cfg_.rank].device = device_ws_;
+
+  const size_t copies = static_cast<size_t>(cfg_.max_tokens) * cfg_.topk;
+  const size_t sizes[] = {
+      sizeof(int32_t),                                  // num_tokens
+      copies * sizeof(int32_t),                         // slots
+      copies * sizeof(int32_t),                         // copy_rank
+      (cfg_.world + 1) * sizeof(int64_t),               // send_start
+      sizeof(uint32_t),                                 // done_blocks
+      cfg_.world * sizeof(SenderPlan),                  // senders
+      static_cast<size_t>(cfg_.num_experts) * sizeof(Segment),  // segments
+      sizeof(int32_t),                                  // output_rows
+      sizeof(uint64_t),                                 // epoch
+  };
+  size_t total = 0;
+  for (size_t s : sizes) total += aligned_size(s);
+  check_cuda(cudaMalloc(&scratch_mem_, total), "cudaMalloc(scratch)");
+  check_cuda(cudaMemset(scratch_mem_, 0, total), "cudaMemset(scratch)");
+  uint8_t* at = scratch_mem_;
+  auto take = [&at](size_t bytes) {
+    uint8_t* p = at;
+    at += aligned_size(bytes);
+    return p;
+  };
+  scratch_.num_tokens = reinterpret_cast<int32_t*>(take(sizes[0]));
+  scratch_.slots = reinterpret_cast<int32_t*>(take(sizes[1]));
+  scratch_.copy_rank = reinterpret_cast<int32_t*>(take(sizes[2]));
+  scratch_.send_start = reinterpret_cast<int64_t*>(take(sizes[3]));
+  scratch_.done_blocks = reinterpret_cast<uint32_t*>(take(sizes[4]));
+  scratch_.senders = reinterpret_cast<SenderPlan*>(take(sizes[5]));
+  scratch_.segments = reinterpret_cast<Segment*>(take(sizes[6]));
+  scratch_.output_rows = reinterpret_cast<int32_t*>(take(sizes[7]));
+  epoch_device_ = reinterpret_cast<uint64_t*>(take(sizes[8]));
+
+  // Small host words the kernels write and the host reads after a sync.
+  void* words = nullptr;
+  check_cuda(cudaHostAlloc(&words, 2 * sizeof(int32_t), cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
+  std::memset(words, 0, 2 * sizeof(int32_t));
+  status_ = static_cast<int32_t*>(words);
+  output_rows_host_ = status_ + 1;
+  scratch_.output_rows_host = output_rows_host_;
+
+  void* signals = nullptr;
+  check_cuda(cudaHostAlloc(&signals, sizeof(ProxySignals), cudaHostAllocMapped | cudaHostAllocPortable),
+             "cudaHostAlloc(signals)");
+  signals_ = new (signals) ProxySignals();
+
+  check_cuda(cudaMalloc(&peers_device_, cfg_.world * sizeof(PeerWorkspaces)), "cudaMalloc(peers)");
+}
+
+void CudaAllToAll::register_host(uint8_t* ptr, size_t bytes, uint8_t** device_ptr) {
+  check_cuda(cudaHostRegister(ptr, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable),
+             "cudaHostRegister(host workspace)");
+  registered_.push_back(ptr);
+  check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(device_ptr), ptr, 0), "cudaHostGetDevicePointer");
+}
+
+CudaAllToAll::~CudaAllToAll() {
+  proxy_.reset();  // stops the thread before its flags go
+  cudaDeviceSynchronize();
+  for (void* p : ipc_opened_) cudaIpcCloseMemHandle(p);
+  for (void* p : registered_) {
+    if (own_host_ws_ && p == registered_.front()) cudaFreeHost(p);
+    else cudaHostUnregister(p);
+  }
+  if (signals_ != nullptr) {
+    signals_->~ProxySignals();
+    cudaFreeHost(signals_);
+  }
+  cudaFreeHost(status_);
+  cudaFree(peers_device_);
+  cudaFree(scratch_mem_);
+  cudaFree(device_ws_);
+}
+
+std::string CudaAllToAll::ipc_handle() const {
+  cudaIpcMemHandle_t h;
+  check_cuda(cudaIpcGetMemHandle(&h, device_ws_), "cudaIpcGetMemHandle");
+  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+}
+
+void CudaAllToAll::open_node(const std::vector<std::string>& handles) {
+  if (static_cast<int>(handles.size()) != cfg_.world)
+    throw std::invalid_argument("open_node: got " + std::to_string(handles.size()) + " handles for a world of " +
+                                std::to_string(cfg_.world));
+  for (int r = 0; r < cfg_.world; ++r) {
+    if (r == cfg_.rank || !cfg_.same_node(r)) continue;
+    if (handles[r].size() != sizeof(cudaIpcMemHandle_t))
+      throw std::invalid_argument("open_node: the handle of rank " + std::to_string(r) + " has " +
+                                  std::to_string(handles[r].size()) + " bytes, expected " +
+                                  std::to_string(sizeof(cudaIpcMemHandle_t)));
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handles[r].data(), sizeof(h));
+    void* p = nullptr;
+    check_cuda(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+    ipc_opened_.push_back(p);
+    peers_[r].device = static_cast<uint8_t*>(p);
+  }
+  peers_dirty_ = true;
+}
+
+void CudaAllToAll::connect_local(const CudaAllToAll& peer) {
+  const int r = peer.cfg_.rank;
+  if (r < 0 || r >= cfg_.world || !cfg_.same_node(r) || r == cfg_.rank)
+    throw std::invalid_argument("connect_local: rank " + std::to_string(r) + " is not another rank of our node");
+  peers_[r].device = peer.device_ws_;
+  peers_[r].host = peer.host_ws_;
+  peers_dirty_ = true;
+}
+
+void CudaAllToAll::upload_peers() {
+  for (int r = 0; r < cfg_.world; ++r)
+    if (cfg_.same_node(r) && (peers_[r].device == nullptr || peers_[r].host == nullptr))
+      throw std::runtime_error("rank " + std::to_string(cfg_.rank) + ": same-node rank " + std::to_string(r) +
+                               " is not mapped (open_node / connect_local missing)");
+  check_cuda(cudaMemcpy(peers_device_, peers_.data(), peers_.size() * sizeof(PeerWorkspaces), cudaMemcpyHostToDevice),
+             "cudaMemcpy(peers)");
+  peers_dirty_ = false;
+}
+
+Instance CudaAllToAll::instance() {
+  int current = -1;
+  if (cudaGetDevice(&current) != cudaSuccess || current != device_) check_cuda(cudaSetDevice(device_), "cudaSetDevice");
+  if (peers_dirty_) upload_peers();
+  Instance in;
+  in.layout = layout_;
+  in.rank = cfg_.rank;
+  in.world = cfg_.world;
+  in.num_experts = cfg_.num_experts;
+  in.local_experts = cfg_.num_local_experts();
+  in.topk = cfg_.topk;
+  in.hidden = cfg_.hidden;
+  in.max_tokens = cfg_.max_tokens;
+  in.max_private = cfg_.max_private_tokens;
+  in.max_recv = cfg_.max_recv_tokens;
+  in.expert_padding = cfg_.expert_padding;
+  in.dispatch_dtype = static_cast<int32_t>(cfg_.dispatch_dtype);
+  in.combine_dtype = static_cast<int32_t>(cfg_.combine_dtype);
+  in.num_scales = cfg_.num_scales();
+  in.payload_bytes = static_cast<int64_t>(cfg_.payload_bytes());
+  in.has_remote = has_remote_ ? 1 : 0;
+  in.timeout_ns = static_cast<int64_t>((kProxyGrace * cfg_.timeout_s + kGraceSeconds) * kNsPerSecond);
+  in.peers = peers_device_;
+  in.device_ws = device_ws_;
+  in.host_ws = host_ws_;
+  in.fabric_ws = host_ws_;  // no FI_HMEM with the providers used here
+  auto dev = [](auto* host_ptr) {
+    void* d = nullptr;
+    check_cuda(cudaHostGetDevicePointer(&d, const_cast<void*>(static_cast<const void*>(host_ptr)), 0),
+               "cudaHostGetDevicePointer(signals)");
+    return static_cast<uint64_t*>(d);
+  };
+  in.proxy.route_ready = dev(&signals_->route_ready.value);
+  in.proxy.packed = dev(&signals_->packed.value);
+  in.proxy.combine_packed = dev(&signals_->combine_packed.value);
+  in.proxy.dispatch_done = dev(&signals_->dispatch_done.value);
+  in.proxy.combine_done = dev(&signals_->combine_done.value);
+  in.proxy.overflow = dev(&signals_->overflow.value);
+  in.proxy.failed = dev(&signals_->failed.value);
+  in.epoch = epoch_device_;
+  void* status_dev = nullptr;
+  check_cuda(cudaHostGetDevicePointer(&status_dev, status_, 0), "cudaHostGetDevicePointer(status)");
+  in.status = static_cast<int32_t*>(status_dev);
+  return in;
+}
+
+int64_t CudaAllToAll::max_output_rows() const {
+  return static_cast<int64_t>(cfg_.max_recv_tokens) + static_cast<int64_t>(cfg_.num_local_experts()) * (cfg_.expert_padding - 1);
+}
+
+void CudaAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_scale, const void* topk_ids,
+                                 bool ids_64bit, int num_tokens, const int32_t* num_tokens_device,
+                                 cudaStream_t stream) {
+  DispatchSendParams p;
+  p.inst = instance();
+  p.scratch = scratch_;
+  p.x = x;
+  p.x_dtype = static_cast<int32_t>(x_dtype);
+  p.x_scale = x_scale;
+  p.topk_ids = topk_ids;
+  p.ids_are_64bit = ids_64bit ? 1 : 0;
+  p.num_tokens = num_tokens;
+  p.num_tokens_ptr = num_tokens_device;
+  check_cuda(launch_dispatch_send(p, stream), "dispatch send");
+  ++epoch_;
+}
+
+void CudaAllToAll::dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_per_expert, cudaStream_t stream) {
+  DispatchRecvParams p;
+  p.inst = instance();
+  p.scratch = scratch_;
+  p.out_x = out_x;
+  p.out_scale = out_scale;
+  p.tokens_per_expert = tokens_per_expert;
+  p.max_output_rows = max_output_rows();
+  check_cuda(launch_dispatch_recv(p, stream), "dispatch recv");
+}
+
+void CudaAllToAll::combine_send(const void* y, DType y_dtype, cudaStream_t stream) {
+  CombineSendParams p;
+  p.inst = instance();
+  p.scratch = scratch_;
+  p.y = y;
+  p.y_dtype = static_cast<int32_t>(y_dtype);
+  check_cuda(launch_combine_send(p, stream), "combine send");
+}
+
+void CudaAllToAll::combine_recv(const float* weights, void* out, cudaStream_t stream) {
+  CombineRecvParams p;
+  p.inst = instance();
+  p.scratch = scratch_;
+  p.weights = weights;
+  p.out = out;
+  check_cuda(launch_combine_recv(p, stream), "combine recv");
+}
+
+void CudaAllToAll::check() const {
+  const std::string who = "rank " + std::to_string(cfg_.rank) + ": ";
+  switch (*status_) {
+    case kStatusOk:
+      return;
+    case kStatusCapacity: {
+      std::string msg = proxy_ ? proxy_->overflow_message() : std::string();
+      if (msg.empty())
+        msg = "dispatch would deliver more token copies to some rank than max_recv_tokens=" +
+              std::to_string(cfg_.max_recv_tokens) +
+              "; raise max_recv_tokens in Config (nothing was delivered; the next call can proceed)";
+      throw CapacityError(who + msg);
+    }
+    case kStatusProxyFailed:
+      throw fabric::FabricError(who + (proxy_ ? proxy_->error() : std::string("the proxy failed")));
+    case kStatusTimeout:
+      throw fabric::TimeoutError(who + "a kernel timed out waiting for a peer's or the proxy's flag (epoch " +
+                                 std::to_string(epoch_) + ")");
+    case kStatusBadExpert:
+      throw std::invalid_argument(who + "topk_ids held an expert id outside [0, " + std::to_string(cfg_.num_experts) +
+                                  "); those copies were dropped");
+    default:
+      throw std::runtime_error(who + "unknown status " + std::to_string(*status_));
+  }
+}
+
+}  // namespace moe_a2a::a2a::cuda

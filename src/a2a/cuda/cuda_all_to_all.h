@@ -1,0 +1,98 @@
+// Dispatch and combine on a CUDA GPU: the device side of one rank. It owns
+// the device workspace (mapped by same-node ranks through CUDA IPC), the
+// kernels' scratch, the proxy's flags in pinned mapped memory and the proxy
+// thread, and registers the host workspaces (POSIX shared memory) with CUDA so
+// kernels write routing rows and fabric rows there directly.
+//
+// Start-up: construct, exchange ipc_handle() with the ranks of the node, call
+// open_node(), then a barrier before anyone dispatches. Every call enqueues
+// work on the caller's stream and returns without waiting for the GPU.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../proxy.h"
+#include "../workspace.h"
+#include "params.h"
+
+namespace moe_a2a::a2a::cuda {
+
+class CudaAllToAll {
+ public:
+  // A rank of a job: `host_workspace` already maps its node's peers.
+  CudaAllToAll(Workspace* host_workspace, fabric::TransferEngine* engine, uint32_t region, uint32_t group,
+               const std::vector<int>& remote_peers);
+  // A rank without fabric or proxy (kernel tests: several ranks in one
+  // process). The host workspace is pinned memory of its own; peers are
+  // joined with connect_local(); with peers on other (virtual) nodes, the
+  // caller plays the proxy through the signal and workspace addresses.
+  explicit CudaAllToAll(const A2AConfig& config);
+  ~CudaAllToAll();
+  CudaAllToAll(const CudaAllToAll&) = delete;
+  CudaAllToAll& operator=(const CudaAllToAll&) = delete;
+
+  // CUDA IPC handle of our device workspace, for the ranks of our node.
+  std::string ipc_handle() const;
+  // handles[r] for every rank (ignored for ourselves and other nodes).
+  void open_node(const std::vector<std::string>& handles);
+  // Same process: map a same-node peer's workspaces directly.
+  void connect_local(const CudaAllToAll& peer);
+
+  // The four halves; pointers are device (or mapped) addresses, `stream` a
+  // cudaStream_t. num_tokens_device, when non-null, overrides num_tokens.
+  void dispatch_send(const void* x, DType x_dtype, const float* x_scale, const void* topk_ids, bool ids_64bit,
+                     int num_tokens, const int32_t* num_tokens_device, cudaStream_t stream);
+  void dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_per_expert, cudaStream_t stream);
+  void combine_send(const void* y, DType y_dtype, cudaStream_t stream);
+  void combine_recv(const float* weights, void* out, cudaStream_t stream);
+
+  // After the caller synchronised with the stream: the outcome of the last
+  // call (throws CapacityError, fabric errors), and the rows it filled.
+  void check() const;
+  int32_t status() const { return *status_; }
+  int64_t output_rows() const { return *output_rows_host_; }
+  int64_t max_output_rows() const;
+  uint64_t epoch() const { return epoch_; }
+
+  const A2AConfig& config() const { return cfg_; }
+  const Layout& layout() const { return layout_; }
+  uintptr_t device_workspace() const { return reinterpret_cast<uintptr_t>(device_ws_); }
+  uintptr_t host_workspace() const { return reinterpret_cast<uintptr_t>(host_ws_); }
+  ProxySignals* signals() const { return signals_; }
+
+ private:
+  void allocate();
+  void register_host(uint8_t* ptr, size_t bytes, uint8_t** device_ptr);
+  Instance instance();
+  void upload_peers();
+
+  A2AConfig cfg_;
+  Layout layout_;
+  int device_ = 0;
+  bool has_remote_ = false;
+
+  uint8_t* device_ws_ = nullptr;
+  uint8_t* host_ws_ = nullptr;         // device address of our host workspace
+  bool own_host_ws_ = false;           // allocated here (standalone)
+  std::vector<void*> registered_;      // host ranges registered with CUDA
+  std::vector<void*> ipc_opened_;      // peer device workspaces opened here
+  std::vector<PeerWorkspaces> peers_;  // index = rank
+  PeerWorkspaces* peers_device_ = nullptr;
+  bool peers_dirty_ = true;
+
+  uint8_t* scratch_mem_ = nullptr;
+  Scratch scratch_;
+  uint64_t* epoch_device_ = nullptr;
+  int32_t* status_ = nullptr;            // mapped host
+  int32_t* output_rows_host_ = nullptr;  // mapped host
+  ProxySignals* signals_ = nullptr;      // mapped host
+  std::unique_ptr<Proxy> proxy_;
+  uint64_t epoch_ = 0;
+};
+
+}  // namespace moe_a2a::a2a::cuda

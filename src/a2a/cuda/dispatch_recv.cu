@@ -1,0 +1,198 @@
+// Dispatch, receive half (docs/protocol.md, "Dispatch at receiver r"):
+// 1. plan_kernel (one block): waits for the dispatch flag of every same-node
+//    sender and, with remote peers, for the proxy's dispatch_done; reads the
+//    routing matrix from the host workspace; checks max_recv_tokens on every
+//    rank (each rank holds the whole matrix, so all decide alike); computes
+//    tokens_per_expert, the padded expert starts and the segment table.
+// 2. copy_kernel (persistent, one warp per output row): copies each received
+//    row into the expert-major output, splitting payload and fp8 scales.
+#include <cuda_runtime.h>
+
+#include "launch.h"
+#include "memory.cuh"
+#include "rows.cuh"
+#include "scan.cuh"
+#include "segments.cuh"
+
+namespace moe_a2a::a2a::cuda {
+namespace {
+
+constexpr int kPlanThreads = 512;
+constexpr int kPlanWarps = kPlanThreads / kWarp;
+constexpr int kCopyThreads = 256;
+
+__device__ __forceinline__ int64_t warp_sum(int64_t v) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(kFullMask, v, offset);
+  return v;
+}
+
+// Waits for the proxy's flag; false (with the status set) on failure or timeout.
+__device__ bool wait_proxy(const Instance& in, const uint64_t* flag, uint64_t epoch, uint64_t deadline) {
+  constexpr unsigned kSleepNs = 256;
+  while (ld_acquire_sys(flag) < epoch) {
+    if (ld_acquire_sys(in.proxy.failed) != 0) {
+      report(in, kStatusProxyFailed);
+      return false;
+    }
+    if (global_timer_ns() > deadline) {
+      report(in, kStatusTimeout);
+      return false;
+    }
+    __nanosleep(kSleepNs);
+  }
+  return true;
+}
+
+// Dynamic shared memory: the routing matrix [world][E], then n[L], start[L].
+__global__ void __launch_bounds__(kPlanThreads) plan_kernel(DispatchRecvParams p) {
+  extern __shared__ int32_t matrix[];
+  const Instance& in = p.inst;
+  const Layout& l = in.layout;
+  const int N = in.world, E = in.num_experts, L = in.local_experts, rank = in.rank;
+  const int64_t P = in.max_private;
+  int32_t* n = matrix + N * E;
+  int32_t* start = n + L;
+  __shared__ uint64_t epoch;
+  __shared__ int ok;
+  const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
+
+  if (tid == 0) {
+    epoch = *reinterpret_cast<volatile uint64_t*>(in.epoch);
+    ok = 1;
+  }
+  __syncthreads();
+  const uint64_t deadline = global_timer_ns() + in.timeout_ns;
+  for (int s = tid; s < N; s += kPlanThreads) {
+    if (same_node(in, s) && !wait_geq(flag_ptr(in.device_ws, l, s, kFlagDispatch), epoch, deadline)) {
+      report(in, kStatusTimeout);
+      ok = 0;
+    }
+  }
+  if (tid == 0 && in.has_remote) {
+    if (!wait_proxy(in, in.proxy.dispatch_done, epoch, deadline)) ok = 0;
+    else if (ld_acquire_sys(in.proxy.overflow) == epoch) ok = 0, report(in, kStatusCapacity);
+  }
+  __syncthreads();
+
+  if (ok) {
+    const uint32_t* rows = routing_row(in.host_ws, l, 0, E);
+    for (int i = tid; i < N * E; i += kPlanThreads) matrix[i] = static_cast<int32_t>(rows[i]);
+  }
+  __syncthreads();
+  // Capacity, for every rank (the same decision everywhere).
+  if (ok) {
+    for (int r = warp; r < N; r += kPlanWarps) {
+      int64_t received = 0;
+      for (int i = lane; i < N * L; i += kWarp) received += matrix[(i / L) * E + r * L + i % L];
+      received = warp_sum(received);
+      if (lane == 0 && received > in.max_recv) ok = 0, report(in, kStatusCapacity);
+    }
+  }
+  __syncthreads();
+  if (!ok) {  // deliver nothing; the host raises the status
+    for (int i = tid; i < L; i += kPlanThreads) p.tokens_per_expert[i] = 0;
+    if (tid == 0) *p.scratch.output_rows = *p.scratch.output_rows_host = 0;
+    return;
+  }
+
+  const int32_t* mine = matrix + rank * L;  // column block of our experts: mine[s * E + i]
+  for (int s = warp; s < N; s += kPlanWarps) {
+    int64_t copies = 0, before = 0;
+    for (int i = lane; i < L; i += kWarp) copies += mine[s * E + i];
+    for (int e = lane; e < rank * L; e += kWarp) before += matrix[s * E + e];
+    copies = warp_sum(copies);
+    before = warp_sum(before);
+    if (lane == 0) {
+      p.scratch.senders[s].copies = copies;
+      p.scratch.senders[s].send_off = before;
+    }
+  }
+  for (int i = tid; i < L; i += kPlanThreads) {
+    int32_t total = 0;
+    for (int s = 0; s < N; ++s) total += mine[s * E + i];
+    n[i] = total;
+    p.tokens_per_expert[i] = total;
+  }
+  __syncthreads();
+
+  SenderPlan* senders = p.scratch.senders;
+  block_exclusive_scan<kPlanThreads, int64_t>(
+      N, [&](int s) { return senders[s].copies; }, [&](int s, int64_t v) { senders[s].recv_base = v; });
+  block_exclusive_scan<kPlanThreads, int64_t>(
+      N, [&](int s) { return senders[s].copies > P ? senders[s].copies - P : int64_t{0}; },
+      [&](int s, int64_t v) { senders[s].shared_off = v; });
+  const int pad = in.expert_padding;
+  const int32_t rows_out = block_exclusive_scan<kPlanThreads, int32_t>(
+      L, [&](int i) { return (n[i] + pad - 1) / pad * pad; }, [&](int i, int32_t v) { start[i] = v; });
+
+  Segment* segs = p.scratch.segments;
+  for (int s = 0; s < N; ++s) {
+    block_exclusive_scan<kPlanThreads, int32_t>(
+        L, [&](int i) { return mine[s * E + i]; },
+        [&](int i, int32_t v) {
+          Segment& g = segs[i * N + s];
+          g.first_j = v;
+          g.count = mine[s * E + i];
+          g.sender = s;
+        });
+  }
+  for (int i = tid; i < L; i += kPlanThreads) {
+    int32_t at = start[i];
+    for (int s = 0; s < N; ++s) {
+      segs[i * N + s].out_row = at;
+      at += mine[s * E + i];
+    }
+  }
+  if (tid == 0) *p.scratch.output_rows = *p.scratch.output_rows_host = rows_out;
+}
+
+__device__ __forceinline__ const uint8_t* source_row(const Instance& in, const SenderPlan* senders, int s, int64_t j) {
+  const Layout& l = in.layout;
+  const size_t row = l.dispatch_row;
+  const int64_t P = in.max_private;
+  if (j < P) {
+    const uint8_t* ws = same_node(in, s) ? in.device_ws : in.fabric_ws;
+    return ws + l.private_rows + (static_cast<size_t>(s) * P + j) * row;
+  }
+  if (same_node(in, s)) return in.peers[s].device + l.send + (senders[s].send_off + j) * row;
+  return in.fabric_ws + l.shared_rows + (senders[s].shared_off + j - P) * row;
+}
+
+__global__ void copy_kernel(DispatchRecvParams p) {
+  extern __shared__ Segment segs[];
+  const Instance& in = p.inst;
+  load_segments(segs, p.scratch.segments, in.num_experts);
+  __syncthreads();
+  const int rows = *p.scratch.output_rows;
+  const int64_t payload = in.payload_bytes;
+  const int64_t scale_bytes = static_cast<int64_t>(in.num_scales) * sizeof(float);
+  const RowWalk walk;
+  for (int row = walk.first; row < rows; row += walk.stride) {
+    int s, j;
+    if (!locate(segs, in.num_experts, row, &s, &j)) continue;  // padding
+    const uint8_t* src = source_row(in, p.scratch.senders, s, j);
+    warp_copy(static_cast<uint8_t*>(p.out_x) + row * payload, src, payload, walk.lane);
+    if (scale_bytes > 0)
+      warp_copy(reinterpret_cast<uint8_t*>(p.out_scale) + row * scale_bytes, src + payload, scale_bytes, walk.lane);
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream) {
+  const Instance& in = p.inst;
+  const size_t plan_smem = (static_cast<size_t>(in.world) * in.num_experts + 2 * in.local_experts) * sizeof(int32_t);
+  cudaError_t err =
+      cudaFuncSetAttribute(plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan_smem));
+  if (err != cudaSuccess) return err;
+  plan_kernel<<<1, kPlanThreads, plan_smem, stream>>>(p);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  const size_t seg_smem = static_cast<size_t>(in.num_experts) * sizeof(Segment);
+  err = cudaFuncSetAttribute(copy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(seg_smem));
+  if (err != cudaSuccess) return err;
+  copy_kernel<<<persistent_blocks(p.max_output_rows, kCopyThreads / kWarp), kCopyThreads, seg_smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace moe_a2a::a2a::cuda

@@ -1,0 +1,46 @@
+// Host entry points of the CUDA kernels: each takes its parameter struct and
+// a stream, enqueues its kernels and returns the launch error. None of them
+// synchronises with the host, so each can be captured in a CUDA graph; counts
+// that vary per call (tokens, received rows) are read by the kernels from
+// device memory.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "params.h"
+
+namespace moe_a2a::a2a::cuda {
+
+// Routing row, send rows, and every copy packed where it goes; raises
+// route_ready/packed for the proxy and the dispatch flag of same-node peers.
+cudaError_t launch_dispatch_send(const DispatchSendParams& p, cudaStream_t stream);
+
+// Waits for every sender, plans (tokens_per_expert, output rows) and copies
+// into the expert-major, padded output.
+cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream);
+
+// Returns every expert output row to the rank and row it came from; raises
+// combine_packed and the combine flag of same-node peers.
+cudaError_t launch_combine_send(const CombineSendParams& p, cudaStream_t stream);
+
+// Waits for every receiver, then the fp32 weighted sum per token.
+cudaError_t launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream);
+
+// Rows of the dispatch output buffers that a call may fill.
+inline int64_t max_output_rows(const Instance& in) {
+  return in.max_recv + static_cast<int64_t>(in.local_experts) * (in.expert_padding - 1);
+}
+
+// Threads for `work` items of one block: whole warps, at most `limit`.
+inline int round_up_threads(int work, int limit) {
+  constexpr int kWarpSize = 32;
+  int threads = (work + kWarpSize - 1) / kWarpSize * kWarpSize;
+  if (threads < kWarpSize) threads = kWarpSize;
+  return threads < limit ? threads : limit;
+}
+
+// Blocks of a persistent grid over `items` work items of `per_block` each:
+// enough to fill the device, no more than the work needs.
+int persistent_blocks(int64_t items, int per_block);
+
+}  // namespace moe_a2a::a2a::cuda

@@ -1,0 +1,80 @@
+// Memory ordering and wide accesses for the kernels: the only file with inline
+// PTX. Flags between ranks, GPUs and the host proxy are 64-bit sequence
+// numbers (epochs) written with system-scope release stores and read with
+// system-scope acquire loads, because their readers are other processes,
+// other GPUs (CUDA IPC) or a CPU thread polling pinned host memory.
+#pragma once
+
+#include <cstdint>
+
+namespace moe_a2a::a2a::cuda {
+
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ int32_t ld_volatile(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Makes this thread's earlier writes (to device, peer and host memory) visible
+// to every observer before its later ones.
+__device__ __forceinline__ void fence_sys() { asm volatile("fence.sc.sys;" ::: "memory"); }
+
+// Nanoseconds since an arbitrary origin, the same on every SM: deadlines.
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// 16-byte accesses. Rows are 16-byte aligned (protocol.md); callers check
+// alignment of the rest before taking these paths.
+__device__ __forceinline__ uint4 ld_16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// Streaming load: read once, so do not keep it in L1.
+__device__ __forceinline__ uint4 ld_16_stream(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void st_16(void* p, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+__device__ __forceinline__ void st_8(void* p, uint2 v) {
+  asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
+}
+
+// Waits until *flag >= target or the deadline passes; false on timeout. Backs
+// off with __nanosleep so a spinning thread leaves issue slots to others.
+__device__ __forceinline__ bool wait_geq(const uint64_t* flag, uint64_t target, uint64_t deadline_ns) {
+  constexpr unsigned kMaxSleepNs = 1024;
+  unsigned sleep_ns = 32;
+  while (ld_acquire_sys(flag) < target) {
+    if (global_timer_ns() > deadline_ns) return false;
+    __nanosleep(sleep_ns);
+    if (sleep_ns < kMaxSleepNs) sleep_ns *= 2;
+  }
+  return true;
+}
+
+}  // namespace moe_a2a::a2a::cuda

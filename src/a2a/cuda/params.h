@@ -1,0 +1,153 @@
+// Parameters of the CUDA kernels: plain structs of raw pointers and sizes,
+// passed by value to each launch. Host C++ includes this without CUDA.
+//
+// Two copies of the protocol's workspace (docs/protocol.md) exist per rank,
+// with the same Layout offsets:
+// - the host workspace (POSIX shared memory, registered with CUDA as mapped
+//   memory): routing rows and route/barrier flags, which the proxy reads, and
+//   every row that travels over the fabric (send, private/shared rows from
+//   remote senders, combine_send, combine_recv from remote receivers);
+// - the device workspace (cudaMalloc, mapped by same-node ranks through CUDA
+//   IPC): rows between ranks of one node, and the dispatch/combine flags that
+//   kernels of same-node ranks raise for each other.
+// Where the provider reads GPU memory (FI_HMEM), `fabric` can be the device
+// workspace itself; the kernels only ever use the `fabric` pointer for rows
+// that cross the fabric.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "../config.h"
+#include "../layout.h"
+
+namespace moe_a2a::a2a::cuda {
+
+// One rank's workspaces as this process reaches them (device pointers);
+// both null for ranks of other nodes.
+struct PeerWorkspaces {
+  uint8_t* device = nullptr;  // its device workspace (ours, or a CUDA IPC mapping)
+  uint8_t* host = nullptr;    // its host workspace (mapped shared memory)
+};
+
+// Flags of the host proxy (signals.h) as device pointers into pinned, mapped
+// host memory; all null when no peer is remote (nothing to wait for).
+struct ProxyFlags {
+  uint64_t* route_ready = nullptr;     // kernel -> proxy
+  uint64_t* packed = nullptr;          // kernel -> proxy
+  uint64_t* combine_packed = nullptr;  // kernel -> proxy
+  const uint64_t* dispatch_done = nullptr;  // proxy -> kernel
+  const uint64_t* combine_done = nullptr;   // proxy -> kernel
+  const uint64_t* overflow = nullptr;       // proxy -> kernel: epoch that exceeded max_recv_tokens
+  const uint64_t* failed = nullptr;         // proxy -> kernel: non-zero once the proxy stopped
+};
+
+// Outcome of the last call, written by kernels into mapped host memory so the
+// host can read it after synchronising, without another copy.
+enum Status : int32_t {
+  kStatusOk = 0,
+  kStatusCapacity = 1,     // some rank would receive more than max_recv_tokens copies
+  kStatusProxyFailed = 2,  // the proxy reported an error
+  kStatusTimeout = 3,      // a flag did not arrive within timeout_ns
+  kStatusBadExpert = 4,    // a topk id outside [0, num_experts): that copy was dropped
+};
+
+// What every kernel knows about the instance. Section offsets come from the
+// protocol's Layout, so positions agree with the CPU implementation.
+struct Instance {
+  Layout layout;
+  int32_t rank = 0;
+  int32_t world = 1;
+  int32_t num_experts = 0;
+  int32_t local_experts = 0;
+  int32_t topk = 0;
+  int32_t hidden = 0;
+  int32_t max_tokens = 0;
+  int32_t max_private = 0;   // P
+  int64_t max_recv = 0;      // Rmax
+  int32_t expert_padding = 1;
+  int32_t dispatch_dtype = 0;  // DType
+  int32_t combine_dtype = 0;   // DType
+  int32_t num_scales = 0;      // fp8: ceil(hidden / 128)
+  int64_t payload_bytes = 0;   // dispatch payload of one row (scales follow it)
+  int32_t has_remote = 0;      // some peer is on another node: wait for the proxy
+  int64_t timeout_ns = 0;      // how long a kernel waits for a flag
+
+  const PeerWorkspaces* peers = nullptr;  // [world], device memory
+  uint8_t* device_ws = nullptr;           // ours
+  uint8_t* host_ws = nullptr;             // ours, mapped
+  uint8_t* fabric_ws = nullptr;           // rows crossing the fabric: host_ws (or device_ws with FI_HMEM)
+  ProxyFlags proxy;
+  uint64_t* epoch = nullptr;   // device: raised by each dispatch, read by every later kernel
+  int32_t* status = nullptr;   // mapped host: Status of the last call
+};
+
+// Receiver-side placement of the copies from one sender (plan.h's RecvPlan,
+// per sender).
+struct SenderPlan {
+  int64_t copies = 0;      // c[s][rank]
+  int64_t recv_base = 0;   // sum_{s' < s} c[s'][rank]: combine_send staging row of (s, 0)
+  int64_t shared_off = 0;  // shared row of (s, P)
+  int64_t send_off = 0;    // send_off[s][rank]: (s, 0) in s's send section and combine_recv
+};
+
+// Output rows [out_row, out_row + count) of local expert `expert` hold copies
+// first_j.. of `sender`. Segments are stored expert-major (expert * world +
+// sender), so out_row never decreases with the index.
+struct Segment {
+  int32_t out_row = 0;
+  int32_t count = 0;
+  int32_t sender = 0;
+  int32_t first_j = 0;
+};
+
+// Device scratch of one instance: what a dispatch leaves for its receive half
+// and for the combine.
+struct Scratch {
+  int32_t* num_tokens = nullptr;   // [1] live T of the last dispatch_send
+  int32_t* slots = nullptr;        // [max_tokens * topk] send row of (t, k); -1 if dropped
+  int32_t* copy_rank = nullptr;    // [max_tokens * topk] destination rank of (t, k)
+  int64_t* send_start = nullptr;   // [world + 1] send_off[rank][r]
+  uint32_t* done_blocks = nullptr; // [1] blocks of the running launch that finished (reset by the last)
+  SenderPlan* senders = nullptr;   // [world]
+  Segment* segments = nullptr;     // [num_experts] = [local_experts][world]
+  int32_t* output_rows = nullptr;  // [1] padded output rows of the last dispatch_recv (device)
+  int32_t* output_rows_host = nullptr;  // [1] the same, in mapped host memory
+};
+
+struct DispatchSendParams {
+  Instance inst;
+  Scratch scratch;
+  const void* x = nullptr;       // [T, hidden] in x_dtype
+  int32_t x_dtype = 0;           // DType; kFp8 means already quantised, with x_scale
+  const float* x_scale = nullptr;  // [T, num_scales] when x is fp8
+  const void* topk_ids = nullptr;  // [T, topk], int32 or int64
+  int32_t ids_are_64bit = 0;
+  int32_t num_tokens = 0;                  // T, unless num_tokens_ptr is set
+  const int32_t* num_tokens_ptr = nullptr; // device T (graph replays with a varying T)
+};
+
+struct DispatchRecvParams {
+  Instance inst;
+  Scratch scratch;
+  void* out_x = nullptr;          // [max_output_rows, hidden] in dispatch dtype
+  float* out_scale = nullptr;     // [max_output_rows, num_scales] for fp8
+  int32_t* tokens_per_expert = nullptr;  // [local_experts], unpadded
+  int64_t max_output_rows = 0;    // rows of out_x: max_recv + local_experts * (expert_padding - 1)
+};
+
+struct CombineSendParams {
+  Instance inst;
+  Scratch scratch;
+  const void* y = nullptr;  // [output rows, hidden] in y_dtype (bf16 or fp32)
+  int32_t y_dtype = 0;
+};
+
+struct CombineRecvParams {
+  Instance inst;
+  Scratch scratch;
+  const float* weights = nullptr;  // [T, topk]
+  void* out = nullptr;             // [T, hidden] in combine dtype
+};
+
+}  // namespace moe_a2a::a2a::cuda

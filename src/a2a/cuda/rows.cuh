@@ -1,0 +1,187 @@
+// Element conversions and row pieces shared by the kernels. A thread works on
+// a piece of kVec consecutive elements of a row; pieces start at multiples of
+// kVec, so 16 consecutive threads cover exactly one fp8 scale block.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "memory.cuh"
+#include "params.h"
+
+namespace moe_a2a::a2a::cuda {
+
+constexpr int kVec = 8;                             // elements per thread piece
+constexpr int kLanesPerScaleBlock = kFp8Block / kVec;  // 16
+constexpr int kWarp = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kMaxTopk = 64;
+
+static_assert(kFp8Block % kVec == 0 && kWarp % kLanesPerScaleBlock == 0,
+              "a scale block must be whole pieces within one warp");
+
+__device__ __forceinline__ int dtype_size(int dtype) {
+  return dtype == static_cast<int>(DType::kFp32) ? 4 : dtype == static_cast<int>(DType::kBf16) ? 2 : 1;
+}
+
+__device__ __forceinline__ bool aligned(const void* p, unsigned bytes) {
+  return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
+}
+
+__device__ __forceinline__ float bf16_bits_to_float(uint16_t b) {
+  return __uint_as_float(static_cast<uint32_t>(b) << 16);
+}
+
+__device__ __forceinline__ uint16_t float_to_bf16_bits(float f) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+}
+
+// Loads elements [first, first + n) of a bf16 or fp32 row as floats (n <= kVec;
+// the rest are 0, which leaves an fp8 block's amax unchanged).
+__device__ __forceinline__ void load_piece(const void* row, int dtype, int64_t first, int n, float (&v)[kVec]) {
+  if (dtype == static_cast<int>(DType::kBf16)) {
+    const auto* p = static_cast<const uint16_t*>(row) + first;
+    if (n == kVec && aligned(p, 16)) {
+      uint4 raw = ld_16_stream(p);
+      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        v[2 * i] = __uint_as_float(w[i] << 16);
+        v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+      }
+      return;
+    }
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) v[i] = i < n ? bf16_bits_to_float(p[i]) : 0.0f;
+    return;
+  }
+  const auto* p = static_cast<const float*>(row) + first;
+  if (n == kVec && aligned(p, 16)) {
+    uint4 a = ld_16_stream(p), b = ld_16_stream(p + 4);
+    v[0] = __uint_as_float(a.x), v[1] = __uint_as_float(a.y), v[2] = __uint_as_float(a.z), v[3] = __uint_as_float(a.w);
+    v[4] = __uint_as_float(b.x), v[5] = __uint_as_float(b.y), v[6] = __uint_as_float(b.z), v[7] = __uint_as_float(b.w);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) v[i] = i < n ? p[i] : 0.0f;
+}
+
+// A piece converted to its stored form: up to 32 bytes (8 fp32).
+struct Encoded {
+  uint4 lo, hi;
+};
+
+__device__ __forceinline__ Encoded encode_bf16(const float (&v)[kVec]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    w[i] = static_cast<uint32_t>(float_to_bf16_bits(v[2 * i])) |
+           (static_cast<uint32_t>(float_to_bf16_bits(v[2 * i + 1])) << 16);
+  return {make_uint4(w[0], w[1], w[2], w[3]), make_uint4(0, 0, 0, 0)};
+}
+
+__device__ __forceinline__ Encoded encode_fp32(const float (&v)[kVec]) {
+  return {make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3])),
+          make_uint4(__float_as_uint(v[4]), __float_as_uint(v[5]), __float_as_uint(v[6]), __float_as_uint(v[7]))};
+}
+
+// e4m3(v / scale), round to nearest even, saturating at +-448: the same bits
+// as reference.quantize_fp8 (true fp32 division, then clamp and convert).
+__device__ __forceinline__ Encoded encode_fp8(const float (&v)[kVec], float scale) {
+  uint32_t w[2] = {0, 0};
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) {
+    __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(__fdiv_rn(v[i], scale), __NV_SATFINITE, __NV_E4M3);
+    w[i / 4] |= static_cast<uint32_t>(q) << (8 * (i % 4));
+  }
+  return {make_uint4(w[0], w[1], 0, 0), make_uint4(0, 0, 0, 0)};
+}
+
+// Stores the first n elements (of `elem_bytes` each) of a piece at dst.
+__device__ __forceinline__ void store_piece(uint8_t* dst, const Encoded& e, int elem_bytes, int n) {
+  const int bytes = n * elem_bytes;
+  if (n == kVec) {
+    if (elem_bytes == 1 && aligned(dst, 8)) return st_8(dst, make_uint2(e.lo.x, e.lo.y));
+    if (elem_bytes == 2 && aligned(dst, 16)) return st_16(dst, e.lo);
+    if (elem_bytes == 4 && aligned(dst, 16)) {
+      st_16(dst, e.lo);
+      st_16(dst + 16, e.hi);
+      return;
+    }
+  }
+  // Tail of a row: bytewise, fully unrolled so the piece stays in registers.
+  const uint32_t w[8] = {e.lo.x, e.lo.y, e.lo.z, e.lo.w, e.hi.x, e.hi.y, e.hi.z, e.hi.w};
+#pragma unroll
+  for (int i = 0; i < kVec * 4; ++i)
+    if (i < bytes) dst[i] = static_cast<uint8_t>(w[i / 4] >> (8 * (i % 4)));
+}
+
+// Scales follow the fp8 payload at byte offset `hidden`, which is 4-aligned
+// only when hidden is; store bytewise otherwise.
+__device__ __forceinline__ void store_f32(uint8_t* dst, float v) {
+  if (aligned(dst, 4)) {
+    *reinterpret_cast<float*>(dst) = v;
+    return;
+  }
+  uint32_t u = __float_as_uint(v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) dst[i] = static_cast<uint8_t>(u >> (8 * i));
+}
+
+__device__ __forceinline__ float load_f32(const uint8_t* src) {
+  if (aligned(src, 4)) return *reinterpret_cast<const float*>(src);
+  uint32_t u = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) u |= static_cast<uint32_t>(src[i]) << (8 * i);
+  return __uint_as_float(u);
+}
+
+// Copies `bytes` bytes from src to dst with one warp: 16-byte accesses when
+// both ends allow it, kUnroll of them in flight per lane.
+__device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane) {
+  constexpr int kUnroll = 4;
+  if (aligned(dst, 16) && aligned(src, 16)) {
+    const int64_t vecs = bytes / 16;
+    int64_t i = lane;
+    for (; i + (kUnroll - 1) * kWarp < vecs; i += kUnroll * kWarp) {
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) v[u] = ld_16_stream(src + (i + u * kWarp) * 16);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) st_16(dst + (i + u * kWarp) * 16, v[u]);
+    }
+    for (; i < vecs; i += kWarp) st_16(dst + i * 16, ld_16_stream(src + i * 16));
+    for (int64_t b = vecs * 16 + lane; b < bytes; b += kWarp) dst[b] = src[b];
+    return;
+  }
+  if (aligned(dst, 4) && aligned(src, 4)) {
+    const int64_t words = bytes / 4;
+    for (int64_t i = lane; i < words; i += kWarp)
+      reinterpret_cast<uint32_t*>(dst)[i] = reinterpret_cast<const uint32_t*>(src)[i];
+    for (int64_t b = words * 4 + lane; b < bytes; b += kWarp) dst[b] = src[b];
+    return;
+  }
+  for (int64_t b = lane; b < bytes; b += kWarp) dst[b] = src[b];
+}
+
+// Location helpers on the Layout (host-only methods there).
+__device__ __forceinline__ uint64_t* flag_ptr(uint8_t* ws, const Layout& l, int sender, int kind) {
+  return reinterpret_cast<uint64_t*>(ws + l.flags + (static_cast<size_t>(sender) * kNumFlagKinds + kind) * kFlagStride);
+}
+
+__device__ __forceinline__ uint32_t* routing_row(uint8_t* ws, const Layout& l, int sender, int num_experts) {
+  return reinterpret_cast<uint32_t*>(ws + l.routing) + static_cast<size_t>(sender) * num_experts;
+}
+
+__device__ __forceinline__ bool same_node(const Instance& in, int r) { return in.peers[r].device != nullptr; }
+
+// Records an error for the host. Atomics on mapped host memory are not atomic
+// across PCIe, and errors are rare: a plain store, so some error wins.
+__device__ __forceinline__ void report(const Instance& in, int32_t status) {
+  volatile int32_t* s = in.status;
+  if (*s == kStatusOk) *s = status;
+}
+
+}  // namespace moe_a2a::a2a::cuda

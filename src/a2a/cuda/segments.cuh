@@ -1,0 +1,44 @@
+// The receiver's plan, row by row: output row -> (sender, j). Shared by
+// dispatch recv (which fills output rows) and combine send (which returns
+// them), so both walk the same rows in the same way.
+#pragma once
+
+#include "params.h"
+#include "rows.cuh"
+
+namespace moe_a2a::a2a::cuda {
+
+// Copies the segment table (num_experts entries) into shared memory; the
+// caller synchronises afterwards.
+__device__ __forceinline__ void load_segments(Segment* dst, const Segment* src, int count) {
+  for (int i = threadIdx.x; i < count; i += blockDim.x) dst[i] = src[i];
+}
+
+// Finds the segment holding output `row`: the last one starting at or before
+// it (later empty segments start after its end). Returns false for padding.
+__device__ __forceinline__ bool locate(const Segment* segs, int count, int row, int* sender, int* j) {
+  int lo = 0, hi = count;  // segs[0].out_row == 0 <= row
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (segs[mid].out_row <= row) lo = mid;
+    else hi = mid;
+  }
+  const Segment s = segs[lo];
+  if (row >= s.out_row + s.count) return false;
+  *sender = s.sender;
+  *j = s.first_j + (row - s.out_row);
+  return true;
+}
+
+// Warps of a persistent grid take output rows round-robin.
+struct RowWalk {
+  int first, stride, lane;
+  __device__ RowWalk() {
+    const int warps = blockDim.x / kWarp;
+    first = blockIdx.x * warps + threadIdx.x / kWarp;
+    stride = gridDim.x * warps;
+    lane = threadIdx.x % kWarp;
+  }
+};
+
+}  // namespace moe_a2a::a2a::cuda

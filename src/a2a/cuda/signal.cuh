@@ -1,0 +1,27 @@
+// "This launch has finished writing": the last block of a grid to finish
+// raises the epoch in every same-node peer's flag (device workspace, CUDA IPC)
+// and in the proxy's flag (mapped host memory). One launch fewer than a
+// separate signalling kernel, which matters at decode sizes.
+#pragma once
+
+#include "memory.cuh"
+#include "rows.cuh"
+
+namespace moe_a2a::a2a::cuda {
+
+__device__ __forceinline__ void signal_when_grid_done(const Instance& in, uint32_t* done_blocks, int kind,
+                                                      uint64_t* proxy_flag) {
+  __syncthreads();  // the block's stores precede thread 0's fence
+  if (threadIdx.x != 0) return;
+  fence_sys();  // our rows are visible everywhere before we are counted
+  const uint32_t finished = atomicAdd(done_blocks, 1u);
+  if (finished != gridDim.x - 1) return;
+  *done_blocks = 0;  // ready for the next launch (stream order)
+  fence_sys();       // every other block's rows, observed through the count, before the flags
+  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(in.epoch);
+  for (int r = 0; r < in.world; ++r)
+    if (same_node(in, r)) st_release_sys(flag_ptr(in.peers[r].device, in.layout, in.rank, kind), epoch);
+  if (proxy_flag != nullptr) st_release_sys(proxy_flag, epoch);
+}
+
+}  // namespace moe_a2a::a2a::cuda

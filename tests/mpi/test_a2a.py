@@ -1,0 +1,262 @@
+"""Dispatch and combine across real MPI ranks, checked against the in-process reference.
+
+Every rank draws every rank's inputs from one seed, so each can compute the
+reference for itself. Run under `mpirun -n N python -m pytest --with-mpi tests/mpi`
+with `MOE_A2A_TEST_PROVIDER` set to tcp or shm.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from moe_a2a import FabricError
+from moe_a2a.all_to_all import AllToAll, CapacityError, Config
+from moe_a2a.reference import combine_reference, dispatch_reference
+
+COMM = MPI.COMM_WORLD
+RANK, WORLD = COMM.Get_rank(), COMM.Get_size()
+PROVIDER = os.environ.get("MOE_A2A_TEST_PROVIDER", "tcp")
+HIDDEN = 200  # not a multiple of 128: the last fp8 block is short
+EXPERTS_PER_RANK = 3 if WORLD > 1 else 8  # top-4 of 3 per rank: several picks land on one rank
+TIMEOUT_S = 30.0
+
+
+def layouts() -> list[int | None]:
+    """Node layouts that make both the same-node and the fabric path carry traffic."""
+    out: list[int | None] = [None]  # one node: shared memory only
+    if WORLD > 1:
+        out.append(1)  # every rank its own node: fabric only
+    if WORLD > 2 and WORLD % 2 == 0:
+        out.append(2)  # both at once
+    return out
+
+
+def make_a2a(rpn: int | None, **overrides: object) -> AllToAll:
+    params: dict[str, object] = dict(
+        max_tokens=24,
+        hidden=HIDDEN,
+        num_experts=EXPERTS_PER_RANK * WORLD,
+        topk=4,
+        dispatch_dtype="bf16",
+        combine_dtype="bf16",
+        expert_padding=1,
+        timeout_s=TIMEOUT_S,
+    )
+    params.update(overrides)
+    return AllToAll(Config(**params), provider=PROVIDER, ranks_per_node=rpn)  # type: ignore[arg-type]
+
+
+@dataclass
+class Inputs:
+    xs: list[torch.Tensor]
+    ids: list[torch.Tensor]
+    weights: list[torch.Tensor]
+
+
+Router = Callable[[torch.Generator, int, int, int], torch.Tensor]
+
+
+def random_router(g: torch.Generator, tokens: int, experts: int, topk: int) -> torch.Tensor:
+    """Distinct experts per token, uniformly at random."""
+    if tokens == 0:
+        return torch.empty(0, topk, dtype=torch.int64)
+    return torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)])
+
+
+def make_inputs(
+    seed: int, cfg: Config, router: Router = random_router, tokens: list[int] | None = None
+) -> Inputs:
+    g = torch.Generator().manual_seed(seed)
+    if tokens is None:
+        tokens = [int(torch.randint(0, cfg.max_tokens + 1, (1,), generator=g)) for _ in range(WORLD)]
+    xs = [(torch.randn(t, cfg.hidden, generator=g) * 4).to(torch.bfloat16) for t in tokens]
+    ids = [router(g, t, cfg.num_experts, cfg.topk) for t in tokens]
+    weights = [torch.rand(t, cfg.topk, generator=g) for t in tokens]
+    return Inputs(xs, ids, weights)
+
+
+def expert_fn(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """A cheap stand-in for the experts that depends on every element."""
+    xf = x.float()
+    if scale is not None:
+        xf = xf * scale.repeat_interleave(128, dim=1)[:, : x.shape[1]]
+    return (xf * 0.75 + 0.5).to(torch.bfloat16)
+
+
+def check_round(a2a: AllToAll, inp: Inputs, split: bool = False) -> torch.Tensor:
+    """One dispatch + combine on this rank, compared with the reference; returns the output."""
+    cfg = a2a.cfg
+    if split:
+        pending = a2a.dispatch(inp.xs[RANK], inp.ids[RANK], inp.weights[RANK], recv=False)
+        busy = torch.randn(64, 64) @ torch.randn(64, 64)  # other work while bytes fly
+        d = a2a.dispatch(handle=pending, send=False)
+        assert busy.shape == (64, 64)
+    else:
+        d = a2a.dispatch(inp.xs[RANK], inp.ids[RANK], inp.weights[RANK])
+    ref = dispatch_reference(inp.xs, inp.ids, cfg.num_experts, cfg.dispatch_dtype, cfg.expert_padding)
+    mine = ref[RANK]
+    assert torch.equal(d.tokens_per_expert, mine.tokens_per_expert)
+    assert d.expert_x.shape == mine.expert_x.shape
+    valid = mine.origin[:, 0] >= 0  # padding rows hold no meaning
+    assert torch.equal(d.expert_x[valid].view(torch.uint8), mine.expert_x[valid].view(torch.uint8))
+    if cfg.dispatch_dtype == "fp8":
+        assert d.expert_x_scale is not None and mine.expert_x_scale is not None
+        assert torch.equal(d.expert_x_scale[valid], mine.expert_x_scale[valid])
+    else:
+        assert d.expert_x_scale is None
+
+    y = expert_fn(d.expert_x, d.expert_x_scale)
+    if split:
+        pending_c = a2a.combine(y, d, recv=False)
+        out = a2a.combine(handle=pending_c, send=False)
+    else:
+        out = a2a.combine(y, d)
+    ys = [expert_fn(r.expert_x, r.expert_x_scale) for r in ref]
+    expected = combine_reference(ys, ref, inp.weights, cfg.combine_dtype)[RANK]
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    torch.testing.assert_close(out.float(), expected.float(), rtol=1.6e-2, atol=1e-2)
+    return out
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("rpn", layouts())
+@pytest.mark.parametrize(
+    ("dispatch_dtype", "combine_dtype", "padding"),
+    [("bf16", "bf16", 1), ("fp8", "bf16", 4), ("fp32", "fp32", 3)],
+)
+def test_matches_reference(rpn: int | None, dispatch_dtype: str, combine_dtype: str, padding: int) -> None:
+    with make_a2a(
+        rpn, dispatch_dtype=dispatch_dtype, combine_dtype=combine_dtype, expert_padding=padding
+    ) as a2a:
+        for it in range(4):
+            check_round(a2a, make_inputs(1000 + it, a2a.cfg))
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("rpn", layouts())
+def test_hard_routings(rpn: int | None) -> None:
+    """Zero tokens, one hot expert, one hot rank, several picks per rank, overflowing private slots."""
+    with make_a2a(rpn, max_private_tokens=2, dispatch_dtype="fp8") as a2a:
+        cfg = a2a.cfg
+        full = [cfg.max_tokens] * WORLD
+
+        def one_expert(g: torch.Generator, t: int, e: int, k: int) -> torch.Tensor:
+            # Every token's first pick is expert 0; the rest are random and distinct.
+            ids = random_router(g, t, e, k)
+            for row in ids:
+                if 0 in row.tolist():
+                    row[row.tolist().index(0)] = row[0].item()
+                row[0] = 0
+            return ids
+
+        def one_rank(g: torch.Generator, t: int, e: int, k: int) -> torch.Tensor:
+            # As many picks as fit (distinct) on the last rank's experts, the rest elsewhere.
+            last = list(range((WORLD - 1) * EXPERTS_PER_RANK, e))
+            rows = []
+            for _ in range(t):
+                mine = [last[i] for i in torch.randperm(len(last), generator=g)[: min(k, len(last))]]
+                others = [x for x in torch.randperm(e, generator=g).tolist() if x not in last]
+                rows.append(mine + others[: k - len(mine)])
+            return torch.tensor(rows, dtype=torch.int64).reshape(t, k)
+
+        zero_on_rank0 = [0] + [cfg.max_tokens] * (WORLD - 1)
+        check_round(a2a, make_inputs(7, cfg, tokens=zero_on_rank0))
+        check_round(a2a, make_inputs(8, cfg, tokens=[0] * WORLD))
+        check_round(a2a, make_inputs(9, cfg, router=one_expert, tokens=full))
+        check_round(a2a, make_inputs(10, cfg, router=one_rank, tokens=full))
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(240)
+def test_many_iterations_reuse_buffers() -> None:
+    """200 rounds with new routing each time, alternating whole and split calls."""
+    rpn = layouts()[-1]
+    with make_a2a(rpn, max_private_tokens=3) as a2a:
+        for it in range(200):
+            check_round(a2a, make_inputs(5000 + it, a2a.cfg), split=it % 2 == 1)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_deterministic() -> None:
+    with make_a2a(layouts()[-1], dispatch_dtype="fp8") as a2a:
+        inp = make_inputs(42, a2a.cfg)
+        first = check_round(a2a, inp)
+        second = check_round(a2a, inp)
+    assert torch.equal(first.view(torch.int16), second.view(torch.int16))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_capacity_error_then_next_call_works() -> None:
+    rpn = layouts()[-1]
+    # Room for 4 copies per rank: a full round needs far more.
+    with make_a2a(rpn, max_recv_tokens=4, max_private_tokens=1) as a2a:
+        cfg = a2a.cfg
+        big = make_inputs(77, cfg, tokens=[cfg.max_tokens] * WORLD)
+        with pytest.raises(CapacityError, match="max_recv_tokens=4"):
+            a2a.dispatch(big.xs[RANK], big.ids[RANK], big.weights[RANK])
+        # One token in the whole world: 4 copies, which fit anywhere.
+        check_round(a2a, make_inputs(78, cfg, tokens=[1] + [0] * (WORLD - 1)))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_validation_errors() -> None:
+    with make_a2a(None) as a2a:
+        cfg = a2a.cfg
+        x = torch.randn(3, cfg.hidden).to(torch.bfloat16)
+        ids = torch.zeros(3, cfg.topk, dtype=torch.int64)
+        w = torch.rand(3, cfg.topk)
+        with pytest.raises(ValueError, match=r"topk_ids: found expert id .*expected ids in \[0, "):
+            a2a.dispatch(x, ids + cfg.num_experts, w)
+        with pytest.raises(ValueError, match="x: got .* expected"):
+            a2a.dispatch(x[:, :-1], ids, w)
+        many = cfg.max_tokens + 1
+        with pytest.raises(ValueError, match="max_tokens"):
+            a2a.dispatch(
+                torch.randn(many, cfg.hidden),
+                torch.zeros(many, cfg.topk, dtype=torch.long),
+                torch.rand(many, cfg.topk),
+            )
+        with pytest.raises(ValueError, match="dtype"):
+            a2a.dispatch(x.to(torch.float16), ids, w)
+        with pytest.raises(ValueError, match="topk_weights"):
+            a2a.dispatch(x, ids, w[:, :1])
+        with pytest.raises(RuntimeError, match="latest dispatch|not the latest"):
+            a2a.combine(torch.zeros(0, cfg.hidden), make_fake_dispatched())
+        # A bad call leaves the instance working.
+        check_round(a2a, make_inputs(3, cfg))
+    if WORLD > 1:  # every count divides a world of one
+        with pytest.raises(ValueError, match="num_experts.*not divisible by the world size"):
+            AllToAll(Config(max_tokens=4, hidden=8, num_experts=WORLD + 1, topk=1), provider=PROVIDER)
+    with pytest.raises(ValueError, match="topk: got 9; expected at most num_experts=8"):
+        Config(max_tokens=4, hidden=8, num_experts=8, topk=9)
+
+
+def make_fake_dispatched():  # type: ignore[no-untyped-def]
+    from moe_a2a.all_to_all import Dispatched
+
+    return Dispatched(torch.zeros(0, HIDDEN), None, torch.zeros(EXPERTS_PER_RANK, dtype=torch.int32))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_silent_peer_times_out_with_clear_error() -> None:
+    """A peer that never takes part: the others fail within the timeout, naming it, and do not hang."""
+    silent = WORLD - 1
+    a2a = make_a2a(1, timeout_s=2.0)
+    started = time.monotonic()
+    if RANK != silent:
+        inp = make_inputs(5, a2a.cfg, tokens=[4] * WORLD)
+        with pytest.raises(FabricError, match=f"peer {silent}"):
+            a2a.dispatch(inp.xs[RANK], inp.ids[RANK], inp.weights[RANK])
+        assert time.monotonic() - started < 30
+        with pytest.raises(RuntimeError, match="unusable after an earlier failure"):
+            a2a.dispatch(inp.xs[RANK], inp.ids[RANK], inp.weights[RANK])
+    COMM.Barrier()
+    a2a.close(wait_for_peers=False)

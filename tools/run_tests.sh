@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The whole test suite: lint, unit tests, then the multi-rank tests under
+# mpirun for each provider and world size. Only rank 0 writes to the console;
+# the other ranks' output goes to per-rank logs, shown when a run fails.
+# Ends with one line that sums every pytest run.
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT" || exit 1
+LOGS=${MOE_A2A_TEST_LOGS:-$ROOT/out/test-logs}
+rm -rf "$LOGS" && mkdir -p "$LOGS"
+MPIRUN=(mpirun --allow-run-as-root --oversubscribe)
+status=0
+
+step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+
+step "ruff"
+ruff check python tests || status=1
+
+step "unit tests"
+python -m pytest -q -p no:cacheprovider tests/unit --junitxml="$LOGS/unit.xml" || status=1
+
+# provider:world sizes for the multi-rank suites
+MATRIX=("tcp:1 2 3 4 8" "shm:1 2 3 4 8")
+for entry in "${MATRIX[@]}"; do
+  provider=${entry%%:*}
+  for n in ${entry#*:}; do
+    step "multi-rank tests: provider=$provider ranks=$n"
+    run="$LOGS/$provider-n$n"
+    mkdir -p "$run"
+    if ! MOE_A2A_TEST_PROVIDER=$provider MOE_A2A_RANK_LOGS=$run timeout 1500 \
+        "${MPIRUN[@]}" -n "$n" "$ROOT/tools/rank0_console.sh" \
+        python -m pytest -q -p no:cacheprovider --with-mpi tests/mpi --junitxml="$run/junit.xml"; then
+      status=1
+      for f in "$run"/rank*.log; do
+        [[ -e $f ]] || continue
+        echo "---- $f (last 60 lines)"
+        tail -n 60 "$f"
+      done
+    fi
+  done
+done
+
+step "summary"
+python "$ROOT/tools/sum_junit.py" "$LOGS" || status=1
+exit $status
