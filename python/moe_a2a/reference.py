@@ -32,7 +32,8 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = padded.view(tokens, blocks, FP8_BLOCK).abs().amax(dim=2)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     scaled = padded.view(tokens, blocks, FP8_BLOCK) / scale.unsqueeze(2)
-    q = scaled.clamp(-FP8_MAX, FP8_MAX).reshape(tokens, blocks * FP8_BLOCK)[:, :hidden].to(torch.float8_e4m3fn)
+    clamped = scaled.clamp(-FP8_MAX, FP8_MAX).reshape(tokens, blocks * FP8_BLOCK)
+    q = clamped[:, :hidden].to(torch.float8_e4m3fn)
     return q, scale
 
 

@@ -5,6 +5,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include "a2a/cpu/convert.h"
 #include "a2a/cpu/cpu_all_to_all.h"
 #include "a2a/errors.h"
 #include "a2a/workspace.h"
@@ -24,6 +25,29 @@ T* ptr(uintptr_t p) {
 void bind_a2a(nb::module_& m) {
   using release = nb::call_guard<nb::gil_scoped_release>;
   nb::exception<CapacityError>(m, "CapacityError", PyExc_RuntimeError);
+
+  // The CPU number formats, exposed so tests can hold them against torch.
+  m.def(
+      "f32_to_e4m3",
+      [](const nb::bytes& f32) {
+        size_t n = f32.size() / sizeof(float);
+        std::string out(n, '\0');
+        const auto* in = static_cast<const float*>(f32.data());
+        for (size_t i = 0; i < n; ++i) out[i] = static_cast<char>(cpu::f32_to_e4m3(in[i]));
+        return nb::bytes(out.data(), out.size());
+      },
+      nb::arg("f32"), "fp32 values (bytes) to e4m3fn codes (bytes), as the CPU dispatch quantises.");
+  m.def(
+      "f32_to_bf16",
+      [](const nb::bytes& f32) {
+        size_t n = f32.size() / sizeof(float);
+        std::string out(n * 2, '\0');
+        const auto* in = static_cast<const float*>(f32.data());
+        auto* o = reinterpret_cast<uint16_t*>(out.data());
+        for (size_t i = 0; i < n; ++i) o[i] = cpu::f32_to_bf16(in[i]);
+        return nb::bytes(out.data(), out.size());
+      },
+      nb::arg("f32"));
 
   nb::enum_<DType>(m, "DType").value("bf16", DType::kBf16).value("fp32", DType::kFp32).value("fp8", DType::kFp8);
 

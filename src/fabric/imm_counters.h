@@ -3,6 +3,7 @@
 // wait are counted, so a fast peer is never missed.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -33,6 +34,7 @@ class ImmCounters {
   // Returns the count seen when time ran out, or n on success.
   bool wait(uint32_t imm, uint64_t n, std::chrono::nanoseconds timeout, const std::function<void()>& check_failed,
             uint64_t* seen) {
+    WaiterScope scope(&waiters_);
     auto deadline = std::chrono::steady_clock::now() + timeout;
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
@@ -53,8 +55,18 @@ class ImmCounters {
     }
   }
 
+  // Threads blocked in wait(): while any is, the worker keeps polling
+  // instead of sleeping (providers with manual progress move bytes only then).
+  int waiters() const { return waiters_.load(std::memory_order_relaxed); }
+
  private:
+  struct WaiterScope {
+    explicit WaiterScope(std::atomic<int>* n) : n_(n) { n_->fetch_add(1); }
+    ~WaiterScope() { n_->fetch_sub(1); }
+    std::atomic<int>* n_;
+  };
   static constexpr std::chrono::milliseconds kCheckInterval{5};
+  std::atomic<int> waiters_{0};
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::unordered_map<uint32_t, uint64_t> counts_;

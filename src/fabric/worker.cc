@@ -167,7 +167,10 @@ void Worker::run() {
     }
     ++idle_polls;
     if (idle_polls < idle_.spin_polls) continue;
-    if (idle_polls < idle_.yield_polls) {
+    // Bytes still in flight, or a caller waiting for arrivals: keep driving
+    // progress, but let other threads run between polls.
+    const bool expecting = !pending_.empty() || !inflight_.empty() || imms_->waiters() > 0;
+    if (expecting || idle_polls < idle_.yield_polls) {
       sched_yield();
       continue;
     }

@@ -1,5 +1,6 @@
 // Combine, receive half: out[t] = sum_k w[t,k] * y(t,k), accumulated in fp32
 // in k order, stored in the combine dtype.
+#include <cstring>
 #include <vector>
 
 #include "convert.h"
@@ -12,17 +13,16 @@ void reduce_combine(const CombineRecvParams& p) {
   const int H = c.hidden, K = c.topk;
   const size_t crow = p.layout->combine_row;
   const uint8_t* rows = p.ws + p.layout->combine_recv;
-  std::vector<float> acc(H);
+  std::vector<float> acc(H), y(H);
   for (int t = 0; t < p.num_tokens; ++t) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int k = 0; k < K; ++k) {
-      float w = p.weights[t * K + k];
-      const uint8_t* y = rows + static_cast<size_t>(p.slots[t * K + k]) * crow;
-      for (int h = 0; h < H; ++h) acc[h] += w * load_element(y, c.combine_dtype, h);
+      const float w = p.weights[t * K + k];
+      load_row(rows + static_cast<size_t>(p.slots[t * K + k]) * crow, c.combine_dtype, H, y.data());
+      for (int h = 0; h < H; ++h) acc[h] += w * y[h];
     }
     if (c.combine_dtype == DType::kFp32) {
-      auto* out = static_cast<float*>(p.out) + static_cast<size_t>(t) * H;
-      for (int h = 0; h < H; ++h) out[h] = acc[h];
+      std::memcpy(static_cast<float*>(p.out) + static_cast<size_t>(t) * H, acc.data(), H * sizeof(float));
     } else {
       auto* out = static_cast<uint16_t*>(p.out) + static_cast<size_t>(t) * H;
       for (int h = 0; h < H; ++h) out[h] = f32_to_bf16(acc[h]);

@@ -31,11 +31,12 @@ void pack_dispatch(const DispatchSendParams& p) {
   }
 
   std::vector<uint8_t> encoded(row);
+  std::vector<float> scratch(c.hidden);
   const size_t x_row_bytes = static_cast<size_t>(c.hidden) * dtype_bytes(p.x_dtype);
   for (int t = 0; t < p.num_tokens; ++t) {
     const void* x = static_cast<const uint8_t*>(p.x) + t * x_row_bytes;
     const float* scale = p.x_scale ? p.x_scale + static_cast<size_t>(t) * c.num_scales() : nullptr;
-    encode_row(x, p.x_dtype, scale, c, encoded.data());
+    encode_row(x, p.x_dtype, scale, c, encoded.data(), scratch.data());
     for (int k = 0; k < K; ++k) {
       int e = p.topk_ids[t * K + k];
       int r = e / L;

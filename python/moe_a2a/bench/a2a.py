@@ -1,0 +1,275 @@
+"""`moe-a2a bench a2a`: dispatch and combine latency against an MPI baseline.
+
+Run under mpirun, for example
+    mpirun -n 4 --oversubscribe moe-a2a bench a2a --shape decode --ranks-per-node 1
+
+Both sides move the same tokens in the same run, iteration by iteration:
+- moe-a2a: `AllToAll.dispatch` (fp8 quantisation included) and `AllToAll.combine`;
+- baseline, written the way an MPI user would: quantise, sort copies by expert,
+  `Alltoall` of counts, `Alltoallv` of token rows and of expert ids, group by
+  local expert; then `Alltoallv` of the expert outputs back and the weighted sum.
+
+Each timed phase starts after an MPI barrier; its time is the slowest rank's.
+Before timing, one round of each is run and their combine outputs compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+SHAPES = {
+    # DeepSeek-V3 decode: 128 tokens per rank.
+    "decode": dict(tokens=128, hidden=7168, num_experts=256, topk=8),
+    # Prefill, scaled to what two CPU cores and 24 GiB hold for 4 ranks (flags change it).
+    "prefill": dict(tokens=1024, hidden=7168, num_experts=256, topk=8),
+}
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class Round:
+    """One rank's inputs for one iteration."""
+
+    x: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor
+
+
+def make_round(seed: int, rank: int, tokens: int, hidden: int, experts: int, topk: int) -> Round:
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 65537 + rank)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    ids = torch.argsort(torch.rand(tokens, experts, generator=g), dim=1)[:, :topk].contiguous()
+    weights = torch.rand(tokens, topk, generator=g)
+    return Round(x, ids, weights)
+
+
+class MpiBaseline:
+    """Dispatch/combine as a user of mpi4py would write it, vectorised with torch."""
+
+    def __init__(self, comm: Any, num_experts: int, dispatch_dtype: str) -> None:
+        self.comm = comm
+        self.world = comm.Get_size()
+        self.local = num_experts // self.world
+        self.fp8 = dispatch_dtype == "fp8"
+
+    def dispatch(self, r: Round) -> dict[str, Any]:
+        import torch
+
+        from moe_a2a.reference import quantize_fp8
+
+        tokens, topk = r.ids.shape
+        if self.fp8:
+            q, scale = quantize_fp8(r.x)
+            rows = torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=1)
+        else:
+            rows = r.x.view(torch.uint8)
+        flat = r.ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # by expert, hence by rank
+        token_of = order // topk
+        send_rows = rows[token_of].contiguous()
+        send_experts = flat[order].to(torch.int32).contiguous()
+        send_counts = torch.bincount(flat // self.local, minlength=self.world).numpy().astype(np.int64)
+        recv_counts = np.empty(self.world, dtype=np.int64)
+        self.comm.Alltoall(send_counts, recv_counts)
+        row_bytes = send_rows.shape[1]
+        recv_rows = np.empty((int(recv_counts.sum()), row_bytes), dtype=np.uint8)
+        self.comm.Alltoallv(
+            [send_rows.numpy(), send_counts * row_bytes], [recv_rows, recv_counts * row_bytes]
+        )
+        recv_experts = np.empty(int(recv_counts.sum()), dtype=np.int32)
+        self.comm.Alltoallv([send_experts.numpy(), send_counts], [recv_experts, recv_counts])
+        group = torch.argsort(torch.from_numpy(recv_experts), stable=True)
+        expert_x = torch.from_numpy(recv_rows)[group]
+        return dict(
+            expert_x=expert_x,
+            group=group,
+            order=order,
+            token_of=token_of,
+            send_counts=send_counts,
+            recv_counts=recv_counts,
+            tokens=tokens,
+        )
+
+    def combine(self, y: torch.Tensor, state: dict[str, Any], weights: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        back = torch.empty_like(y)
+        back[state["group"]] = y  # arrival order again
+        hidden = y.shape[1]
+        row_bytes = hidden * y.element_size()
+        recv = np.empty((len(state["order"]), row_bytes), dtype=np.uint8)
+        self.comm.Alltoallv(
+            [back.view(torch.uint8).numpy(), state["recv_counts"] * row_bytes],
+            [recv, state["send_counts"] * row_bytes],
+        )
+        yb = torch.from_numpy(recv).view(y.dtype).float()
+        w = weights.reshape(-1)[state["order"]].unsqueeze(1)
+        out = torch.zeros(state["tokens"], hidden, dtype=torch.float32)
+        out.index_add_(0, state["token_of"], yb * w)
+        return out.to(torch.bfloat16)
+
+
+def percentiles_us(samples_ns: np.ndarray) -> list[float]:
+    return [float(np.percentile(samples_ns, p)) / 1e3 for p in PERCENTILES]
+
+
+def timed(comm: Any, fn: Any) -> tuple[Any, float]:
+    """Run fn after a barrier; the slowest rank's time in ns."""
+    comm.Barrier()
+    start = time.perf_counter_ns()
+    result = fn()
+    elapsed = time.perf_counter_ns() - start
+    return result, comm.allreduce(elapsed, op=_max_op())
+
+
+def _max_op() -> Any:
+    from mpi4py import MPI
+
+    return MPI.MAX
+
+
+def expert_stand_in(expert_x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """bf16 expert outputs from the dispatched rows (outside the timed region)."""
+    import torch
+
+    if scale is None:
+        return expert_x.to(torch.bfloat16)
+    x = expert_x.float() * scale.repeat_interleave(128, dim=1)[:, : expert_x.shape[1]]
+    return x.to(torch.bfloat16)
+
+
+def run_shape(name: str, args: argparse.Namespace, comm: Any) -> dict[str, Any]:
+    import torch
+
+    from moe_a2a.all_to_all import AllToAll, Config
+
+    shape = dict(SHAPES[name])
+    for key in ("tokens", "hidden", "num_experts", "topk"):
+        if getattr(args, key) is not None:
+            shape[key] = getattr(args, key)
+    rank, world = comm.Get_rank(), comm.Get_size()
+    tokens, topk = shape["tokens"], shape["topk"]
+    cfg = Config(
+        max_tokens=tokens,
+        hidden=shape["hidden"],
+        num_experts=shape["num_experts"],
+        topk=topk,
+        dispatch_dtype=args.dispatch_dtype,
+        combine_dtype="bf16",
+        # Room for twice the balanced load: enough for random routing, a fraction of the worst case.
+        max_recv_tokens=2 * tokens * topk,
+        timeout_s=120.0,
+    )
+    baseline = MpiBaseline(comm, cfg.num_experts, cfg.dispatch_dtype)
+    times: dict[str, list[float]] = {
+        k: [] for k in ("ours_dispatch", "ours_combine", "mpi_dispatch", "mpi_combine")
+    }
+    with AllToAll(cfg, comm=comm, provider=args.provider, ranks_per_node=args.ranks_per_node) as a2a:
+        for it in range(args.warmup + args.iters):
+            r = make_round(it, rank, tokens, cfg.hidden, cfg.num_experts, topk)
+            d, t_d = timed(comm, lambda r=r: a2a.dispatch(r.x, r.ids, r.weights))
+            y = expert_stand_in(d.expert_x, d.expert_x_scale)
+            out, t_c = timed(comm, lambda y=y, d=d: a2a.combine(y, d))
+            state, b_d = timed(comm, lambda r=r: baseline.dispatch(r))
+            yb = expert_stand_in(*_split_rows(state["expert_x"], cfg.hidden, cfg.dispatch_dtype == "fp8"))
+            ref, b_c = timed(comm, lambda yb=yb, state=state, r=r: baseline.combine(yb, state, r.weights))
+            if it == 0:
+                torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+            if it >= args.warmup:
+                times["ours_dispatch"].append(t_d)
+                times["ours_combine"].append(t_c)
+                times["mpi_dispatch"].append(b_d)
+                times["mpi_combine"].append(b_c)
+        topo = a2a._boot.topology
+    result = dict(shape=name, world=world, ranks_per_node=topo.local_size, provider=args.provider, **shape)
+    for key, samples in times.items():
+        result[key] = percentiles_us(np.array(samples))
+    return result
+
+
+def _split_rows(rows: torch.Tensor, hidden: int, fp8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Baseline rows back into payload and scales."""
+    import torch
+
+    if not fp8:
+        return rows.view(torch.bfloat16), None
+    payload = rows[:, :hidden].view(torch.float8_e4m3fn)
+    scale = rows[:, hidden:].contiguous().view(torch.float32)
+    return payload, scale
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    head = (
+        f"{'shape':8} {'ranks':>5} {'rpn':>3} {'phase':8} "
+        f"{'moe-a2a p50/p90/p99 (us)':>28} {'MPI p50/p90/p99 (us)':>28} {'MPI/moe-a2a':>11}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        for phase in ("dispatch", "combine", "total"):
+            if phase == "total":
+                ours = [a + b for a, b in zip(r["ours_dispatch"], r["ours_combine"], strict=True)]
+                mpi = [a + b for a, b in zip(r["mpi_dispatch"], r["mpi_combine"], strict=True)]
+            else:
+                ours, mpi = r[f"ours_{phase}"], r[f"mpi_{phase}"]
+            fmt = "/".join(f"{v:.0f}" for v in ours)
+            fmt_m = "/".join(f"{v:.0f}" for v in mpi)
+            print(
+                f"{r['shape']:8} {r['world']:>5} {r['ranks_per_node']:>3} {phase:8} "
+                f"{fmt:>28} {fmt_m:>28} {mpi[0] / ours[0]:>10.2f}x"
+            )
+    print("(total sums the percentiles of the two phases; rpn = ranks per node)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    if args.device != "cpu":
+        raise SystemExit(
+            f"bench a2a: --device {args.device!r} is not available in this build; expected 'cpu'"
+        )
+    shapes = list(SHAPES) if args.shape == "both" else [args.shape]
+    results = [run_shape(name, args, comm) for name in shapes]
+    if comm.Get_rank() == 0:
+        print_table(results)
+        if args.output:
+            with open(args.output, "w") as f:
+                json.dump(results, f, indent=2)
+            print(f"figures written to {args.output}")
+    return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("a2a", help="dispatch/combine latency against an MPI Alltoallv baseline")
+    p.add_argument("--shape", choices=[*SHAPES, "both"], default="both")
+    p.add_argument("--tokens", type=_positive, help="tokens per rank (overrides the shape)")
+    p.add_argument("--hidden", type=_positive)
+    p.add_argument("--num-experts", type=_positive)
+    p.add_argument("--topk", type=_positive)
+    p.add_argument("--dispatch-dtype", choices=["fp8", "bf16"], default="fp8")
+    p.add_argument("--iters", type=_positive, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--provider", default="auto", help="libfabric provider: tcp, shm, efa, verbs or auto")
+    p.add_argument("--ranks-per-node", type=_positive, default=None, help="virtual nodes of this many ranks")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--output", help="write the figures as JSON")
+    p.set_defaults(func=main)
