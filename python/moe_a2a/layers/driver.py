@@ -1,0 +1,602 @@
+"""`moe-a2a run`: a full MoE layer per rank over the all-to-all, timed, traced, verified.
+
+Run under `mpirun -n N` or `srun`. Every rank makes only its own experts (random,
+one expert at a time from `--seed`, so all ranks agree on the whole layer), draws
+new tokens and routing every iteration, and runs the layer with the shared expert
+between the two halves of dispatch. Rank 0 prints a progress bar for long runs and
+a summary table at the end; `--trace` writes the HDF5 trace; `--verify` checks every
+measured iteration against the whole layer computed in one process on rank 0.
+
+torch and mpi4py are imported inside `main`, so that `moe-a2a --help` stays instant
+and argument errors are reported before MPI starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, TextIO
+
+from moe_a2a.layers.presets import PRESETS, SCORE_FUNCS, MoEShape, get_preset
+
+if TYPE_CHECKING:
+    import torch
+
+    from moe_a2a.layers.moe import MoELayer
+    from moe_a2a.trace import RunTrace
+
+MODES = ("decode", "prefill")
+ROUTINGS = ("random", "skewed", "router")
+DISPATCH_DTYPES = ("fp8", "bf16", "fp32")
+COMBINE_DTYPES = ("bf16", "fp32")
+WEIGHT_DTYPES = ("bf16", "fp32")
+PROG = "moe-a2a run"
+
+
+class UsageError(ValueError):
+    """A bad combination of flags: one line on stderr, exit status 2."""
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the `run` subcommand to the `moe-a2a` sub-parsers; its `func` is `main`."""
+    p = subparsers.add_parser(
+        "run",
+        help="run an MoE layer over the all-to-all (under mpirun/srun)",
+        description="Run a full MoE layer per rank (router, dispatch, shared expert, grouped "
+        "experts, combine) under mpirun or srun, and print a summary of phase times. "
+        "Shape flags override the preset's values.",
+        epilog="example: mpirun -n 4 moe-a2a run --model tiny --verify --trace run.h5",
+    )
+    run = p.add_argument_group("run")
+    run.add_argument("--mode", choices=MODES, default="decode", help="token counts of decode or prefill "
+                     "(default: %(default)s)")
+    # Not `choices`: an unknown preset gets one line naming it and the valid ones.
+    run.add_argument("--model", required=True, metavar="PRESET", help=f"model preset: {', '.join(PRESETS)}")
+    run.add_argument("--iters", type=int, default=20, metavar="N",
+                     help="measured iterations (default: %(default)s)")
+    run.add_argument("--warmup", type=int, default=3, metavar="N",
+                     help="warm-up iterations, not measured (default: %(default)s)")
+    run.add_argument("--seed", type=int, default=0, metavar="N",
+                     help="seed of weights, tokens and routing (default: %(default)s)")
+    run.add_argument(
+        "--routing", choices=ROUTINGS, default="random",
+        help="new routing every iteration: uniform random experts, skewed towards a few hot "
+        "experts (--skew), or the layer's router on random tokens (default: %(default)s)",
+    )
+    run.add_argument(
+        "--skew", type=float, default=1.0, metavar="S",
+        help="with --routing skewed: the i-th hottest expert is picked in proportion to 1/i^S "
+        "(default: %(default)s; 0 is uniform)",
+    )
+    run.add_argument("--verify", action="store_true", help="check every measured output against a "
+                     "single-process reference of the whole layer on rank 0")
+    run.add_argument(
+        "--verify-max-gib", type=float, default=8.0, metavar="GIB",
+        help="--verify refuses when the whole layer's weights exceed this on rank 0 (default: %(default)s)",
+    )
+    run.add_argument("--trace", metavar="PATH", help="write an HDF5 trace of the run (from rank 0)")
+    run.add_argument(
+        "--progress", choices=("auto", "always", "never"), default="auto",
+        help="progress bar on rank 0's stderr; auto shows it once a run has lasted 2 s",
+    )
+
+    dims = p.add_argument_group("model shape (default: the preset's)")
+    dims.add_argument("--hidden", type=int, metavar="D", help="model hidden size")
+    dims.add_argument("--num-experts", type=int, metavar="E", help="routed experts")
+    dims.add_argument("--topk", type=int, metavar="K", help="experts per token")
+    dims.add_argument("--expert-hidden", type=int, metavar="F", help="hidden size of each routed expert")
+    dims.add_argument("--num-shared-experts", type=int, metavar="N", help="shared experts (0: none)")
+    dims.add_argument("--score-func", choices=SCORE_FUNCS, help="router scores")
+    dims.add_argument("--num-groups", type=int, metavar="G", help="expert groups of group-limited routing")
+    dims.add_argument("--topk-groups", type=int, metavar="G", help="groups each token may use")
+    dims.add_argument("--max-nodes", type=int, metavar="M", help="node-limited routing (with --routing "
+                      "router): each token uses experts of at most M nodes; replaces the groups")
+    dims.add_argument("--route-scale", type=float, metavar="X", help="factor on the chosen routing weights")
+    dims.add_argument("--tokens", type=int, metavar="T", help="tokens per rank (default: the preset's for "
+                      "--mode; 128 decode and 4096 prefill on the real models)")
+
+    a2a = p.add_argument_group("all-to-all")
+    a2a.add_argument("--dispatch-dtype", choices=DISPATCH_DTYPES, default="fp8",
+                     help="dispatch payload (default: %(default)s)")
+    a2a.add_argument("--combine-dtype", choices=COMBINE_DTYPES, default="bf16",
+                     help="combine payload (default: %(default)s)")
+    a2a.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="bf16",
+                     help="expert weights and activations (default: %(default)s)")
+    a2a.add_argument("--expert-padding", type=int, default=1, metavar="N",
+                     help="pad each expert's rows to a multiple of N (default: %(default)s)")
+    a2a.add_argument("--max-private-tokens", type=int, metavar="N",
+                     help="private slots per sender (default: the library's)")
+    a2a.add_argument("--max-recv-tokens", type=int, metavar="N",
+                     help="most token copies a rank may receive (default: the worst case)")
+    a2a.add_argument("--provider", default="auto",
+                     help="libfabric provider: auto, tcp, shm, efa, verbs (default: %(default)s)")
+    a2a.add_argument("--ranks-per-node", type=int, metavar="N",
+                     help="group consecutive ranks into virtual nodes of N (default: by host)")
+    # cpu by default: AllToAll runs dispatch/combine on the CPU only so far.
+    a2a.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                     help="where the layer runs (default: %(default)s)")
+    p.set_defaults(func=main)
+    return p
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def _positive(args: argparse.Namespace, name: str, minimum: int = 1) -> None:
+    value = getattr(args, name.replace("-", "_"))
+    if value is not None and value < minimum:
+        raise UsageError(f"--{name}: got {value}; expected an integer >= {minimum}")
+
+
+def resolve_shape(args: argparse.Namespace) -> MoEShape:
+    """The preset with every dimension flag applied; UsageError names the bad flag."""
+    try:
+        shape = get_preset(args.model)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    for name in ("hidden", "num-experts", "topk", "expert-hidden", "num-groups", "topk-groups",
+                 "tokens", "max-nodes"):
+        _positive(args, name)
+    _positive(args, "num-shared-experts", 0)
+    if args.route_scale is not None and not args.route_scale > 0:
+        raise UsageError(f"--route-scale: got {args.route_scale}; expected a positive number")
+    changes: dict[str, Any] = {
+        "hidden": args.hidden, "num_experts": args.num_experts, "topk": args.topk,
+        "expert_hidden": args.expert_hidden, "num_shared_experts": args.num_shared_experts,
+        "score_func": args.score_func, "num_groups": args.num_groups, "topk_groups": args.topk_groups,
+        "route_scale": args.route_scale,
+    }
+    if args.num_experts is not None and args.num_groups is None and args.num_experts % shape.num_groups:
+        # The preset's groups no longer divide the new expert count: drop the group limit.
+        changes.update(num_groups=1, topk_groups=1)
+    if changes["num_groups"] is not None and args.topk_groups is None:
+        changes["topk_groups"] = min(shape.topk_groups, changes["num_groups"])
+    if args.tokens is not None:
+        changes[f"{args.mode}_tokens"] = args.tokens
+    try:
+        return shape.replace(**changes)
+    except ValueError as err:
+        raise UsageError(f"--model {args.model} with the given flags: {err}") from None
+
+
+def validate_args(args: argparse.Namespace) -> MoEShape:
+    """Check every flag that needs no MPI; returns the model shape."""
+    shape = resolve_shape(args)
+    _positive(args, "iters")
+    _positive(args, "warmup", 0)
+    _positive(args, "expert-padding")
+    _positive(args, "max-private-tokens", 0)
+    _positive(args, "max-recv-tokens")
+    _positive(args, "ranks-per-node")
+    if not args.skew >= 0:
+        raise UsageError(f"--skew: got {args.skew}; expected a number >= 0")
+    if not args.verify_max_gib > 0:
+        raise UsageError(f"--verify-max-gib: got {args.verify_max_gib}; expected a positive number")
+    if args.routing != "router" and args.max_nodes is not None:
+        raise UsageError("--max-nodes: limits the router's choice; use it with --routing router")
+    if args.routing != "skewed" and args.skew != 1.0:
+        raise UsageError(f"--skew: applies to --routing skewed, got --routing {args.routing}")
+    if args.trace is not None:
+        folder = os.path.dirname(os.path.abspath(args.trace))
+        if not os.path.isdir(folder):
+            raise UsageError(f"--trace: folder {folder} does not exist")
+    return shape
+
+
+def verify_bytes(shape: MoEShape, weight_dtype: str) -> int:
+    """Bytes rank 0 holds for --verify: the whole layer's weights."""
+    import torch
+
+    from moe_a2a.layers.weights import full_layer_nbytes
+
+    return full_layer_nbytes(shape, torch.bfloat16 if weight_dtype == "bf16" else torch.float32)
+
+
+def _env_rank() -> int:
+    """This process's rank from the launcher's environment, before MPI starts (0 if unknown)."""
+    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        value = os.environ.get(name)
+        if value is not None and value.isdigit():
+            return int(value)
+    return 0
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _generator(seed: int, *parts: object) -> torch.Generator:
+    import torch
+
+    digest = hashlib.blake2b("/".join(map(str, (seed, *parts))).encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+
+
+def random_routing(
+    tokens: int, num_experts: int, topk: int, gen: torch.Generator, popularity: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k distinct experts per token, drawn without replacement; weights sum to one.
+
+    `popularity` (positive, [E]) makes expert e that much likelier; None is uniform.
+    Gumbel top-k draws k experts without replacement in proportion to it in one pass.
+    """
+    import torch
+
+    u = torch.rand(tokens, num_experts, generator=gen).clamp_(1e-12, 1 - 1e-7)
+    keys = -torch.log(-torch.log(u))
+    if popularity is not None:
+        keys = keys + torch.log(popularity)
+    ids = keys.topk(topk, dim=-1).indices
+    weights = torch.softmax(torch.randn(tokens, topk, generator=gen), dim=-1)
+    return ids, weights
+
+
+def skewed_popularity(num_experts: int, skew: float, seed: int) -> torch.Tensor:
+    """Zipf-like popularity: the i-th hottest expert weighs 1/i^skew; which experts are
+    hot is a fixed random permutation of `seed`, the same on every rank and iteration."""
+    import torch
+
+    order = torch.randperm(num_experts, generator=_generator(seed, "hot-experts"))
+    weight = torch.arange(1, num_experts + 1, dtype=torch.float64).pow(-skew)
+    popularity = torch.empty(num_experts, dtype=torch.float64)
+    popularity[order] = weight
+    return popularity.float()
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class ProgressBar:
+    """A one-line text progress bar that shows up only once a run has lasted `delay` seconds.
+
+    On a terminal it redraws in place (at most ten times a second); elsewhere (batch
+    logs, mpirun forwarding) it prints a line at most every `log_every` seconds.
+    """
+
+    def __init__(
+        self, total: int, enabled: bool, stream: TextIO | None = None, width: int = 30,
+        delay: float = 2.0, log_every: float = 10.0,
+    ) -> None:
+        self.total, self.enabled, self.width = total, enabled, width
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.delay, self.interval = delay, (0.1 if self.tty else log_every)
+        self.done = 0
+        self._start = time.monotonic()
+        self._drawn: float | None = None  # when last drawn; None: never
+
+    def line(self) -> str:
+        filled = self.width * self.done // max(self.total, 1)
+        elapsed = time.monotonic() - self._start
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        eta = (self.total - self.done) / rate if rate > 0 else math.inf
+        eta_s = f"{eta:.0f}s" if math.isfinite(eta) else "?"
+        return (f"{PROG}: [{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} "
+                f"{rate:.1f} it/s, {eta_s} left")
+
+    def _draw(self, now: float) -> None:
+        self._drawn = now
+        self.stream.write(("\r" if self.tty else "") + self.line() + ("" if self.tty else "\n"))
+        self.stream.flush()
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if now - self._start < self.delay:
+            return  # short runs stay quiet
+        if self._drawn is None or now - self._drawn >= self.interval:
+            self._draw(now)
+
+    def close(self) -> None:
+        """Draw the final state and end the line, if the bar was ever shown."""
+        if self.enabled and self._drawn is not None:
+            self._draw(time.monotonic())
+            if self.tty:
+                self.stream.write("\n")
+                self.stream.flush()
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def summary_rows(trace: RunTrace, tokens_per_iter: int) -> tuple[list[list[str]], float | None]:
+    """Rows of the summary table and tokens/s.
+
+    Each phase's time in an iteration is its longest over ranks (the layer waits for
+    the slowest rank); p50 and p99 are over iterations. `layer` is a rank's first
+    phase start to last phase end, again the longest over ranks. tokens/s is every
+    rank's tokens of one iteration over the p50 layer time.
+    """
+    import numpy as np
+
+    from moe_a2a.trace import percentiles_us
+
+    durations = trace.durations_ns()  # [ranks, iters, phases]
+    rows: list[list[str]] = []
+
+    def row(name: str, per_iter: np.ndarray) -> dict[str, Any]:
+        stats = percentiles_us(per_iter, (50, 99))
+        cells = [name, *("-" if stats[k] is None else f"{stats[k]:.1f}" for k in ("p50", "p99", "mean"))]
+        rows.append(cells)
+        return stats
+
+    for i, name in enumerate(trace.phases):
+        per_rank = durations[:, :, i]
+        if np.isnan(per_rank).all():
+            continue
+        row(name, np.nanmax(per_rank, axis=0))
+    layer = row("layer", np.nanmax(trace.total_ns(), axis=0))
+    tokens_per_s = None if not layer["p50"] else tokens_per_iter / (layer["p50"] * 1e-6)
+    return rows, tokens_per_s
+
+
+def format_summary(
+    trace: RunTrace, tokens_per_iter: int, header: list[str], footer: list[str]
+) -> str:
+    """The table printed at the end of a run."""
+    from moe_a2a.trace_tools import format_table
+
+    rows, tokens_per_s = summary_rows(trace, tokens_per_iter)
+    lines = [*header,
+             f"{trace.num_iters} measured iterations; per phase: max over ranks, then over iterations (us)",
+             format_table(["phase", "p50", "p99", "mean"], rows)]
+    if tokens_per_s is not None:
+        lines.append(f"throughput: {tokens_per_s:,.0f} tokens/s over {trace.num_ranks} ranks "
+                     f"({tokens_per_s / trace.num_ranks:,.0f} per rank) at the p50 layer time")
+    return "\n".join([*lines, *footer])
+
+
+# --------------------------------------------------------------------------- run
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of `moe-a2a run`; returns the exit status (0 ok, 1 verify failed, 2 usage)."""
+    try:
+        shape = validate_args(args)
+    except UsageError as err:
+        # Every rank finds the same error; one line from rank 0 is enough.
+        if _env_rank() == 0:
+            print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    try:
+        return _run(args, shape, comm)
+    except UsageError as err:
+        # Raised by every rank alike before any collective step of the run.
+        if comm.Get_rank() == 0:
+            print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:
+        # One failing rank would leave the others waiting in a collective: end the job.
+        import traceback
+
+        traceback.print_exc()
+        print(f"{PROG}: rank {comm.Get_rank()}: error: {err}; aborting the job", file=sys.stderr, flush=True)
+        comm.Abort(1)
+        return 1
+
+
+def _run(args: argparse.Namespace, shape: MoEShape, comm: Any) -> int:
+    import torch
+
+    from moe_a2a.bootstrap import Bootstrap
+    from moe_a2a.layers.moe import MoELayer
+    from moe_a2a.layers.reference import max_relative_error, reference_forward, tolerance
+    from moe_a2a.layers.router import node_limited
+    from moe_a2a.layers.weights import local_experts, random_weights
+    from moe_a2a.trace import TraceRecorder, gather_trace, write_trace
+
+    rank, world = comm.Get_rank(), comm.Get_size()
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: this torch build or machine has no CUDA device")
+    if shape.num_experts % world:
+        raise UsageError(
+            f"--num-experts: got {shape.num_experts}, not divisible by the {world} ranks; "
+            "every rank must host the same number of experts"
+        )
+    weight_dtype = torch.bfloat16 if args.weight_dtype == "bf16" else torch.float32
+    if args.verify:
+        need = verify_bytes(shape, args.weight_dtype)
+        if need > args.verify_max_gib * 2**30:
+            raise UsageError(
+                f"--verify: the whole layer's weights need {need / 2**30:.1f} GiB on rank 0 "
+                f"({shape.num_experts} experts x 3 x {shape.expert_hidden} x {shape.hidden} "
+                f"{args.weight_dtype}), "
+                f"above --verify-max-gib {args.verify_max_gib:g}; raise the limit or shrink the layer "
+                "(--num-experts, --expert-hidden, --hidden)"
+            )
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+
+    try:
+        topology = Bootstrap(comm, args.ranks_per_node).topology
+    except ValueError as err:  # same host list on every rank, so every rank refuses alike
+        raise UsageError(f"--ranks-per-node: {err}") from None
+    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # Ranks of one host share its cores: torch's default (every core per rank)
+        # oversubscribes them and makes each rank's compute phases slower.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // topology.local_size))
+    if args.max_nodes is not None:
+        if shape.num_experts % topology.num_nodes:
+            raise UsageError(f"--max-nodes: {shape.num_experts} experts do not split evenly over "
+                             f"{topology.num_nodes} nodes")
+        try:
+            shape = node_limited(shape, topology.num_nodes, args.max_nodes)
+        except ValueError as err:
+            raise UsageError(f"--max-nodes {args.max_nodes}: {err}") from None
+    tokens = shape.tokens(args.mode)
+
+    weights = random_weights(shape, args.seed, local_experts(shape.num_experts, rank, world),
+                             dtype=weight_dtype, device=device)
+    layer = MoELayer(shape, weights, expert_padding=args.expert_padding)
+    full = random_weights(shape, args.seed, dtype=weight_dtype) if args.verify and rank == 0 else None
+    popularity = None
+    if args.routing == "skewed":
+        popularity = skewed_popularity(shape.num_experts, args.skew, args.seed)
+
+    try:
+        a2a = _make_all_to_all(args, shape, tokens, comm, device)
+    except ValueError as err:  # configuration checks, made alike on every rank before any exchange
+        raise UsageError(str(err)) from None
+    provider = args.provider
+    if provider == "auto":
+        from moe_a2a.fabric import default_provider
+
+        provider = default_provider()
+    recorder = TraceRecorder(args.iters, world, shape.num_experts)
+    total_iters = args.warmup + args.iters
+    progress = ProgressBar(
+        total_iters, rank == 0 and args.progress != "never", delay=0.0 if args.progress == "always" else 2.0
+    )
+    worst = 0.0
+    limit = tolerance(args.dispatch_dtype, args.combine_dtype, weight_dtype)
+    failures: list[str] = []
+    try:
+        for step in range(total_iters):
+            it = step - args.warmup  # measured iteration index, negative during warm-up
+            gen = _generator(args.seed, "tokens", rank, step)
+            x = torch.randn(tokens, shape.hidden, generator=gen).to(device=device, dtype=weight_dtype)
+            if args.routing == "router":
+                topk_ids, topk_weights = layer.router(x)
+            else:
+                topk_ids, topk_weights = random_routing(
+                    tokens, shape.num_experts, shape.topk, gen, popularity
+                )
+                topk_ids, topk_weights = topk_ids.to(device), topk_weights.to(device)
+            # Start together, so each phase measures the layer and not the ranks' skew.
+            comm.Barrier()
+            timer = _phase_timer(recorder, it, device) if it >= 0 else None
+            out = layer.forward(x, a2a, topk_ids, topk_weights, timer=timer)
+            if it >= 0:
+                _record_counts(recorder, it, layer, a2a)
+                if args.verify:
+                    err = _verify(comm, full, x, topk_ids, topk_weights, out, args.dispatch_dtype,
+                                  reference_forward, max_relative_error)
+                    if rank == 0:
+                        worst = max(worst, err)
+                        if err > limit:
+                            failures.append(f"iteration {it}: max relative error {err:.3g}")
+            progress.update()
+    except BaseException:
+        # No collective close here: the peers may sit in another collective. main()
+        # aborts the job, which releases everything.
+        progress.close()
+        raise
+    progress.close()
+    a2a.close()
+
+    config = {
+        "command": "run", "mode": args.mode, "model": args.model,
+        **{k: v for k, v in asdict(shape).items() if k not in ("decode_tokens", "prefill_tokens")},
+        "tokens": tokens, "world_size": world, "num_nodes": topology.num_nodes,
+        "ranks_per_node": topology.local_size, "dispatch_dtype": args.dispatch_dtype,
+        "combine_dtype": args.combine_dtype, "weight_dtype": args.weight_dtype,
+        "expert_padding": args.expert_padding, "iters": args.iters, "warmup": args.warmup,
+        "routing": args.routing, "skew": args.skew if args.routing == "skewed" else None,
+        "seed": args.seed, "provider": provider, "device": device, "verify": bool(args.verify),
+    }
+    trace = gather_trace(comm, recorder, config)
+    status = 0
+    if rank == 0:
+        assert trace is not None
+        if args.trace:
+            write_trace(args.trace, trace)
+        header = [
+            f"{PROG}: {args.model} {args.mode}, {world} ranks on {topology.num_nodes} node(s), "
+            f"{tokens} tokens/rank, hidden {shape.hidden}, {shape.num_experts} experts top-{shape.topk}, "
+            f"dispatch {args.dispatch_dtype}, combine {args.combine_dtype}, routing {args.routing}, "
+            f"provider {provider}, {device}",
+        ]
+        footer = []
+        if args.verify:
+            verdict = "FAILED" if failures else "OK"
+            footer.append(f"verify: {verdict}: max relative error {worst:.3g} (limit {limit:g}) over "
+                          f"{args.iters} iterations x {world} ranks")
+            footer += [f"  {f}" for f in failures[:5]]
+            status = 1 if failures else 0
+        if args.trace:
+            footer.append(f"trace: {args.trace} (details: moe-a2a trace summary {args.trace})")
+        print(format_summary(trace, tokens * world, header, footer), flush=True)
+    return int(comm.bcast(status, root=0))
+
+
+def _make_all_to_all(args: argparse.Namespace, shape: MoEShape, tokens: int, comm: Any, device: str) -> Any:
+    from moe_a2a.all_to_all import AllToAll, Config
+
+    cfg = Config(
+        max_tokens=tokens, hidden=shape.hidden, num_experts=shape.num_experts, topk=shape.topk,
+        dispatch_dtype=args.dispatch_dtype, combine_dtype=args.combine_dtype,
+        expert_padding=args.expert_padding, max_private_tokens=args.max_private_tokens,
+        max_recv_tokens=args.max_recv_tokens,
+    )
+    return AllToAll(cfg, comm=comm, device=device, provider=args.provider, ranks_per_node=args.ranks_per_node)
+
+
+class _SyncedPhase:
+    """A recorder phase that waits for the GPU before it stamps the end."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __enter__(self) -> Any:
+        import torch
+
+        torch.cuda.synchronize()
+        return self._inner.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+        self._inner.__exit__(*exc)
+
+
+def _phase_timer(recorder: Any, it: int, device: str) -> Any:
+    if device == "cuda":
+        return lambda name: _SyncedPhase(recorder.phase(it, name))
+    return lambda name: recorder.phase(it, name)
+
+
+def _record_counts(recorder: Any, it: int, layer: MoELayer, a2a: Any) -> None:
+    import numpy as np
+    import torch
+
+    counts = layer.last_tokens_per_expert
+    if counts is not None:
+        recorder.add_tokens(it, layer.weights.expert_offset, counts.to("cpu", torch.int64).numpy())
+    traffic = getattr(a2a, "traffic", None)
+    if callable(traffic):
+        from moe_a2a.trace import PATHS
+
+        sent = traffic()  # [peer, path]: bytes this rank sent in the last dispatch + combine
+        for peer, path in zip(*np.nonzero(sent), strict=True):
+            recorder.add_bytes(it, int(peer), PATHS[int(path)], int(sent[peer, path]))
+
+
+def _verify(
+    comm: Any, full: Any, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    out: torch.Tensor, dispatch_dtype: str, reference_forward: Any, max_relative_error: Any,
+) -> float:
+    """Gather every rank's tokens, routing and output on rank 0; its max relative error there."""
+    import torch
+
+    parts = comm.gather(tuple(t.cpu() for t in (x, topk_ids, topk_weights, out)), root=0)
+    if parts is None:
+        return 0.0
+    xs, ids, ws, outs = (torch.cat([p[i] for p in parts]) for i in range(4))
+    ref = reference_forward(xs, full, ids, ws, dispatch_dtype)
+    return max_relative_error(outs, ref)

@@ -1,0 +1,231 @@
+"""Shared test infrastructure: fabric fixtures and the rules that keep MPI runs from hanging.
+
+Unit tests (tests/unit) run with plain `python -m pytest tests/unit`. MPI tests
+(tests/mpi) run under `mpirun -n N python -m pytest --with-mpi -q tests/mpi`.
+
+Under MPI with more than one rank:
+- a test that fails on one rank prints its report to stderr and aborts the
+  whole job (`MPI.COMM_WORLD.Abort`), so the other ranks never wait for it in
+  a collective or an engine wait;
+- a test that runs past its timeout (pytest-timeout: `timeout = 300` in
+  pyproject, smaller per test) dumps every thread's stack and aborts the job
+  the same way. pytest-timeout's own methods cannot do that: `signal` never
+  fires while the main thread sits in a blocking MPI call, and `thread` ends
+  only this rank.
+
+Environment:
+- `MOE_A2A_TEST_PROVIDER`: libfabric provider of the fabric tests (default `tcp`).
+- `MOE_A2A_TEST_NUM_NICS`: NICs per rank of the default engine (default 1).
+- `MOE_A2A_TEST_SEED`: seed of the random test data (default: drawn by rank 0
+  and printed in the header, so a failure can be replayed).
+
+Only rank 0 should write to the console: run the other ranks with their output
+redirected to per-rank log files (for example `mpirun --output-filename DIR`).
+A failing or timed-out rank writes its report to its own stderr, which is
+then in its log; mpirun names the rank that aborted.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import itertools
+import os
+import secrets
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+
+def _with_mpi(config: pytest.Config) -> bool:
+    return bool(
+        config.getoption("--with-mpi", default=False) or config.getoption("--only-mpi", default=False)
+    )
+
+
+def _world() -> tuple[int, int]:
+    """(rank, world size) of COMM_WORLD; only called under --with-mpi, where MPI is wanted."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+def _env_int(name: str, default: int, minimum: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise pytest.UsageError(f"{name}: got {raw!r}; expected an integer >= {minimum}")
+    return value
+
+
+def _to_stderr(config: pytest.Config, text: str) -> None:
+    """Write to this rank's real stderr, past pytest's output capture."""
+    capman = config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:
+        capman.suspend_global_capture(in_=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.write(2, text.encode(errors="replace"))
+
+
+def _abort(config: pytest.Config, text: str) -> None:
+    """Report, then end every rank of the job."""
+    from mpi4py import MPI
+
+    _to_stderr(config, text)
+    MPI.COMM_WORLD.Abort(1)
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    lines = [f"moe-a2a fabric tests: provider={os.environ.get('MOE_A2A_TEST_PROVIDER', 'tcp')}"]
+    if _with_mpi(config):
+        rank, world = _world()
+        lines.append(f"MPI: rank {rank} of {world}")
+    return lines
+
+
+# ---------------------------------------------------------------- failure => abort
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    if not report.failed or not _with_mpi(item.config):
+        return
+    rank, world = _world()
+    if world == 1:
+        return  # nobody waits for us: let pytest report as usual
+    _abort(
+        item.config,
+        f"\n=== moe-a2a: rank {rank} of {world}: {item.nodeid} FAILED during {report.when}; "
+        f"aborting the MPI job ===\n{report.longreprtext}\n",
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
+    """Under MPI with several ranks: on timeout dump all stacks and abort the job."""
+    if not _with_mpi(item.config) or not settings.timeout or settings.timeout <= 0:
+        return None  # pytest-timeout's own methods
+    rank, world = _world()
+    if world == 1:
+        return None
+
+    def expire() -> None:
+        _to_stderr(
+            item.config,
+            f"\n=== moe-a2a: rank {rank} of {world}: {item.nodeid} timed out after {settings.timeout} s; "
+            "stacks follow, then the MPI job is aborted ===\n",
+        )
+        faulthandler.dump_traceback(file=2, all_threads=True)
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
+
+    timer = threading.Timer(settings.timeout, expire)
+    timer.daemon = True
+    timer.name = f"moe-a2a timeout {item.nodeid}"
+
+    def cancel() -> None:
+        timer.cancel()
+
+    # pytest-timeout's pytest_timeout_cancel_timer calls item.cancel_timeout.
+    item.cancel_timeout = cancel  # type: ignore[attr-defined]
+    timer.start()
+    return True
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session")
+def provider() -> str:
+    """Libfabric provider under test: MOE_A2A_TEST_PROVIDER, default tcp."""
+    name = os.environ.get("MOE_A2A_TEST_PROVIDER", "tcp")
+    if not name:
+        raise pytest.UsageError(
+            "MOE_A2A_TEST_PROVIDER: got an empty string; expected a provider such as tcp or shm"
+        )
+    return name
+
+
+@pytest.fixture(scope="session")
+def num_nics() -> int:
+    """NICs (endpoints) per rank of the default engine: MOE_A2A_TEST_NUM_NICS, default 1."""
+    return _env_int("MOE_A2A_TEST_NUM_NICS", 1, 1)
+
+
+@pytest.fixture(scope="session")
+def bootstrap() -> Any:
+    """The job's Bootstrap over MPI.COMM_WORLD."""
+    from moe_a2a.bootstrap import Bootstrap
+
+    return Bootstrap()
+
+
+@pytest.fixture(scope="session")
+def seed(bootstrap: Any) -> int:
+    """One seed for the whole job (same on every rank): MOE_A2A_TEST_SEED or drawn by rank 0."""
+    value = _env_int("MOE_A2A_TEST_SEED", -1, 0)
+    if value < 0:
+        value = secrets.randbits(32)
+    # Rank 0's choice wins, so every rank generates the same data for every rank.
+    value = int.from_bytes(bootstrap.allgather(value.to_bytes(8, "little"))[0], "little")
+    if bootstrap.rank == 0:
+        print(f"\nmoe-a2a test seed: {value} (set MOE_A2A_TEST_SEED={value} to replay)")
+    return value
+
+
+@pytest.fixture(scope="session")
+def next_tag() -> Callable[[], int]:
+    """Fresh 16-bit immediate tags. Every rank runs the same tests in the same order, so
+    the n-th tag is the same everywhere; a fresh tag per use keeps a test's leftover
+    arrivals out of the next test's counts."""
+    counter = itertools.count(1000)
+
+    def take() -> int:
+        tag = next(counter)
+        if tag > 0xFFFF:
+            raise RuntimeError(f"next_tag: ran out of 16-bit tags (got {tag})")
+        return tag
+
+    return take
+
+
+@pytest.fixture(scope="module")
+def make_engine(bootstrap: Any, provider: str) -> Iterator[Callable[..., Any]]:
+    """Engines for one test module, cached by (num_nics, split_threshold); collective on first use.
+
+    At the end of the module every rank meets in a barrier before the engines
+    go, so no peer is still writing into a region being deregistered.
+    """
+    from moe_a2a.fabric import Engine
+
+    engines: dict[tuple[int, int], Any] = {}
+
+    def make(num_nics: int = 1, split_threshold: int = 1 << 20) -> Any:
+        key = (num_nics, split_threshold)
+        if key not in engines:
+            engines[key] = Engine(bootstrap, provider, num_nics=num_nics, split_threshold=split_threshold)
+        return engines[key]
+
+    yield make
+    bootstrap.barrier()
+    engines.clear()
+
+
+@pytest.fixture(scope="module")
+def engine(make_engine: Callable[..., Any], num_nics: int) -> Any:
+    """The module's default engine (MOE_A2A_TEST_NUM_NICS NICs)."""
+    return make_engine(num_nics=num_nics)
