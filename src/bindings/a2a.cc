@@ -2,6 +2,9 @@
 // workspace and the CPU implementation. Tensors stay in Python; only their
 // data pointers cross.
 #include <nanobind/nanobind.h>
+
+#include <cstring>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -37,6 +40,26 @@ void bind_a2a(nb::module_& m) {
         return nb::bytes(out.data(), out.size());
       },
       nb::arg("f32"), "fp32 values (bytes) to e4m3fn codes (bytes), as the CPU dispatch quantises.");
+  m.def(
+      "quantize_fp8_rows",
+      [](const nb::bytes& f32, int hidden) {
+        A2AConfig cfg;
+        cfg.hidden = hidden;
+        cfg.dispatch_dtype = DType::kFp8;
+        size_t rows = f32.size() / (sizeof(float) * hidden);
+        std::string q(rows * hidden, '\0'), scales(rows * cfg.num_scales() * sizeof(float), '\0');
+        std::vector<uint8_t> row(cfg.dispatch_row_bytes());
+        std::vector<float> scratch(hidden);
+        for (size_t r = 0; r < rows; ++r) {
+          const auto* x = static_cast<const float*>(f32.data()) + r * hidden;
+          cpu::encode_row(x, DType::kFp32, nullptr, cfg, row.data(), scratch.data());
+          std::memcpy(q.data() + r * hidden, row.data(), hidden);
+          std::memcpy(scales.data() + r * cfg.num_scales() * sizeof(float), row.data() + hidden,
+                      cfg.num_scales() * sizeof(float));
+        }
+        return std::make_pair(nb::bytes(q.data(), q.size()), nb::bytes(scales.data(), scales.size()));
+      },
+      nb::arg("f32"), nb::arg("hidden"), "fp32 rows (bytes) to (e4m3 codes, fp32 block scales), as dispatch packs them.");
   m.def(
       "f32_to_bf16",
       [](const nb::bytes& f32) {

@@ -45,3 +45,30 @@ def test_bf16_matches_torch() -> None:
     expected = values.to(torch.bfloat16).view(torch.int16)
     got = torch.frombuffer(bytearray(_core.f32_to_bf16(values.numpy().tobytes())), dtype=torch.int16)
     assert torch.equal(got, expected)
+
+
+def test_block_quantisation_matches_reference() -> None:
+    """The dispatch packer's vectorised quantiser against moe_a2a.reference.quantize_fp8."""
+    from moe_a2a.reference import quantize_fp8
+
+    hidden = 300  # a short last block
+    g = torch.Generator().manual_seed(2)
+    rows = [
+        torch.randn(16, hidden, generator=g)
+        * torch.exp2(torch.randint(-20, 20, (16, 1), generator=g).float())
+    ]
+    # Blocks whose elements sit on e4m3 rounding midpoints after scaling.
+    mids = _edge_values()[: hidden // 2]
+    tricky = torch.zeros(2, hidden)
+    tricky[0, : mids.numel()] = mids
+    tricky[0, 0] = 448.0  # amax 448: scale exactly 1
+    tricky[1] = torch.linspace(-3, 3, hidden)
+    rows.append(tricky)
+    rows.append(torch.zeros(1, hidden))  # amax 0: scale 1
+    x = torch.cat(rows)
+    q_bytes, s_bytes = _core.quantize_fp8_rows(x.numpy().tobytes(), hidden)
+    q = torch.frombuffer(bytearray(q_bytes), dtype=torch.uint8).view(x.shape[0], hidden)
+    s = torch.frombuffer(bytearray(s_bytes), dtype=torch.float32).view(x.shape[0], -1)
+    ref_q, ref_s = quantize_fp8(x)
+    assert torch.equal(s, ref_s)
+    assert torch.equal(q, ref_q.view(torch.uint8))

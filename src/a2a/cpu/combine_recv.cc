@@ -13,13 +13,12 @@ void reduce_combine(const CombineRecvParams& p) {
   const int H = c.hidden, K = c.topk;
   const size_t crow = p.layout->combine_row;
   const uint8_t* rows = p.ws + p.layout->combine_recv;
-  std::vector<float> acc(H), y(H);
+  std::vector<float> acc(H);
   for (int t = 0; t < p.num_tokens; ++t) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int k = 0; k < K; ++k) {
       const float w = p.weights[t * K + k];
-      load_row(rows + static_cast<size_t>(p.slots[t * K + k]) * crow, c.combine_dtype, H, y.data());
-      for (int h = 0; h < H; ++h) acc[h] += w * y[h];
+      accumulate_row(acc.data(), w, rows + static_cast<size_t>(p.slots[t * K + k]) * crow, c.combine_dtype, H);
     }
     if (c.combine_dtype == DType::kFp32) {
       std::memcpy(static_cast<float*>(p.out) + static_cast<size_t>(t) * H, acc.data(), H * sizeof(float));

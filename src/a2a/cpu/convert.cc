@@ -4,6 +4,65 @@
 
 namespace moe_a2a::a2a::cpu {
 
+MOE_A2A_VECTOR_CLONES
+void quantize_block(const float* x, int n, float scale, uint8_t* q) {
+  constexpr uint32_t kTwo23Bits = 0x4b000000u;  // 2^23 as fp32
+  constexpr uint32_t kExponentShift = 23 - kE4m3MantissaBits;
+  // (biased fp32 exponent - 127 + 7) << 3 | mantissa == (bits >> 20) - 960.
+  constexpr uint32_t kRebias = (127 - kE4m3Bias) << kE4m3MantissaBits;
+  for (int i = 0; i < n; ++i) {
+    float v = x[i] / scale;
+    uint32_t u;
+    std::memcpy(&u, &v, sizeof(u));
+    uint32_t sign = (u >> 24) & 0x80u;
+    u &= 0x7fffffffu;
+    float a;
+    std::memcpy(&a, &u, sizeof(a));
+    float t = a * (1.0f / kE4m3SubnormalStep) + 8388608.0f;
+    uint32_t tb;
+    std::memcpy(&tb, &t, sizeof(tb));
+    uint32_t sub = tb - kTwo23Bits;
+    uint32_t r = u + ((1u << (kExponentShift - 1)) - 1) + ((u >> kExponentShift) & 1u);
+    uint32_t normal = (r >> kExponentShift) - kRebias;
+    normal = normal > kE4m3MaxCode ? kE4m3MaxCode : normal;
+    uint32_t code = a < kE4m3MinNormal ? sub : normal;
+    q[i] = static_cast<uint8_t>(code | sign);
+  }
+}
+
+MOE_A2A_VECTOR_CLONES
+float abs_max(const float* x, int n) {
+  // On |x| as integers: the same order as the floats, NaN above infinity,
+  // and a loop the compiler vectorises.
+  uint32_t best = 0;
+  for (int i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, x + i, sizeof(u));
+    u &= 0x7fffffffu;
+    best = u > best ? u : best;
+  }
+  float out;
+  std::memcpy(&out, &best, sizeof(out));
+  return out;
+}
+
+MOE_A2A_VECTOR_CLONES
+void accumulate_row(float* acc, float w, const void* row, DType dtype, int n) {
+  if (dtype == DType::kFp32) {
+    const auto* y = static_cast<const float*>(row);
+    for (int i = 0; i < n; ++i) acc[i] += w * y[i];
+    return;
+  }
+  const auto* y = static_cast<const uint16_t*>(row);
+  for (int i = 0; i < n; ++i) {
+    uint32_t bits = static_cast<uint32_t>(y[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    acc[i] += w * f;
+  }
+}
+
+MOE_A2A_VECTOR_CLONES
 void load_row(const void* x, DType dtype, int n, float* out) {
   if (dtype == DType::kFp32) {
     std::memcpy(out, x, n * sizeof(float));
@@ -39,11 +98,14 @@ void encode_row(const void* x, DType x_dtype, const float* x_scale, const A2ACon
       auto* scales = reinterpret_cast<float*>(row + cfg.payload_bytes());
       for (int b = 0; b < cfg.num_scales(); ++b) {
         int begin = b * kFp8Block, end = std::min(hidden, begin + kFp8Block);
-        float amax = 0.0f;
-        for (int i = begin; i < end; ++i) amax = std::max(amax, std::fabs(scratch[i]));
+        float amax = abs_max(scratch + begin, end - begin);
         float scale = amax > 0.0f ? amax / kFp8Max : 1.0f;
         scales[b] = scale;
-        for (int i = begin; i < end; ++i) row[i] = f32_to_e4m3(scratch[i] / scale);
+        if (std::isfinite(amax)) {
+          quantize_block(scratch + begin, end - begin, scale, row + begin);
+        } else {  // NaN or infinity in the block: the careful path
+          for (int i = begin; i < end; ++i) row[i] = f32_to_e4m3(scratch[i] / scale);
+        }
       }
       return;
     }

@@ -64,6 +64,24 @@ inline uint8_t f32_to_e4m3(float v) {
   return sign | static_cast<uint8_t>(code);
 }
 
+// Hot loops, compiled for AVX2 as well where the CPU has it (chosen at load
+// time, so one binary runs everywhere).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MOE_A2A_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define MOE_A2A_VECTOR_CLONES
+#endif
+
+// q[i] = e4m3(x[i] / scale) for a block whose values are finite and within
+// +-448 * scale: the same codes as f32_to_e4m3, without branches.
+void quantize_block(const float* x, int n, float scale, uint8_t* q);
+
+// max |x[i]|; NaN if any element is NaN.
+float abs_max(const float* x, int n);
+
+// acc[i] += w * row[i] for a bf16 or fp32 row.
+void accumulate_row(float* acc, float w, const void* row, DType dtype, int n);
+
 inline float load_element(const void* base, DType dtype, size_t i) {
   if (dtype == DType::kFp32) return static_cast<const float*>(base)[i];
   return bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
