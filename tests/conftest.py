@@ -16,13 +16,13 @@ Under MPI with more than one rank:
 Environment:
 - `MOE_A2A_TEST_PROVIDER`: libfabric provider of the fabric tests (default `tcp`).
 - `MOE_A2A_TEST_NUM_NICS`: NICs per rank of the default engine (default 1).
-- `MOE_A2A_TEST_SEED`: seed of the random test data (default: drawn by rank 0
-  and printed in the header, so a failure can be replayed).
+- `MOE_A2A_TEST_SEED`: seed of the random test data (default: drawn by rank 0;
+  shown in the header and in every failure report, so a failure can be replayed).
 
 Only rank 0 should write to the console: run the other ranks with their output
-redirected to per-rank log files (for example `mpirun --output-filename DIR`).
-A failing or timed-out rank writes its report to its own stderr, which is
-then in its log; mpirun names the rank that aborted.
+redirected to per-rank log files (tools/rank0_console.sh does that). A failing
+or timed-out rank writes its report to its own stderr, which is then in its
+log; mpirun names the rank that aborted.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+
+_seed: int | None = None  # the job's seed, fixed in pytest_configure
 
 
 def _with_mpi(config: pytest.Config) -> bool:
@@ -86,8 +88,23 @@ def _abort(config: pytest.Config, text: str) -> None:
 # ---------------------------------------------------------------- configuration
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    global _seed
+    seed = _env_int("MOE_A2A_TEST_SEED", -1, 0)
+    if seed < 0:
+        seed = secrets.randbits(32)
+    if _with_mpi(config):
+        from mpi4py import MPI
+
+        # Rank 0's choice wins, so every rank generates the same data for every rank.
+        seed = MPI.COMM_WORLD.bcast(seed, root=0)
+    _seed = seed
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    lines = [f"moe-a2a fabric tests: provider={os.environ.get('MOE_A2A_TEST_PROVIDER', 'tcp')}"]
+    lines = [
+        f"moe-a2a tests: provider={os.environ.get('MOE_A2A_TEST_PROVIDER', 'tcp')}, MOE_A2A_TEST_SEED={_seed}"
+    ]
     if _with_mpi(config):
         rank, world = _world()
         lines.append(f"MPI: rank {rank} of {world}")
@@ -109,11 +126,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     _abort(
         item.config,
         f"\n=== moe-a2a: rank {rank} of {world}: {item.nodeid} FAILED during {report.when}; "
-        f"aborting the MPI job ===\n{report.longreprtext}\n",
+        f"aborting the MPI job (replay with MOE_A2A_TEST_SEED={_seed}) ===\n{report.longreprtext}\n",
     )
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: a hook of pytest-timeout
 def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
     """Under MPI with several ranks: on timeout dump all stacks and abort the job."""
     if not _with_mpi(item.config) or not settings.timeout or settings.timeout <= 0:
@@ -175,16 +192,10 @@ def bootstrap() -> Any:
 
 
 @pytest.fixture(scope="session")
-def seed(bootstrap: Any) -> int:
-    """One seed for the whole job (same on every rank): MOE_A2A_TEST_SEED or drawn by rank 0."""
-    value = _env_int("MOE_A2A_TEST_SEED", -1, 0)
-    if value < 0:
-        value = secrets.randbits(32)
-    # Rank 0's choice wins, so every rank generates the same data for every rank.
-    value = int.from_bytes(bootstrap.allgather(value.to_bytes(8, "little"))[0], "little")
-    if bootstrap.rank == 0:
-        print(f"\nmoe-a2a test seed: {value} (set MOE_A2A_TEST_SEED={value} to replay)")
-    return value
+def seed() -> int:
+    """One seed for the whole job, the same on every rank: MOE_A2A_TEST_SEED or drawn by rank 0."""
+    assert _seed is not None
+    return _seed
 
 
 @pytest.fixture(scope="session")

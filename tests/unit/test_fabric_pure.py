@@ -1,0 +1,366 @@
+"""Pure logic of the transfer engine, without MPI: address and region blobs,
+sharding of writes across NICs, immediates, and the errors of opening a provider.
+
+The last test checks the MPI test infrastructure itself (a failing rank aborts
+the job) by starting a small `mpirun` in a subprocess; it is skipped where
+`mpirun` is missing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+# libfabric reads its environment once per process: bind tcp to loopback before
+# the first engine opens, as moe_a2a.fabric does for single-host jobs.
+os.environ.setdefault("FI_TCP_IFACE", "lo")
+
+from moe_a2a import FabricError, _core  # noqa: E402
+
+SPLIT_ALIGN = 4096  # kSplitAlign in src/fabric/sharding.h
+REPO = Path(__file__).resolve().parents[2]
+
+# ---------------------------------------------------------------- address blobs
+
+
+@pytest.mark.parametrize(
+    ("provider", "nics"),
+    [
+        ("tcp", [b"\x02\x00\x30\x39\x7f\x00\x00\x01"]),
+        ("shm", [b"fi_shm://1234", b"fi_shm://1235"]),
+        ("efa", [bytes(range(256)), b"", b"\x00" * 32]),
+        ("verbs;ofi_rxm", []),
+    ],
+)
+def test_address_blob_round_trip(provider: str, nics: list[bytes]) -> None:
+    blob = _core.encode_address(provider, nics)
+    assert isinstance(blob, bytes)
+    assert _core.decode_address(blob) == (provider, nics)
+
+
+def test_address_blob_every_truncation_is_rejected() -> None:
+    blob = _core.encode_address("tcp", [b"abcdef", b"\x01\x02"])
+    for cut in range(len(blob)):
+        with pytest.raises(FabricError, match="truncated"):
+            _core.decode_address(blob[:cut])
+
+
+def test_address_blob_trailing_bytes_are_rejected() -> None:
+    blob = _core.encode_address("tcp", [b"abcdef"])
+    with pytest.raises(FabricError, match="1 trailing bytes"):
+        _core.decode_address(blob + b"\x00")
+
+
+@pytest.mark.parametrize(
+    "foreign",
+    [b"XXXX" + bytes(20), b"not an address at all", bytes(8), b"\xff" * 16],
+    ids=["bad-magic", "text", "zeros", "ones"],
+)
+def test_address_blob_foreign_bytes_are_rejected(foreign: bytes) -> None:
+    with pytest.raises(FabricError, match="not a moe-a2a fabric address"):
+        _core.decode_address(foreign)
+
+
+def test_region_descriptor_is_not_an_address() -> None:
+    engine = _core.TransferEngine(0, 2, "tcp")
+    buf = bytearray(4096)
+    region = engine.register_region(_address_of(buf), len(buf))
+    with pytest.raises(FabricError, match="not a moe-a2a fabric address"):
+        _core.decode_address(engine.region_descriptor(region))
+
+
+# ---------------------------------------------------------------- region descriptors
+
+
+def _address_of(buf: bytearray) -> int:
+    import ctypes
+
+    return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
+
+
+def test_region_descriptor_round_trip_and_errors() -> None:
+    engine = _core.TransferEngine(0, 2, "tcp")
+    buf = bytearray(65536)
+    region = engine.register_region(_address_of(buf), len(buf))
+    desc = engine.region_descriptor(region)
+    first = engine.add_remote_region(1, desc)
+    assert engine.add_remote_region(1, desc) == first + 1  # ids count up
+    for cut in (0, 3, len(desc) // 2, len(desc) - 1):
+        with pytest.raises(FabricError, match=r"region descriptor from rank 1: truncated"):
+            engine.add_remote_region(1, desc[:cut])
+    with pytest.raises(FabricError, match="not a moe-a2a region descriptor"):
+        engine.add_remote_region(1, engine.address())
+    with pytest.raises(FabricError, match="trailing bytes"):
+        engine.add_remote_region(1, desc + b"\x00")
+    with pytest.raises(FabricError, match=r"peer 2 is out of range \[0, 2\)"):
+        engine.add_remote_region(2, desc)
+
+
+def test_region_descriptor_with_other_nic_count_is_rejected() -> None:
+    two = _core.TransferEngine(0, 2, "tcp", 2)
+    one = _core.TransferEngine(0, 2, "tcp", 1)
+    buf = bytearray(4096)
+    desc = two.region_descriptor(two.register_region(_address_of(buf), len(buf)))
+    with pytest.raises(FabricError, match=r"has 2 NIC key\(s\); expected 1"):
+        one.add_remote_region(1, desc)
+
+
+def test_register_empty_region_is_rejected() -> None:
+    engine = _core.TransferEngine(0, 1, "tcp")
+    with pytest.raises(FabricError, match="cannot register an empty region"):
+        engine.register_region(0, 4096)
+    buf = bytearray(16)
+    with pytest.raises(FabricError, match="length=0"):
+        engine.register_region(_address_of(buf), 0)
+
+
+def test_connect_checks_addresses() -> None:
+    engine = _core.TransferEngine(0, 2, "tcp")
+    with pytest.raises(FabricError, match="connect got 1 addresses for a world of 2"):
+        engine.connect([engine.address()])
+    other = _core.encode_address("shm", [b"x"])
+    with pytest.raises(FabricError, match=r"cannot talk to rank 1, which uses provider 'shm' with 1 NIC"):
+        engine.connect([engine.address(), other])
+    with pytest.raises(FabricError, match="address of rank 1: truncated"):
+        engine.connect([engine.address(), engine.address()[:5]])
+
+
+# ---------------------------------------------------------------- sharding
+
+
+def _split(peer: int, length: int, num_nics: int, threshold: int) -> list[tuple[int, int, int]]:
+    return [tuple(p) for p in _core.split_write(peer, length, num_nics, threshold)]
+
+
+def _split_cases() -> list[tuple[int, int, int, int]]:
+    rng = random.Random(1234)
+    cases = [
+        (peer, length, nics, threshold)
+        for peer in (0, 1, 5)
+        for nics in (1, 2, 3, 4, 16)
+        for threshold in (0, 1, 65536, 1 << 20)
+        for length in (0, 1, 4095, 4096, 4097, 65535, 65536, 65537, 3 * 4096 + 1, 1 << 20, (1 << 20) + 3)
+    ]
+    cases += [
+        (
+            rng.randrange(64),
+            rng.randrange(1 << 24),
+            rng.randrange(1, 9),
+            rng.choice([0, 4096, 65536, 1 << 20]),
+        )
+        for _ in range(500)
+    ]
+    return cases
+
+
+def test_split_write_pieces_tile_the_write() -> None:
+    for peer, length, nics, threshold in _split_cases():
+        pieces = _split(peer, length, nics, threshold)
+        case = f"peer={peer} length={length} num_nics={nics} threshold={threshold}: {pieces}"
+        assert pieces, case
+        assert sum(p[2] for p in pieces) == length, case
+        offset = 0
+        for _, start, size in pieces:  # contiguous, in order, from 0
+            assert start == offset, case
+            offset += size
+        assert all(0 <= nic < nics for nic, _, _ in pieces), case
+        assert len({nic for nic, _, _ in pieces}) == len(pieces), f"two pieces on one NIC: {case}"
+        if length > 0:
+            assert all(size > 0 for _, _, size in pieces), f"empty piece: {case}"
+
+
+def test_split_write_pieces_are_aligned() -> None:
+    for peer, length, nics, threshold in _split_cases():
+        pieces = _split(peer, length, nics, threshold)
+        case = f"peer={peer} length={length} num_nics={nics} threshold={threshold}: {pieces}"
+        assert all(start % SPLIT_ALIGN == 0 for _, start, _ in pieces), case
+        # Every piece but the last has the same, aligned size; the last one takes the rest,
+        # which may exceed the others by less than num_nics bytes (the chunk is
+        # length // num_nics rounded up to the alignment).
+        sizes = [size for _, _, size in pieces]
+        if len(sizes) > 1:
+            assert len(set(sizes[:-1])) == 1 and sizes[0] % SPLIT_ALIGN == 0, case
+            assert sizes[-1] < sizes[0] + nics, case
+
+
+def test_split_write_one_piece_below_threshold_or_with_one_nic() -> None:
+    for peer, length, nics, threshold in _split_cases():
+        if nics == 1 or length < threshold or length < SPLIT_ALIGN * nics:
+            assert _split(peer, length, nics, threshold) == [(peer % nics, 0, length)], (peer, length, nics)
+
+
+def test_split_write_uses_several_nics_at_threshold() -> None:
+    for nics in (2, 3, 4, 8):
+        threshold = 65536
+        for length in (threshold, threshold + 1, 1 << 20, (1 << 20) + 12345):
+            pieces = _split(3, length, nics, threshold)
+            assert 2 <= len(pieces) <= nics, (length, nics, pieces)
+            # The first piece goes to the peer's own NIC; the others rotate from there.
+            assert [nic for nic, _, _ in pieces] == [(3 + i) % nics for i in range(len(pieces))]
+        # A length that divides evenly gives one equal piece per NIC.
+        even = SPLIT_ALIGN * nics * 16
+        assert _split(0, even, nics, threshold) == [(i, i * even // nics, even // nics) for i in range(nics)]
+
+
+def test_nic_for_peer_shards_peers_round_robin() -> None:
+    for nics in (1, 2, 3, 8):
+        owners = [_core.nic_for_peer(peer, nics) for peer in range(64)]
+        assert owners == [peer % nics for peer in range(64)]
+        # Every NIC serves an equal share (within one) of the peers.
+        counts = [owners.count(n) for n in range(nics)]
+        assert max(counts) - min(counts) <= 1
+
+
+def test_nic_for_peer_agrees_with_unsplit_writes() -> None:
+    for peer, nics in itertools.product(range(10), (1, 2, 4)):
+        assert _split(peer, 100, nics, 1 << 20) == [(_core.nic_for_peer(peer, nics), 0, 100)]
+
+
+# ---------------------------------------------------------------- immediates
+
+
+@pytest.mark.parametrize(("tag", "peer"), [(0, 0), (7, 3), (0xFFFF, 0xFFFF), (1, 65535), (0x1234, 0xABCD)])
+def test_make_imm_packs_tag_and_sender(tag: int, peer: int) -> None:
+    imm = _core.make_imm(tag, peer)
+    assert imm >> 16 == tag
+    assert imm & 0xFFFF == peer
+    assert 0 <= imm < 1 << 32
+
+
+# ---------------------------------------------------------------- providers
+
+
+def test_unknown_provider_names_it_and_lists_the_offered_ones() -> None:
+    offered = _core.libfabric_providers()
+    assert "tcp" in offered and "shm" in offered, offered
+    with pytest.raises(FabricError) as info:
+        _core.TransferEngine(0, 1, "no-such-provider")
+    message = str(info.value)
+    assert "'no-such-provider' is not available" in message
+    assert "providers offered here: " + ", ".join(offered) in message
+
+
+@pytest.mark.parametrize("name", ["efa", "verbs"])
+def test_hardware_provider_without_device_fails_clearly(name: str) -> None:
+    if name in _core.libfabric_providers():
+        pytest.skip(f"libfabric offers {name} on this machine: there is a device")
+    with pytest.raises(FabricError, match=rf"libfabric provider '{name}' is not available on this machine"):
+        _core.TransferEngine(0, 1, name)
+
+
+@pytest.mark.parametrize(
+    ("rank", "world", "num_nics", "message"),
+    [
+        (0, 0, 1, r"world size 0 is outside \[1, 65536\]"),
+        (0, 65537, 1, r"world size 65537 is outside \[1, 65536\]"),
+        (2, 2, 1, r"rank 2 is outside \[0, 2\)"),
+        (-1, 2, 1, r"rank -1 is outside \[0, 2\)"),
+        (0, 1, 0, "num_nics is 0; expected 1 to 16"),
+        (0, 1, 17, "num_nics is 17; expected 1 to 16"),
+    ],
+)
+def test_engine_arguments_are_checked(rank: int, world: int, num_nics: int, message: str) -> None:
+    with pytest.raises(FabricError, match=message):
+        _core.TransferEngine(rank, world, "tcp", num_nics)
+
+
+def test_python_engine_checks_num_nics() -> None:
+    from moe_a2a.fabric import Engine
+
+    class OneRank:
+        rank, world_size, single_host = 0, 1, True
+
+        def allgather(self, blob: bytes) -> list[bytes]:
+            return [blob]
+
+    with pytest.raises(ValueError, match="num_nics: got 0; expected a positive integer"):
+        Engine(OneRank(), "tcp", num_nics=0)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- benchmark helpers
+
+
+@pytest.mark.parametrize(
+    ("text", "size"), [("4096", 4096), ("1K", 1024), ("64KiB", 65536), ("4m", 4 << 20), (" 3 MB ", 3 << 20)]
+)
+def test_bench_parse_size(text: str, size: int) -> None:
+    from moe_a2a.bench.fabric import parse_size
+
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "0", "-1K", "1.5K", "4X", "K"])
+def test_bench_parse_size_rejects(text: str) -> None:
+    import argparse
+
+    from moe_a2a.bench.fabric import parse_size
+
+    with pytest.raises(argparse.ArgumentTypeError, match=f"got {text!r}; expected a"):
+        parse_size(text)
+
+
+def test_bench_parse_sizes_sorts_and_dedups() -> None:
+    from moe_a2a.bench.fabric import DEFAULT_SIZES, parse_sizes
+
+    assert parse_sizes("4K,1K,4096,1M") == [1024, 4096, 1 << 20]
+    assert DEFAULT_SIZES == [1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22]
+
+
+def test_bench_summary_takes_the_slowest_rank() -> None:
+    import numpy as np
+
+    from moe_a2a.bench.fabric import format_table, summarize
+
+    # Two ranks, four iterations: per iteration the slower rank counts.
+    fabric = np.array([[1e-6, 2e-6, 3e-6, 4e-6], [4e-6, 1e-6, 1e-6, 1e-6]])
+    mpi = np.full((2, 4), 10e-6)
+    row = summarize(1000, 3, fabric, mpi)  # slowest per iteration: 4, 2, 3, 4 us
+    assert row.fabric_median_us == pytest.approx(3.5)
+    assert row.mpi_median_us == pytest.approx(10.0)
+    assert row.ratio == pytest.approx(10 / 3.5)
+    assert row.fabric_gbps == pytest.approx(2 * 1000 / 3.5e-6 / 1e9)
+    table = format_table([row]).splitlines()
+    assert len(table) == 3 and table[0].count("|") == table[1].count("|") == table[2].count("|") == 9
+    assert table[2].startswith("| 1000 B | 3.5 |")
+
+
+# ---------------------------------------------------------------- MPI test infrastructure
+
+
+@pytest.mark.timeout(120)
+def test_failing_rank_aborts_the_mpi_job() -> None:
+    """A test that fails on rank 1 while rank 0 waits in MPI_Barrier must end the job, not hang it."""
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("mpirun is not on PATH")
+    # A clean environment: no variables of an MPI job this test may itself run in.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_", "PMIX_", "OMPI_MCA_ess"))}
+    env.update(
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        MOE_A2A_TEST_DELIBERATE_FAILURE="1",
+    )
+    cmd = [
+        mpirun, "-n", "2", "--oversubscribe",
+        sys.executable, "-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider",
+        str(REPO / "tests" / "mpi" / "test_fabric.py::test_deliberate_failure_on_one_rank_aborts_the_job"),
+    ]  # fmt: skip
+    start = time.monotonic()
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=100)
+    elapsed = time.monotonic() - start
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    # The failing rank reports what failed before it aborts. (mpirun's own MPI_ABORT
+    # banner is not checked: OpenMPI 4.1 sometimes loses it with "Data unpack" errors.)
+    assert "rank 1 of 2" in output and "FAILED during call; aborting the MPI job" in output, output
+    assert "deliberate failure on rank 1" in output, output
+    # Rank 0 would wait forever in the barrier; the test's own timeout is 60 s.
+    assert elapsed < 50, f"the job took {elapsed:.1f} s to end: was it aborted or did it time out?"
