@@ -63,6 +63,12 @@ class Backend {
   virtual bool post_write(const WriteDesc& w) = 0;
   // Up to `max` completions; a kFailed entry leaves its text in last_error().
   virtual int poll(Completion* out, int max) = 0;
+  // Like poll, but blocks until a completion arrives, wake() is called or
+  // `timeout_ms` passes. Only where can_wait(); the worker sleeps otherwise.
+  virtual bool can_wait() const = 0;
+  virtual int wait_poll(Completion* out, int max, int timeout_ms) = 0;
+  // Ends a wait_poll in progress; callable from any thread.
+  virtual void wake() = 0;
   virtual std::string last_error() const = 0;
 };
 

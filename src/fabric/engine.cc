@@ -164,7 +164,9 @@ void TransferEngine::add_job(std::vector<Job>* jobs, OpKind op, const Region& sr
     w.write.remote_key = dst.nics[p.nic].key;
     w.write.with_imm = final_piece && tag.has_value();
     w.write.imm = tag ? make_imm(*tag, rank_) : 0;
-    w.write.delivery_complete = !final_piece;
+    // Leading pieces of a split write, and untagged writes (which a later
+    // barrier must order), complete only once placed at the target.
+    w.write.delivery_complete = !final_piece || !tag.has_value();
     return w;
   };
   std::vector<Piece> pieces = split_write(dst.peer, length, num_nics(), opts_.split_threshold);
@@ -203,9 +205,13 @@ void TransferEngine::scatter(uint32_t group, uint32_t region_id, const ScatterIt
 
 void TransferEngine::barrier(uint32_t group, uint32_t tag, double timeout_s) {
   check();
+  group_size(group);  // a clear error for an unknown group
   if (regions_.empty()) throw FabricError(where() + ": barrier needs one registered region");
+  // Writes before the barrier must be placed before peers pass it, also on
+  // unordered transports: untagged writes complete only once delivered.
+  wait_tx(timeout_s);
   std::vector<Job> jobs;
-  for (const auto& e : groups_.at(group))
+  for (const auto& e : groups_[group])
     add_job(&jobs, OpKind::kBarrier, regions_[0], 0, 0, remote(e.remote), 0, tag);
   worker_->submit(std::move(jobs));
   for (const auto& e : groups_[group]) wait_imm(tag, e.peer, 1, timeout_s);

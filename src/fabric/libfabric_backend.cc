@@ -64,8 +64,15 @@ class LibfabricBackend final : public Backend {
     fi_cq_attr cq_attr{};
     cq_attr.format = FI_CQ_FORMAT_DATA;
     cq_attr.size = kCqDepth;
-    cq_attr.wait_obj = FI_WAIT_NONE;
-    check(fi_cq_open(domain_, &cq_attr, &cq_, nullptr), "fi_cq_open");
+    // A wait object lets an idle worker block until something arrives;
+    // providers without one are polled.
+    cq_attr.wait_obj = FI_WAIT_UNSPEC;
+    if (!thread_safe_ || fi_cq_open(domain_, &cq_attr, &cq_, nullptr) != 0) {
+      cq_attr.wait_obj = FI_WAIT_NONE;
+      check(fi_cq_open(domain_, &cq_attr, &cq_, nullptr), "fi_cq_open");
+    } else {
+      can_wait_ = true;
+    }
     fi_av_attr av_attr{};
     av_attr.type = FI_AV_TABLE;
     check(fi_av_open(domain_, &av_attr, &av_, nullptr), "fi_av_open");
@@ -108,7 +115,7 @@ class LibfabricBackend final : public Backend {
   }
 
   LocalMemory register_memory(void* ptr, size_t len) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    auto lock = serialise();
     fid_mr* mr = nullptr;
     uint64_t requested_key = g_next_key.fetch_add(1);
     int rc = fi_mr_reg(domain_, ptr, len, FI_REMOTE_WRITE | FI_WRITE, 0, requested_key, 0, &mr, nullptr);
@@ -124,7 +131,7 @@ class LibfabricBackend final : public Backend {
   }
 
   void deregister_memory(const LocalMemory& mem) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    auto lock = serialise();
     auto* mr = static_cast<fid_mr*>(mem.handle);
     if (mr != nullptr) fi_close(&mr->fid);
   }
@@ -157,12 +164,27 @@ class LibfabricBackend final : public Backend {
     return true;
   }
 
-  int poll(Completion* out, int max) override {
-    std::lock_guard<std::mutex> lock(mu_);
+  int poll(Completion* out, int max) override { return read(out, max, -1); }
+
+  bool can_wait() const override { return can_wait_; }
+
+  int wait_poll(Completion* out, int max, int timeout_ms) override { return read(out, max, timeout_ms); }
+
+  void wake() override {
+    if (can_wait_) fi_cq_signal(cq_);
+  }
+
+  std::string last_error() const override { return last_error_; }
+
+ private:
+  // timeout_ms < 0: non-blocking read; otherwise a blocking read (sread).
+  int read(Completion* out, int max, int timeout_ms) {
+    auto lock = serialise();
     fi_cq_data_entry entries[64];
     int want = max < 64 ? max : 64;
-    ssize_t n = fi_cq_read(cq_, entries, want);
-    if (n == -FI_EAGAIN) return 0;
+    ssize_t n = timeout_ms < 0 ? fi_cq_read(cq_, entries, want)
+                               : fi_cq_sread(cq_, entries, want, nullptr, timeout_ms);
+    if (n == -FI_EAGAIN || n == -FI_ECANCELED || n == -FI_ETIMEDOUT) return 0;
     if (n == -FI_EAVAIL) {
       fi_cq_err_entry err{};
       fi_cq_readerr(cq_, &err, 0);
@@ -176,22 +198,27 @@ class LibfabricBackend final : public Backend {
       return 1;
     }
     if (n < 0) fail("fi_cq_read", static_cast<int>(n));
+    int m = 0;
     for (ssize_t i = 0; i < n; ++i) {
       const fi_cq_data_entry& e = entries[i];
       // Some providers mark the sender's own completion with
-      // FI_REMOTE_CQ_DATA too: only FI_REMOTE_WRITE means "arrived here".
+      // FI_REMOTE_CQ_DATA too: FI_REMOTE_WRITE means "arrived here", and
+      // only one carrying data is an immediate (others are not reported).
       if (e.flags & FI_REMOTE_WRITE) {
-        out[i] = {CompletionKind::kArrived, 0, static_cast<uint32_t>(e.data)};
-      } else {
-        out[i] = {CompletionKind::kSent, take_context(e.op_context), 0};
+        if (e.flags & FI_REMOTE_CQ_DATA) out[m++] = {CompletionKind::kArrived, 0, static_cast<uint32_t>(e.data)};
+        continue;
       }
+      out[m++] = {CompletionKind::kSent, take_context(e.op_context), 0};
     }
-    return static_cast<int>(n);
+    return m;
   }
 
-  std::string last_error() const override { return last_error_; }
+  // Held around calls into the provider: always the peer table's lock; the
+  // provider's calls need it too only where the domain is not thread-safe.
+  std::unique_lock<std::mutex> serialise() const {
+    return thread_safe_ ? std::unique_lock<std::mutex>() : std::unique_lock<std::mutex>(mu_);
+  }
 
- private:
   static uint64_t take_context(void* p) {
     auto* ctx = static_cast<WriteContext*>(p);
     if (ctx == nullptr) return 0;
@@ -216,10 +243,18 @@ class LibfabricBackend final : public Backend {
     hints->mode = FI_CONTEXT | FI_CONTEXT2;
     // The modes this backend handles; the provider keeps those it needs.
     hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
-    hints->domain_attr->threading = FI_THREAD_DOMAIN;
     hints->fabric_attr->prov_name = strdup(libfabric_name(provider_).c_str());
     fi_info* found = nullptr;
+    // Thread-safe domains let the worker block on its completion queue while
+    // another thread registers memory; otherwise every call is serialised and
+    // the worker never blocks.
+    hints->domain_attr->threading = FI_THREAD_SAFE;
     int rc = fi_getinfo(kFabricVersion, nullptr, nullptr, 0, hints.get(), &found);
+    thread_safe_ = rc == 0 && found != nullptr;
+    if (!thread_safe_) {
+      hints->domain_attr->threading = FI_THREAD_DOMAIN;
+      rc = fi_getinfo(kFabricVersion, nullptr, nullptr, 0, hints.get(), &found);
+    }
     if (rc != 0 || found == nullptr) {
       std::string offered;
       for (const auto& p : libfabric_providers()) offered += (offered.empty() ? "" : ", ") + p;
@@ -251,6 +286,8 @@ class LibfabricBackend final : public Backend {
   fid_av* av_ = nullptr;
   fid_ep* ep_ = nullptr;
   std::vector<fi_addr_t> peers_;
+  bool can_wait_ = false;
+  bool thread_safe_ = false;
   mutable std::mutex mu_;
   std::string last_error_;
 };

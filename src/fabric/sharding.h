@@ -22,12 +22,13 @@ struct Piece {
 };
 
 // One piece on the peer's NIC below `threshold` (or with one NIC); otherwise
-// one piece per NIC, aligned, the last one ending the write. Lengths sum to
+// at most one piece per NIC, each a multiple of kSplitAlign but the last. Lengths sum to
 // `length`; no piece is empty unless the write is.
 inline std::vector<Piece> split_write(int peer, uint64_t length, int num_nics, uint64_t threshold) {
   if (num_nics <= 1 || length < threshold || length < kSplitAlign * num_nics)
     return {{nic_for_peer(peer, num_nics), 0, length}};
-  uint64_t chunk = (length / num_nics + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
+  uint64_t per_nic = (length + num_nics - 1) / num_nics;
+  uint64_t chunk = (per_nic + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
   std::vector<Piece> pieces;
   uint64_t offset = 0;
   for (int i = 0; i < num_nics && offset < length; ++i) {

@@ -1,10 +1,14 @@
 #include "worker.h"
 
 #include <sched.h>
+#include <algorithm>
 
 #include "error.h"
 
 namespace moe_a2a::fabric {
+namespace {
+constexpr int kPollBatch = 32;
+}  // namespace
 
 const char* op_name(OpKind op) {
   switch (op) {
@@ -24,9 +28,10 @@ Worker::Worker(std::vector<std::unique_ptr<Backend>>* backends, ImmCounters* imm
 Worker::~Worker() {
   {
     std::lock_guard<std::mutex> lock(queue_mu_);
-    stop_ = true;
+    stop_.store(true);
   }
   queue_cv_.notify_all();
+  if (blocked_.load()) (*backends_)[0]->wake();
   thread_.join();
 }
 
@@ -38,6 +43,7 @@ void Worker::submit(std::vector<Job>&& jobs) {
     for (auto& j : jobs) queue_.push_back(std::move(j));
   }
   queue_cv_.notify_one();
+  if (blocked_.load()) (*backends_)[0]->wake();
 }
 
 std::string Worker::error() const {
@@ -50,7 +56,11 @@ void Worker::fail(const std::string& message) {
     std::lock_guard<std::mutex> lock(error_mu_);
     if (error_.empty()) error_ = message;
   }
-  failed_.store(true);
+  {
+    // Under idle_mu_, so a wait_idle() between its check and its sleep sees it.
+    std::lock_guard<std::mutex> lock(idle_mu_);
+    failed_.store(true);
+  }
   idle_cv_.notify_all();
 }
 
@@ -111,7 +121,10 @@ void Worker::piece_done(uint64_t id) {
   InFlight f = it->second;
   inflight_.erase(it);
   if (f.final_piece) {
-    completed_.fetch_add(1);
+    {
+      std::lock_guard<std::mutex> lock(idle_mu_);
+      completed_.fetch_add(1);
+    }
     idle_cv_.notify_all();
     return;
   }
@@ -123,39 +136,69 @@ void Worker::piece_done(uint64_t id) {
   }
 }
 
+bool Worker::handle(int nic, const Completion* done, int n) {
+  for (int i = 0; i < n; ++i) {
+    const Completion& c = done[i];
+    if (c.kind == CompletionKind::kArrived) {
+      imms_->add(c.imm);
+    } else if (c.kind == CompletionKind::kSent) {
+      piece_done(c.context);
+    } else {
+      auto it = inflight_.find(c.context);
+      std::string what = (*backends_)[nic]->last_error();
+      if (it != inflight_.end())
+        what += " [" + std::string(op_name(it->second.op)) + " to peer " + std::to_string(it->second.peer) + "]";
+      fail(what);
+    }
+  }
+  return n > 0;
+}
+
 bool Worker::poll_all() {
-  Completion done[32];
+  Completion done[kPollBatch];
   bool progress = false;
   for (size_t nic = 0; nic < backends_->size(); ++nic) {
-    int n = 0;
     try {
-      n = (*backends_)[nic]->poll(done, 32);
+      int n = (*backends_)[nic]->poll(done, kPollBatch);
+      progress = handle(static_cast<int>(nic), done, n) || progress;
     } catch (const FabricError& e) {
       fail(e.what());
       return progress;
     }
-    for (int i = 0; i < n; ++i) {
-      const Completion& c = done[i];
-      if (c.kind == CompletionKind::kArrived) {
-        imms_->add(c.imm);
-      } else if (c.kind == CompletionKind::kSent) {
-        piece_done(c.context);
-      } else {
-        auto it = inflight_.find(c.context);
-        std::string what = (*backends_)[nic]->last_error();
-        if (it != inflight_.end())
-          what += " [" + std::string(op_name(it->second.op)) + " to peer " + std::to_string(it->second.peer) + "]";
-        fail(what);
-      }
-    }
-    progress = progress || n > 0;
   }
   return progress;
 }
 
+void Worker::idle_wait(int block_ms) {
+  Backend& nic = *(*backends_)[0];
+  if (backends_->size() == 1 && nic.can_wait()) {
+    // Block on the NIC: an arrival or a new job (submit() wakes us) ends it.
+    blocked_.store(true);
+    bool queued;
+    {
+      std::lock_guard<std::mutex> lock(queue_mu_);
+      queued = stop_.load() || !queue_.empty();
+    }
+    if (!queued) {
+      Completion done[kPollBatch];
+      try {
+        handle(0, done, nic.wait_poll(done, kPollBatch, block_ms));
+      } catch (const FabricError& e) {
+        fail(e.what());
+      }
+    }
+    blocked_.store(false);
+    return;
+  }
+  std::unique_lock<std::mutex> lock(queue_mu_);
+  // A new job wakes us at once; arrivals are picked up within one slice.
+  queue_cv_.wait_for(lock, std::min(idle_.sleep, std::chrono::microseconds(block_ms * 1000)), [this] { return stop_.load() || !queue_.empty(); });
+}
+
 void Worker::run() {
   int idle_polls = 0;
-  for (;;) {
+  // Stops even with writes in flight (a peer may be gone for good).
+  while (!stop_.load(std::memory_order_relaxed)) {
     bool progress = take_new_jobs();
     if (!failed_.load()) {
       progress = post_pending() || progress;
@@ -167,18 +210,15 @@ void Worker::run() {
     }
     ++idle_polls;
     if (idle_polls < idle_.spin_polls) continue;
-    // Bytes still in flight, or a caller waiting for arrivals: keep driving
-    // progress, but let other threads run between polls.
-    const bool expecting = !pending_.empty() || !inflight_.empty() || imms_->waiters() > 0;
-    if (expecting || idle_polls < idle_.yield_polls) {
+    if (idle_polls < idle_.yield_polls) {
       sched_yield();
       continue;
     }
-    std::unique_lock<std::mutex> lock(queue_mu_);
-    if (stop_) return;
-    // A new job wakes us at once; arrivals are picked up within one slice.
-    queue_cv_.wait_for(lock, idle_.sleep, [this] { return stop_ || !queue_.empty(); });
-    if (stop_) return;
+    // Then block on the NIC. With bytes in flight or a caller waiting for
+    // arrivals, only briefly: not every provider wakes a blocked reader for
+    // its own progress.
+    const bool expecting = !pending_.empty() || !inflight_.empty() || imms_->waiters() > 0;
+    idle_wait(expecting ? idle_.busy_block_ms : idle_.block_ms);
   }
 }
 

@@ -42,7 +42,9 @@ struct Job {
 struct IdlePolicy {
   int spin_polls = 256;
   int yield_polls = 1024;
-  std::chrono::microseconds sleep{50};
+  std::chrono::microseconds sleep{50};  // where the NIC cannot block
+  int block_ms = 5;                     // longest blocking wait on the NIC when idle
+  int busy_block_ms = 1;                // ... while bytes are in flight or a caller waits
 };
 
 class Worker {
@@ -78,6 +80,8 @@ class Worker {
   bool take_new_jobs();
   bool post_pending();
   bool poll_all();
+  bool handle(int nic, const Completion* done, int n);
+  void idle_wait(int block_ms);
   void enqueue_piece(uint64_t job, OpKind op, const NicWrite& w, bool final_piece);
   void fail(const std::string& message);
   void piece_done(uint64_t id);
@@ -89,7 +93,8 @@ class Worker {
   std::mutex queue_mu_;
   std::condition_variable queue_cv_;
   std::vector<Job> queue_;
-  bool stop_ = false;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> blocked_{false};  // the worker sits in a NIC's wait_poll
 
   // Owned by the worker thread.
   std::deque<std::pair<uint64_t, NicWrite>> pending_;
