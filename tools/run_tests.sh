@@ -17,7 +17,10 @@ step "ruff"
 ruff check python tests || status=1
 
 step "unit tests"
-python -m pytest -q -p no:cacheprovider tests/unit --junitxml="$LOGS/unit.xml" || status=1
+python -m pytest -q -rs -p no:cacheprovider tests/unit --junitxml="$LOGS/unit.xml" || status=1
+
+step "CUDA tests (they run where a GPU is; here they print why they are skipped)"
+python -m pytest -q -rs -p no:cacheprovider tests/cuda --junitxml="$LOGS/cuda.xml" || status=1
 
 # provider:world sizes for the multi-rank suites
 MATRIX=("tcp:1 2 3 4 8" "shm:1 2 3 4 8")
@@ -29,7 +32,7 @@ for entry in "${MATRIX[@]}"; do
     mkdir -p "$run"
     if ! MOE_A2A_TEST_PROVIDER=$provider MOE_A2A_RANK_LOGS=$run timeout 1500 \
         "${MPIRUN[@]}" -n "$n" "$ROOT/tools/rank0_console.sh" \
-        python -m pytest -q -p no:cacheprovider --with-mpi tests/mpi --junitxml="$run/junit.xml"; then
+        python -m pytest -q -rs -p no:cacheprovider --with-mpi tests/mpi --junitxml="$run/junit.xml"; then
       status=1
       for f in "$run"/rank*.log; do
         [[ -e $f ]] || continue

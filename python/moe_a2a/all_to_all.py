@@ -17,17 +17,13 @@ import numpy as np
 import torch
 
 from moe_a2a import _core
+from moe_a2a.backends.common import CORE_DTYPE, Setup, num_scales
 from moe_a2a.bootstrap import Bootstrap
 from moe_a2a.fabric import Engine
 
 DISPATCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
 COMBINE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-_CORE_DTYPE = {
-    torch.bfloat16: _core.DType.bf16,
-    torch.float32: _core.DType.fp32,
-    torch.float8_e4m3fn: _core.DType.fp8,
-}
-FP8_BLOCK = 128
+DEVICES = ("cpu", "cuda")
 PATHS = ("same_node", "fabric")
 
 CapacityError = _core.CapacityError
@@ -120,13 +116,21 @@ class PendingCombine:
 
 
 def _describe(t: Any) -> str:
+    """How an argument looks, for error messages."""
     if not isinstance(t, torch.Tensor):
         return f"a {type(t).__name__}"
     return f"a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
 
 
 class AllToAll:
-    """Dispatch tokens to the ranks that host their experts, and combine the results back."""
+    """Dispatch tokens to the ranks that host their experts, and combine the results back.
+
+    `device="cpu"` runs the compute steps as C++ loops on the calling thread;
+    `device="cuda"` as kernels on the current CUDA stream (see
+    `moe_a2a.backends.cuda`, and `graph_safe` there). Both move bytes the same
+    way: shared memory or CUDA IPC within a node, the proxy and the fabric
+    between nodes.
+    """
 
     def __init__(
         self,
@@ -136,62 +140,93 @@ class AllToAll:
         provider: str = "auto",
         ranks_per_node: int | None = None,
         num_nics: int = 1,
+        graph_safe: bool = False,
     ) -> None:
         if not isinstance(cfg, Config):
             raise TypeError(f"cfg: got {type(cfg).__name__}; expected moe_a2a.Config")
-        if device != "cpu":
-            raise ValueError(
-                f"device: got {device!r}; this build runs dispatch/combine on 'cpu' only "
-                "(the CUDA path is not wired into AllToAll yet)"
-            )
+        if device not in DEVICES:
+            raise ValueError(f"device: got {device!r}; expected one of {list(DEVICES)}")
+        if graph_safe and device != "cuda":
+            raise ValueError("graph_safe: only device='cuda' has CUDA graphs to capture")
+        if device == "cuda":
+            from moe_a2a.backends.cuda import cuda_available
+
+            reason = cuda_available()
+            if reason is not None:  # before any collective: every rank fails alike
+                raise RuntimeError(f"device='cuda': {reason}")
         self.cfg = cfg
-        self.device = torch.device(device)
         self._boot = Bootstrap(comm, ranks_per_node)
         topo = self._boot.topology
         self.rank, self.world_size = topo.rank, topo.world_size
-        private, recv = cfg.resolved(self.world_size)
+        self.max_private_tokens, self.max_recv_tokens = cfg.resolved(self.world_size)
         self.num_local_experts = cfg.num_experts // self.world_size
-
-        core_cfg = _core.A2AConfig()
-        core_cfg.rank = self.rank
-        core_cfg.world = self.world_size
-        core_cfg.ranks_per_node = topo.local_size
-        core_cfg.max_tokens = cfg.max_tokens
-        core_cfg.hidden = cfg.hidden
-        core_cfg.num_experts = cfg.num_experts
-        core_cfg.topk = cfg.topk
-        core_cfg.dispatch_dtype = _CORE_DTYPE[DISPATCH_DTYPES[cfg.dispatch_dtype]]
-        core_cfg.combine_dtype = _CORE_DTYPE[COMBINE_DTYPES[cfg.combine_dtype]]
-        core_cfg.expert_padding = cfg.expert_padding
-        core_cfg.max_private_tokens = private
-        core_cfg.max_recv_tokens = recv
-        core_cfg.timeout_s = float(cfg.timeout_s)
-        self._core_cfg = core_cfg
-        self.max_private_tokens, self.max_recv_tokens = private, recv
         self._node = set(topo.node_ranks)
+        self._core_cfg = self._core_config(topo.local_size)
 
-        self._engine = Engine(self._boot, None if provider == "auto" else provider, num_nics=num_nics)
-        self._workspace = self._open_workspace(core_cfg)
-        region = self._engine.core.register_region(self._workspace.ptr, self._workspace.size)
-        remotes = self._engine.exchange_region(region)
-        self._remote_peers = [r for r in range(self.world_size) if r not in self._node]
-        group = self._engine.group(self._remote_peers, remotes)
-        self._impl = _core.CpuAllToAll(self._workspace, self._engine.core, region, group, self._remote_peers)
+        engine = Engine(self._boot, None if provider == "auto" else provider, num_nics=num_nics)
+        workspace = self._open_workspace()
+        region = engine.core.register_region(workspace.ptr, workspace.size)
+        remotes = engine.exchange_region(region)
+        remote_peers = [r for r in range(self.world_size) if r not in self._node]
+        setup = Setup(
+            cfg=cfg,
+            core_cfg=self._core_cfg,
+            workspace=workspace,
+            engine=engine,
+            region=region,
+            group=engine.group(remote_peers, remotes),
+            remote_peers=remote_peers,
+            node=self._node,
+            bootstrap=self._boot,
+        )
+        self._setup: Setup | None = setup
+        if device == "cuda":
+            from moe_a2a.backends.cuda import CudaBackend
+
+            self._backend: Any = CudaBackend(setup, graph_safe)
+        else:
+            from moe_a2a.backends.cpu import CpuBackend
+
+            self._backend = CpuBackend(setup)
+        self.device = self._backend.device
+        self.graph_safe = graph_safe
         self._state = "idle"
         self._failure: str | None = None
         self._last: Dispatched | None = None
-        self._boot.barrier()  # every proxy runs before anyone writes
+        self._boot.barrier()  # every proxy runs and every peer is mapped before anyone writes
 
     # -- start-up -------------------------------------------------------------------------------
 
-    def _open_workspace(self, core_cfg: Any) -> Any:
+    def _core_config(self, local_size: int) -> Any:
+        cfg = self.cfg
+        c = _core.A2AConfig()
+        c.rank, c.world, c.ranks_per_node = self.rank, self.world_size, local_size
+        c.max_tokens, c.hidden, c.num_experts, c.topk = cfg.max_tokens, cfg.hidden, cfg.num_experts, cfg.topk
+        c.dispatch_dtype = CORE_DTYPE[DISPATCH_DTYPES[cfg.dispatch_dtype]]
+        c.combine_dtype = CORE_DTYPE[COMBINE_DTYPES[cfg.combine_dtype]]
+        c.expert_padding = cfg.expert_padding
+        c.max_private_tokens, c.max_recv_tokens = self.max_private_tokens, self.max_recv_tokens
+        c.timeout_s = float(cfg.timeout_s)
+        return c
+
+    def _open_workspace(self) -> Any:
         name = f"/moe-a2a-{os.getpid()}-{uuid.uuid4().hex[:12]}-r{self.rank}"
-        workspace = _core.Workspace(core_cfg, name)
+        workspace = _core.Workspace(self._core_cfg, name)
         names = self._boot.allgather(name.encode())
         workspace.map_node([n.decode() if r in self._node else "" for r, n in enumerate(names)])
         self._boot.barrier()  # everyone has mapped everyone: the names can go
         workspace.unlink()
         return workspace
+
+    @property
+    def epoch(self) -> int:
+        """The number of dispatches started so far."""
+        return self._backend.epoch
+
+    @property
+    def max_output_rows(self) -> int:
+        """Rows of `expert_x` in graph-safe mode (the most a call can deliver, padded)."""
+        return int(getattr(self._backend, "max_output_rows", 0))
 
     # -- dispatch -------------------------------------------------------------------------------
 
@@ -229,47 +264,32 @@ class AllToAll:
     def _dispatch_send(self, x: Any, topk_ids: Any, topk_weights: Any, x_scale: Any) -> PendingDispatch:
         if self._state != "idle":
             raise RuntimeError(
-                f"dispatch: the previous dispatch (epoch {self._impl.epoch}) has not been combined yet; "
+                f"dispatch: the previous dispatch (epoch {self.epoch}) has not been combined yet; "
                 "every dispatch must be followed by combine before the next dispatch"
             )
         x, ids, weights, scale = self._validate_dispatch(x, topk_ids, topk_weights, x_scale)
-        num_tokens = x.shape[0]
-        self._guard(
-            self._impl.dispatch_send,
-            x.data_ptr(),
-            _CORE_DTYPE[x.dtype],
-            scale.data_ptr() if scale is not None else 0,
-            ids.data_ptr(),
-            num_tokens,
-        )
+        self._guard(self._backend.dispatch_send, x, scale, ids)
         self._state = "dispatch_sent"
-        return PendingDispatch(epoch=self._impl.epoch, num_tokens=num_tokens, topk_weights=weights)
+        return PendingDispatch(epoch=self.epoch, num_tokens=x.shape[0], topk_weights=weights)
 
     def _dispatch_recv(self, handle: PendingDispatch) -> Dispatched:
-        if self._state != "dispatch_sent" or handle.epoch != self._impl.epoch:
+        if self._state != "dispatch_sent" or handle.epoch != self.epoch:
             raise RuntimeError(
                 f"dispatch: handle of epoch {handle.epoch} is not the dispatch in flight "
-                f"(state {self._state}, epoch {self._impl.epoch})"
+                f"(state {self._state}, epoch {self.epoch})"
             )
         try:
-            rows = self._guard(self._impl.dispatch_wait)
+            expert_x, scale, counts = self._guard(
+                self._backend.dispatch_recv, DISPATCH_DTYPES[self.cfg.dispatch_dtype]
+            )
         except CapacityError:
             self._state = "idle"  # every rank failed this call alike; the next one starts clean
             raise
-        dtype = DISPATCH_DTYPES[self.cfg.dispatch_dtype]
-        expert_x = torch.empty(rows, self.cfg.hidden, dtype=dtype)
-        scale = None
-        if self.cfg.dispatch_dtype == "fp8":
-            blocks = (self.cfg.hidden + FP8_BLOCK - 1) // FP8_BLOCK
-            scale = torch.empty(rows, blocks, dtype=torch.float32)
-        self._guard(
-            self._impl.dispatch_unpack, expert_x.data_ptr(), scale.data_ptr() if scale is not None else 0
-        )
         self._state = "dispatched"
         d = Dispatched(
             expert_x=expert_x,
             expert_x_scale=scale,
-            tokens_per_expert=torch.tensor(self._impl.tokens_per_expert, dtype=torch.int32),
+            tokens_per_expert=counts,
             epoch=handle.epoch,
             num_tokens=handle.num_tokens,
             topk_weights=handle.topk_weights,
@@ -302,10 +322,15 @@ class AllToAll:
             raise ValueError(
                 f"combine: the receive half needs handle= from combine(..., recv=False); got {handle!r}"
             )
-        if self._state != "combine_sent" or handle.epoch != self._impl.epoch:
+        if self._state != "combine_sent" or handle.epoch != self.epoch:
             raise RuntimeError(f"combine: handle of epoch {handle.epoch} is not the combine in flight")
-        out = torch.empty(handle.num_tokens, self.cfg.hidden, dtype=COMBINE_DTYPES[self.cfg.combine_dtype])
-        self._guard(self._impl.combine_recv, handle.topk_weights.data_ptr(), out.data_ptr())
+        out = torch.empty(
+            handle.num_tokens,
+            self.cfg.hidden,
+            dtype=COMBINE_DTYPES[self.cfg.combine_dtype],
+            device=self.device,
+        )
+        self._guard(self._backend.combine_recv, handle.topk_weights, out)
         self._state = "idle"
         return out
 
@@ -317,7 +342,7 @@ class AllToAll:
         if self._state != "dispatched" or d is not self._last:
             raise RuntimeError(
                 f"combine: d (epoch {d.epoch}) is not the latest dispatch of this AllToAll "
-                f"(state {self._state}, epoch {self._impl.epoch})"
+                f"(state {self._state}, epoch {self.epoch})"
             )
         expected = (d.expert_x.shape[0], self.cfg.hidden)
         if not isinstance(y, torch.Tensor) or y.dim() != 2 or tuple(y.shape) != expected:
@@ -328,13 +353,16 @@ class AllToAll:
             raise ValueError(f"combine: y: got dtype {y.dtype}; expected torch.bfloat16 or torch.float32")
         if y.device != self.device:
             raise ValueError(f"combine: y is on {y.device}; expected {self.device}")
-        y = y.contiguous()
-        self._guard(self._impl.combine_send, y.data_ptr(), _CORE_DTYPE[y.dtype])
+        self._guard(self._backend.combine_send, y.contiguous())
         self._state = "combine_sent"
         assert d.topk_weights is not None
         return PendingCombine(epoch=d.epoch, num_tokens=d.num_tokens, topk_weights=d.topk_weights)
 
     # -- validation and state ---------------------------------------------------------------------
+
+    def _on_device(self, name: str, t: torch.Tensor) -> None:
+        if t.device != self.device:
+            raise ValueError(f"dispatch: {name} is on {t.device}; expected {self.device}")
 
     def _validate_dispatch(
         self, x: Any, topk_ids: Any, topk_weights: Any, x_scale: Any
@@ -345,20 +373,20 @@ class AllToAll:
         tokens = x.shape[0]
         if tokens > cfg.max_tokens:
             raise ValueError(f"dispatch: x has {tokens} tokens; expected at most max_tokens={cfg.max_tokens}")
-        if x.device != self.device:
-            raise ValueError(f"dispatch: x is on {x.device}; expected {self.device}")
+        self._on_device("x", x)
         if x.dtype == torch.float8_e4m3fn:
             if cfg.dispatch_dtype != "fp8":
                 raise ValueError(f"dispatch: x is fp8 but dispatch_dtype is {cfg.dispatch_dtype!r}")
-            blocks = (cfg.hidden + FP8_BLOCK - 1) // FP8_BLOCK
+            blocks = num_scales(cfg.hidden)
             if (
                 not isinstance(x_scale, torch.Tensor)
                 or tuple(x_scale.shape) != (tokens, blocks)
                 or x_scale.dtype != torch.float32
+                or x_scale.device != self.device
             ):
                 raise ValueError(
                     f"dispatch: x_scale: got {_describe(x_scale)}; expected float32 [{tokens}, {blocks}] "
-                    "for already-quantised fp8 x"
+                    f"on {self.device} for already-quantised fp8 x"
                 )
             x_scale = x_scale.contiguous()
         elif x.dtype in (torch.bfloat16, torch.float32):
@@ -371,8 +399,11 @@ class AllToAll:
             raise ValueError(f"dispatch: topk_ids: got {_describe(topk_ids)}; expected shape {shape}")
         if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool or topk_ids.is_complex():
             raise ValueError(f"dispatch: topk_ids: got dtype {topk_ids.dtype}; expected an integer dtype")
-        if tokens > 0:
-            low, high = int(topk_ids.min()), int(topk_ids.max())
+        self._on_device("topk_ids", topk_ids)
+        # Reading the ids back synchronises a GPU stream: graph-safe mode leaves the
+        # range check to the kernel, which drops bad copies and reports them in check().
+        if tokens > 0 and not self.graph_safe:
+            low, high = (int(v) for v in torch.aminmax(topk_ids))
             if low < 0 or high >= cfg.num_experts:
                 bad = low if low < 0 else high
                 raise ValueError(
@@ -382,12 +413,18 @@ class AllToAll:
             raise ValueError(f"dispatch: topk_weights: got {_describe(topk_weights)}; expected shape {shape}")
         if not topk_weights.dtype.is_floating_point:
             raise ValueError(f"dispatch: topk_weights: got dtype {topk_weights.dtype}; expected float32")
-        ids = topk_ids.to(device="cpu", dtype=torch.int32).contiguous()
-        weights = topk_weights.to(device="cpu", dtype=torch.float32).contiguous()
-        return x.contiguous(), ids, weights, x_scale
+        self._on_device("topk_weights", topk_weights)
+        ids_dtypes = self._backend.ids_dtypes
+        ids = topk_ids if topk_ids.dtype in ids_dtypes else topk_ids.to(ids_dtypes[-1])
+        weights = topk_weights.to(torch.float32).contiguous()
+        return x.contiguous(), ids.contiguous(), weights, x_scale
+
+    def check(self) -> None:
+        """Raise the outcome of the last call (CUDA graph-safe mode; synchronise the stream first)."""
+        self._guard(self._backend.check)
 
     def _check_usable(self) -> None:
-        if self._impl is None:
+        if self._setup is None:
             raise RuntimeError("AllToAll is closed")
         if self._failure is not None:
             raise RuntimeError(f"AllToAll is unusable after an earlier failure: {self._failure}")
@@ -409,8 +446,7 @@ class AllToAll:
         out = np.zeros((self.world_size, len(PATHS)), dtype=np.int64)
         if self._last is None:
             return out
-        sent = self._impl.sent_counts()
-        received = self._impl.received_counts()
+        sent, received = self._backend.copies()
         routing = self.cfg.num_experts * 4
         for peer in range(self.world_size):
             if peer == self.rank:
@@ -418,8 +454,8 @@ class AllToAll:
             path = 0 if peer in self._node else 1
             out[peer, path] = (
                 routing
-                + sent[peer] * self._core_cfg.dispatch_row_bytes
-                + received[peer] * self._core_cfg.combine_row_bytes
+                + int(sent[peer]) * self._core_cfg.dispatch_row_bytes
+                + int(received[peer]) * self._core_cfg.combine_row_bytes
             )
         return out
 
@@ -429,13 +465,18 @@ class AllToAll:
         Collective while healthy: it first waits until no peer can still write into
         this rank's buffers. Pass `wait_for_peers=False` when peers are gone.
         """
-        if self._impl is None:
+        if self._setup is None:
             return
         if wait_for_peers and self._failure is None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # our own writes into peers are done
             self._boot.barrier()
-        self._impl = None
-        self._engine = None
-        self._workspace = None
+        # The proxy and kernels stop first, then the engine, and only then does
+        # the memory it had registered go.
+        self._backend.close()
+        setup, self._setup = self._setup, None
+        setup.engine = None
+        setup.workspace = None
 
     def __enter__(self) -> AllToAll:
         return self

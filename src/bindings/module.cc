@@ -9,6 +9,7 @@ namespace nb = nanobind;
 
 void bind_fabric(nb::module_& m);
 void bind_a2a(nb::module_& m);
+void bind_cuda(nb::module_& m);  // sets HAVE_CUDA; empty without nvcc
 
 NB_MODULE(_core, m) {
   m.doc() = "moe-a2a core: transfer engine and dispatch/combine";
@@ -16,4 +17,5 @@ NB_MODULE(_core, m) {
   nb::exception<moe_a2a::fabric::TimeoutError>(m, "FabricTimeoutError", fabric_error.ptr());
   bind_fabric(m);
   bind_a2a(m);
+  bind_cuda(m);
 }

@@ -75,11 +75,45 @@ def all_ranks(value: int) -> list[int]:
         (["--mode", "decode"], 5),
         # Two virtual nodes (fabric, and same-node from 4 ranks), the router with node-limited
         # routing, padded expert segments, fp32 throughout (tight verify tolerance).
-        (["--routing", "router", "--ranks-per-node", TWO_NODES, "--max-nodes", "1", "--expert-padding", "8",
-          "--dispatch-dtype", "fp32", "--combine-dtype", "fp32", "--weight-dtype", "fp32"], 3),
+        (
+            [
+                "--routing",
+                "router",
+                "--ranks-per-node",
+                TWO_NODES,
+                "--max-nodes",
+                "1",
+                "--expert-padding",
+                "8",
+                "--dispatch-dtype",
+                "fp32",
+                "--combine-dtype",
+                "fp32",
+                "--weight-dtype",
+                "fp32",
+            ],
+            3,
+        ),
         # Prefill-sized with skewed routing; shape flags on top of the preset, no shared expert.
-        (["--mode", "prefill", "--tokens", "96", "--routing", "skewed", "--skew", "1.2",
-          "--dispatch-dtype", "bf16", "--num-shared-experts", "0", "--hidden", "192"], 3),
+        (
+            [
+                "--mode",
+                "prefill",
+                "--tokens",
+                "96",
+                "--routing",
+                "skewed",
+                "--skew",
+                "1.2",
+                "--dispatch-dtype",
+                "bf16",
+                "--num-shared-experts",
+                "0",
+                "--hidden",
+                "192",
+            ],
+            3,
+        ),
     ],
     ids=["decode-fp8", "router-two-nodes-fp32", "prefill-skewed-bf16"],
 )
@@ -87,15 +121,34 @@ def test_tiny_run_verifies_and_writes_a_trace(
     flags: list[str], iters: int, shared_dir: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = os.path.join(shared_dir, "run.h5")
-    status = run("--model", "tiny", "--iters", str(iters), "--warmup", "1", "--seed", "7", "--verify",
-                 "--trace", path, *flags)
+    status = run(
+        "--model",
+        "tiny",
+        "--iters",
+        str(iters),
+        "--warmup",
+        "1",
+        "--seed",
+        "7",
+        "--verify",
+        "--trace",
+        path,
+        *flags,
+    )
     assert all_ranks(status) == [0] * WORLD
     if RANK != 0:
         return
     out = capsys.readouterr().out
     assert "verify: OK" in out, out
-    for phase in ("dispatch_send", "dispatch_recv", "shared_expert", "experts", "combine_send",
-                  "combine_recv", "layer"):
+    for phase in (
+        "dispatch_send",
+        "dispatch_recv",
+        "shared_expert",
+        "experts",
+        "combine_send",
+        "combine_recv",
+        "layer",
+    ):
         assert phase in out or (phase == "shared_expert" and "--num-shared-experts" in flags), out
     assert "tokens/s" in out and f"trace: {path}" in out
 

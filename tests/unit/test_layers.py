@@ -33,8 +33,17 @@ from moe_a2a.layers.weights import (
     shard_state_dict,
 )
 
-SMALL = MoEShape(hidden=160, num_experts=8, topk=3, expert_hidden=48, num_shared_experts=1,
-                 score_func="sigmoid", num_groups=4, topk_groups=2, route_scale=1.5)
+SMALL = MoEShape(
+    hidden=160,
+    num_experts=8,
+    topk=3,
+    expert_hidden=48,
+    num_shared_experts=1,
+    score_func="sigmoid",
+    num_groups=4,
+    topk_groups=2,
+    route_scale=1.5,
+)
 
 
 def gen(seed: int) -> torch.Generator:
@@ -98,11 +107,18 @@ def test_shape_validation_names_the_field(changes: dict, message: str) -> None:
 
 
 def brute_force_route(
-    x: torch.Tensor, gate: torch.Tensor, topk: int, score_func: str, num_groups: int, topk_groups: int,
-    route_scale: float, norm_topk: bool, bias: torch.Tensor | None,
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    topk: int,
+    score_func: str,
+    num_groups: int,
+    topk_groups: int,
+    route_scale: float,
+    norm_topk: bool,
+    bias: torch.Tensor | None,
 ) -> tuple[list[set[int]], torch.Tensor]:
     """Per-token routing written out with sorted() over Python lists."""
-    logits = (x.double() @ gate.double().t())
+    logits = x.double() @ gate.double().t()
     scores = torch.softmax(logits, -1) if score_func == "softmax" else torch.sigmoid(logits)
     choice = scores + (bias.double() if bias is not None else 0)
     E = gate.shape[0]
@@ -110,8 +126,9 @@ def brute_force_route(
     chosen, weights = [], []
     for t in range(x.shape[0]):
         c = choice[t].tolist()
-        groups = sorted(range(num_groups),
-                        key=lambda g: -sum(sorted(c[g * size:(g + 1) * size], reverse=True)[:2]))
+        groups = sorted(
+            range(num_groups), key=lambda g: -sum(sorted(c[g * size : (g + 1) * size], reverse=True)[:2])
+        )
         allowed = [e for g in groups[:topk_groups] for e in range(g * size, (g + 1) * size)]
         experts = sorted(allowed, key=lambda e: -c[e])[:topk]
         w = torch.tensor([float(scores[t, e]) for e in experts], dtype=torch.float64)
@@ -124,8 +141,13 @@ def brute_force_route(
 
 @pytest.mark.parametrize(
     ("score_func", "num_groups", "topk_groups", "norm_topk", "with_bias"),
-    [("softmax", 1, 1, False, False), ("softmax", 1, 1, True, False),
-     ("sigmoid", 4, 2, True, False), ("sigmoid", 8, 3, True, True), ("sigmoid", 2, 1, False, True)],
+    [
+        ("softmax", 1, 1, False, False),
+        ("softmax", 1, 1, True, False),
+        ("sigmoid", 4, 2, True, False),
+        ("sigmoid", 8, 3, True, True),
+        ("sigmoid", 2, 1, False, True),
+    ],
 )
 def test_route_matches_a_per_token_brute_force(
     score_func: str, num_groups: int, topk_groups: int, norm_topk: bool, with_bias: bool
@@ -133,8 +155,17 @@ def test_route_matches_a_per_token_brute_force(
     g = gen(1)
     x, gate = torch.randn(40, 64, generator=g), torch.randn(16, 64, generator=g) / 8
     bias = torch.randn(16, generator=g) * 0.05 if with_bias else None
-    ids, w = route(x, gate, 3, score_func=score_func, num_groups=num_groups, topk_groups=topk_groups,
-                   route_scale=2.5, norm_topk=norm_topk, expert_bias=bias)
+    ids, w = route(
+        x,
+        gate,
+        3,
+        score_func=score_func,
+        num_groups=num_groups,
+        topk_groups=topk_groups,
+        route_scale=2.5,
+        norm_topk=norm_topk,
+        expert_bias=bias,
+    )
     assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == w.shape == (40, 3)
     chosen, weights = brute_force_route(x, gate, 3, score_func, num_groups, topk_groups, 2.5, norm_topk, bias)
     assert [set(row) for row in ids.tolist()] == chosen
@@ -256,12 +287,14 @@ def test_random_weights_are_made_per_expert_and_agree_across_ranks() -> None:
     assert full.w1.shape == (8, 48, 160) and full.w2.shape == (8, 160, 48) and full.gate.shape == (8, 160)
     assert full.shared_w1.shape == (48, 160) and full.shared_w2.shape == (160, 48)
     for rank in range(4):
-        part = random_weights(SMALL, seed=11, experts=local_experts(8, rank, 4), dtype=torch.float32,
-                              expert_bias=True)
+        part = random_weights(
+            SMALL, seed=11, experts=local_experts(8, rank, 4), dtype=torch.float32, expert_bias=True
+        )
         assert part.expert_offset == 2 * rank and part.num_local_experts == 2
         for name in ("w1", "w2", "w3"):
-            torch.testing.assert_close(getattr(part, name), getattr(full, name)[2 * rank : 2 * rank + 2],
-                                       rtol=0, atol=0)
+            torch.testing.assert_close(
+                getattr(part, name), getattr(full, name)[2 * rank : 2 * rank + 2], rtol=0, atol=0
+            )
         torch.testing.assert_close(part.gate, full.gate, rtol=0, atol=0)
         torch.testing.assert_close(part.expert_bias, full.expert_bias, rtol=0, atol=0)
     other = random_weights(SMALL, seed=12, dtype=torch.float32)
@@ -276,13 +309,21 @@ def test_state_dict_uses_torchtitan_names_and_shards_by_rank() -> None:
     full = random_weights(SMALL, seed=13, dtype=torch.float32, expert_bias=True)
     sd = {f"layers.2.moe.{k}": v for k, v in full.state_dict().items()}
     assert set(full.state_dict()) == {
-        "router.gate.weight", "experts.w1", "experts.w2", "experts.w3", "shared_experts.w1.weight",
-        "shared_experts.w2.weight", "shared_experts.w3.weight", "expert_bias",
+        "router.gate.weight",
+        "experts.w1",
+        "experts.w2",
+        "experts.w3",
+        "shared_experts.w1.weight",
+        "shared_experts.w2.weight",
+        "shared_experts.w3.weight",
+        "expert_bias",
     }
     sd["layers.2.moe.tokens_per_expert"] = torch.zeros(8)  # a TorchTitan buffer the layer ignores
     sd["layers.3.moe.experts.w1"] = torch.randn(2)  # another layer: not ours
-    parts = [shard_state_dict(sd, r, 4, prefix="layers.2.moe.", shape=SMALL, dtype=torch.bfloat16)
-             for r in range(4)]
+    parts = [
+        shard_state_dict(sd, r, 4, prefix="layers.2.moe.", shape=SMALL, dtype=torch.bfloat16)
+        for r in range(4)
+    ]
     torch.testing.assert_close(torch.cat([p.w2 for p in parts]), full.w2.bfloat16(), rtol=0, atol=0)
     assert parts[3].expert_offset == 6 and parts[3].w1.dtype == torch.bfloat16
     assert parts[1].gate.dtype == torch.float32  # the router keeps its precision
@@ -328,8 +369,13 @@ class OneRankAllToAll:
         self.calls: list[str] = []
 
     def dispatch(
-        self, x: torch.Tensor | None = None, topk_ids: torch.Tensor | None = None,
-        topk_weights: torch.Tensor | None = None, *, handle: _Handle | None = None, send: bool = True,
+        self,
+        x: torch.Tensor | None = None,
+        topk_ids: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        *,
+        handle: _Handle | None = None,
+        send: bool = True,
         recv: bool = True,
     ) -> Any:
         self.calls.append(f"dispatch send={send} recv={recv}")
@@ -337,13 +383,19 @@ class OneRankAllToAll:
             handle = _Handle(x, topk_ids, topk_weights)
         if not recv:
             return handle
-        d = a2a_reference.dispatch_reference([handle.x], [handle.ids], self.num_experts,
-                                             self.dispatch_dtype, self.expert_padding)[0]
+        d = a2a_reference.dispatch_reference(
+            [handle.x], [handle.ids], self.num_experts, self.dispatch_dtype, self.expert_padding
+        )[0]
         d.topk_weights = handle.weights
         return d
 
     def combine(
-        self, y: torch.Tensor | None = None, d: Any = None, *, handle: Any = None, send: bool = True,
+        self,
+        y: torch.Tensor | None = None,
+        d: Any = None,
+        *,
+        handle: Any = None,
+        send: bool = True,
         recv: bool = True,
     ) -> Any:
         self.calls.append(f"combine send={send} recv={recv}")
@@ -371,8 +423,12 @@ def test_reference_forward_matches_the_per_token_definition() -> None:
 
 @pytest.mark.parametrize(
     ("dispatch_dtype", "combine_dtype", "weight_dtype", "padding"),
-    [("fp32", "fp32", torch.float32, 1), ("bf16", "bf16", torch.bfloat16, 4),
-     ("fp8", "bf16", torch.bfloat16, 8), ("fp8", "fp32", torch.float32, 1)],
+    [
+        ("fp32", "fp32", torch.float32, 1),
+        ("bf16", "bf16", torch.bfloat16, 4),
+        ("fp8", "bf16", torch.bfloat16, 8),
+        ("fp8", "fp32", torch.float32, 1),
+    ],
 )
 def test_layer_over_one_rank_matches_the_reference(
     dispatch_dtype: str, combine_dtype: str, weight_dtype: torch.dtype, padding: int
@@ -383,8 +439,12 @@ def test_layer_over_one_rank_matches_the_reference(
     x = torch.randn(24, 160, generator=gen(18)).to(weight_dtype)
     out = layer.forward(x, a2a)  # the router's routing
     assert out.dtype == {"bf16": torch.bfloat16, "fp32": torch.float32}[combine_dtype]
-    assert a2a.calls == ["dispatch send=True recv=False", "dispatch send=False recv=True",
-                         "combine send=True recv=False", "combine send=False recv=True"]
+    assert a2a.calls == [
+        "dispatch send=True recv=False",
+        "dispatch send=False recv=True",
+        "combine send=True recv=False",
+        "combine send=False recv=True",
+    ]
     ids, wts = layer.router(x)
     ref = reference_forward(x, full, ids, wts, dispatch_dtype)
     err = max_relative_error(out, ref)
@@ -478,8 +538,22 @@ def test_run_flags_are_validated_before_mpi(argv: list[str], message: str | None
 
 
 def test_shape_flags_override_the_preset() -> None:
-    shape = driver.validate_args(parse("--model", "deepseek-v3", "--mode", "prefill", "--hidden", "512",
-                                       "--expert-hidden", "64", "--tokens", "33", "--num-groups", "4"))
+    shape = driver.validate_args(
+        parse(
+            "--model",
+            "deepseek-v3",
+            "--mode",
+            "prefill",
+            "--hidden",
+            "512",
+            "--expert-hidden",
+            "64",
+            "--tokens",
+            "33",
+            "--num-groups",
+            "4",
+        )
+    )
     dims = (shape.hidden, shape.expert_hidden, shape.num_experts, shape.tokens("prefill"))
     assert dims == (512, 64, 256, 33)
     assert (shape.num_groups, shape.topk_groups) == (4, 4)
@@ -537,9 +611,15 @@ def test_summary_takes_the_slowest_rank_per_iteration() -> None:
         start[:, :, p] = 1_000 * p * 10
         end[:, :, p] = start[:, :, p] + 1_000 * (p + 1)  # phase p lasts (p+1) us on rank 0
     end[1, :, 0] += 4_000  # rank 1's dispatch_send takes 5 us
-    trace = RunTrace(config={}, environment={}, hosts=["a", "a"], start_ns=start, end_ns=end,
-                     tokens_per_expert=np.ones((iters, 4), dtype=np.int64),
-                     bytes_per_peer=np.zeros((ranks, iters, ranks, 2), dtype=np.int64))
+    trace = RunTrace(
+        config={},
+        environment={},
+        hosts=["a", "a"],
+        start_ns=start,
+        end_ns=end,
+        tokens_per_expert=np.ones((iters, 4), dtype=np.int64),
+        bytes_per_peer=np.zeros((ranks, iters, ranks, 2), dtype=np.int64),
+    )
     rows, tokens_per_s = driver.summary_rows(trace, tokens_per_iter=100)
     table = {r[0]: r[1:] for r in rows}
     assert table["dispatch_send"][0] == "5.0" and table["experts"][0] == "4.0"

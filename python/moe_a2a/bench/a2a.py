@@ -235,11 +235,9 @@ def print_table(results: list[dict[str, Any]]) -> None:
 def main(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
+    if args.device == "cuda":
+        return _run_cuda(args)
     comm = MPI.COMM_WORLD
-    if args.device != "cpu":
-        raise SystemExit(
-            f"bench a2a: --device {args.device!r} is not available in this build; expected 'cpu'"
-        )
     shapes = list(SHAPES) if args.shape == "both" else [args.shape]
     results = [run_shape(name, args, comm) for name in shapes]
     if comm.Get_rank() == 0:
@@ -249,6 +247,28 @@ def main(args: argparse.Namespace) -> int:
                 json.dump(results, f, indent=2)
             print(f"figures written to {args.output}")
     return 0
+
+
+def _run_cuda(args: argparse.Namespace) -> int:
+    """The CUDA benchmark (per-phase bandwidth against the copy ceiling and torch-native)."""
+    from moe_a2a.backends.cuda import cuda_available
+
+    reason = cuda_available()
+    if reason is not None:
+        raise SystemExit(f"bench a2a --device cuda: {reason}")
+    from moe_a2a.bench import a2a_cuda
+
+    cuda_args = argparse.Namespace(
+        shapes=list(SHAPES) if args.shape == "both" else [args.shape],
+        iters=args.iters,
+        warmup=args.warmup,
+        rounds=4,
+        provider=args.provider,
+        ranks_per_node=args.ranks_per_node,
+        json=args.output,
+        profile=False,
+    )
+    return a2a_cuda.run(cuda_args)
 
 
 def _positive(text: str) -> int:

@@ -56,35 +56,63 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         epilog="example: mpirun -n 4 moe-a2a run --model tiny --verify --trace run.h5",
     )
     run = p.add_argument_group("run")
-    run.add_argument("--mode", choices=MODES, default="decode", help="token counts of decode or prefill "
-                     "(default: %(default)s)")
+    run.add_argument(
+        "--mode",
+        choices=MODES,
+        default="decode",
+        help="token counts of decode or prefill (default: %(default)s)",
+    )
     # Not `choices`: an unknown preset gets one line naming it and the valid ones.
     run.add_argument("--model", required=True, metavar="PRESET", help=f"model preset: {', '.join(PRESETS)}")
-    run.add_argument("--iters", type=int, default=20, metavar="N",
-                     help="measured iterations (default: %(default)s)")
-    run.add_argument("--warmup", type=int, default=3, metavar="N",
-                     help="warm-up iterations, not measured (default: %(default)s)")
-    run.add_argument("--seed", type=int, default=0, metavar="N",
-                     help="seed of weights, tokens and routing (default: %(default)s)")
     run.add_argument(
-        "--routing", choices=ROUTINGS, default="random",
+        "--iters", type=int, default=20, metavar="N", help="measured iterations (default: %(default)s)"
+    )
+    run.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        metavar="N",
+        help="warm-up iterations, not measured (default: %(default)s)",
+    )
+    run.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="seed of weights, tokens and routing (default: %(default)s)",
+    )
+    run.add_argument(
+        "--routing",
+        choices=ROUTINGS,
+        default="random",
         help="new routing every iteration: uniform random experts, skewed towards a few hot "
         "experts (--skew), or the layer's router on random tokens (default: %(default)s)",
     )
     run.add_argument(
-        "--skew", type=float, default=1.0, metavar="S",
+        "--skew",
+        type=float,
+        default=1.0,
+        metavar="S",
         help="with --routing skewed: the i-th hottest expert is picked in proportion to 1/i^S "
         "(default: %(default)s; 0 is uniform)",
     )
-    run.add_argument("--verify", action="store_true", help="check every measured output against a "
-                     "single-process reference of the whole layer on rank 0")
     run.add_argument(
-        "--verify-max-gib", type=float, default=8.0, metavar="GIB",
+        "--verify",
+        action="store_true",
+        help="check every measured output against a single-process reference of the whole layer on rank 0",
+    )
+    run.add_argument(
+        "--verify-max-gib",
+        type=float,
+        default=8.0,
+        metavar="GIB",
         help="--verify refuses when the whole layer's weights exceed this on rank 0 (default: %(default)s)",
     )
     run.add_argument("--trace", metavar="PATH", help="write an HDF5 trace of the run (from rank 0)")
     run.add_argument(
-        "--progress", choices=("auto", "always", "never"), default="auto",
+        "--progress",
+        choices=("auto", "always", "never"),
+        default="auto",
         help="progress bar on rank 0's stderr; auto shows it once a run has lasted 2 s",
     )
 
@@ -97,32 +125,75 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     dims.add_argument("--score-func", choices=SCORE_FUNCS, help="router scores")
     dims.add_argument("--num-groups", type=int, metavar="G", help="expert groups of group-limited routing")
     dims.add_argument("--topk-groups", type=int, metavar="G", help="groups each token may use")
-    dims.add_argument("--max-nodes", type=int, metavar="M", help="node-limited routing (with --routing "
-                      "router): each token uses experts of at most M nodes; replaces the groups")
+    dims.add_argument(
+        "--max-nodes",
+        type=int,
+        metavar="M",
+        help="node-limited routing (with --routing "
+        "router): each token uses experts of at most M nodes; replaces the groups",
+    )
     dims.add_argument("--route-scale", type=float, metavar="X", help="factor on the chosen routing weights")
-    dims.add_argument("--tokens", type=int, metavar="T", help="tokens per rank (default: the preset's for "
-                      "--mode; 128 decode and 4096 prefill on the real models)")
+    dims.add_argument(
+        "--tokens",
+        type=int,
+        metavar="T",
+        help="tokens per rank (default: the preset's for "
+        "--mode; 128 decode and 4096 prefill on the real models)",
+    )
 
     a2a = p.add_argument_group("all-to-all")
-    a2a.add_argument("--dispatch-dtype", choices=DISPATCH_DTYPES, default="fp8",
-                     help="dispatch payload (default: %(default)s)")
-    a2a.add_argument("--combine-dtype", choices=COMBINE_DTYPES, default="bf16",
-                     help="combine payload (default: %(default)s)")
-    a2a.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="bf16",
-                     help="expert weights and activations (default: %(default)s)")
-    a2a.add_argument("--expert-padding", type=int, default=1, metavar="N",
-                     help="pad each expert's rows to a multiple of N (default: %(default)s)")
-    a2a.add_argument("--max-private-tokens", type=int, metavar="N",
-                     help="private slots per sender (default: the library's)")
-    a2a.add_argument("--max-recv-tokens", type=int, metavar="N",
-                     help="most token copies a rank may receive (default: the worst case)")
-    a2a.add_argument("--provider", default="auto",
-                     help="libfabric provider: auto, tcp, shm, efa, verbs (default: %(default)s)")
-    a2a.add_argument("--ranks-per-node", type=int, metavar="N",
-                     help="group consecutive ranks into virtual nodes of N (default: by host)")
+    a2a.add_argument(
+        "--dispatch-dtype",
+        choices=DISPATCH_DTYPES,
+        default="fp8",
+        help="dispatch payload (default: %(default)s)",
+    )
+    a2a.add_argument(
+        "--combine-dtype",
+        choices=COMBINE_DTYPES,
+        default="bf16",
+        help="combine payload (default: %(default)s)",
+    )
+    a2a.add_argument(
+        "--weight-dtype",
+        choices=WEIGHT_DTYPES,
+        default="bf16",
+        help="expert weights and activations (default: %(default)s)",
+    )
+    a2a.add_argument(
+        "--expert-padding",
+        type=int,
+        default=1,
+        metavar="N",
+        help="pad each expert's rows to a multiple of N (default: %(default)s)",
+    )
+    a2a.add_argument(
+        "--max-private-tokens",
+        type=int,
+        metavar="N",
+        help="private slots per sender (default: the library's)",
+    )
+    a2a.add_argument(
+        "--max-recv-tokens",
+        type=int,
+        metavar="N",
+        help="most token copies a rank may receive (default: the worst case)",
+    )
+    a2a.add_argument(
+        "--provider",
+        default="auto",
+        help="libfabric provider: auto, tcp, shm, efa, verbs (default: %(default)s)",
+    )
+    a2a.add_argument(
+        "--ranks-per-node",
+        type=int,
+        metavar="N",
+        help="group consecutive ranks into virtual nodes of N (default: by host)",
+    )
     # cpu by default: AllToAll runs dispatch/combine on the CPU only so far.
-    a2a.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                     help="where the layer runs (default: %(default)s)")
+    a2a.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where the layer runs (default: %(default)s)"
+    )
     p.set_defaults(func=main)
     return p
 
@@ -142,16 +213,29 @@ def resolve_shape(args: argparse.Namespace) -> MoEShape:
         shape = get_preset(args.model)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    for name in ("hidden", "num-experts", "topk", "expert-hidden", "num-groups", "topk-groups",
-                 "tokens", "max-nodes"):
+    for name in (
+        "hidden",
+        "num-experts",
+        "topk",
+        "expert-hidden",
+        "num-groups",
+        "topk-groups",
+        "tokens",
+        "max-nodes",
+    ):
         _positive(args, name)
     _positive(args, "num-shared-experts", 0)
     if args.route_scale is not None and not args.route_scale > 0:
         raise UsageError(f"--route-scale: got {args.route_scale}; expected a positive number")
     changes: dict[str, Any] = {
-        "hidden": args.hidden, "num_experts": args.num_experts, "topk": args.topk,
-        "expert_hidden": args.expert_hidden, "num_shared_experts": args.num_shared_experts,
-        "score_func": args.score_func, "num_groups": args.num_groups, "topk_groups": args.topk_groups,
+        "hidden": args.hidden,
+        "num_experts": args.num_experts,
+        "topk": args.topk,
+        "expert_hidden": args.expert_hidden,
+        "num_shared_experts": args.num_shared_experts,
+        "score_func": args.score_func,
+        "num_groups": args.num_groups,
+        "topk_groups": args.topk_groups,
         "route_scale": args.route_scale,
     }
     if args.num_experts is not None and args.num_groups is None and args.num_experts % shape.num_groups:
@@ -261,8 +345,13 @@ class ProgressBar:
     """
 
     def __init__(
-        self, total: int, enabled: bool, stream: TextIO | None = None, width: int = 30,
-        delay: float = 2.0, log_every: float = 10.0,
+        self,
+        total: int,
+        enabled: bool,
+        stream: TextIO | None = None,
+        width: int = 30,
+        delay: float = 2.0,
+        log_every: float = 10.0,
     ) -> None:
         self.total, self.enabled, self.width = total, enabled, width
         self.stream = stream or sys.stderr
@@ -278,8 +367,10 @@ class ProgressBar:
         rate = self.done / elapsed if elapsed > 0 else 0.0
         eta = (self.total - self.done) / rate if rate > 0 else math.inf
         eta_s = f"{eta:.0f}s" if math.isfinite(eta) else "?"
-        return (f"{PROG}: [{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} "
-                f"{rate:.1f} it/s, {eta_s} left")
+        return (
+            f"{PROG}: [{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} "
+            f"{rate:.1f} it/s, {eta_s} left"
+        )
 
     def _draw(self, now: float) -> None:
         self._drawn = now
@@ -339,19 +430,21 @@ def summary_rows(trace: RunTrace, tokens_per_iter: int) -> tuple[list[list[str]]
     return rows, tokens_per_s
 
 
-def format_summary(
-    trace: RunTrace, tokens_per_iter: int, header: list[str], footer: list[str]
-) -> str:
+def format_summary(trace: RunTrace, tokens_per_iter: int, header: list[str], footer: list[str]) -> str:
     """The table printed at the end of a run."""
     from moe_a2a.trace_tools import format_table
 
     rows, tokens_per_s = summary_rows(trace, tokens_per_iter)
-    lines = [*header,
-             f"{trace.num_iters} measured iterations; per phase: max over ranks, then over iterations (us)",
-             format_table(["phase", "p50", "p99", "mean"], rows)]
+    lines = [
+        *header,
+        f"{trace.num_iters} measured iterations; per phase: max over ranks, then over iterations (us)",
+        format_table(["phase", "p50", "p99", "mean"], rows),
+    ]
     if tokens_per_s is not None:
-        lines.append(f"throughput: {tokens_per_s:,.0f} tokens/s over {trace.num_ranks} ranks "
-                     f"({tokens_per_s / trace.num_ranks:,.0f} per rank) at the p50 layer time")
+        lines.append(
+            f"throughput: {tokens_per_s:,.0f} tokens/s over {trace.num_ranks} ranks "
+            f"({tokens_per_s / trace.num_ranks:,.0f} per rank) at the p50 layer time"
+        )
     return "\n".join([*lines, *footer])
 
 
@@ -419,7 +512,16 @@ def _run(args: argparse.Namespace, shape: MoEShape, comm: Any) -> int:
                 "(--num-experts, --expert-hidden, --hidden)"
             )
     if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+        # The launcher's node-local rank (torchrun, Open MPI, Slurm), else block placement.
+        local = next(
+            (
+                os.environ[v]
+                for v in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+                if v in os.environ
+            ),
+            None,
+        )
+        torch.cuda.set_device((int(local) if local is not None else rank) % torch.cuda.device_count())
 
     try:
         topology = Bootstrap(comm, args.ranks_per_node).topology
@@ -432,16 +534,19 @@ def _run(args: argparse.Namespace, shape: MoEShape, comm: Any) -> int:
         torch.set_num_threads(max(1, cores // topology.local_size))
     if args.max_nodes is not None:
         if shape.num_experts % topology.num_nodes:
-            raise UsageError(f"--max-nodes: {shape.num_experts} experts do not split evenly over "
-                             f"{topology.num_nodes} nodes")
+            raise UsageError(
+                f"--max-nodes: {shape.num_experts} experts do not split evenly over "
+                f"{topology.num_nodes} nodes"
+            )
         try:
             shape = node_limited(shape, topology.num_nodes, args.max_nodes)
         except ValueError as err:
             raise UsageError(f"--max-nodes {args.max_nodes}: {err}") from None
     tokens = shape.tokens(args.mode)
 
-    weights = random_weights(shape, args.seed, local_experts(shape.num_experts, rank, world),
-                             dtype=weight_dtype, device=device)
+    weights = random_weights(
+        shape, args.seed, local_experts(shape.num_experts, rank, world), dtype=weight_dtype, device=device
+    )
     layer = MoELayer(shape, weights, expert_padding=args.expert_padding)
     full = random_weights(shape, args.seed, dtype=weight_dtype) if args.verify and rank == 0 else None
     popularity = None
@@ -484,8 +589,17 @@ def _run(args: argparse.Namespace, shape: MoEShape, comm: Any) -> int:
             if it >= 0:
                 _record_counts(recorder, it, layer, a2a)
                 if args.verify:
-                    err = _verify(comm, full, x, topk_ids, topk_weights, out, args.dispatch_dtype,
-                                  reference_forward, max_relative_error)
+                    err = _verify(
+                        comm,
+                        full,
+                        x,
+                        topk_ids,
+                        topk_weights,
+                        out,
+                        args.dispatch_dtype,
+                        reference_forward,
+                        max_relative_error,
+                    )
                     if rank == 0:
                         worst = max(worst, err)
                         if err > limit:
@@ -500,14 +614,26 @@ def _run(args: argparse.Namespace, shape: MoEShape, comm: Any) -> int:
     a2a.close()
 
     config = {
-        "command": "run", "mode": args.mode, "model": args.model,
+        "command": "run",
+        "mode": args.mode,
+        "model": args.model,
         **{k: v for k, v in asdict(shape).items() if k not in ("decode_tokens", "prefill_tokens")},
-        "tokens": tokens, "world_size": world, "num_nodes": topology.num_nodes,
-        "ranks_per_node": topology.local_size, "dispatch_dtype": args.dispatch_dtype,
-        "combine_dtype": args.combine_dtype, "weight_dtype": args.weight_dtype,
-        "expert_padding": args.expert_padding, "iters": args.iters, "warmup": args.warmup,
-        "routing": args.routing, "skew": args.skew if args.routing == "skewed" else None,
-        "seed": args.seed, "provider": provider, "device": device, "verify": bool(args.verify),
+        "tokens": tokens,
+        "world_size": world,
+        "num_nodes": topology.num_nodes,
+        "ranks_per_node": topology.local_size,
+        "dispatch_dtype": args.dispatch_dtype,
+        "combine_dtype": args.combine_dtype,
+        "weight_dtype": args.weight_dtype,
+        "expert_padding": args.expert_padding,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "routing": args.routing,
+        "skew": args.skew if args.routing == "skewed" else None,
+        "seed": args.seed,
+        "provider": provider,
+        "device": device,
+        "verify": bool(args.verify),
     }
     trace = gather_trace(comm, recorder, config)
     status = 0
@@ -524,8 +650,10 @@ def _run(args: argparse.Namespace, shape: MoEShape, comm: Any) -> int:
         footer = []
         if args.verify:
             verdict = "FAILED" if failures else "OK"
-            footer.append(f"verify: {verdict}: max relative error {worst:.3g} (limit {limit:g}) over "
-                          f"{args.iters} iterations x {world} ranks")
+            footer.append(
+                f"verify: {verdict}: max relative error {worst:.3g} (limit {limit:g}) over "
+                f"{args.iters} iterations x {world} ranks"
+            )
             footer += [f"  {f}" for f in failures[:5]]
             status = 1 if failures else 0
         if args.trace:
@@ -538,9 +666,14 @@ def _make_all_to_all(args: argparse.Namespace, shape: MoEShape, tokens: int, com
     from moe_a2a.all_to_all import AllToAll, Config
 
     cfg = Config(
-        max_tokens=tokens, hidden=shape.hidden, num_experts=shape.num_experts, topk=shape.topk,
-        dispatch_dtype=args.dispatch_dtype, combine_dtype=args.combine_dtype,
-        expert_padding=args.expert_padding, max_private_tokens=args.max_private_tokens,
+        max_tokens=tokens,
+        hidden=shape.hidden,
+        num_experts=shape.num_experts,
+        topk=shape.topk,
+        dispatch_dtype=args.dispatch_dtype,
+        combine_dtype=args.combine_dtype,
+        expert_padding=args.expert_padding,
+        max_private_tokens=args.max_private_tokens,
         max_recv_tokens=args.max_recv_tokens,
     )
     return AllToAll(cfg, comm=comm, device=device, provider=args.provider, ranks_per_node=args.ranks_per_node)
@@ -588,8 +721,15 @@ def _record_counts(recorder: Any, it: int, layer: MoELayer, a2a: Any) -> None:
 
 
 def _verify(
-    comm: Any, full: Any, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-    out: torch.Tensor, dispatch_dtype: str, reference_forward: Any, max_relative_error: Any,
+    comm: Any,
+    full: Any,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    out: torch.Tensor,
+    dispatch_dtype: str,
+    reference_forward: Any,
+    max_relative_error: Any,
 ) -> float:
     """Gather every rank's tokens, routing and output on rank 0; its max relative error there."""
     import torch

@@ -12,15 +12,17 @@
 namespace moe_a2a::a2a::cuda {
 namespace {
 
-constexpr int kReduceMaxThreads = 1024;
-constexpr int kRowsInFlight = 4;  // loads issued before the first is used
+constexpr int kReduceThreads = 256;       // many tokens: several blocks share a multiprocessor
+constexpr int kReduceWideThreads = 1024;  // few tokens (decode): a whole bf16 row in one round
+constexpr int kWideBlocksPerSm = 2;       // "few": at most this many wide blocks per multiprocessor
+constexpr int kRowsInFlight = 8;  // rows whose pieces a thread loads before using the first (top-8: all)
 
 __global__ void wait_kernel(CombineRecvParams p) {
   const Instance& in = p.inst;
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(in.epoch);
   const uint64_t deadline = global_timer_ns() + in.timeout_ns;
   for (int r = threadIdx.x; r < in.world; r += blockDim.x)
-    if (same_node(in, r) && !wait_geq(flag_ptr(in.device_ws, in.layout, r, kFlagCombine), epoch, deadline))
+    if (same_node(in, r) && !wait_geq(flag_ptr(in.host_ws, in.layout, r, kFlagCombine), epoch, deadline))
       report(in, kStatusTimeout);
   if (threadIdx.x != 0 || !in.has_remote) return;
   constexpr unsigned kSleepNs = 256;
@@ -31,7 +33,37 @@ __global__ void wait_kernel(CombineRecvParams p) {
   }
 }
 
-__global__ void __launch_bounds__(kReduceMaxThreads) reduce_kernel(CombineRecvParams p) {
+// Up to 32 bytes of one combine row, as stored (bf16 or fp32).
+template <int kDtype>
+__device__ __forceinline__ Encoded load_raw(const uint8_t* row, int64_t first, int n) {
+  constexpr int kBytes = kDtype == static_cast<int>(DType::kFp32) ? 4 : 2;
+  const uint8_t* p = row + first * kBytes;
+  Encoded e{make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+  if (n == kVec && aligned(p, 16)) {
+    e.lo = ld_16_stream(p);
+    if (kBytes == 4) e.hi = ld_16_stream(p + 16);
+    return e;
+  }
+  float v[kVec];
+  load_piece(row, kDtype, first, n, v);
+  return kBytes == 4 ? encode_fp32(v) : encode_bf16(v);
+}
+
+template <int kDtype>
+__device__ __forceinline__ void decode_raw(const Encoded& e, float (&v)[kVec]) {
+  const uint32_t w[8] = {e.lo.x, e.lo.y, e.lo.z, e.lo.w, e.hi.x, e.hi.y, e.hi.z, e.hi.w};
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) {
+    if (kDtype == static_cast<int>(DType::kFp32)) v[i] = __uint_as_float(w[i]);
+    else v[i] = __uint_as_float(i % 2 == 0 ? w[i / 2] << 16 : w[i / 2] & 0xffff0000u);
+  }
+}
+
+// One token per block (256 threads, looping over the row), so several tokens
+// share a multiprocessor; each thread has the pieces of kRowsInFlight rows in
+// flight as raw bytes before it converts and accumulates them.
+template <int kDtype, int kMaxThreads>
+__global__ void __launch_bounds__(kMaxThreads) reduce_kernel(CombineRecvParams p) {
   const Instance& in = p.inst;
   const Layout& l = in.layout;
   const int K = in.topk, H = in.hidden;
@@ -39,21 +71,21 @@ __global__ void __launch_bounds__(kReduceMaxThreads) reduce_kernel(CombineRecvPa
   if (t >= *p.scratch.num_tokens) return;
   __shared__ const uint8_t* src[kMaxTopk];
   __shared__ float weight[kMaxTopk];
-  if (threadIdx.x < K) {
-    const int64_t i = static_cast<int64_t>(t) * K + threadIdx.x;
+  for (int k = threadIdx.x; k < K; k += blockDim.x) {
+    const int64_t i = static_cast<int64_t>(t) * K + k;
     const int slot = p.scratch.slots[i];
     const uint8_t* rows = nullptr;
     if (slot >= 0) {
       const uint8_t* ws = same_node(in, p.scratch.copy_rank[i]) ? in.device_ws : in.fabric_ws;
       rows = ws + l.combine_recv + static_cast<size_t>(slot) * l.combine_row;
     }
-    src[threadIdx.x] = rows;
-    weight[threadIdx.x] = p.weights[i];
+    src[k] = rows;
+    weight[k] = p.weights[i];
   }
   __syncthreads();
 
-  const int out_bytes = dtype_size(in.combine_dtype);
-  uint8_t* out_row = static_cast<uint8_t*>(p.out) + static_cast<size_t>(t) * H * out_bytes;
+  constexpr int kOutBytes = kDtype == static_cast<int>(DType::kFp32) ? 4 : 2;
+  uint8_t* out_row = static_cast<uint8_t*>(p.out) + static_cast<size_t>(t) * H * kOutBytes;
   const int pieces = (H + kVec - 1) / kVec;
   for (int piece = threadIdx.x; piece < pieces; piece += blockDim.x) {
     const int64_t first = static_cast<int64_t>(piece) * kVec;
@@ -62,20 +94,22 @@ __global__ void __launch_bounds__(kReduceMaxThreads) reduce_kernel(CombineRecvPa
 #pragma unroll
     for (int i = 0; i < kVec; ++i) acc[i] = 0.0f;
     for (int k0 = 0; k0 < K; k0 += kRowsInFlight) {
-      float v[kRowsInFlight][kVec];
+      Encoded raw[kRowsInFlight];
 #pragma unroll
       for (int u = 0; u < kRowsInFlight; ++u)
-        if (k0 + u < K && src[k0 + u] != nullptr) load_piece(src[k0 + u], in.combine_dtype, first, n, v[u]);
+        if (k0 + u < K && src[k0 + u] != nullptr) raw[u] = load_raw<kDtype>(src[k0 + u], first, n);
 #pragma unroll
-      for (int u = 0; u < kRowsInFlight; ++u) {
+      for (int u = 0; u < kRowsInFlight; ++u) {  // k ascending, product then sum, as the reference
         if (k0 + u >= K || src[k0 + u] == nullptr) continue;
         const float w = weight[k0 + u];
+        float v[kVec];
+        decode_raw<kDtype>(raw[u], v);
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w, v[u][i]));
+        for (int i = 0; i < kVec; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w, v[i]));
       }
     }
-    const Encoded enc = out_bytes == 4 ? encode_fp32(acc) : encode_bf16(acc);
-    store_piece(out_row + first * out_bytes, enc, out_bytes, n);
+    const Encoded enc = kOutBytes == 4 ? encode_fp32(acc) : encode_bf16(acc);
+    store_piece(out_row + first * kOutBytes, enc, kOutBytes, n);
   }
 }
 
@@ -83,11 +117,23 @@ __global__ void __launch_bounds__(kReduceMaxThreads) reduce_kernel(CombineRecvPa
 
 cudaError_t launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream) {
   constexpr int kWaitThreads = 32;
-  wait_kernel<<<1, kWaitThreads, 0, stream>>>(p);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
+  if (p.wait_in_kernel) {
+    wait_kernel<<<1, kWaitThreads, 0, stream>>>(p);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  constexpr int kBf16 = static_cast<int>(DType::kBf16), kFp32 = static_cast<int>(DType::kFp32);
   const int pieces = (p.inst.hidden + kVec - 1) / kVec;
-  reduce_kernel<<<p.inst.max_tokens, round_up_threads(pieces, kReduceMaxThreads), 0, stream>>>(p);
+  const int tokens = p.inst.max_tokens;
+  // Fewer tokens than can fill the device at 256 threads each: one round per
+  // row (latency), else small blocks (bandwidth). fp32 rows need the
+  // registers of the small blocks.
+  if (p.inst.combine_dtype == kFp32)
+    reduce_kernel<kFp32, kReduceThreads><<<tokens, round_up_threads(pieces, kReduceThreads), 0, stream>>>(p);
+  else if (persistent_blocks(tokens, 1, kWideBlocksPerSm) == tokens)
+    reduce_kernel<kBf16, kReduceWideThreads><<<tokens, round_up_threads(pieces, kReduceWideThreads), 0, stream>>>(p);
+  else
+    reduce_kernel<kBf16, kReduceThreads><<<tokens, round_up_threads(pieces, kReduceThreads), 0, stream>>>(p);
   return cudaGetLastError();
 }
 

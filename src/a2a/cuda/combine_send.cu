@@ -64,8 +64,7 @@ __global__ void return_kernel(CombineSendParams p) {
 cudaError_t launch_combine_send(const CombineSendParams& p, cudaStream_t stream) {
   const Instance& in = p.inst;
   const size_t seg_smem = static_cast<size_t>(in.num_experts) * sizeof(Segment);
-  cudaError_t err =
-      cudaFuncSetAttribute(return_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(seg_smem));
+  cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(return_kernel), seg_smem);
   if (err != cudaSuccess) return err;
   const int blocks = persistent_blocks(max_output_rows(in), kReturnThreads / kWarp);
   return_kernel<<<blocks, kReturnThreads, seg_smem, stream>>>(p);

@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "../errors.h"
+#include "../wait.h"
 #include "fabric/error.h"
 #include "launch.h"
 
@@ -33,10 +34,13 @@ CudaAllToAll::CudaAllToAll(Workspace* host_workspace, fabric::TransferEngine* en
     : cfg_(host_workspace->config()), layout_(host_workspace->layout()) {
   allocate();
   const auto& node = host_workspace->node();
-  register_host(host_workspace->self(), layout_.total, &host_ws_);
+  host_ws_cpu_ = host_workspace->self();
+  register_host(host_ws_cpu_, layout_.total, &host_ws_);
   peers_[cfg_.rank].host = host_ws_;
   for (int r = 0; r < cfg_.world; ++r)
-    if (r != cfg_.rank && node[r] != nullptr) register_host(node[r], layout_.total, &peers_[r].host);
+    // Kernels write only flags and routing rows into a peer's host
+    // workspace: register that head, not the gigabytes of rows behind it.
+    if (r != cfg_.rank && node[r] != nullptr) register_host(node[r], layout_.private_rows, &peers_[r].host);
 
   ProxyContext ctx;
   ctx.config = cfg_;
@@ -58,6 +62,7 @@ CudaAllToAll::CudaAllToAll(const A2AConfig& config) : cfg_(config), layout_(Layo
   check_cuda(cudaHostAlloc(&host, layout_.total, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc(workspace)");
   std::memset(host, 0, layout_.total);
   own_host_ws_ = true;
+  host_ws_cpu_ = static_cast<uint8_t*>(host);
   registered_.push_back(host);
   check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_ws_), host, 0), "cudaHostGetDevicePointer");
   peers_[cfg_.rank].host = host_ws_;
@@ -78,6 +83,8 @@ void CudaAllToAll::allocate() {
       copies * sizeof(int32_t),                         // slots
       copies * sizeof(int32_t),                         // copy_rank
       (cfg_.world + 1) * sizeof(int64_t),               // send_start
+      static_cast<size_t>(route_blocks(static_cast<int64_t>(copies))) * cfg_.num_experts * sizeof(int32_t),  // block_base
+      sizeof(int32_t),                                  // dropped
       sizeof(uint32_t),                                 // done_blocks
       cfg_.world * sizeof(SenderPlan),                  // senders
       static_cast<size_t>(cfg_.num_experts) * sizeof(Segment),  // segments
@@ -98,11 +105,13 @@ void CudaAllToAll::allocate() {
   scratch_.slots = reinterpret_cast<int32_t*>(take(sizes[1]));
   scratch_.copy_rank = reinterpret_cast<int32_t*>(take(sizes[2]));
   scratch_.send_start = reinterpret_cast<int64_t*>(take(sizes[3]));
-  scratch_.done_blocks = reinterpret_cast<uint32_t*>(take(sizes[4]));
-  scratch_.senders = reinterpret_cast<SenderPlan*>(take(sizes[5]));
-  scratch_.segments = reinterpret_cast<Segment*>(take(sizes[6]));
-  scratch_.output_rows = reinterpret_cast<int32_t*>(take(sizes[7]));
-  epoch_device_ = reinterpret_cast<uint64_t*>(take(sizes[8]));
+  scratch_.block_base = reinterpret_cast<int32_t*>(take(sizes[4]));
+  scratch_.dropped = reinterpret_cast<int32_t*>(take(sizes[5]));
+  scratch_.done_blocks = reinterpret_cast<uint32_t*>(take(sizes[6]));
+  scratch_.senders = reinterpret_cast<SenderPlan*>(take(sizes[7]));
+  scratch_.segments = reinterpret_cast<Segment*>(take(sizes[8]));
+  scratch_.output_rows = reinterpret_cast<int32_t*>(take(sizes[9]));
+  epoch_device_ = reinterpret_cast<uint64_t*>(take(sizes[10]));
 
   // Small host words the kernels write and the host reads after a sync.
   void* words = nullptr;
@@ -190,11 +199,13 @@ void CudaAllToAll::upload_peers() {
   peers_dirty_ = false;
 }
 
-Instance CudaAllToAll::instance() {
+const Instance& CudaAllToAll::instance() {
   int current = -1;
   if (cudaGetDevice(&current) != cudaSuccess || current != device_) check_cuda(cudaSetDevice(device_), "cudaSetDevice");
-  if (peers_dirty_) upload_peers();
-  Instance in;
+  if (!peers_dirty_) return instance_;
+  upload_peers();
+  Instance& in = instance_;
+  in = Instance{};
   in.layout = layout_;
   in.rank = cfg_.rank;
   in.world = cfg_.world;
@@ -236,6 +247,30 @@ Instance CudaAllToAll::instance() {
   return in;
 }
 
+void CudaAllToAll::check_proxy() const {
+  if (signals_->failed.get() != 0)
+    throw fabric::FabricError("rank " + std::to_string(cfg_.rank) + ": " + (proxy_ ? proxy_->error() : "the proxy failed"));
+}
+
+void CudaAllToAll::wait_host(FlagKind kind, const Seq& done, const char* what) {
+  const std::string who = "rank " + std::to_string(cfg_.rank) + ": timed out after ";
+  if (has_remote_) {
+    // The proxy times out on its own waits first and reports why.
+    const auto deadline = deadline_after(kProxyGrace * cfg_.timeout_s + kGraceSeconds);
+    if (!wait_at_least(&done.value, epoch_, deadline, [this] { check_proxy(); }))
+      throw fabric::TimeoutError(who + "waiting for the proxy to finish the " + what + " of epoch " +
+                                 std::to_string(epoch_));
+    check_proxy();
+  }
+  const auto deadline = deadline_after(cfg_.timeout_s);
+  for (int s = 0; s < cfg_.world; ++s) {
+    if (!cfg_.same_node(s)) continue;
+    if (!wait_at_least(flag_at(host_ws_cpu_, layout_, s, kind), epoch_, deadline, [this] { check_proxy(); }))
+      throw fabric::TimeoutError(who + std::to_string(cfg_.timeout_s) + " s waiting for the " + what +
+                                 " of same-node peer " + std::to_string(s) + " (epoch " + std::to_string(epoch_) + ")");
+  }
+}
+
 int64_t CudaAllToAll::max_output_rows() const {
   return static_cast<int64_t>(cfg_.max_recv_tokens) + static_cast<int64_t>(cfg_.num_local_experts()) * (cfg_.expert_padding - 1);
 }
@@ -257,7 +292,13 @@ void CudaAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_sc
   ++epoch_;
 }
 
-void CudaAllToAll::dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_per_expert, cudaStream_t stream) {
+void CudaAllToAll::dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_per_expert, bool host_wait,
+                                 cudaStream_t stream) {
+  if (host_wait) {
+    wait_host(kFlagDispatch, signals_->dispatch_done, "dispatch");
+    if (has_remote_ && signals_->overflow.get() == epoch_)
+      throw CapacityError("rank " + std::to_string(cfg_.rank) + ": " + capacity_message());
+  }
   DispatchRecvParams p;
   p.inst = instance();
   p.scratch = scratch_;
@@ -265,6 +306,7 @@ void CudaAllToAll::dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_
   p.out_scale = out_scale;
   p.tokens_per_expert = tokens_per_expert;
   p.max_output_rows = max_output_rows();
+  p.wait_in_kernel = host_wait ? 0 : 1;
   check_cuda(launch_dispatch_recv(p, stream), "dispatch recv");
 }
 
@@ -277,13 +319,23 @@ void CudaAllToAll::combine_send(const void* y, DType y_dtype, cudaStream_t strea
   check_cuda(launch_combine_send(p, stream), "combine send");
 }
 
-void CudaAllToAll::combine_recv(const float* weights, void* out, cudaStream_t stream) {
+void CudaAllToAll::combine_recv(const float* weights, void* out, bool host_wait, cudaStream_t stream) {
+  if (host_wait) wait_host(kFlagCombine, signals_->combine_done, "combine");
   CombineRecvParams p;
   p.inst = instance();
   p.scratch = scratch_;
   p.weights = weights;
   p.out = out;
+  p.wait_in_kernel = host_wait ? 0 : 1;
   check_cuda(launch_combine_recv(p, stream), "combine recv");
+}
+
+std::string CudaAllToAll::capacity_message() const {
+  std::string msg = proxy_ ? proxy_->overflow_message() : std::string();
+  if (!msg.empty()) return msg;
+  return "dispatch would deliver more token copies to some rank than max_recv_tokens=" +
+         std::to_string(cfg_.max_recv_tokens) +
+         "; raise max_recv_tokens in Config (nothing was delivered; the next call can proceed)";
 }
 
 void CudaAllToAll::check() const {
@@ -291,14 +343,8 @@ void CudaAllToAll::check() const {
   switch (*status_) {
     case kStatusOk:
       return;
-    case kStatusCapacity: {
-      std::string msg = proxy_ ? proxy_->overflow_message() : std::string();
-      if (msg.empty())
-        msg = "dispatch would deliver more token copies to some rank than max_recv_tokens=" +
-              std::to_string(cfg_.max_recv_tokens) +
-              "; raise max_recv_tokens in Config (nothing was delivered; the next call can proceed)";
-      throw CapacityError(who + msg);
-    }
+    case kStatusCapacity:
+      throw CapacityError(who + capacity_message());
     case kStatusProxyFailed:
       throw fabric::FabricError(who + (proxy_ ? proxy_->error() : std::string("the proxy failed")));
     case kStatusTimeout:

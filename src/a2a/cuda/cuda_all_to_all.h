@@ -6,7 +6,11 @@
 //
 // Start-up: construct, exchange ipc_handle() with the ranks of the node, call
 // open_node(), then a barrier before anyone dispatches. Every call enqueues
-// work on the caller's stream and returns without waiting for the GPU.
+// work on the caller's stream. The receive halves can first wait on the CPU
+// (host_wait) until every peer's flag is up, with the configured timeout: then
+// no kernel spins, which matters when several ranks share one GPU by time
+// slices, and a dead peer ends in an error instead of a hung stream. Without
+// host_wait (graph capture) the kernels wait for the flags themselves.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -47,9 +51,9 @@ class CudaAllToAll {
   // cudaStream_t. num_tokens_device, when non-null, overrides num_tokens.
   void dispatch_send(const void* x, DType x_dtype, const float* x_scale, const void* topk_ids, bool ids_64bit,
                      int num_tokens, const int32_t* num_tokens_device, cudaStream_t stream);
-  void dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_per_expert, cudaStream_t stream);
+  void dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_per_expert, bool host_wait, cudaStream_t stream);
   void combine_send(const void* y, DType y_dtype, cudaStream_t stream);
-  void combine_recv(const float* weights, void* out, cudaStream_t stream);
+  void combine_recv(const float* weights, void* out, bool host_wait, cudaStream_t stream);
 
   // After the caller synchronised with the stream: the outcome of the last
   // call (throws CapacityError, fabric errors), and the rows it filled.
@@ -62,14 +66,19 @@ class CudaAllToAll {
   const A2AConfig& config() const { return cfg_; }
   const Layout& layout() const { return layout_; }
   uintptr_t device_workspace() const { return reinterpret_cast<uintptr_t>(device_ws_); }
-  uintptr_t host_workspace() const { return reinterpret_cast<uintptr_t>(host_ws_); }
+  uintptr_t host_workspace() const { return reinterpret_cast<uintptr_t>(host_ws_cpu_); }
   ProxySignals* signals() const { return signals_; }
 
  private:
   void allocate();
   void register_host(uint8_t* ptr, size_t bytes, uint8_t** device_ptr);
-  Instance instance();
+  const Instance& instance();
   void upload_peers();
+  // Host waits of the receive halves: every same-node flag of `kind` and the
+  // proxy's `done` (with remote peers) at the current epoch.
+  void wait_host(FlagKind kind, const Seq& done, const char* what);
+  void check_proxy() const;
+  std::string capacity_message() const;
 
   A2AConfig cfg_;
   Layout layout_;
@@ -78,12 +87,14 @@ class CudaAllToAll {
 
   uint8_t* device_ws_ = nullptr;
   uint8_t* host_ws_ = nullptr;         // device address of our host workspace
+  uint8_t* host_ws_cpu_ = nullptr;     // its host address
   bool own_host_ws_ = false;           // allocated here (standalone)
   std::vector<void*> registered_;      // host ranges registered with CUDA
   std::vector<void*> ipc_opened_;      // peer device workspaces opened here
   std::vector<PeerWorkspaces> peers_;  // index = rank
   PeerWorkspaces* peers_device_ = nullptr;
   bool peers_dirty_ = true;
+  Instance instance_;  // rebuilt when peers change
 
   uint8_t* scratch_mem_ = nullptr;
   Scratch scratch_;

@@ -63,13 +63,13 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(DispatchRecvParams p
   }
   __syncthreads();
   const uint64_t deadline = global_timer_ns() + in.timeout_ns;
-  for (int s = tid; s < N; s += kPlanThreads) {
-    if (same_node(in, s) && !wait_geq(flag_ptr(in.device_ws, l, s, kFlagDispatch), epoch, deadline)) {
+  for (int s = tid; s < N && p.wait_in_kernel; s += kPlanThreads) {
+    if (same_node(in, s) && !wait_geq(flag_ptr(in.host_ws, l, s, kFlagDispatch), epoch, deadline)) {
       report(in, kStatusTimeout);
       ok = 0;
     }
   }
-  if (tid == 0 && in.has_remote) {
+  if (tid == 0 && in.has_remote && p.wait_in_kernel) {
     if (!wait_proxy(in, in.proxy.dispatch_done, epoch, deadline)) ok = 0;
     else if (ld_acquire_sys(in.proxy.overflow) == epoch) ok = 0, report(in, kStatusCapacity);
   }
@@ -183,13 +183,12 @@ __global__ void copy_kernel(DispatchRecvParams p) {
 cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream) {
   const Instance& in = p.inst;
   const size_t plan_smem = (static_cast<size_t>(in.world) * in.num_experts + 2 * in.local_experts) * sizeof(int32_t);
-  cudaError_t err =
-      cudaFuncSetAttribute(plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan_smem));
+  cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(plan_kernel), plan_smem);
   if (err != cudaSuccess) return err;
   plan_kernel<<<1, kPlanThreads, plan_smem, stream>>>(p);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   const size_t seg_smem = static_cast<size_t>(in.num_experts) * sizeof(Segment);
-  err = cudaFuncSetAttribute(copy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(seg_smem));
+  err = allow_dynamic_smem(reinterpret_cast<const void*>(copy_kernel), seg_smem);
   if (err != cudaSuccess) return err;
   copy_kernel<<<persistent_blocks(p.max_output_rows, kCopyThreads / kWarp), kCopyThreads, seg_smem, stream>>>(p);
   return cudaGetLastError();

@@ -1,124 +1,24 @@
 // Dispatch, send half (docs/protocol.md, "Send order" and "Dispatch"):
-// 1. route_kernel (one block): copies per expert (our routing row), published
-//    to every same-node peer and the proxy; then the send row of every copy.
-//    Send order is (rank, local expert, token, k), and experts are contiguous
-//    per rank, so a copy's send row is first[e] + its rank among the copies of
-//    expert e in (t, k) order: a stable counting sort by expert.
-// 2. pack_kernel (one block per token): reads the token once, converts or
-//    quantises it once, and stores it to each of its top-k destinations:
-//    a same-node peer's private slot, our device send section (same-node
-//    overflow, pulled by the peer), or our fabric send section (remote).
+// 1. routing (dispatch_route.cu): our routing row, published to same-node
+//    peers and the proxy, and the send row of every copy;
+// 2. pack_kernel (persistent, one token per block at a time): reads the token
+//    once, converts or quantises it once, and stores it to each of its top-k
+//    destinations: a same-node peer's private slot, our device send section
+//    (same-node overflow, pulled by the peer), or our fabric send section
+//    (remote). Persistent blocks, because each block ends with a system-scope
+//    fence before it is counted: one per resident block, not one per token.
 #include <cuda_runtime.h>
 
 #include "launch.h"
 #include "memory.cuh"
 #include "rows.cuh"
-#include "scan.cuh"
 #include "signal.cuh"
 
 namespace moe_a2a::a2a::cuda {
 namespace {
 
-constexpr int kRouteThreads = 1024;
-constexpr int kRouteWarps = kRouteThreads / kWarp;
 constexpr int kPackMaxThreads = 1024;
-
-__device__ __forceinline__ int expert_of(const DispatchSendParams& p, int64_t i) {
-  const int64_t e = p.ids_are_64bit ? static_cast<const int64_t*>(p.topk_ids)[i] : static_cast<const int32_t*>(p.topk_ids)[i];
-  return e >= 0 && e < p.inst.num_experts ? static_cast<int>(e) : -1;
-}
-
-// hist: [kRouteWarps][E] in dynamic shared memory, then counts [E], first [E].
-__global__ void __launch_bounds__(kRouteThreads) route_kernel(DispatchSendParams p) {
-  extern __shared__ int32_t smem[];
-  const Instance& in = p.inst;
-  const int E = in.num_experts, K = in.topk, L = in.local_experts;
-  int32_t* hist = smem;
-  int32_t* counts = hist + kRouteWarps * E;
-  int32_t* first = counts + E;
-  __shared__ uint64_t epoch;
-  __shared__ int tokens;
-  __shared__ int dropped;
-  const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
-
-  if (tid == 0) {
-    epoch = *in.epoch + 1;
-    *in.epoch = epoch;
-    int t = p.num_tokens_ptr != nullptr ? *p.num_tokens_ptr : p.num_tokens;
-    tokens = t < 0 ? 0 : (t > in.max_tokens ? in.max_tokens : t);
-    *p.scratch.num_tokens = tokens;
-    *reinterpret_cast<volatile int32_t*>(in.status) = kStatusOk;  // a new call
-    dropped = 0;
-  }
-  for (int i = tid; i < kRouteWarps * E; i += kRouteThreads) hist[i] = 0;
-  __syncthreads();
-
-  // Each warp owns a contiguous chunk of the copies, so walking it twice in
-  // order gives stable ranks.
-  const int64_t copies = static_cast<int64_t>(tokens) * K;
-  const int64_t chunk = (copies + kRouteWarps - 1) / kRouteWarps;
-  const int64_t begin = warp * chunk, end = begin + chunk < copies ? begin + chunk : copies;
-  const unsigned lanes_below = (1u << lane) - 1;
-
-  for (int64_t base = begin; base < end; base += kWarp) {  // warp-uniform bounds
-    const int64_t i = base + lane;
-    const int e = i < end ? expert_of(p, i) : -1;
-    if (i < end && e < 0) dropped = 1;
-    const unsigned same = __match_any_sync(kFullMask, e);
-    if (e >= 0 && lane == __ffs(same) - 1) hist[warp * E + e] += __popc(same);
-  }
-  __syncthreads();
-
-  // Per expert: where each warp's copies start among the expert's copies.
-  for (int e = tid; e < E; e += kRouteThreads) {
-    int32_t acc = 0;
-    for (int w = 0; w < kRouteWarps; ++w) {
-      const int32_t c = hist[w * E + e];
-      hist[w * E + e] = acc;
-      acc += c;
-    }
-    counts[e] = acc;
-  }
-  __syncthreads();
-  block_exclusive_scan<kRouteThreads, int32_t>(
-      E, [&](int e) { return counts[e]; }, [&](int e, int32_t v) { first[e] = v; });
-
-  // Publish the routing row: into every same-node host workspace (ours too,
-  // where the proxy scatters it to remote peers).
-  for (int r = 0; r < in.world; ++r) {
-    if (!same_node(in, r)) continue;
-    uint32_t* row = routing_row(in.peers[r].host, in.layout, in.rank, E);
-    for (int e = tid; e < E; e += kRouteThreads) row[e] = static_cast<uint32_t>(counts[e]);
-  }
-  for (int r = tid; r <= in.world; r += kRouteThreads)
-    p.scratch.send_start[r] = r < in.world ? first[r * L] : static_cast<int64_t>(copies);
-  __syncthreads();
-  if (tid == 0) {
-    fence_sys();
-    for (int r = 0; r < in.world; ++r)
-      if (same_node(in, r)) st_release_sys(flag_ptr(in.peers[r].host, in.layout, in.rank, kFlagRoute), epoch);
-    if (in.proxy.route_ready != nullptr) st_release_sys(in.proxy.route_ready, epoch);
-    if (dropped) report(in, kStatusBadExpert);
-  }
-
-  // Second walk: send rows.
-  for (int e = tid; e < E; e += kRouteThreads)
-    for (int w = 0; w < kRouteWarps; ++w) hist[w * E + e] += first[e];
-  __syncthreads();
-  for (int64_t base = begin; base < end; base += kWarp) {
-    const int64_t i = base + lane;
-    const int e = i < end ? expert_of(p, i) : -1;
-    const unsigned same = __match_any_sync(kFullMask, e);
-    const int slot = e >= 0 ? hist[warp * E + e] + __popc(same & lanes_below) : -1;
-    __syncwarp();
-    if (e >= 0 && lane == __ffs(same) - 1) hist[warp * E + e] += __popc(same);
-    __syncwarp();
-    if (i < end) {
-      p.scratch.slots[i] = slot;
-      p.scratch.copy_rank[i] = e >= 0 ? e / L : -1;
-    }
-  }
-}
+constexpr int kPackBlocksPerSm = 2;  // 896-thread blocks (hidden 7168): two fit per multiprocessor
 
 // Where copy (t, k) goes; nullptr when it was dropped.
 __device__ __forceinline__ uint8_t* destination(const DispatchSendParams& p, int64_t i) {
@@ -152,10 +52,11 @@ __device__ __forceinline__ Encoded load_fp8_piece(const uint8_t* row, int64_t fi
 __global__ void __launch_bounds__(kPackMaxThreads) pack_kernel(DispatchSendParams p) {
   const Instance& in = p.inst;
   const int K = in.topk, H = in.hidden;
-  const int t = blockIdx.x;
+  const int tokens = *p.scratch.num_tokens;
   __shared__ uint8_t* dst[kMaxTopk];
-  if (t < *p.scratch.num_tokens) {
-    if (threadIdx.x < K) dst[threadIdx.x] = destination(p, static_cast<int64_t>(t) * K + threadIdx.x);
+  for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
+    __syncthreads();  // the previous token's stores have read dst
+    for (int k = threadIdx.x; k < K; k += blockDim.x) dst[k] = destination(p, static_cast<int64_t>(t) * K + k);
     __syncthreads();
 
     const bool fp8 = in.dispatch_dtype == static_cast<int>(DType::kFp8);
@@ -203,15 +104,12 @@ __global__ void __launch_bounds__(kPackMaxThreads) pack_kernel(DispatchSendParam
 
 cudaError_t launch_dispatch_send(const DispatchSendParams& p, cudaStream_t stream) {
   if (p.inst.topk > kMaxTopk) return cudaErrorInvalidValue;
-  const size_t route_smem = (static_cast<size_t>(kRouteWarps) + 2) * p.inst.num_experts * sizeof(int32_t);
-  cudaError_t err = cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(route_smem));
+  cudaError_t err = launch_route(p, stream);
   if (err != cudaSuccess) return err;
-  route_kernel<<<1, kRouteThreads, route_smem, stream>>>(p);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
   const int pieces = (p.inst.hidden + kVec - 1) / kVec;
   const int threads = round_up_threads(pieces, kPackMaxThreads);
-  pack_kernel<<<p.inst.max_tokens, threads, 0, stream>>>(p);
+  const int blocks = persistent_blocks(p.inst.max_tokens, 1, kPackBlocksPerSm);
+  pack_kernel<<<blocks, threads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

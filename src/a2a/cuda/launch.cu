@@ -1,15 +1,33 @@
 // Host helpers shared by the launchers.
 #include <cuda_runtime.h>
 
+#include <map>
+#include <mutex>
+#include <utility>
+
 #include "launch.h"
 
 namespace moe_a2a::a2a::cuda {
 
-int persistent_blocks(int64_t items, int per_block) {
-  // 256-thread blocks per multiprocessor: at about 64 registers a thread, 3 to
-  // 4 fit, and each warp keeps 4 x 16 bytes a lane in flight, more than
-  // Little's law asks of HBM3e (about 33 KB per multiprocessor).
-  constexpr int kBlocksPerSm = 4;
+cudaError_t allow_dynamic_smem(const void* kernel, size_t bytes) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, size_t> allowed;
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  std::lock_guard<std::mutex> lock(mu);
+  size_t& have = allowed[{kernel, device}];
+  if (bytes <= have) return cudaSuccess;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (err == cudaSuccess) have = bytes;
+  return err;
+}
+
+// The default of 4 blocks a multiprocessor suits the 256-thread copy kernels:
+// at about 64 registers a thread, 3 to 4 fit, and each warp keeps 4 x 16
+// bytes a lane in flight, more than Little's law asks of HBM3e (about 33 KB
+// per multiprocessor).
+int persistent_blocks(int64_t items, int per_block, int per_sm) {
   constexpr int kMaxDevices = 64;
   static int sm_count[kMaxDevices] = {};
   int device = 0;
@@ -20,7 +38,7 @@ int persistent_blocks(int64_t items, int per_block) {
     sm_count[device] = n;
   }
   const int64_t needed = (items + per_block - 1) / per_block;
-  const int64_t cap = static_cast<int64_t>(sm_count[device]) * kBlocksPerSm;
+  const int64_t cap = static_cast<int64_t>(sm_count[device]) * per_sm;
   const int64_t blocks = needed < cap ? needed : cap;
   return blocks < 1 ? 1 : static_cast<int>(blocks);
 }

@@ -26,6 +26,17 @@ cudaError_t launch_combine_send(const CombineSendParams& p, cudaStream_t stream)
 // Waits for every receiver, then the fp32 weighted sum per token.
 cudaError_t launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream);
 
+// The routing step of dispatch send (dispatch_route.cu).
+cudaError_t launch_route(const DispatchSendParams& p, cudaStream_t stream);
+
+// Copies that one block of the routing step handles in large calls, and the
+// largest call that one block handles alone.
+constexpr int kRouteBlockCopies = 1024;
+constexpr int64_t kRouteSingleBlockCopies = 4096;
+inline int route_blocks(int64_t max_copies) {
+  return static_cast<int>((max_copies + kRouteBlockCopies - 1) / kRouteBlockCopies);
+}
+
 // Rows of the dispatch output buffers that a call may fill.
 inline int64_t max_output_rows(const Instance& in) {
   return in.max_recv + static_cast<int64_t>(in.local_experts) * (in.expert_padding - 1);
@@ -39,8 +50,14 @@ inline int round_up_threads(int work, int limit) {
   return threads < limit ? threads : limit;
 }
 
+// Raises a kernel's dynamic shared memory limit to `bytes` once per device
+// (not again while a stream is being captured into a graph).
+cudaError_t allow_dynamic_smem(const void* kernel, size_t bytes);
+
 // Blocks of a persistent grid over `items` work items of `per_block` each:
-// enough to fill the device, no more than the work needs.
-int persistent_blocks(int64_t items, int per_block);
+// enough to fill the device (`per_sm` blocks on each multiprocessor), no
+// more than the work needs.
+constexpr int kDefaultBlocksPerSm = 4;
+int persistent_blocks(int64_t items, int per_block, int per_sm = kDefaultBlocksPerSm);
 
 }  // namespace moe_a2a::a2a::cuda

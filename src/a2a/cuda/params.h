@@ -8,8 +8,9 @@
 //   every row that travels over the fabric (send, private/shared rows from
 //   remote senders, combine_send, combine_recv from remote receivers);
 // - the device workspace (cudaMalloc, mapped by same-node ranks through CUDA
-//   IPC): rows between ranks of one node, and the dispatch/combine flags that
-//   kernels of same-node ranks raise for each other.
+//   IPC): rows between ranks of one node. All flags stay in the host
+//   workspace, where a rank's CPU can poll them with a timeout (eager calls)
+//   and its kernels can poll them too (captured graphs).
 // Where the provider reads GPU memory (FI_HMEM), `fabric` can be the device
 // workspace itself; the kernels only ever use the `fabric` pointer for rows
 // that cross the fabric.
@@ -108,6 +109,8 @@ struct Scratch {
   int32_t* slots = nullptr;        // [max_tokens * topk] send row of (t, k); -1 if dropped
   int32_t* copy_rank = nullptr;    // [max_tokens * topk] destination rank of (t, k)
   int64_t* send_start = nullptr;   // [world + 1] send_off[rank][r]
+  int32_t* block_base = nullptr;   // [route blocks][num_experts] routing step of large calls
+  int32_t* dropped = nullptr;      // [1] a large call's routing saw an id out of range
   uint32_t* done_blocks = nullptr; // [1] blocks of the running launch that finished (reset by the last)
   SenderPlan* senders = nullptr;   // [world]
   Segment* segments = nullptr;     // [num_experts] = [local_experts][world]
@@ -134,6 +137,7 @@ struct DispatchRecvParams {
   float* out_scale = nullptr;     // [max_output_rows, num_scales] for fp8
   int32_t* tokens_per_expert = nullptr;  // [local_experts], unpadded
   int64_t max_output_rows = 0;    // rows of out_x: max_recv + local_experts * (expert_padding - 1)
+  int32_t wait_in_kernel = 1;     // 0: the host already saw every flag up (eager calls)
 };
 
 struct CombineSendParams {
@@ -148,6 +152,7 @@ struct CombineRecvParams {
   Scratch scratch;
   const float* weights = nullptr;  // [T, topk]
   void* out = nullptr;             // [T, hidden] in combine dtype
+  int32_t wait_in_kernel = 1;      // 0: the host already saw every flag up (eager calls)
 };
 
 }  // namespace moe_a2a::a2a::cuda

@@ -1,7 +1,9 @@
 // "This launch has finished writing": the last block of a grid to finish
-// raises the epoch in every same-node peer's flag (device workspace, CUDA IPC)
-// and in the proxy's flag (mapped host memory). One launch fewer than a
-// separate signalling kernel, which matters at decode sizes.
+// raises the epoch in every same-node peer's flag and in the proxy's flag.
+// Flags live in the host workspaces (mapped shared memory), as in the CPU
+// implementation, so a waiting rank can poll them from its CPU with a timeout
+// as well as from a kernel. One launch fewer than a separate signalling
+// kernel, which matters at decode sizes.
 #pragma once
 
 #include "memory.cuh"
@@ -20,7 +22,7 @@ __device__ __forceinline__ void signal_when_grid_done(const Instance& in, uint32
   fence_sys();       // every other block's rows, observed through the count, before the flags
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(in.epoch);
   for (int r = 0; r < in.world; ++r)
-    if (same_node(in, r)) st_release_sys(flag_ptr(in.peers[r].device, in.layout, in.rank, kind), epoch);
+    if (same_node(in, r)) st_release_sys(flag_ptr(in.peers[r].host, in.layout, in.rank, kind), epoch);
   if (proxy_flag != nullptr) st_release_sys(proxy_flag, epoch);
 }
 

@@ -1,0 +1,38 @@
+"""What every backend is built from: the configuration and the connected fabric session."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moe_a2a import _core
+
+FP8_BLOCK = 128
+
+CORE_DTYPE = {
+    torch.bfloat16: _core.DType.bf16,
+    torch.float32: _core.DType.fp32,
+    torch.float8_e4m3fn: _core.DType.fp8,
+}
+
+
+def num_scales(hidden: int) -> int:
+    """fp32 scales per token for fp8 (one per 128-element block)."""
+    return (hidden + FP8_BLOCK - 1) // FP8_BLOCK
+
+
+@dataclass
+class Setup:
+    """One rank's connected session: core config, shared-memory workspace, engine, peer group."""
+
+    cfg: Any  # moe_a2a.all_to_all.Config
+    core_cfg: Any  # _core.A2AConfig
+    workspace: Any  # _core.Workspace
+    engine: Any  # moe_a2a.fabric.Engine
+    region: int
+    group: int
+    remote_peers: list[int]
+    node: set[int]
+    bootstrap: Any

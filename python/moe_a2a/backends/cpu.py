@@ -1,0 +1,60 @@
+"""The CPU backend: compute steps on the calling thread, the proxy thread on the fabric."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from moe_a2a import _core
+from moe_a2a.backends.common import CORE_DTYPE, Setup, num_scales
+
+
+class CpuBackend:
+    """Drives `_core.CpuAllToAll`; outputs are allocated at their exact size."""
+
+    device = torch.device("cpu")
+    ids_dtypes = (torch.int32,)
+
+    def __init__(self, setup: Setup) -> None:
+        self.cfg = setup.cfg
+        self._impl = _core.CpuAllToAll(
+            setup.workspace, setup.engine.core, setup.region, setup.group, setup.remote_peers
+        )
+
+    @property
+    def epoch(self) -> int:
+        return int(self._impl.epoch)
+
+    def dispatch_send(self, x: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor) -> None:
+        self._impl.dispatch_send(
+            x.data_ptr(),
+            CORE_DTYPE[x.dtype],
+            scale.data_ptr() if scale is not None else 0,
+            ids.data_ptr(),
+            x.shape[0],
+        )
+
+    def dispatch_recv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        rows = self._impl.dispatch_wait()
+        expert_x = torch.empty(rows, self.cfg.hidden, dtype=dtype)
+        scale = None
+        if dtype == torch.float8_e4m3fn:
+            scale = torch.empty(rows, num_scales(self.cfg.hidden), dtype=torch.float32)
+        self._impl.dispatch_unpack(expert_x.data_ptr(), scale.data_ptr() if scale is not None else 0)
+        return expert_x, scale, torch.tensor(self._impl.tokens_per_expert, dtype=torch.int32)
+
+    def combine_send(self, y: torch.Tensor) -> None:
+        self._impl.combine_send(y.data_ptr(), CORE_DTYPE[y.dtype])
+
+    def combine_recv(self, weights: torch.Tensor, out: torch.Tensor) -> None:
+        self._impl.combine_recv(weights.data_ptr(), out.data_ptr())
+
+    def copies(self) -> tuple[np.ndarray, np.ndarray]:
+        """Token copies this rank sent to / received from each rank in the last dispatch."""
+        return np.array(self._impl.sent_counts()), np.array(self._impl.received_counts())
+
+    def close(self) -> None:
+        self._impl = None
+
+    def check(self) -> None:
+        """Nothing runs asynchronously on the CPU: every error was raised where it happened."""

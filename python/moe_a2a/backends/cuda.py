@@ -1,0 +1,136 @@
+"""The CUDA backend: kernels on the caller's stream, CUDA IPC within a node, the proxy for the fabric.
+
+Ranks of one node map each other's device workspaces through CUDA IPC and
+write rows directly; rows for other nodes go through the host workspace
+(pinned shared memory), which the host proxy moves over the fabric.
+
+By default each receive half synchronises with the stream once: dispatch to
+learn how many rows arrived (the output's shape), combine to raise errors
+where they happened. With `graph_safe=True` nothing synchronises: dispatch
+returns buffers of `max_output_rows` rows (rows past the received ones and
+padding rows hold no meaning, `tokens_per_expert` says which are filled),
+`combine` takes `y` of that shape, and a whole step can be captured in a CUDA
+graph; errors are then raised by `AllToAll.check()`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+
+from moe_a2a import _core
+from moe_a2a.backends.common import CORE_DTYPE, Setup, num_scales
+
+
+def cuda_available() -> str | None:
+    """None when the CUDA path can run here, else why not."""
+    if not getattr(_core, "HAVE_CUDA", False):
+        return "moe_a2a._core was built without the CUDA kernels (no nvcc at build time)"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this machine"
+    return None
+
+
+class CudaBackend:
+    """Drives `_core.CudaAllToAll` on the current CUDA device and stream."""
+
+    ids_dtypes = (torch.int32, torch.int64)
+
+    def __init__(self, setup: Setup, graph_safe: bool) -> None:
+        reason = cuda_available()
+        if reason is not None:
+            raise RuntimeError(f"device='cuda': {reason}")
+        self.cfg = setup.cfg
+        self.graph_safe = graph_safe
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self._setup = setup
+        self._impl = _core.CudaAllToAll(
+            setup.workspace, setup.engine.core, setup.region, setup.group, setup.remote_peers
+        )
+        handles = setup.bootstrap.allgather(self._impl.ipc_handle())
+        self._impl.open_node([h if r in setup.node else b"" for r, h in enumerate(handles)])
+        self.max_output_rows = int(self._impl.max_output_rows)
+        self._alive: tuple[torch.Tensor | None, ...] = ()
+
+    @property
+    def epoch(self) -> int:
+        return int(self._impl.epoch)
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def _settle(self) -> None:
+        """Eager mode: wait for the stream, then raise what the kernels reported."""
+        if not self.graph_safe:
+            torch.cuda.current_stream(self.device).synchronize()
+            self._impl.check()
+
+    def dispatch_send(self, x: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor) -> None:
+        self._impl.dispatch_send(
+            x.data_ptr(),
+            CORE_DTYPE[x.dtype],
+            scale.data_ptr() if scale is not None else 0,
+            ids.data_ptr(),
+            ids.dtype == torch.int64,
+            x.shape[0],
+            0,
+            self._stream(),
+        )
+        self._alive = (x, ids, scale)  # until the kernels that read them have run
+
+    def dispatch_recv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        rows, hidden = self.max_output_rows, self.cfg.hidden
+        expert_x = torch.empty(rows, hidden, dtype=dtype, device=self.device)
+        scale = None
+        if dtype == torch.float8_e4m3fn:
+            scale = torch.empty(rows, num_scales(hidden), dtype=torch.float32, device=self.device)
+        counts = torch.empty(
+            self._setup.cfg.num_experts // self._setup.bootstrap.world_size,
+            dtype=torch.int32,
+            device=self.device,
+        )
+        self._impl.dispatch_recv(
+            expert_x.data_ptr(),
+            scale.data_ptr() if scale is not None else 0,
+            counts.data_ptr(),
+            not self.graph_safe,
+            self._stream(),
+        )
+        self._settle()
+        if not self.graph_safe:
+            filled = int(self._impl.output_rows)
+            expert_x = expert_x[:filled]
+            scale = scale[:filled] if scale is not None else None
+        return expert_x, scale, counts
+
+    def combine_send(self, y: torch.Tensor) -> None:
+        self._impl.combine_send(y.data_ptr(), CORE_DTYPE[y.dtype], self._stream())
+        self._alive = (*self._alive, y)
+
+    def combine_recv(self, weights: torch.Tensor, out: torch.Tensor) -> None:
+        self._impl.combine_recv(weights.data_ptr(), out.data_ptr(), not self.graph_safe, self._stream())
+        self._settle()
+        if not self.graph_safe:
+            self._alive = ()
+
+    def check(self) -> None:
+        """Raise the outcome of the last call (graph-safe mode; synchronise the stream first)."""
+        self._impl.check()
+
+    def copies(self) -> tuple[np.ndarray, np.ndarray]:
+        """Token copies this rank sent to / received from each rank, from the routing matrix."""
+        torch.cuda.current_stream(self.device).synchronize()
+        world, experts = self._setup.bootstrap.world_size, self.cfg.num_experts
+        start = self._setup.workspace.ptr + self._impl.layout["routing"]
+        matrix = np.frombuffer((ctypes.c_uint32 * (world * experts)).from_address(start), dtype=np.uint32)
+        per_rank = matrix.reshape(world, world, experts // world).sum(axis=2).astype(np.int64)
+        rank = self._setup.bootstrap.rank
+        return per_rank[rank], per_rank[:, rank]
+
+    def close(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self._impl = None
+        self._alive = ()
+        self._setup = None  # type: ignore[assignment]

@@ -1,0 +1,126 @@
+// Bindings of the CUDA implementation. Pointers and streams cross as
+// integers (tensor.data_ptr(), torch.cuda.current_stream().cuda_stream);
+// Python owns every tensor. Without nvcc the module still builds and says so
+// through HAVE_CUDA.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+namespace nb = nanobind;
+
+#ifdef MOE_A2A_HAVE_CUDA
+
+#include <map>
+
+#include "a2a/cuda/cuda_all_to_all.h"
+
+using moe_a2a::a2a::A2AConfig;
+using moe_a2a::a2a::DType;
+using moe_a2a::a2a::Layout;
+using moe_a2a::a2a::ProxySignals;
+using moe_a2a::a2a::Workspace;
+using moe_a2a::a2a::cuda::CudaAllToAll;
+
+namespace {
+
+template <typename T>
+T* ptr(uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+
+cudaStream_t stream_of(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+
+std::map<std::string, size_t> layout_dict(const Layout& l) {
+  return {{"flags", l.flags},
+          {"routing", l.routing},
+          {"private_rows", l.private_rows},
+          {"shared_rows", l.shared_rows},
+          {"send", l.send},
+          {"combine_send", l.combine_send},
+          {"combine_recv", l.combine_recv},
+          {"total", l.total},
+          {"dispatch_row", l.dispatch_row},
+          {"combine_row", l.combine_row}};
+}
+
+// Host addresses of the proxy's flags, for tests that play the proxy.
+std::map<std::string, uintptr_t> signal_addresses(const ProxySignals* s) {
+  auto a = [](const auto& seq) { return reinterpret_cast<uintptr_t>(&seq.value); };
+  return {{"route_ready", a(s->route_ready)},     {"packed", a(s->packed)},
+          {"combine_packed", a(s->combine_packed)}, {"dispatch_done", a(s->dispatch_done)},
+          {"combine_done", a(s->combine_done)},   {"overflow", a(s->overflow)},
+          {"failed", a(s->failed)}};
+}
+
+}  // namespace
+
+void bind_cuda(nb::module_& m) {
+  using release = nb::call_guard<nb::gil_scoped_release>;
+  m.attr("HAVE_CUDA") = true;
+  nb::class_<CudaAllToAll>(m, "CudaAllToAll")
+      .def(nb::init<Workspace*, moe_a2a::fabric::TransferEngine*, uint32_t, uint32_t, const std::vector<int>&>(),
+           nb::arg("workspace"), nb::arg("engine"), nb::arg("region"), nb::arg("group"), nb::arg("remote_peers"),
+           nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>())
+      .def(nb::init<const A2AConfig&>(), nb::arg("config"),
+           "A rank without fabric or proxy, for tests that run several ranks in one process.")
+      .def("ipc_handle", [](const CudaAllToAll& a) {
+        std::string h = a.ipc_handle();
+        return nb::bytes(h.data(), h.size());
+      })
+      .def(
+          "open_node",
+          [](CudaAllToAll& a, const std::vector<nb::bytes>& handles) {
+            std::vector<std::string> hs;
+            for (const auto& h : handles) hs.emplace_back(static_cast<const char*>(h.data()), h.size());
+            a.open_node(hs);
+          },
+          nb::arg("handles"))
+      // No keep_alive: peers would keep each other alive in a cycle; the caller holds them all.
+      .def("connect_local", &CudaAllToAll::connect_local, nb::arg("peer"))
+      .def(
+          "dispatch_send",
+          [](CudaAllToAll& a, uintptr_t x, DType x_dtype, uintptr_t x_scale, uintptr_t topk_ids, bool ids_64bit,
+             int num_tokens, uintptr_t num_tokens_device, uintptr_t stream) {
+            a.dispatch_send(ptr<const void>(x), x_dtype, ptr<const float>(x_scale), ptr<const void>(topk_ids), ids_64bit,
+                            num_tokens, ptr<const int32_t>(num_tokens_device), stream_of(stream));
+          },
+          nb::arg("x"), nb::arg("x_dtype"), nb::arg("x_scale"), nb::arg("topk_ids"), nb::arg("ids_64bit"),
+          nb::arg("num_tokens"), nb::arg("num_tokens_device"), nb::arg("stream"))
+      .def(
+          "dispatch_recv",
+          [](CudaAllToAll& a, uintptr_t out_x, uintptr_t out_scale, uintptr_t tokens_per_expert, bool host_wait,
+             uintptr_t stream) {
+            a.dispatch_recv(ptr<void>(out_x), ptr<float>(out_scale), ptr<int32_t>(tokens_per_expert), host_wait,
+                            stream_of(stream));
+          },
+          nb::arg("out_x"), nb::arg("out_scale"), nb::arg("tokens_per_expert"), nb::arg("host_wait"), nb::arg("stream"),
+          release())
+      .def(
+          "combine_send",
+          [](CudaAllToAll& a, uintptr_t y, DType y_dtype, uintptr_t stream) {
+            a.combine_send(ptr<const void>(y), y_dtype, stream_of(stream));
+          },
+          nb::arg("y"), nb::arg("y_dtype"), nb::arg("stream"))
+      .def(
+          "combine_recv",
+          [](CudaAllToAll& a, uintptr_t weights, uintptr_t out, bool host_wait, uintptr_t stream) {
+            a.combine_recv(ptr<const float>(weights), ptr<void>(out), host_wait, stream_of(stream));
+          },
+          nb::arg("weights"), nb::arg("out"), nb::arg("host_wait"), nb::arg("stream"), release())
+      .def("check", &CudaAllToAll::check, "Raise the outcome of the last call (after synchronising its stream).")
+      .def_prop_ro("status", &CudaAllToAll::status)
+      .def_prop_ro("output_rows", &CudaAllToAll::output_rows)
+      .def_prop_ro("max_output_rows", &CudaAllToAll::max_output_rows)
+      .def_prop_ro("epoch", &CudaAllToAll::epoch)
+      .def_prop_ro("layout", [](const CudaAllToAll& a) { return layout_dict(a.layout()); })
+      .def_prop_ro("device_workspace", &CudaAllToAll::device_workspace)
+      .def_prop_ro("host_workspace", &CudaAllToAll::host_workspace)
+      .def_prop_ro("signals", [](const CudaAllToAll& a) { return signal_addresses(a.signals()); });
+}
+
+#else
+
+void bind_cuda(nb::module_& m) { m.attr("HAVE_CUDA") = false; }
+
+#endif

@@ -1,0 +1,249 @@
+"""Several ranks of the CUDA implementation in one process, for kernel tests.
+
+Each rank is a standalone `_core.CudaAllToAll` (its own device workspace and a
+pinned host workspace). Ranks of one (virtual) node map each other's
+workspaces directly, as CUDA IPC does between processes; between nodes this
+harness plays the host proxy: after the send halves it copies the fabric rows
+between host workspaces with the formulas of docs/protocol.md and raises the
+proxy's flags, so both the same-node path and the fabric path of the kernels
+carry traffic.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moe_a2a import _core
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
+CORE_DTYPE = {
+    torch.bfloat16: _core.DType.bf16,
+    torch.float32: _core.DType.fp32,
+    torch.float8_e4m3fn: _core.DType.fp8,
+}
+FP8_BLOCK = 128
+POISON_BYTE = 0xA5
+
+
+@dataclass
+class Shape:
+    world: int
+    ranks_per_node: int
+    max_tokens: int
+    hidden: int
+    num_experts: int
+    topk: int
+    dispatch_dtype: str = "bf16"
+    combine_dtype: str = "bf16"
+    expert_padding: int = 1
+    max_private_tokens: int | None = None
+    max_recv_tokens: int | None = None
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.world
+
+    def resolved(self) -> tuple[int, int]:
+        per_peer = self.max_tokens * min(self.topk, self.local_experts)
+        private = self.max_private_tokens
+        if private is None:
+            private = min(per_peer, -(-self.max_tokens * self.topk // self.world))
+        recv = self.max_recv_tokens if self.max_recv_tokens is not None else self.world * per_peer
+        return private, recv
+
+
+@dataclass
+class RankOutput:
+    expert_x: torch.Tensor  # [rows, hidden]
+    expert_x_scale: torch.Tensor | None
+    tokens_per_expert: torch.Tensor
+
+
+def cuda_unavailable_reason() -> str | None:
+    """Why the CUDA tests cannot run here, or None when they can."""
+    if not getattr(_core, "HAVE_CUDA", False):
+        return "moe_a2a._core was built without the CUDA kernels (no nvcc at build time)"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this machine (torch.cuda.is_available() is False)"
+    return None
+
+
+def _set_u64(address: int, value: int) -> None:
+    ctypes.c_uint64.from_address(address).value = value
+
+
+def _get_u64(address: int) -> int:
+    return ctypes.c_uint64.from_address(address).value
+
+
+class LocalWorld:
+    """`shape.world` ranks in this process; nodes of `shape.ranks_per_node` consecutive ranks."""
+
+    def __init__(self, shape: Shape, host_wait: bool = False) -> None:
+        self.shape = shape
+        self.host_wait = host_wait  # else the kernels wait for the flags (as in a captured graph)
+        self.private, self.max_recv = shape.resolved()
+        self.ranks = [_core.CudaAllToAll(self._config(r)) for r in range(shape.world)]
+        for a in range(shape.world):
+            for b in range(shape.world):
+                if a != b and self.same_node(a, b):
+                    self.ranks[a].connect_local(self.ranks[b])
+        self.layout = self.ranks[0].layout
+        self.counts = np.zeros((shape.world, shape.num_experts), dtype=np.int64)
+
+    def _config(self, rank: int) -> object:
+        s = self.shape
+        c = _core.A2AConfig()
+        c.rank, c.world, c.ranks_per_node = rank, s.world, s.ranks_per_node
+        c.max_tokens, c.hidden, c.num_experts, c.topk = s.max_tokens, s.hidden, s.num_experts, s.topk
+        c.dispatch_dtype = CORE_DTYPE[DTYPES[s.dispatch_dtype]]
+        c.combine_dtype = CORE_DTYPE[DTYPES[s.combine_dtype]]
+        c.expert_padding = s.expert_padding
+        c.max_private_tokens, c.max_recv_tokens = self.private, self.max_recv
+        c.timeout_s = 10.0
+        return c
+
+    def same_node(self, a: int, b: int) -> bool:
+        return a // self.shape.ranks_per_node == b // self.shape.ranks_per_node
+
+    def remote_pairs(self) -> list[tuple[int, int]]:
+        n = self.shape.world
+        return [(s, r) for s in range(n) for r in range(n) if not self.same_node(s, r)]
+
+    # ------------------------------------------------------------------ the proxy's part
+
+    def _host(self, rank: int, section: str, offset: int = 0) -> int:
+        return self.ranks[rank].host_workspace + self.layout[section] + offset
+
+    def _to_rank(self, s: int, r: int) -> int:
+        lx = self.shape.local_experts
+        return int(self.counts[s, r * lx : (r + 1) * lx].sum())
+
+    def _send_off(self, s: int, r: int) -> int:
+        return sum(self._to_rank(s, q) for q in range(r))
+
+    def _play_proxy_dispatch(self, epoch: int) -> None:
+        s_ = self.shape
+        row_bytes = s_.num_experts * 4
+        for s in range(s_.world):
+            own = self._host(s, "routing", s * row_bytes)
+            self.counts[s] = np.frombuffer(
+                (ctypes.c_uint32 * s_.num_experts).from_address(own), dtype=np.uint32
+            )
+        row = self.layout["dispatch_row"]
+        p = self.private
+        # As the proxy: no overflow writes when some rank would receive too much.
+        overflow = any(
+            sum(self._to_rank(s, r) for s in range(s_.world)) > self.max_recv for r in range(s_.world)
+        )
+        for s, r in self.remote_pairs():
+            ctypes.memmove(
+                self._host(r, "routing", s * row_bytes), self._host(s, "routing", s * row_bytes), row_bytes
+            )
+            c, off = self._to_rank(s, r), self._send_off(s, r)
+            n = min(c, p)
+            ctypes.memmove(
+                self._host(r, "private_rows", s * p * row), self._host(s, "send", off * row), n * row
+            )
+            if c > p and not overflow:
+                shared = sum(max(0, self._to_rank(q, r) - p) for q in range(s))
+                ctypes.memmove(
+                    self._host(r, "shared_rows", shared * row),
+                    self._host(s, "send", (off + p) * row),
+                    (c - p) * row,
+                )
+        for rank in self.ranks:
+            if overflow:
+                _set_u64(rank.signals["overflow"], epoch)
+            _set_u64(rank.signals["dispatch_done"], epoch)
+
+    def _play_proxy_combine(self, epoch: int) -> None:
+        crow = self.layout["combine_row"]
+        for s, r in self.remote_pairs():  # rows r received from s go back to s
+            base = sum(self._to_rank(q, r) for q in range(s))
+            ctypes.memmove(
+                self._host(s, "combine_recv", self._send_off(s, r) * crow),
+                self._host(r, "combine_send", base * crow),
+                self._to_rank(s, r) * crow,
+            )
+        for rank in self.ranks:
+            _set_u64(rank.signals["combine_done"], epoch)
+
+    # ------------------------------------------------------------------ the four halves
+
+    def dispatch(
+        self,
+        xs: list[torch.Tensor],
+        ids: list[torch.Tensor],
+        x_scales: list[torch.Tensor] | None = None,
+    ) -> list[RankOutput]:
+        """Every rank's dispatch; inputs on the GPU. Raises what the ranks report."""
+        stream = torch.cuda.current_stream().cuda_stream
+        for r, a in enumerate(self.ranks):
+            x, scale = xs[r], (x_scales[r] if x_scales is not None else None)
+            a.dispatch_send(
+                x.data_ptr(),
+                CORE_DTYPE[x.dtype],
+                scale.data_ptr() if scale is not None else 0,
+                ids[r].data_ptr(),
+                ids[r].dtype == torch.int64,
+                x.shape[0],
+                0,
+                stream,
+            )
+        torch.cuda.synchronize()
+        epoch = self.ranks[0].epoch
+        for a in self.ranks:
+            for flag in ("route_ready", "packed"):
+                assert _get_u64(a.signals[flag]) == epoch, f"{flag} not raised for the proxy"
+        self._play_proxy_dispatch(epoch)
+
+        s_ = self.shape
+        dtype = DTYPES[s_.dispatch_dtype]
+        blocks = -(-s_.hidden // FP8_BLOCK)
+        outs = []
+        for a in self.ranks:
+            rows = a.max_output_rows
+            x = torch.empty(rows, s_.hidden, dtype=dtype, device="cuda")
+            x.view(torch.uint8).fill_(POISON_BYTE)
+            scale = None
+            if s_.dispatch_dtype == "fp8":
+                scale = torch.full((rows, blocks), float("nan"), dtype=torch.float32, device="cuda")
+            tpe = torch.full((s_.local_experts,), -1, dtype=torch.int32, device="cuda")
+            scale_ptr = scale.data_ptr() if scale is not None else 0
+            a.dispatch_recv(x.data_ptr(), scale_ptr, tpe.data_ptr(), self.host_wait, stream)
+            outs.append(RankOutput(x, scale, tpe))
+        torch.cuda.synchronize()
+        for a in self.ranks:
+            a.check()
+        for a, o in zip(self.ranks, outs, strict=True):
+            o.expert_x = o.expert_x[: a.output_rows]
+            if o.expert_x_scale is not None:
+                o.expert_x_scale = o.expert_x_scale[: a.output_rows]
+        return outs
+
+    def combine(
+        self, ys: list[torch.Tensor], weights: list[torch.Tensor], tokens: list[int]
+    ) -> list[torch.Tensor]:
+        stream = torch.cuda.current_stream().cuda_stream
+        for a, y in zip(self.ranks, ys, strict=True):
+            a.combine_send(y.data_ptr(), CORE_DTYPE[y.dtype], stream)
+        torch.cuda.synchronize()
+        epoch = self.ranks[0].epoch
+        for a in self.ranks:
+            assert _get_u64(a.signals["combine_packed"]) == epoch, "combine_packed not raised for the proxy"
+        self._play_proxy_combine(epoch)
+        dtype = DTYPES[self.shape.combine_dtype]
+        outs = []
+        for a, w, t in zip(self.ranks, weights, tokens, strict=True):
+            out = torch.full((t, self.shape.hidden), float("nan"), dtype=dtype, device="cuda")
+            a.combine_recv(w.data_ptr(), out.data_ptr(), self.host_wait, stream)
+            outs.append(out)
+        torch.cuda.synchronize()
+        for a in self.ranks:
+            a.check()
+        return outs

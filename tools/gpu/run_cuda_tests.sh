@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# On a GPU machine: build moe-a2a, run the CUDA tests (kernels in one process,
+# then 1, 2, 4 and 8 MPI ranks sharing the GPU, with and without virtual
+# nodes), then the CUDA benchmark at 1, 2, 4 and 8 ranks. Prints a short
+# summary last; full logs go to $OUT (or out/gpu).
+#
+# Needs libfabric's headers where only its runtime is installed: carry them in
+# .fabric-dev (see docs/cuda.md), and pytest-mpi as a wheel in .whl.
+#
+#   tools/gpu/run_cuda_tests.sh [stages...]   stages: build kernels multirank bench (default: all)
+# MR_SIZES and BENCH_SIZES choose the world sizes (default "1 2 4 8").
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$ROOT" || exit 1
+OUT=${OUT:-$ROOT/out/gpu}
+mkdir -p "$OUT"
+STAGES=${*:-build kernels multirank bench}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export MOE_A2A_TEST_PROVIDER=${MOE_A2A_TEST_PROVIDER:-shm} FI_TCP_IFACE=lo
+PY=${PYTHON:-python3}
+MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to none)
+SUMMARY=()
+note() { SUMMARY+=("$1"); echo "== $1"; }
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+
+has build && { nvidia-smi -L; df -h /dev/shm | tail -1; nproc; }
+
+if [[ -d .whl ]]; then  # pytest-mpi, missing on the GPU image
+  [[ -d /tmp/site ]] || $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+
+if has build; then
+  # Until src/bindings/module.cc calls bind_cuda(m) itself (a local edit on this machine only).
+  if ! grep -q "bind_cuda(m)" src/bindings/module.cc; then
+    sed -i 's/^void bind_a2a(nb::module_& m);/&\nvoid bind_cuda(nb::module_\& m);/; s/^  bind_a2a(m);/&\n  bind_cuda(m);/' \
+      src/bindings/module.cc
+  fi
+  start=$SECONDS
+  if LIBFABRIC_ROOT=$ROOT/.fabric-dev/root/usr timeout 300 $PY -m pip install --no-build-isolation --no-deps . \
+      >"$OUT/build.log" 2>&1; then
+    note "build: ok in $((SECONDS - start)) s"
+  else
+    tail -40 "$OUT/build.log"
+    note "build: FAILED (see build.log)"
+    printf '%s\n' "${SUMMARY[@]}"
+    exit 1
+  fi
+fi
+cd /tmp || exit 1  # import the installed package, not the source tree
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$ROOT/tests/cuda
+
+if has kernels; then
+  timeout 240 $PY -m pytest -q -rs -p no:cacheprovider "$ROOT/tests/cuda/test_kernels.py" \
+    --junitxml="$OUT/kernels.xml" 2>&1 | tee "$OUT/kernels.log" | tail -25
+  note "kernel tests: $(grep -aE "(passed|failed|error)" "$OUT/kernels.log" | tail -1)"
+fi
+
+if has multirank; then
+  for n in ${MR_SIZES:-1 2 4 8}; do
+    logs="$OUT/mr-n$n" && mkdir -p "$logs"
+    MOE_A2A_RANK_LOGS=$logs timeout ${MR_TIMEOUT:-300} "${MPIRUN[@]}" -n $n "$ROOT/tools/rank0_console.sh" \
+      $PY -m pytest -q -p no:cacheprovider --with-mpi "$ROOT/tests/cuda/test_multirank.py" \
+      --junitxml="$logs/junit.xml" >"$logs/rank0.log" 2>&1
+    grep -av "^\[" "$logs/rank0.log" | tail -15
+    note "multirank n=$n (provider $MOE_A2A_TEST_PROVIDER): $(grep -aE "(passed|failed|error)" "$logs/rank0.log" | tail -1)"
+  done
+fi
+
+if has bench; then
+  for n in ${BENCH_SIZES:-1 2 4 8}; do
+    timeout ${BENCH_TIMEOUT:-240} "${MPIRUN[@]}" -n $n $PY -m moe_a2a.bench.a2a_cuda --shapes decode prefill --iters 10 \
+      --provider "$MOE_A2A_TEST_PROVIDER" --json "$OUT/bench.jsonl" ${BENCH_ARGS:-} >"$OUT/bench-n$n.log" 2>&1
+    note "bench n=$n: exit $?"
+    cat "$OUT/bench-n$n.log" | grep -v "^\[" | tail -14
+  done
+fi
+
+echo
+echo "=== summary"
+printf '%s\n' "${SUMMARY[@]}"
