@@ -238,6 +238,7 @@ def main(args: argparse.Namespace) -> int:
     if args.device == "cuda":
         return _run_cuda(args)
     comm = MPI.COMM_WORLD
+    _share_cores(comm)
     shapes = list(SHAPES) if args.shape == "both" else [args.shape]
     results = [run_shape(name, args, comm) for name in shapes]
     if comm.Get_rank() == 0:
@@ -247,6 +248,17 @@ def main(args: argparse.Namespace) -> int:
                 json.dump(results, f, indent=2)
             print(f"figures written to {args.output}")
     return 0
+
+
+def _share_cores(comm: Any) -> None:
+    """Give torch's intra-op threads an equal share of the host's cores (both sides use torch)."""
+    import os
+
+    import torch
+    from mpi4py import MPI
+
+    on_host = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // on_host))
 
 
 def _run_cuda(args: argparse.Namespace) -> int:
