@@ -5,12 +5,17 @@ Run under mpirun, for example
 
 Both sides move the same tokens in the same run, iteration by iteration:
 - moe-a2a: `AllToAll.dispatch` (fp8 quantisation included) and `AllToAll.combine`;
-- baseline, written the way an MPI user would: quantise, sort copies by expert,
-  `Alltoall` of counts, `Alltoallv` of token rows and of expert ids, group by
-  local expert; then `Alltoallv` of the expert outputs back and the weighted sum.
+- a baseline written the way a user of a collective library would
+  (`moe_a2a.bench.baseline`): over MPI `Alltoallv` (`--baseline mpi`, the
+  default on the CPU), or torch.distributed `all_to_all_single` on NCCL
+  (`--device cuda --baseline nccl`) or gloo (`--baseline gloo`).
 
-Each timed phase starts after an MPI barrier; its time is the slowest rank's.
-Before timing, one round of each is run and their combine outputs compared.
+Each timed phase starts after an MPI barrier and ends when the rank's work
+is done (its CUDA stream drained); its time is the slowest rank's. On the
+first iteration both combine outputs are compared.
+
+`--device cuda` without `--baseline` runs the per-phase CUDA benchmark
+(`moe_a2a.bench.a2a_cuda`: bandwidth against the copy ceiling, torch-native).
 """
 
 from __future__ import annotations
@@ -54,81 +59,19 @@ def make_round(seed: int, rank: int, tokens: int, hidden: int, experts: int, top
     return Round(x, ids, weights)
 
 
-class MpiBaseline:
-    """Dispatch/combine as a user of mpi4py would write it, vectorised with torch."""
-
-    def __init__(self, comm: Any, num_experts: int, dispatch_dtype: str) -> None:
-        self.comm = comm
-        self.world = comm.Get_size()
-        self.local = num_experts // self.world
-        self.fp8 = dispatch_dtype == "fp8"
-
-    def dispatch(self, r: Round) -> dict[str, Any]:
-        import torch
-
-        from moe_a2a.reference import quantize_fp8
-
-        tokens, topk = r.ids.shape
-        if self.fp8:
-            q, scale = quantize_fp8(r.x)
-            rows = torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=1)
-        else:
-            rows = r.x.view(torch.uint8)
-        flat = r.ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # by expert, hence by rank
-        token_of = order // topk
-        send_rows = rows[token_of].contiguous()
-        send_experts = flat[order].to(torch.int32).contiguous()
-        send_counts = torch.bincount(flat // self.local, minlength=self.world).numpy().astype(np.int64)
-        recv_counts = np.empty(self.world, dtype=np.int64)
-        self.comm.Alltoall(send_counts, recv_counts)
-        row_bytes = send_rows.shape[1]
-        recv_rows = np.empty((int(recv_counts.sum()), row_bytes), dtype=np.uint8)
-        self.comm.Alltoallv(
-            [send_rows.numpy(), send_counts * row_bytes], [recv_rows, recv_counts * row_bytes]
-        )
-        recv_experts = np.empty(int(recv_counts.sum()), dtype=np.int32)
-        self.comm.Alltoallv([send_experts.numpy(), send_counts], [recv_experts, recv_counts])
-        group = torch.argsort(torch.from_numpy(recv_experts), stable=True)
-        expert_x = torch.from_numpy(recv_rows)[group]
-        return dict(
-            expert_x=expert_x,
-            group=group,
-            order=order,
-            token_of=token_of,
-            send_counts=send_counts,
-            recv_counts=recv_counts,
-            tokens=tokens,
-        )
-
-    def combine(self, y: torch.Tensor, state: dict[str, Any], weights: torch.Tensor) -> torch.Tensor:
-        import torch
-
-        back = torch.empty_like(y)
-        back[state["group"]] = y  # arrival order again
-        hidden = y.shape[1]
-        row_bytes = hidden * y.element_size()
-        recv = np.empty((len(state["order"]), row_bytes), dtype=np.uint8)
-        self.comm.Alltoallv(
-            [back.view(torch.uint8).numpy(), state["recv_counts"] * row_bytes],
-            [recv, state["send_counts"] * row_bytes],
-        )
-        yb = torch.from_numpy(recv).view(y.dtype).float()
-        w = weights.reshape(-1)[state["order"]].unsqueeze(1)
-        out = torch.zeros(state["tokens"], hidden, dtype=torch.float32)
-        out.index_add_(0, state["token_of"], yb * w)
-        return out.to(torch.bfloat16)
-
-
 def percentiles_us(samples_ns: np.ndarray) -> list[float]:
     return [float(np.percentile(samples_ns, p)) / 1e3 for p in PERCENTILES]
 
 
-def timed(comm: Any, fn: Any) -> tuple[Any, float]:
-    """Run fn after a barrier; the slowest rank's time in ns."""
+def timed(comm: Any, fn: Any, device: Any = None) -> tuple[Any, float]:
+    """Run fn after a barrier (and until the GPU is done); the slowest rank's time in ns."""
+    import torch
+
     comm.Barrier()
     start = time.perf_counter_ns()
     result = fn()
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
     elapsed = time.perf_counter_ns() - start
     return result, comm.allreduce(elapsed, op=_max_op())
 
@@ -149,10 +92,24 @@ def expert_stand_in(expert_x: torch.Tensor, scale: torch.Tensor | None) -> torch
     return x.to(torch.bfloat16)
 
 
-def run_shape(name: str, args: argparse.Namespace, comm: Any) -> dict[str, Any]:
+def make_exchange(args: argparse.Namespace, comm: Any, device: Any) -> Any:
+    from moe_a2a.bench.baseline import MpiExchange, TorchExchange
+
+    if args.baseline == "mpi":
+        return MpiExchange(comm)
+    wanted = "cuda" if args.baseline == "nccl" else "cpu"
+    if device.type != wanted:
+        raise SystemExit(
+            f"bench a2a: --baseline {args.baseline} needs --device {wanted}; got --device {device.type}"
+        )
+    return TorchExchange(comm, device)
+
+
+def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, device: Any) -> dict[str, Any]:
     import torch
 
     from moe_a2a.all_to_all import AllToAll, Config
+    from moe_a2a.bench.baseline import Baseline
 
     shape = dict(SHAPES[name])
     for key in ("tokens", "hidden", "num_experts", "topk"):
@@ -171,19 +128,24 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any) -> dict[str, Any]:
         max_recv_tokens=2 * tokens * topk,
         timeout_s=120.0,
     )
-    baseline = MpiBaseline(comm, cfg.num_experts, cfg.dispatch_dtype)
+    baseline = Baseline(exchange, world, cfg.num_experts, cfg.dispatch_dtype)
     times: dict[str, list[float]] = {
         k: [] for k in ("ours_dispatch", "ours_combine", "mpi_dispatch", "mpi_combine")
     }
-    with AllToAll(cfg, comm=comm, provider=args.provider, ranks_per_node=args.ranks_per_node) as a2a:
+    with AllToAll(
+        cfg, comm=comm, device=device.type, provider=args.provider, ranks_per_node=args.ranks_per_node
+    ) as a2a:
         for it in range(args.warmup + args.iters):
             r = make_round(it, rank, tokens, cfg.hidden, cfg.num_experts, topk)
-            d, t_d = timed(comm, lambda r=r: a2a.dispatch(r.x, r.ids, r.weights))
+            r = Round(r.x.to(device), r.ids.to(device), r.weights.to(device))
+            d, t_d = timed(comm, lambda r=r: a2a.dispatch(r.x, r.ids, r.weights), device)
             y = expert_stand_in(d.expert_x, d.expert_x_scale)
-            out, t_c = timed(comm, lambda y=y, d=d: a2a.combine(y, d))
-            state, b_d = timed(comm, lambda r=r: baseline.dispatch(r))
-            yb = expert_stand_in(*_split_rows(state["expert_x"], cfg.hidden, cfg.dispatch_dtype == "fp8"))
-            ref, b_c = timed(comm, lambda yb=yb, state=state, r=r: baseline.combine(yb, state, r.weights))
+            out, t_c = timed(comm, lambda y=y, d=d: a2a.combine(y, d), device)
+            state, b_d = timed(comm, lambda r=r: baseline.dispatch(r.x, r.ids), device)
+            yb = expert_stand_in(*baseline.expert_input(state, cfg.hidden))
+            ref, b_c = timed(
+                comm, lambda yb=yb, state=state, r=r: baseline.combine(yb, state, r.weights), device
+            )
             if it == 0:
                 torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
             if it >= args.warmup:
@@ -192,27 +154,24 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any) -> dict[str, Any]:
                 times["mpi_dispatch"].append(b_d)
                 times["mpi_combine"].append(b_c)
         topo = a2a._boot.topology
-    result = dict(shape=name, world=world, ranks_per_node=topo.local_size, provider=args.provider, **shape)
+    result = dict(
+        shape=name,
+        world=world,
+        ranks_per_node=topo.local_size,
+        provider=args.provider,
+        device=device.type,
+        baseline=exchange.name,
+        **shape,
+    )
     for key, samples in times.items():
         result[key] = percentiles_us(np.array(samples))
     return result
 
 
-def _split_rows(rows: torch.Tensor, hidden: int, fp8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Baseline rows back into payload and scales."""
-    import torch
-
-    if not fp8:
-        return rows.view(torch.bfloat16), None
-    payload = rows[:, :hidden].view(torch.float8_e4m3fn)
-    scale = rows[:, hidden:].contiguous().view(torch.float32)
-    return payload, scale
-
-
 def print_table(results: list[dict[str, Any]]) -> None:
     head = (
         f"{'shape':8} {'ranks':>5} {'rpn':>3} {'phase':8} "
-        f"{'moe-a2a p50/p90/p99 (us)':>28} {'MPI p50/p90/p99 (us)':>28} {'MPI/moe-a2a':>11}"
+        f"{'moe-a2a p50/p90/p99 (us)':>28} {'baseline p50/p90/p99 (us)':>28} {'base/ours':>11}"
     )
     print(head)
     print("-" * len(head))
@@ -229,18 +188,31 @@ def print_table(results: list[dict[str, Any]]) -> None:
                 f"{r['shape']:8} {r['world']:>5} {r['ranks_per_node']:>3} {phase:8} "
                 f"{fmt:>28} {fmt_m:>28} {mpi[0] / ours[0]:>10.2f}x"
             )
-    print("(total sums the percentiles of the two phases; rpn = ranks per node)")
+    print(
+        f"(baseline: {results[0]['baseline']}; total sums the percentiles of the two phases; "
+        "rpn = ranks per node)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
+    import torch
     from mpi4py import MPI
 
-    if args.device == "cuda":
+    if args.device == "cuda" and args.baseline is None:
         return _run_cuda(args)
     comm = MPI.COMM_WORLD
-    _share_cores(comm)
+    if args.device == "cuda":
+        torch.cuda.set_device(_local_rank(comm) % torch.cuda.device_count())  # one rank per GPU
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        _share_cores(comm)
+        device = torch.device("cpu")
+    args.baseline = args.baseline or "mpi"
+    exchange = make_exchange(args, comm, device)
     shapes = list(SHAPES) if args.shape == "both" else [args.shape]
-    results = [run_shape(name, args, comm) for name in shapes]
+    results = [run_shape(name, args, comm, exchange, device) for name in shapes]
+    if hasattr(exchange, "close"):
+        exchange.close()
     if comm.Get_rank() == 0:
         print_table(results)
         if args.output:
@@ -248,6 +220,12 @@ def main(args: argparse.Namespace) -> int:
                 json.dump(results, f, indent=2)
             print(f"figures written to {args.output}")
     return 0
+
+
+def _local_rank(comm: Any) -> int:
+    from mpi4py import MPI
+
+    return comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
 
 
 def _share_cores(comm: Any) -> None:
@@ -303,5 +281,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--provider", default="auto", help="libfabric provider: tcp, shm, efa, verbs or auto")
     p.add_argument("--ranks-per-node", type=_positive, default=None, help="virtual nodes of this many ranks")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument(
+        "--baseline",
+        choices=["mpi", "nccl", "gloo"],
+        default=None,
+        help="what moe-a2a is compared with (default: mpi; with --device cuda the per-phase CUDA benchmark)",
+    )
     p.add_argument("--output", help="write the figures as JSON")
     p.set_defaults(func=main)
