@@ -2,7 +2,9 @@
 
 Every rank draws every rank's inputs from one seed, so each can compute the
 reference for itself. Run under `mpirun -n N python -m pytest --with-mpi tests/mpi`
-with `MOE_A2A_TEST_PROVIDER` set to tcp or shm.
+with `MOE_A2A_TEST_PROVIDER` set to tcp or shm, and `MOE_A2A_TEST_DEVICE` set to
+cpu (the default) or cuda: the same cases run on either backend (on one GPU,
+several ranks share it, each its own process), plus CUDA graph capture on cuda.
 """
 
 from __future__ import annotations
@@ -23,6 +25,17 @@ from moe_a2a.reference import combine_reference, dispatch_reference
 COMM = MPI.COMM_WORLD
 RANK, WORLD = COMM.Get_rank(), COMM.Get_size()
 PROVIDER = os.environ.get("MOE_A2A_TEST_PROVIDER", "tcp")
+DEVICE = os.environ.get("MOE_A2A_TEST_DEVICE", "cpu")
+if DEVICE not in ("cpu", "cuda"):
+    raise pytest.UsageError(f"MOE_A2A_TEST_DEVICE: got {DEVICE!r}; expected cpu or cuda")
+if DEVICE == "cuda":
+    from moe_a2a.backends.cuda import cuda_available
+
+    _REASON = cuda_available()
+    pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"MOE_A2A_TEST_DEVICE=cuda: {_REASON}")
+    if _REASON is None:
+        local = COMM.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+        torch.cuda.set_device(local % torch.cuda.device_count())
 HIDDEN = 200  # not a multiple of 128: the last fp8 block is short
 EXPERTS_PER_RANK = 3 if WORLD > 1 else 8  # top-4 of 3 per rank: several picks land on one rank
 TIMEOUT_S = 30.0
@@ -50,7 +63,25 @@ def make_a2a(rpn: int | None, **overrides: object) -> AllToAll:
         timeout_s=TIMEOUT_S,
     )
     params.update(overrides)
-    return AllToAll(Config(**params), provider=PROVIDER, ranks_per_node=rpn)  # type: ignore[arg-type]
+    graph_safe = bool(params.pop("graph_safe", False))
+    return AllToAll(
+        Config(**params),  # type: ignore[arg-type]
+        device=DEVICE,
+        provider=PROVIDER,
+        ranks_per_node=rpn,
+        graph_safe=graph_safe,
+    )
+
+
+def mine(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's (x, topk_ids, topk_weights) on the test device."""
+    return inp.xs[RANK].to(DEVICE), inp.ids[RANK].to(DEVICE), inp.weights[RANK].to(DEVICE)
+
+
+def other_work() -> None:
+    """Something to compute between the halves of a call, on the test device."""
+    a = torch.randn(128, 128, device=DEVICE)
+    assert (a @ a).shape == (128, 128)
 
 
 @dataclass
@@ -91,36 +122,39 @@ def expert_fn(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
 
 
 def check_round(a2a: AllToAll, inp: Inputs, split: bool = False) -> torch.Tensor:
-    """One dispatch + combine on this rank, compared with the reference; returns the output."""
+    """One dispatch + combine on this rank, compared with the reference; returns the output (on the CPU)."""
     cfg = a2a.cfg
+    x, ids, w = mine(inp)
     if split:
-        pending = a2a.dispatch(inp.xs[RANK], inp.ids[RANK], inp.weights[RANK], recv=False)
-        busy = torch.randn(64, 64) @ torch.randn(64, 64)  # other work while bytes fly
+        pending = a2a.dispatch(x, ids, w, recv=False)
+        other_work()  # while bytes fly
         d = a2a.dispatch(handle=pending, send=False)
-        assert busy.shape == (64, 64)
     else:
-        d = a2a.dispatch(inp.xs[RANK], inp.ids[RANK], inp.weights[RANK])
+        d = a2a.dispatch(x, ids, w)
     ref = dispatch_reference(inp.xs, inp.ids, cfg.num_experts, cfg.dispatch_dtype, cfg.expert_padding)
-    mine = ref[RANK]
-    assert torch.equal(d.tokens_per_expert, mine.tokens_per_expert)
-    assert d.expert_x.shape == mine.expert_x.shape
-    valid = mine.origin[:, 0] >= 0  # padding rows hold no meaning
-    assert torch.equal(d.expert_x[valid].view(torch.uint8), mine.expert_x[valid].view(torch.uint8))
+    ours = ref[RANK]
+    assert d.expert_x.device.type == d.tokens_per_expert.device.type == DEVICE
+    assert torch.equal(d.tokens_per_expert.cpu(), ours.tokens_per_expert)
+    assert d.expert_x.shape == ours.expert_x.shape
+    valid = ours.origin[:, 0] >= 0  # padding rows hold no meaning
+    assert torch.equal(d.expert_x.cpu()[valid].view(torch.uint8), ours.expert_x[valid].view(torch.uint8))
     if cfg.dispatch_dtype == "fp8":
-        assert d.expert_x_scale is not None and mine.expert_x_scale is not None
-        assert torch.equal(d.expert_x_scale[valid], mine.expert_x_scale[valid])
+        assert d.expert_x_scale is not None and ours.expert_x_scale is not None
+        assert torch.equal(d.expert_x_scale.cpu()[valid], ours.expert_x_scale[valid])
     else:
         assert d.expert_x_scale is None
 
     y = expert_fn(d.expert_x, d.expert_x_scale)
     if split:
         pending_c = a2a.combine(y, d, recv=False)
+        other_work()
         out = a2a.combine(handle=pending_c, send=False)
     else:
         out = a2a.combine(y, d)
     ys = [expert_fn(r.expert_x, r.expert_x_scale) for r in ref]
     expected = combine_reference(ys, ref, inp.weights, cfg.combine_dtype)[RANK]
-    assert out.dtype == expected.dtype and out.shape == expected.shape
+    assert out.device.type == DEVICE and out.dtype == expected.dtype and out.shape == expected.shape
+    out = out.cpu()
     torch.testing.assert_close(out.float(), expected.float(), rtol=1.6e-2, atol=1e-2)
     return out
 
@@ -200,7 +234,7 @@ def test_capacity_error_then_next_call_works() -> None:
         cfg = a2a.cfg
         big = make_inputs(77, cfg, tokens=[cfg.max_tokens] * WORLD)
         with pytest.raises(CapacityError, match="max_recv_tokens=4"):
-            a2a.dispatch(big.xs[RANK], big.ids[RANK], big.weights[RANK])
+            a2a.dispatch(*mine(big))
         # One token in the whole world: 4 copies, which fit anywhere.
         check_round(a2a, make_inputs(78, cfg, tokens=[1] + [0] * (WORLD - 1)))
 
@@ -209,9 +243,9 @@ def test_capacity_error_then_next_call_works() -> None:
 def test_validation_errors() -> None:
     with make_a2a(None) as a2a:
         cfg = a2a.cfg
-        x = torch.randn(3, cfg.hidden).to(torch.bfloat16)
-        ids = torch.zeros(3, cfg.topk, dtype=torch.int64)
-        w = torch.rand(3, cfg.topk)
+        x = torch.randn(3, cfg.hidden, device=DEVICE).to(torch.bfloat16)
+        ids = torch.zeros(3, cfg.topk, dtype=torch.int64, device=DEVICE)
+        w = torch.rand(3, cfg.topk, device=DEVICE)
         with pytest.raises(ValueError, match=r"topk_ids: found expert id .*expected ids in \[0, "):
             a2a.dispatch(x, ids + cfg.num_experts, w)
         with pytest.raises(ValueError, match="x: got .* expected"):
@@ -219,21 +253,30 @@ def test_validation_errors() -> None:
         many = cfg.max_tokens + 1
         with pytest.raises(ValueError, match="max_tokens"):
             a2a.dispatch(
-                torch.randn(many, cfg.hidden),
-                torch.zeros(many, cfg.topk, dtype=torch.long),
-                torch.rand(many, cfg.topk),
+                torch.randn(many, cfg.hidden, device=DEVICE),
+                torch.zeros(many, cfg.topk, dtype=torch.long, device=DEVICE),
+                torch.rand(many, cfg.topk, device=DEVICE),
             )
         with pytest.raises(ValueError, match="dtype"):
             a2a.dispatch(x.to(torch.float16), ids, w)
         with pytest.raises(ValueError, match="topk_weights"):
             a2a.dispatch(x, ids, w[:, :1])
+        if DEVICE == "cuda":
+            with pytest.raises(ValueError, match="x is on cpu; expected cuda"):
+                a2a.dispatch(x.cpu(), ids, w)
+            with pytest.raises(ValueError, match="topk_ids is on cpu"):
+                a2a.dispatch(x, ids.cpu(), w)
         with pytest.raises(RuntimeError, match="latest dispatch|not the latest"):
-            a2a.combine(torch.zeros(0, cfg.hidden), make_fake_dispatched())
+            a2a.combine(torch.zeros(0, cfg.hidden, device=DEVICE), make_fake_dispatched())
         # A bad call leaves the instance working.
         check_round(a2a, make_inputs(3, cfg))
     if WORLD > 1:  # every count divides a world of one
         with pytest.raises(ValueError, match="num_experts.*not divisible by the world size"):
-            AllToAll(Config(max_tokens=4, hidden=8, num_experts=WORLD + 1, topk=1), provider=PROVIDER)
+            AllToAll(
+                Config(max_tokens=4, hidden=8, num_experts=WORLD + 1, topk=1),
+                device=DEVICE,
+                provider=PROVIDER,
+            )
     with pytest.raises(ValueError, match="topk: got 9; expected at most num_experts=8"):
         Config(max_tokens=4, hidden=8, num_experts=8, topk=9)
 
@@ -254,9 +297,42 @@ def test_silent_peer_times_out_with_clear_error() -> None:
     if RANK != silent:
         inp = make_inputs(5, a2a.cfg, tokens=[4] * WORLD)
         with pytest.raises(FabricError, match=f"peer {silent}"):
-            a2a.dispatch(inp.xs[RANK], inp.ids[RANK], inp.weights[RANK])
+            a2a.dispatch(*mine(inp))
         assert time.monotonic() - started < 30
         with pytest.raises(RuntimeError, match="unusable after an earlier failure"):
-            a2a.dispatch(inp.xs[RANK], inp.ids[RANK], inp.weights[RANK])
+            a2a.dispatch(*mine(inp))
     COMM.Barrier()
     a2a.close(wait_for_peers=False)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graph capture needs MOE_A2A_TEST_DEVICE=cuda")
+@pytest.mark.parametrize("rpn", layouts())
+def test_graph_capture_replays(rpn: int | None) -> None:
+    """A whole step (dispatch, experts, combine) captured once and replayed with new inputs."""
+    with make_a2a(rpn, graph_safe=True, dispatch_dtype="fp8") as a2a:
+        cfg = a2a.cfg
+        tokens = [cfg.max_tokens - r % 3 for r in range(WORLD)]
+        x, ids, w = mine(make_inputs(300, cfg, tokens=tokens))
+
+        def step() -> torch.Tensor:
+            d = a2a.dispatch(x, ids, w)
+            return a2a.combine(expert_fn(d.expert_x, d.expert_x_scale), d)
+
+        step()  # eager warm-up: maps peers, sets kernel attributes
+        torch.cuda.synchronize()
+        a2a.check()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        for it in range(5):
+            inp = make_inputs(400 + it, cfg, tokens=tokens)
+            for dst, src in zip((x, ids, w), mine(inp), strict=True):
+                dst.copy_(src)
+            graph.replay()
+            torch.cuda.synchronize()
+            a2a.check()
+            ref = dispatch_reference(inp.xs, inp.ids, cfg.num_experts, cfg.dispatch_dtype, cfg.expert_padding)
+            ys = [expert_fn(r.expert_x, r.expert_x_scale) for r in ref]
+            expected = combine_reference(ys, ref, inp.weights, cfg.combine_dtype)[RANK]
+            torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=1.6e-2, atol=1e-2)

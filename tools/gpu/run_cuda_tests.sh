@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine: build moe-a2a, run the CUDA tests (kernels in one process,
-# then 1, 2, 4 and 8 MPI ranks sharing the GPU, with and without virtual
-# nodes), then the CUDA benchmark at 1, 2, 4 and 8 ranks. Prints a short
+# then the multi-rank suite tests/mpi/test_a2a.py on device cuda with 1, 2, 4
+# and 8 MPI ranks sharing the GPU, with and without virtual nodes), then the
+# CUDA benchmark at 1, 2, 4 and 8 ranks. Prints a short
 # summary last; full logs go to $OUT (or out/gpu).
 #
 # Needs libfabric's headers where only its runtime is installed: carry them in
@@ -39,7 +40,7 @@ if has build; then
       src/bindings/module.cc
   fi
   start=$SECONDS
-  if LIBFABRIC_ROOT=$ROOT/.fabric-dev/root/usr timeout 300 $PY -m pip install --no-build-isolation --no-deps . \
+  if LIBFABRIC_ROOT=$ROOT/.fabric-dev/root/usr timeout 300 "$PY" -m pip install --no-build-isolation --no-deps . \
       >"$OUT/build.log" 2>&1; then
     note "build: ok in $((SECONDS - start)) s"
   else
@@ -53,7 +54,7 @@ cd /tmp || exit 1  # import the installed package, not the source tree
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$ROOT/tests/cuda
 
 if has kernels; then
-  timeout 240 $PY -m pytest -q -rs -p no:cacheprovider "$ROOT/tests/cuda/test_kernels.py" \
+  timeout 240 "$PY" -m pytest -q -rs -p no:cacheprovider "$ROOT/tests/cuda/test_kernels.py" \
     --junitxml="$OUT/kernels.xml" 2>&1 | tee "$OUT/kernels.log" | tail -25
   note "kernel tests: $(grep -aE "(passed|failed|error)" "$OUT/kernels.log" | tail -1)"
 fi
@@ -61,8 +62,8 @@ fi
 if has multirank; then
   for n in ${MR_SIZES:-1 2 4 8}; do
     logs="$OUT/mr-n$n" && mkdir -p "$logs"
-    MOE_A2A_RANK_LOGS=$logs timeout ${MR_TIMEOUT:-300} "${MPIRUN[@]}" -n $n "$ROOT/tools/rank0_console.sh" \
-      $PY -m pytest -q -p no:cacheprovider --with-mpi "$ROOT/tests/cuda/test_multirank.py" \
+    MOE_A2A_RANK_LOGS=$logs timeout "${MR_TIMEOUT:-300}" "${MPIRUN[@]}" -n "$n" "$ROOT/tools/rank0_console.sh" \
+      env MOE_A2A_TEST_DEVICE=cuda "$PY" -m pytest -q -rs -p no:cacheprovider --with-mpi "$ROOT/tests/mpi/test_a2a.py" \
       --junitxml="$logs/junit.xml" >"$logs/rank0.log" 2>&1
     grep -av "^\[" "$logs/rank0.log" | tail -15
     note "multirank n=$n (provider $MOE_A2A_TEST_PROVIDER): $(grep -aE "(passed|failed|error)" "$logs/rank0.log" | tail -1)"
@@ -71,10 +72,12 @@ fi
 
 if has bench; then
   for n in ${BENCH_SIZES:-1 2 4 8}; do
-    timeout ${BENCH_TIMEOUT:-240} "${MPIRUN[@]}" -n $n $PY -m moe_a2a.bench.a2a_cuda --shapes decode prefill --iters 10 \
+    # BENCH_ARGS is split into words on purpose (extra flags).
+    # shellcheck disable=SC2086
+    timeout "${BENCH_TIMEOUT:-240}" "${MPIRUN[@]}" -n "$n" "$PY" -m moe_a2a.bench.a2a_cuda --shapes decode prefill --iters 10 \
       --provider "$MOE_A2A_TEST_PROVIDER" --json "$OUT/bench.jsonl" ${BENCH_ARGS:-} >"$OUT/bench-n$n.log" 2>&1
     note "bench n=$n: exit $?"
-    cat "$OUT/bench-n$n.log" | grep -v "^\[" | tail -14
+    grep -v "^\[" "$OUT/bench-n$n.log" | tail -14
   done
 fi
 

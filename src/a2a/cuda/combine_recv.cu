@@ -18,6 +18,7 @@ constexpr int kWideBlocksPerSm = 2;       // "few": at most this many wide block
 constexpr int kRowsInFlight = 8;  // rows whose pieces a thread loads before using the first (top-8: all)
 
 __global__ void wait_kernel(CombineRecvParams p) {
+  grid_dependency_wait();  // dependents start when it ends (it spins on other processes)
   const Instance& in = p.inst;
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(in.epoch);
   const uint64_t deadline = global_timer_ns() + in.timeout_ns;
@@ -68,6 +69,7 @@ __global__ void __launch_bounds__(kMaxThreads) reduce_kernel(CombineRecvParams p
   const Layout& l = in.layout;
   const int K = in.topk, H = in.hidden;
   const int t = blockIdx.x;
+  kernel_prologue();
   if (t >= *p.scratch.num_tokens) return;
   __shared__ const uint8_t* src[kMaxTopk];
   __shared__ float weight[kMaxTopk];
@@ -118,8 +120,7 @@ __global__ void __launch_bounds__(kMaxThreads) reduce_kernel(CombineRecvParams p
 cudaError_t launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream) {
   constexpr int kWaitThreads = 32;
   if (p.wait_in_kernel) {
-    wait_kernel<<<1, kWaitThreads, 0, stream>>>(p);
-    cudaError_t err = cudaGetLastError();
+    cudaError_t err = launch_kernel(wait_kernel, 1, kWaitThreads, 0, stream, p);
     if (err != cudaSuccess) return err;
   }
   constexpr int kBf16 = static_cast<int>(DType::kBf16), kFp32 = static_cast<int>(DType::kFp32);
@@ -129,12 +130,13 @@ cudaError_t launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream)
   // row (latency), else small blocks (bandwidth). fp32 rows need the
   // registers of the small blocks.
   if (p.inst.combine_dtype == kFp32)
-    reduce_kernel<kFp32, kReduceThreads><<<tokens, round_up_threads(pieces, kReduceThreads), 0, stream>>>(p);
-  else if (persistent_blocks(tokens, 1, kWideBlocksPerSm) == tokens)
-    reduce_kernel<kBf16, kReduceWideThreads><<<tokens, round_up_threads(pieces, kReduceWideThreads), 0, stream>>>(p);
-  else
-    reduce_kernel<kBf16, kReduceThreads><<<tokens, round_up_threads(pieces, kReduceThreads), 0, stream>>>(p);
-  return cudaGetLastError();
+    return launch_kernel(reduce_kernel<kFp32, kReduceThreads>, tokens, round_up_threads(pieces, kReduceThreads), 0,
+                         stream, p);
+  if (persistent_blocks(tokens, 1, kWideBlocksPerSm) == tokens)
+    return launch_kernel(reduce_kernel<kBf16, kReduceWideThreads>, tokens,
+                         round_up_threads(pieces, kReduceWideThreads), 0, stream, p);
+  return launch_kernel(reduce_kernel<kBf16, kReduceThreads>, tokens, round_up_threads(pieces, kReduceThreads), 0,
+                       stream, p);
 }
 
 }  // namespace moe_a2a::a2a::cuda

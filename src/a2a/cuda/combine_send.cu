@@ -15,6 +15,10 @@ namespace moe_a2a::a2a::cuda {
 namespace {
 
 constexpr int kReturnThreads = 256;
+// Blocks a multiprocessor; the persistent grid is sized for this many, and
+// __launch_bounds__ makes them all resident (a second wave would leave its
+// rows to the end). Three: about 80 registers for 8 x 16 bytes a lane in flight.
+constexpr int kReturnBlocksPerSm = 3;
 
 __device__ __forceinline__ uint8_t* return_row(const Instance& in, const SenderPlan* senders, int s, int64_t j) {
   const Layout& l = in.layout;
@@ -42,8 +46,9 @@ __device__ __forceinline__ void convert_row(uint8_t* dst, const uint8_t* src, in
   }
 }
 
-__global__ void return_kernel(CombineSendParams p) {
+__global__ void __launch_bounds__(kReturnThreads, kReturnBlocksPerSm) return_kernel(CombineSendParams p) {
   extern __shared__ Segment segs[];
+  kernel_prologue();
   const Instance& in = p.inst;
   load_segments(segs, p.scratch.segments, in.num_experts);
   __syncthreads();
@@ -66,9 +71,8 @@ cudaError_t launch_combine_send(const CombineSendParams& p, cudaStream_t stream)
   const size_t seg_smem = static_cast<size_t>(in.num_experts) * sizeof(Segment);
   cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(return_kernel), seg_smem);
   if (err != cudaSuccess) return err;
-  const int blocks = persistent_blocks(max_output_rows(in), kReturnThreads / kWarp);
-  return_kernel<<<blocks, kReturnThreads, seg_smem, stream>>>(p);
-  return cudaGetLastError();
+  const int blocks = persistent_blocks(max_output_rows(in), kReturnThreads / kWarp, kReturnBlocksPerSm);
+  return launch_kernel(return_kernel, blocks, kReturnThreads, seg_smem, stream, p);
 }
 
 }  // namespace moe_a2a::a2a::cuda

@@ -5,7 +5,8 @@
 //    rank (each rank holds the whole matrix, so all decide alike); computes
 //    tokens_per_expert, the padded expert starts and the segment table.
 // 2. copy_kernel (persistent, one warp per output row): copies each received
-//    row into the expert-major output, splitting payload and fp8 scales.
+//    row into the expert-major output, splitting payload and fp8 scales (one
+//    stream of 16-byte pieces, 8 loads a lane in flight, when aligned).
 #include <cuda_runtime.h>
 
 #include "launch.h"
@@ -20,6 +21,11 @@ namespace {
 constexpr int kPlanThreads = 512;
 constexpr int kPlanWarps = kPlanThreads / kWarp;
 constexpr int kCopyThreads = 256;
+// Blocks a multiprocessor: the persistent grid is sized for this many, so all
+// must be resident at once (a second wave would leave its rows to the end).
+// Three: the row copy holds 8 x 16 bytes a lane in flight (24 warps, 96 KB a
+// multiprocessor) in about 80 registers.
+constexpr int kCopyBlocksPerSm = 3;
 
 __device__ __forceinline__ int64_t warp_sum(int64_t v) {
 #pragma unroll
@@ -47,6 +53,7 @@ __device__ bool wait_proxy(const Instance& in, const uint64_t* flag, uint64_t ep
 // Dynamic shared memory: the routing matrix [world][E], then n[L], start[L].
 __global__ void __launch_bounds__(kPlanThreads) plan_kernel(DispatchRecvParams p) {
   extern __shared__ int32_t matrix[];
+  grid_dependency_wait();  // dependents are allowed after the flag wait below
   const Instance& in = p.inst;
   const Layout& l = in.layout;
   const int N = in.world, E = in.num_experts, L = in.local_experts, rank = in.rank;
@@ -74,6 +81,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(DispatchRecvParams p
     else if (ld_acquire_sys(in.proxy.overflow) == epoch) ok = 0, report(in, kStatusCapacity);
   }
   __syncthreads();
+  allow_dependents();
 
   if (ok) {
     const uint32_t* rows = routing_row(in.host_ws, l, 0, E);
@@ -159,8 +167,9 @@ __device__ __forceinline__ const uint8_t* source_row(const Instance& in, const S
   return in.fabric_ws + l.shared_rows + (senders[s].shared_off + j - P) * row;
 }
 
-__global__ void copy_kernel(DispatchRecvParams p) {
+__global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) copy_kernel(DispatchRecvParams p) {
   extern __shared__ Segment segs[];
+  kernel_prologue();
   const Instance& in = p.inst;
   load_segments(segs, p.scratch.segments, in.num_experts);
   __syncthreads();
@@ -172,9 +181,11 @@ __global__ void copy_kernel(DispatchRecvParams p) {
     int s, j;
     if (!locate(segs, in.num_experts, row, &s, &j)) continue;  // padding
     const uint8_t* src = source_row(in, p.scratch.senders, s, j);
-    warp_copy(static_cast<uint8_t*>(p.out_x) + row * payload, src, payload, walk.lane);
-    if (scale_bytes > 0)
-      warp_copy(reinterpret_cast<uint8_t*>(p.out_scale) + row * scale_bytes, src + payload, scale_bytes, walk.lane);
+    uint8_t* dst_x = static_cast<uint8_t*>(p.out_x) + row * payload;
+    uint8_t* dst_scale = reinterpret_cast<uint8_t*>(p.out_scale) + row * scale_bytes;
+    if (warp_copy_split(dst_x, dst_scale, src, payload, scale_bytes, walk.lane)) continue;
+    warp_copy(dst_x, src, payload, walk.lane);
+    if (scale_bytes > 0) warp_copy(dst_scale, src + payload, scale_bytes, walk.lane);
   }
 }
 
@@ -185,13 +196,12 @@ cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t strea
   const size_t plan_smem = (static_cast<size_t>(in.world) * in.num_experts + 2 * in.local_experts) * sizeof(int32_t);
   cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(plan_kernel), plan_smem);
   if (err != cudaSuccess) return err;
-  plan_kernel<<<1, kPlanThreads, plan_smem, stream>>>(p);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  if ((err = launch_kernel(plan_kernel, 1, kPlanThreads, plan_smem, stream, p)) != cudaSuccess) return err;
   const size_t seg_smem = static_cast<size_t>(in.num_experts) * sizeof(Segment);
   err = allow_dynamic_smem(reinterpret_cast<const void*>(copy_kernel), seg_smem);
   if (err != cudaSuccess) return err;
-  copy_kernel<<<persistent_blocks(p.max_output_rows, kCopyThreads / kWarp), kCopyThreads, seg_smem, stream>>>(p);
-  return cudaGetLastError();
+  const int blocks = persistent_blocks(p.max_output_rows, kCopyThreads / kWarp, kCopyBlocksPerSm);
+  return launch_kernel(copy_kernel, blocks, kCopyThreads, seg_smem, stream, p);
 }
 
 }  // namespace moe_a2a::a2a::cuda

@@ -140,6 +140,7 @@ __device__ uint64_t begin_call(const DispatchSendParams& p, int* tokens) {
 // Small calls. Shared memory: hist [warps][E], counts [E], first [E].
 __global__ void __launch_bounds__(kSmallThreads) route_kernel(DispatchSendParams p) {
   extern __shared__ int32_t smem[];
+  kernel_prologue();
   const int E = p.inst.num_experts;
   int32_t* hist = smem;
   int32_t* counts = hist + kSmallWarps * E;
@@ -174,6 +175,7 @@ __global__ void __launch_bounds__(kSmallThreads) route_kernel(DispatchSendParams
 // into block_base[block][e]. Shared memory: hist [warps][E].
 __global__ void __launch_bounds__(kLargeThreads) count_kernel(DispatchSendParams p) {
   extern __shared__ int32_t hist[];
+  kernel_prologue();
   const int E = p.inst.num_experts;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   for (int i = threadIdx.x; i < kLargeWarps * E; i += kLargeThreads) hist[i] = 0;
@@ -190,6 +192,7 @@ __global__ void __launch_bounds__(kLargeThreads) count_kernel(DispatchSendParams
 // block's first row per expert, publication. Shared memory: counts, first.
 __global__ void __launch_bounds__(kSmallThreads) offsets_kernel(DispatchSendParams p, int blocks) {
   extern __shared__ int32_t smem[];
+  kernel_prologue();
   const int E = p.inst.num_experts;
   int32_t* counts = smem;
   int32_t* first = counts + E;
@@ -220,6 +223,7 @@ __global__ void __launch_bounds__(kSmallThreads) offsets_kernel(DispatchSendPara
 // Large calls, 3/3: each block walks its copies again, from its first rows.
 __global__ void __launch_bounds__(kLargeThreads) slot_kernel(DispatchSendParams p) {
   extern __shared__ int32_t hist[];
+  kernel_prologue();
   const int E = p.inst.num_experts;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   for (int i = threadIdx.x; i < kLargeWarps * E; i += kLargeThreads) hist[i] = 0;
@@ -244,8 +248,7 @@ cudaError_t launch_route(const DispatchSendParams& p, cudaStream_t stream) {
   if (max_copies <= kRouteSingleBlockCopies) {
     const size_t smem = (kSmallWarps + 2) * E * sizeof(int32_t);
     if ((err = allow_dynamic_smem(reinterpret_cast<const void*>(route_kernel), smem)) != cudaSuccess) return err;
-    route_kernel<<<1, kSmallThreads, smem, stream>>>(p);
-    return cudaGetLastError();
+    return launch_kernel(route_kernel, 1, kSmallThreads, smem, stream, p);
   }
   const int blocks = route_blocks(max_copies);
   const size_t hist_smem = kLargeWarps * E * sizeof(int32_t);
@@ -254,10 +257,10 @@ cudaError_t launch_route(const DispatchSendParams& p, cudaStream_t stream) {
   if ((err = allow_dynamic_smem(reinterpret_cast<const void*>(slot_kernel), hist_smem)) != cudaSuccess) return err;
   if ((err = allow_dynamic_smem(reinterpret_cast<const void*>(offsets_kernel), offsets_smem)) != cudaSuccess)
     return err;
-  count_kernel<<<blocks, kLargeThreads, hist_smem, stream>>>(p);
-  offsets_kernel<<<1, kSmallThreads, offsets_smem, stream>>>(p, blocks);
-  slot_kernel<<<blocks, kLargeThreads, hist_smem, stream>>>(p);
-  return cudaGetLastError();
+  if ((err = launch_kernel(count_kernel, blocks, kLargeThreads, hist_smem, stream, p)) != cudaSuccess) return err;
+  if ((err = launch_kernel(offsets_kernel, 1, kSmallThreads, offsets_smem, stream, p, blocks)) != cudaSuccess)
+    return err;
+  return launch_kernel(slot_kernel, blocks, kLargeThreads, hist_smem, stream, p);
 }
 
 }  // namespace moe_a2a::a2a::cuda

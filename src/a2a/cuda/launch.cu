@@ -1,6 +1,8 @@
 // Host helpers shared by the launchers.
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -21,6 +23,21 @@ cudaError_t allow_dynamic_smem(const void* kernel, size_t bytes) {
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   if (err == cudaSuccess) have = bytes;
   return err;
+}
+
+bool use_pdl() {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices] = {};  // 0 unknown, 1 no, 2 yes
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return false;
+  if (cached[device] == 0) {
+    const char* env = std::getenv("MOE_A2A_CUDA_PDL");
+    int major = 0;
+    const bool capable =
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
+    cached[device] = capable && !(env != nullptr && std::strcmp(env, "0") == 0) ? 2 : 1;
+  }
+  return cached[device] == 2;
 }
 
 // The default of 4 blocks a multiprocessor suits the 256-thread copy kernels:

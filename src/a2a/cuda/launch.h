@@ -7,6 +7,8 @@
 
 #include <cuda_runtime.h>
 
+#include <utility>
+
 #include "params.h"
 
 namespace moe_a2a::a2a::cuda {
@@ -48,6 +50,31 @@ inline int round_up_threads(int work, int limit) {
   int threads = (work + kWarpSize - 1) / kWarpSize * kWarpSize;
   if (threads < kWarpSize) threads = kWarpSize;
   return threads < limit ? threads : limit;
+}
+
+// Whether launches use programmatic dependent launch: on sm_90 and newer,
+// unless MOE_A2A_CUDA_PDL=0 in the environment (read once per device).
+bool use_pdl();
+
+// kernel<<<grid, block, smem, stream>>>(args...), with programmatic dependent
+// launch where use_pdl(): the kernel's blocks may be scheduled while the
+// previous kernel of the stream runs (hiding the launch gap, which dominates
+// decode-sized steps); each kernel calls kernel_prologue() (memory.cuh)
+// first, which waits for that kernel. Works in stream capture.
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                          Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = use_pdl() ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
 // Raises a kernel's dynamic shared memory limit to `bytes` once per device

@@ -64,6 +64,34 @@ __device__ __forceinline__ void st_8(void* p, uint2 v) {
   asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
 }
 
+// Programmatic dependent launch (sm_90). A kernel launched with
+// launch_kernel (launch.h) may start while the previous kernel of its stream
+// still runs, so every kernel calls grid_dependency_wait() before its first
+// access to global memory: it returns once the grids it depends on have
+// completed with their writes visible (at once for a launch without the
+// attribute). allow_dependents() lets the next kernel's blocks be scheduled
+// (they wait in turn). A kernel that spins on another process's flag allows
+// its dependents only after the wait, so that their resident blocks never
+// hold the multiprocessors that the other process's kernel needs (ranks
+// sharing a GPU under MPS).
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// The start of a kernel that waits for no other process.
+__device__ __forceinline__ void kernel_prologue() {
+  grid_dependency_wait();
+  allow_dependents();
+}
+
 // Waits until *flag >= target or the deadline passes; false on timeout. Backs
 // off with __nanosleep so a spinning thread leaves issue slots to others.
 __device__ __forceinline__ bool wait_geq(const uint64_t* flag, uint64_t target, uint64_t deadline_ns) {

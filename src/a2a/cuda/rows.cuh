@@ -139,20 +139,26 @@ __device__ __forceinline__ float load_f32(const uint8_t* src) {
 }
 
 // Copies `bytes` bytes from src to dst with one warp: 16-byte accesses when
-// both ends allow it, kUnroll of them in flight per lane.
+// both ends allow it, up to kUnroll of them a lane issued before their stores,
+// the last partial step too (predicated), so a 14 KB bf16 row takes 4 round
+// trips to memory (8 + 8 + 8 + 4 a lane), not 7: what a decode-sized call
+// waits on.
 __device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane) {
-  constexpr int kUnroll = 4;
+  constexpr int kUnroll = 8;
   if (aligned(dst, 16) && aligned(src, 16)) {
     const int64_t vecs = bytes / 16;
-    int64_t i = lane;
-    for (; i + (kUnroll - 1) * kWarp < vecs; i += kUnroll * kWarp) {
+    for (int64_t base = 0; base < vecs; base += kUnroll * kWarp) {
+      const int64_t left = vecs - base - lane;  // pieces u with u * kWarp < left are this lane's
+      const uint8_t* s = src + (base + lane) * 16;
+      uint8_t* d = dst + (base + lane) * 16;
       uint4 v[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) v[u] = ld_16_stream(src + (i + u * kWarp) * 16);
+      for (int u = 0; u < kUnroll; ++u)
+        if (u * kWarp < left) v[u] = ld_16_stream(s + u * kWarp * 16);
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) st_16(dst + (i + u * kWarp) * 16, v[u]);
+      for (int u = 0; u < kUnroll; ++u)
+        if (u * kWarp < left) st_16(d + u * kWarp * 16, v[u]);
     }
-    for (; i < vecs; i += kWarp) st_16(dst + i * 16, ld_16_stream(src + i * 16));
     for (int64_t b = vecs * 16 + lane; b < bytes; b += kWarp) dst[b] = src[b];
     return;
   }
@@ -164,6 +170,34 @@ __device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int6
     return;
   }
   for (int64_t b = lane; b < bytes; b += kWarp) dst[b] = src[b];
+}
+
+// Copies src[0, a_bytes) to dst_a and src[a_bytes, a_bytes + b_bytes) to
+// dst_b with one warp (a dispatch row: payload, then fp8 scales), as one
+// stream of 16-byte pieces with up to kUnroll loads a lane issued before their
+// stores, across the boundary. False, having copied nothing, unless every
+// pointer and both sizes are multiples of 16; the caller then copies the two
+// parts with warp_copy.
+__device__ __forceinline__ bool warp_copy_split(uint8_t* dst_a, uint8_t* dst_b, const uint8_t* src, int64_t a_bytes,
+                                                int64_t b_bytes, int lane) {
+  constexpr int kUnroll = 8;
+  if (!aligned(dst_a, 16) || !aligned(src, 16) || (a_bytes % 16) != 0 || (b_bytes % 16) != 0) return false;
+  if (b_bytes > 0 && !aligned(dst_b, 16)) return false;
+  const int64_t va = a_bytes / 16, vt = va + b_bytes / 16;
+  for (int64_t base = 0; base < vt; base += kUnroll * kWarp) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * kWarp + lane;
+      if (i < vt) v[u] = ld_16_stream(src + i * 16);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * kWarp + lane;
+      if (i < vt) st_16(i < va ? dst_a + i * 16 : dst_b + (i - va) * 16, v[u]);
+    }
+  }
+  return true;
 }
 
 // Location helpers on the Layout (host-only methods there).
