@@ -14,6 +14,7 @@
 #include "fabric/engine.h"
 #include "layout.h"
 #include "signals.h"
+#include "workspace.h"
 
 namespace moe_a2a::a2a {
 
@@ -28,6 +29,23 @@ struct ProxyContext {
   std::vector<int> remote_peers;          // ranks, in group order
   ProxySignals* signals = nullptr;
 };
+
+// The context of a rank's proxy: its workspace (and the node's mappings), the
+// engine with our registered workspace region and the group of remote peers.
+inline ProxyContext proxy_context(const Workspace& ws, fabric::TransferEngine* engine, uint32_t region,
+                                  uint32_t group, const std::vector<int>& remote_peers, ProxySignals* signals) {
+  ProxyContext ctx;
+  ctx.config = ws.config();
+  ctx.layout = ws.layout();
+  ctx.engine = engine;
+  ctx.region = region;
+  ctx.group = group;
+  ctx.workspace = ws.self();
+  ctx.node_workspaces = ws.node();
+  ctx.remote_peers = remote_peers;
+  ctx.signals = signals;
+  return ctx;
+}
 
 class Proxy {
  public:

@@ -15,17 +15,7 @@ CpuAllToAll::CpuAllToAll(Workspace* workspace, fabric::TransferEngine* engine, u
   maps_.node = &ws_->node();
   counts_.assign(cfg_.num_experts, 0);
   slots_.assign(static_cast<size_t>(cfg_.max_tokens) * cfg_.topk, 0);
-  ProxyContext ctx;
-  ctx.config = cfg_;
-  ctx.layout = layout_;
-  ctx.engine = engine;
-  ctx.region = region;
-  ctx.group = group;
-  ctx.workspace = ws_->self();
-  ctx.node_workspaces = ws_->node();
-  ctx.remote_peers = remote_peers;
-  ctx.signals = &signals_;
-  proxy_ = std::make_unique<Proxy>(std::move(ctx));
+  proxy_ = std::make_unique<Proxy>(proxy_context(*ws_, engine, region, group, remote_peers, &signals_));
 }
 
 CpuAllToAll::~CpuAllToAll() { proxy_.reset(); }

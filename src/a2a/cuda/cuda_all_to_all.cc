@@ -42,17 +42,7 @@ CudaAllToAll::CudaAllToAll(Workspace* host_workspace, fabric::TransferEngine* en
     // workspace: register that head, not the gigabytes of rows behind it.
     if (r != cfg_.rank && node[r] != nullptr) register_host(node[r], layout_.private_rows, &peers_[r].host);
 
-  ProxyContext ctx;
-  ctx.config = cfg_;
-  ctx.layout = layout_;
-  ctx.engine = engine;
-  ctx.region = region;
-  ctx.group = group;
-  ctx.workspace = host_workspace->self();
-  ctx.node_workspaces = node;
-  ctx.remote_peers = remote_peers;
-  ctx.signals = signals_;
-  proxy_ = std::make_unique<Proxy>(std::move(ctx));
+  proxy_ = std::make_unique<Proxy>(proxy_context(*host_workspace, engine, region, group, remote_peers, signals_));
 }
 
 CudaAllToAll::CudaAllToAll(const A2AConfig& config) : cfg_(config), layout_(Layout::of(config)) {
