@@ -349,7 +349,7 @@ def test_failing_rank_aborts_the_mpi_job() -> None:
         MOE_A2A_TEST_DELIBERATE_FAILURE="1",
     )
     cmd = [
-        mpirun, "-n", "2", "--oversubscribe",
+        mpirun, "-n", "2", "--allow-run-as-root", "--oversubscribe",
         sys.executable, "-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider",
         str(REPO / "tests" / "mpi" / "test_fabric.py::test_deliberate_failure_on_one_rank_aborts_the_job"),
     ]  # fmt: skip
