@@ -18,14 +18,10 @@ import numpy as np
 import torch
 
 from moe_a2a import _core
+from moe_a2a.all_to_all import COMBINE_DTYPES, DISPATCH_DTYPES, Config
+from moe_a2a.backends.common import CORE_DTYPE, FP8_BLOCK
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
-CORE_DTYPE = {
-    torch.bfloat16: _core.DType.bf16,
-    torch.float32: _core.DType.fp32,
-    torch.float8_e4m3fn: _core.DType.fp8,
-}
-FP8_BLOCK = 128
+DTYPES = {**DISPATCH_DTYPES, **COMBINE_DTYPES}
 POISON_BYTE = 0xA5
 
 
@@ -48,12 +44,19 @@ class Shape:
         return self.num_experts // self.world
 
     def resolved(self) -> tuple[int, int]:
-        per_peer = self.max_tokens * min(self.topk, self.local_experts)
-        private = self.max_private_tokens
-        if private is None:
-            private = min(per_peer, -(-self.max_tokens * self.topk // self.world))
-        recv = self.max_recv_tokens if self.max_recv_tokens is not None else self.world * per_peer
-        return private, recv
+        """(max_private_tokens, max_recv_tokens), defaults as AllToAll fills them in."""
+        config = Config(
+            max_tokens=self.max_tokens,
+            hidden=self.hidden,
+            num_experts=self.num_experts,
+            topk=self.topk,
+            dispatch_dtype=self.dispatch_dtype,
+            combine_dtype=self.combine_dtype,
+            expert_padding=self.expert_padding,
+            max_private_tokens=self.max_private_tokens,
+            max_recv_tokens=self.max_recv_tokens,
+        )
+        return config.resolved(self.world)
 
 
 @dataclass
