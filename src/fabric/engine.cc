@@ -138,6 +138,7 @@ void TransferEngine::check_peer(int peer, const char* what) const {
 
 void TransferEngine::check() const {
   if (worker_->failed()) throw FabricError(where() + ": " + worker_->error());
+  if (!connected_) throw FabricError(where() + ": not connected: connect() with every rank's address first");
 }
 
 void TransferEngine::add_job(std::vector<Job>* jobs, OpKind op, const Region& src, uint64_t src_offset,

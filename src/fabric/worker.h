@@ -1,7 +1,8 @@
 // The engine's worker thread: it alone posts writes and polls the NICs'
 // completion queues. Callers hand it jobs through a queue and wait on
-// counters. When idle it spins briefly, then yields, then sleeps in short
-// slices, so several ranks can share a couple of cores.
+// counters. When idle it spins briefly, then yields, then blocks on the NIC's
+// completion queue (or sleeps in short slices where the NIC cannot block),
+// so several ranks can share a couple of cores.
 #pragma once
 
 #include <atomic>

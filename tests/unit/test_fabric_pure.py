@@ -8,6 +8,7 @@ the job) by starting a small `mpirun` in a subprocess; it is skipped where
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import random
@@ -364,3 +365,12 @@ def test_failing_rank_aborts_the_mpi_job() -> None:
     assert "deliberate failure on rank 1" in output, output
     # Rank 0 would wait forever in the barrier; the test's own timeout is 60 s.
     assert elapsed < 50, f"the job took {elapsed:.1f} s to end: was it aborted or did it time out?"
+
+
+def test_write_before_connect_is_a_clear_error() -> None:
+    """An engine that has not exchanged addresses yet refuses to write, and says why."""
+    engine = _core.TransferEngine(0, 2, "tcp")
+    buf = bytearray(64)
+    region = engine.register_region(ctypes.addressof((ctypes.c_char * 64).from_buffer(buf)), 64)
+    with pytest.raises(FabricError, match="not connected: connect"):
+        engine.write(region, 0, 8, 0, 0, 1)
