@@ -20,6 +20,7 @@ import torch
 from moe_a2a import _core
 from moe_a2a.all_to_all import COMBINE_DTYPES, DISPATCH_DTYPES, Config
 from moe_a2a.backends.common import CORE_DTYPE, FP8_BLOCK
+from moe_a2a.backends.cuda import cuda_available
 
 DTYPES = {**DISPATCH_DTYPES, **COMBINE_DTYPES}
 POISON_BYTE = 0xA5
@@ -68,11 +69,7 @@ class RankOutput:
 
 def cuda_unavailable_reason() -> str | None:
     """Why the CUDA tests cannot run here, or None when they can."""
-    if not getattr(_core, "HAVE_CUDA", False):
-        return "moe_a2a._core was built without the CUDA kernels (no nvcc at build time)"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU on this machine (torch.cuda.is_available() is False)"
-    return None
+    return cuda_available()
 
 
 def _set_u64(address: int, value: int) -> None:

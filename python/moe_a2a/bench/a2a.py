@@ -28,8 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from moe_a2a.bench.args import int_at_least
+
 if TYPE_CHECKING:
     import torch
+
+POSITIVE = int_at_least(1)
 
 SHAPES = {
     # DeepSeek-V3 decode: 128 tokens per rank.
@@ -284,25 +288,18 @@ def _run_cuda(args: argparse.Namespace) -> int:
     return a2a_cuda.run(cuda_args)
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
-
-
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("a2a", help="dispatch/combine latency against an MPI Alltoallv baseline")
     p.add_argument("--shape", choices=[*SHAPES, "both"], default="both")
-    p.add_argument("--tokens", type=_positive, help="tokens per rank (overrides the shape)")
-    p.add_argument("--hidden", type=_positive)
-    p.add_argument("--num-experts", type=_positive)
-    p.add_argument("--topk", type=_positive)
+    p.add_argument("--tokens", type=POSITIVE, help="tokens per rank (overrides the shape)")
+    p.add_argument("--hidden", type=POSITIVE)
+    p.add_argument("--num-experts", type=POSITIVE)
+    p.add_argument("--topk", type=POSITIVE)
     p.add_argument("--dispatch-dtype", choices=["fp8", "bf16"], default="fp8")
-    p.add_argument("--iters", type=_positive, default=20)
+    p.add_argument("--iters", type=POSITIVE, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--provider", default="auto", help="libfabric provider: tcp, shm, efa, verbs or auto")
-    p.add_argument("--ranks-per-node", type=_positive, default=None, help="virtual nodes of this many ranks")
+    p.add_argument("--ranks-per-node", type=POSITIVE, default=None, help="virtual nodes of this many ranks")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument(
         "--baseline",

@@ -25,12 +25,14 @@ import re
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from moe_a2a.bench.args import int_at_least, positive_seconds
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -82,29 +84,6 @@ def parse_sizes(text: str) -> list[int]:
     return sorted({parse_size(p) for p in parts})
 
 
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"got {text!r}; expected an integer >= {minimum}")
-        return value
-
-    return parse
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"got {text!r}; expected a positive number of seconds")
-    return value
-
-
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `fabric` subcommand to `moe-a2a bench`."""
     parser = subparsers.add_parser(
@@ -120,7 +99,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="libfabric provider: tcp, shm, efa, verbs (default: $MOE_A2A_PROVIDER, else efa where "
         "offered, else tcp)",
     )
-    parser.add_argument("--num-nics", type=_int_at_least(1), default=1, help="NICs per rank (default 1)")
+    parser.add_argument("--num-nics", type=int_at_least(1), default=1, help="NICs per rank (default 1)")
     parser.add_argument(
         "--split-threshold",
         type=parse_size,
@@ -134,16 +113,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="bytes per peer, comma-separated; K and M mean KiB and MiB (default 1K,4K,16K,64K,256K,1M,4M)",
     )
     parser.add_argument(
-        "--iters", type=_int_at_least(1), default=100, help="timed exchanges per size (default 100)"
+        "--iters", type=int_at_least(1), default=100, help="timed exchanges per size (default 100)"
     )
     parser.add_argument(
-        "--warmup", type=_int_at_least(0), default=10, help="untimed exchanges per size first (default 10)"
+        "--warmup", type=int_at_least(0), default=10, help="untimed exchanges per size first (default 10)"
     )
     parser.add_argument(
-        "--timeout", type=_positive_seconds, default=60.0, help="seconds any one wait may take (default 60)"
+        "--timeout", type=positive_seconds, default=60.0, help="seconds any one wait may take (default 60)"
     )
     parser.add_argument(
-        "--seed", type=_int_at_least(0), default=0, help="seed of the checked data (default 0)"
+        "--seed", type=int_at_least(0), default=0, help="seed of the checked data (default 0)"
     )
     parser.add_argument(
         "--output",
