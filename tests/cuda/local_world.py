@@ -197,7 +197,7 @@ class LocalWorld:
             )
         torch.cuda.synchronize()
         epoch = self.ranks[0].epoch
-        for a in self.ranks:
+        for a in self.ranks if self.shape.world > 1 else []:  # alone, a rank has nobody to tell
             for flag in ("route_ready", "packed"):
                 assert _get_u64(a.signals[flag]) == epoch, f"{flag} not raised for the proxy"
         self._play_proxy_dispatch(epoch)
@@ -234,7 +234,7 @@ class LocalWorld:
             a.combine_send(y.data_ptr(), CORE_DTYPE[y.dtype], stream)
         torch.cuda.synchronize()
         epoch = self.ranks[0].epoch
-        for a in self.ranks:
+        for a in self.ranks if self.shape.world > 1 else []:
             assert _get_u64(a.signals["combine_packed"]) == epoch, "combine_packed not raised for the proxy"
         self._play_proxy_combine(epoch)
         dtype = DTYPES[self.shape.combine_dtype]

@@ -14,6 +14,7 @@ class CpuBackend:
 
     device = torch.device("cpu")
     ids_dtypes = (torch.int32,)
+    checks_ids = False  # the front end checks the id range (no stream to synchronise)
 
     def __init__(self, setup: Setup) -> None:
         self.cfg = setup.cfg

@@ -4,9 +4,13 @@ Ranks of one node map each other's device workspaces through CUDA IPC and
 write rows directly; rows for other nodes go through the host workspace
 (pinned shared memory), which the host proxy moves over the fabric.
 
-By default each receive half synchronises with the stream once: dispatch to
-learn how many rows arrived (the output's shape), combine to raise errors
-where they happened. With `graph_safe=True` nothing synchronises: dispatch
+By default dispatch's receive half synchronises with the stream once, to
+learn how many rows arrived (the output's shape) and to raise what the kernels
+reported (an expert id out of range: those copies were dropped, and the
+instance is unusable afterwards, as after any failure but a capacity error).
+Combine's receive half waits for its peers on the host, where timeouts and
+proxy failures are raised, and returns without synchronising: the result is
+ready in stream order. With `graph_safe=True` nothing synchronises: dispatch
 returns buffers of `max_output_rows` rows (rows past the received ones and
 padding rows hold no meaning, `tokens_per_expert` says which are filled),
 `combine` takes `y` of that shape, and a whole step can be captured in a CUDA
@@ -37,6 +41,7 @@ class CudaBackend:
     """Drives `_core.CudaAllToAll` on the current CUDA device and stream."""
 
     ids_dtypes = (torch.int32, torch.int64)
+    checks_ids = True  # the routing kernel drops out-of-range ids; the receive half raises
 
     def __init__(self, setup: Setup, graph_safe: bool) -> None:
         reason = cuda_available()
@@ -59,6 +64,11 @@ class CudaBackend:
         return int(self._impl.epoch)
 
     def _stream(self) -> int:
+        # The raw handle without building a torch.cuda.Stream (a few us per call on
+        # a slow host, four calls a step); the public route where torch lacks it.
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            return int(raw(self.device.index))
         return torch.cuda.current_stream(self.device).cuda_stream
 
     def _settle(self) -> None:
@@ -110,10 +120,10 @@ class CudaBackend:
         self._alive = (*self._alive, y)
 
     def combine_recv(self, weights: torch.Tensor, out: torch.Tensor) -> None:
+        # Eager: the host saw every flag up before the launch, so the kernel has
+        # nothing to report; inputs stay referenced until the next dispatch.
         self._impl.combine_recv(weights.data_ptr(), out.data_ptr(), not self.graph_safe, self._stream())
-        self._settle()
-        if not self.graph_safe:
-            self._alive = ()
+        self._alive = (*self._alive, weights)
 
     def check(self) -> None:
         """Raise the outcome of the last call (graph-safe mode; synchronise the stream first)."""

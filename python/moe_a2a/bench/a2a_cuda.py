@@ -9,6 +9,8 @@ dispatch, bf16 combine; decode 128 tokens per rank, prefill 4096):
   recv), eager (as `AllToAll` runs it), from a barrier until the last rank's
   stream is idle, median over iterations; its bandwidth is the bytes all ranks
   read and wrote in it over that time;
+- the whole step (dispatch, then combine) timed the same way in one span, as
+  the torch-native version is: their ratio compares like with like;
 - at one rank, the whole decode step captured in a CUDA graph and replayed;
 - the device-to-device copy bandwidth (bytes read plus written), the ceiling;
 - a torch-native version of the same data movement on each rank (quantise,
@@ -71,6 +73,13 @@ def copy_bandwidth_gbs(device: torch.device) -> float:
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), iters=20)
     return 2 * COPY_BYTES / (ms * 1e-3) / 1e9
+
+
+def fill_bandwidth_gbs(device: torch.device) -> float:
+    """Bytes written per second by a 1 GiB fill: the ceiling of write-only traffic."""
+    dst = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
+    ms = median_ms(lambda: dst.fill_(1), iters=20)
+    return COPY_BYTES / (ms * 1e-3) / 1e9
 
 
 def phase_bytes(tokens: int, rows: int, dispatch_row: int, combine_row: int) -> dict[str, int]:
@@ -165,27 +174,53 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, copy_gbs: float) -
         for phase in PHASES:
             ms = statistics.median(times[phase])
             result[phase] = dict(ms=ms, gbs=comm.allreduce(mine[phase]) / (ms * 1e-3) / 1e9)
-        result["step_ms"] = sum(result[p]["ms"] for p in PHASES)
+        result["phases_ms"] = sum(result[p]["ms"] for p in PHASES)
         result["step_bytes"] = comm.allreduce(sum(mine.values()))
+
+        def step(r: Round) -> None:
+            d = a2a.dispatch(r.x, r.ids, r.weights)
+            a2a.combine(y_full[: d.expert_x.shape[0]], d)
+
+        # The whole step and the torch-native version in alternating blocks, so that
+        # both see the same machine (host timings on a VM drift within a run) and
+        # each runs back to back, as it would in a model.
+        native_dispatch, native_combine = torch_native(rounds[0], y_full)
+        spans, native = [], []
+        block = max(1, args.iters // 4)
+        for start in range(0, args.warmup + args.iters, block):
+            for it in range(start, min(start + block, args.warmup + args.iters)):
+                spans.append(timed(comm, lambda it=it: step(rounds[it % len(rounds)]))[1])
+            for _ in range(start, min(start + block, args.warmup + args.iters)):
+                native.append(timed(comm, lambda: (native_dispatch(), native_combine()))[1])
+        result["step_ms"] = statistics.median(spans[args.warmup :])
+        result["torch_native_ms"] = statistics.median(native[args.warmup :])
         if args.profile:
-            profile_kernels(a2a, rounds[0], y_full, name, rank == 0)
+            result["kernel_us"] = profile_kernels(a2a, rounds[0], y_full, name, rank == 0)
+            result["rank_bytes"] = mine
 
     if world == 1 and name == "decode":
         result["graph_step_ms"] = graph_step_ms(cfg, args, comm, rounds[0], device)
 
-    dispatch, combine = torch_native(rounds[0], y_full)
-    native = []
-    for it in range(args.warmup + args.iters):
-        _, t_d = timed(comm, dispatch)
-        _, t_c = timed(comm, combine)
-        if it >= args.warmup:
-            native.append(t_d + t_c)
-    result["torch_native_ms"] = statistics.median(native)
     return result
 
 
-def profile_kernels(a2a: Any, r: Round, y_full: torch.Tensor, name: str, report: bool) -> None:
-    """Average GPU time of each kernel over a few eager steps; every rank steps, `report` prints."""
+# Which phase each kernel belongs to (src/a2a/cuda/*.cu).
+KERNEL_PHASE = {
+    "route_kernel": "dispatch_send",
+    "count_kernel": "dispatch_send",
+    "offsets_kernel": "dispatch_send",
+    "slot_kernel": "dispatch_send",
+    "pack_kernel": "dispatch_send",
+    "plan_kernel": "dispatch_recv",
+    "copy_kernel": "dispatch_recv",
+    "return_kernel": "combine_send",
+    "wait_kernel": "combine_recv",
+    "reduce_kernel": "combine_recv",
+}
+
+
+def profile_kernels(a2a: Any, r: Round, y_full: torch.Tensor, name: str, report: bool) -> dict[str, float]:
+    """Average GPU time (us) of each kernel over a few eager steps; every rank steps, `report` prints."""
     from torch.profiler import ProfilerActivity, profile
 
     steps = 5
@@ -194,13 +229,16 @@ def profile_kernels(a2a: Any, r: Round, y_full: torch.Tensor, name: str, report:
             d = a2a.dispatch(r.x, r.ids, r.weights)
             a2a.combine(y_full[: d.expert_x.shape[0]], d)
         torch.cuda.synchronize()
-    if not report:
-        return
-    print(f"-- kernels of one {name} step (rank 0, average of {steps}):")
-    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
+    kernels: dict[str, float] = {}
+    for e in prof.key_averages():
         found = re.search(r"(\w+_kernel)", e.key)
         if e.device_time_total > 0 and "moe_a2a" in e.key and found:
-            print(f"   {found.group(1):16} {e.device_time_total / steps:9.1f} us  x{e.count // steps}")
+            kernels[found.group(1)] = kernels.get(found.group(1), 0.0) + e.device_time_total / steps
+    if report:
+        print(f"-- kernels of one {name} step (rank 0, average of {steps}):")
+        for kernel, us in sorted(kernels.items(), key=lambda kv: -kv[1]):
+            print(f"   {kernel:16} {us:9.1f} us")
+    return kernels
 
 
 def graph_step_ms(cfg: Any, args: argparse.Namespace, comm: Any, r: Round, device: torch.device) -> float:
@@ -243,15 +281,28 @@ def print_table(results: list[dict[str, Any]]) -> None:
         floor_us = res["step_bytes"] / (res["copy_gbs"] * 1e9) * 1e6
         native_us, step_us = res["torch_native_ms"] * 1e3, res["step_ms"] * 1e3
         line = (
-            f"{head} {'step':14} {step_us:9.1f}   torch-native {native_us:.1f} us "
-            f"({native_us / step_us:.1f}x), bytes/copy-bandwidth floor {floor_us:.1f} us"
+            f"{head} {'step':14} {step_us:9.1f}   (phases apart {res['phases_ms'] * 1e3:.1f}) "
+            f"torch-native {native_us:.1f} us ({native_us / step_us:.1f}x), "
+            f"bytes/copy-bandwidth floor {floor_us:.1f} us"
         )
         if "graph_step_ms" in res:
             g = res["graph_step_ms"] * 1e3
             line += f", graph replay {g:.1f} us ({g / floor_us:.1f}x floor)"
         print(line)
+    # Alone on the GPU only: with ranks sharing it, one rank's kernels run beside the
+    # others', and its bytes over its kernels' time would say little.
+    for res in (r for r in results if "kernel_us" in r and r["world"] == 1):
+        print(f"{res['shape']:8} {res['world']:>5} rank 0's kernels per phase (GPU time):")
+        for phase in PHASES:
+            us = sum(t for k, t in res["kernel_us"].items() if KERNEL_PHASE.get(k) == phase)
+            gbs = res["rank_bytes"][phase] / (us * 1e-6) / 1e9 if us > 0 else 0.0
+            line = f"{'':14} {phase:14} {us:9.1f} {gbs:7.0f} {100 * gbs / res['copy_gbs']:6.0f}%"
+            print(line)
     if results:
-        print(f"device-to-device copy: {results[0]['copy_gbs']:.0f} GB/s (read + write)")
+        print(
+            f"device-to-device copy: {results[0]['copy_gbs']:.0f} GB/s (read + write); "
+            f"fill: {results[0]['fill_gbs']:.0f} GB/s (write only)"
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -270,12 +321,15 @@ def run(args: argparse.Namespace) -> int:
 
     comm = MPI.COMM_WORLD
     torch.cuda.set_device(comm.Get_rank() % torch.cuda.device_count())
-    copy_gbs = 0.0
+    ceilings = (0.0, 0.0)
     comm.Barrier()
     if comm.Get_rank() == 0:  # alone on the GPU while the others wait
-        copy_gbs = copy_bandwidth_gbs(torch.device("cuda", torch.cuda.current_device()))
-    copy_gbs = comm.bcast(copy_gbs)
+        device = torch.device("cuda", torch.cuda.current_device())
+        ceilings = (copy_bandwidth_gbs(device), fill_bandwidth_gbs(device))
+    copy_gbs, fill_gbs = comm.bcast(ceilings)
     results = [run_shape(name, args, comm, copy_gbs) for name in args.shapes]
+    for res in results:
+        res["fill_gbs"] = fill_gbs
     if comm.Get_rank() == 0:
         print_table(results)
         if args.json:

@@ -23,7 +23,7 @@ __global__ void wait_kernel(CombineRecvParams p) {
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(in.epoch);
   const uint64_t deadline = global_timer_ns() + in.timeout_ns;
   for (int r = threadIdx.x; r < in.world; r += blockDim.x)
-    if (same_node(in, r) && !wait_geq(flag_ptr(in.host_ws, in.layout, r, kFlagCombine), epoch, deadline))
+    if (r != in.rank && same_node(in, r) && !wait_geq(flag_ptr(in.host_ws, in.layout, r, kFlagCombine), epoch, deadline))
       report(in, kStatusTimeout);
   if (threadIdx.x != 0 || !in.has_remote) return;
   constexpr unsigned kSleepNs = 256;
@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(kMaxThreads) reduce_kernel(CombineRecvParams p
 
 cudaError_t launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream) {
   constexpr int kWaitThreads = 32;
-  if (p.wait_in_kernel) {
+  if (p.wait_in_kernel && p.inst.world > 1) {  // alone: nothing to wait for
     cudaError_t err = launch_kernel(wait_kernel, 1, kWaitThreads, 0, stream, p);
     if (err != cudaSuccess) return err;
   }

@@ -27,18 +27,20 @@ __device__ __forceinline__ uint8_t* return_row(const Instance& in, const SenderP
   return in.fabric_ws + l.combine_send + (senders[s].recv_base + j) * row;
 }
 
-// One row by one warp, converted from y_dtype to out_dtype (bf16 or fp32).
-__device__ __forceinline__ void convert_row(uint8_t* dst, const uint8_t* src, int hidden, int y_dtype, int out_dtype,
-                                            int lane) {
+// Elements [e0, e1) of one row by one warp, converted from y_dtype to
+// out_dtype (bf16 or fp32); e0 is a multiple of kVec.
+__device__ __forceinline__ void convert_range(uint8_t* dst, const uint8_t* src, int e0, int e1, int y_dtype,
+                                              int out_dtype, int lane) {
   const int out_bytes = dtype_size(out_dtype);
   if (y_dtype == out_dtype) {
-    warp_copy(dst, src, static_cast<int64_t>(hidden) * out_bytes, lane);
+    warp_copy(dst + static_cast<int64_t>(e0) * out_bytes, src + static_cast<int64_t>(e0) * out_bytes,
+              static_cast<int64_t>(e1 - e0) * out_bytes, lane);
     return;
   }
-  const int pieces = (hidden + kVec - 1) / kVec;
-  for (int piece = lane; piece < pieces; piece += kWarp) {
+  const int last = (e1 + kVec - 1) / kVec;
+  for (int piece = e0 / kVec + lane; piece < last; piece += kWarp) {
     const int64_t first = static_cast<int64_t>(piece) * kVec;
-    const int n = hidden - first < kVec ? static_cast<int>(hidden - first) : kVec;
+    const int n = e1 - first < kVec ? static_cast<int>(e1 - first) : kVec;
     float v[kVec];
     load_piece(src, y_dtype, first, n, v);
     const Encoded enc = out_bytes == 4 ? encode_fp32(v) : encode_bf16(v);
@@ -54,12 +56,16 @@ __global__ void __launch_bounds__(kReturnThreads, kReturnBlocksPerSm) return_ker
   __syncthreads();
   const int rows = *p.scratch.output_rows;
   const int64_t y_row = static_cast<int64_t>(in.hidden) * dtype_size(p.y_dtype);
-  const RowWalk walk;
-  for (int row = walk.first; row < rows; row += walk.stride) {
+  const int out_bytes = dtype_size(in.combine_dtype);
+  const int chunk_elems = kCopyChunkBytes / out_bytes;
+  for (ChunkWalk walk(row_chunks(static_cast<int64_t>(in.hidden) * out_bytes)); walk.row < rows; walk.next()) {
+    const int row = walk.row;
+    const int e0 = walk.chunk * chunk_elems;
+    const int e1 = e0 + chunk_elems < in.hidden ? e0 + chunk_elems : in.hidden;
     int s, j;
     if (!locate(segs, in.num_experts, row, &s, &j)) continue;  // padding rows go nowhere
-    convert_row(return_row(in, p.scratch.senders, s, j), static_cast<const uint8_t*>(p.y) + row * y_row, in.hidden,
-                p.y_dtype, in.combine_dtype, walk.lane);
+    convert_range(return_row(in, p.scratch.senders, s, j), static_cast<const uint8_t*>(p.y) + row * y_row, e0, e1,
+                  p.y_dtype, in.combine_dtype, walk.lane);
   }
   signal_when_grid_done(in, p.scratch.done_blocks, kFlagCombine, in.proxy.combine_packed);
 }
@@ -71,7 +77,8 @@ cudaError_t launch_combine_send(const CombineSendParams& p, cudaStream_t stream)
   const size_t seg_smem = static_cast<size_t>(in.num_experts) * sizeof(Segment);
   cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(return_kernel), seg_smem);
   if (err != cudaSuccess) return err;
-  const int blocks = persistent_blocks(max_output_rows(in), kReturnThreads / kWarp, kReturnBlocksPerSm);
+  const int chunks = row_chunks(static_cast<int64_t>(in.hidden) * dtype_bytes(static_cast<DType>(in.combine_dtype)));
+  const int blocks = persistent_blocks(max_output_rows(in) * chunks, kReturnThreads / kWarp, kReturnBlocksPerSm);
   return launch_kernel(return_kernel, blocks, kReturnThreads, seg_smem, stream, p);
 }
 

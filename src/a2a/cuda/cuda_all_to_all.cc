@@ -72,6 +72,7 @@ void CudaAllToAll::allocate() {
       sizeof(int32_t),                                  // num_tokens
       copies * sizeof(int32_t),                         // slots
       copies * sizeof(int32_t),                         // copy_rank
+      copies * sizeof(uint8_t*),                        // copy_dst
       (cfg_.world + 1) * sizeof(int64_t),               // send_start
       static_cast<size_t>(route_blocks(static_cast<int64_t>(copies))) * cfg_.num_experts * sizeof(int32_t),  // block_base
       sizeof(int32_t),                                  // dropped
@@ -86,22 +87,24 @@ void CudaAllToAll::allocate() {
   check_cuda(cudaMalloc(&scratch_mem_, total), "cudaMalloc(scratch)");
   check_cuda(cudaMemset(scratch_mem_, 0, total), "cudaMemset(scratch)");
   uint8_t* at = scratch_mem_;
-  auto take = [&at](size_t bytes) {
+  size_t next = 0;  // sections in the order of `sizes`
+  auto take = [&]() {
     uint8_t* p = at;
-    at += aligned_size(bytes);
+    at += aligned_size(sizes[next++]);
     return p;
   };
-  scratch_.num_tokens = reinterpret_cast<int32_t*>(take(sizes[0]));
-  scratch_.slots = reinterpret_cast<int32_t*>(take(sizes[1]));
-  scratch_.copy_rank = reinterpret_cast<int32_t*>(take(sizes[2]));
-  scratch_.send_start = reinterpret_cast<int64_t*>(take(sizes[3]));
-  scratch_.block_base = reinterpret_cast<int32_t*>(take(sizes[4]));
-  scratch_.dropped = reinterpret_cast<int32_t*>(take(sizes[5]));
-  scratch_.done_blocks = reinterpret_cast<uint32_t*>(take(sizes[6]));
-  scratch_.senders = reinterpret_cast<SenderPlan*>(take(sizes[7]));
-  scratch_.segments = reinterpret_cast<Segment*>(take(sizes[8]));
-  scratch_.output_rows = reinterpret_cast<int32_t*>(take(sizes[9]));
-  epoch_device_ = reinterpret_cast<uint64_t*>(take(sizes[10]));
+  scratch_.num_tokens = reinterpret_cast<int32_t*>(take());
+  scratch_.slots = reinterpret_cast<int32_t*>(take());
+  scratch_.copy_rank = reinterpret_cast<int32_t*>(take());
+  scratch_.copy_dst = reinterpret_cast<uint8_t**>(take());
+  scratch_.send_start = reinterpret_cast<int64_t*>(take());
+  scratch_.block_base = reinterpret_cast<int32_t*>(take());
+  scratch_.dropped = reinterpret_cast<int32_t*>(take());
+  scratch_.done_blocks = reinterpret_cast<uint32_t*>(take());
+  scratch_.senders = reinterpret_cast<SenderPlan*>(take());
+  scratch_.segments = reinterpret_cast<Segment*>(take());
+  scratch_.output_rows = reinterpret_cast<int32_t*>(take());
+  epoch_device_ = reinterpret_cast<uint64_t*>(take());
 
   // Small host words the kernels write and the host reads after a sync.
   void* words = nullptr;
@@ -254,7 +257,7 @@ void CudaAllToAll::wait_host(FlagKind kind, const Seq& done, const char* what) {
   }
   const auto deadline = deadline_after(cfg_.timeout_s);
   for (int s = 0; s < cfg_.world; ++s) {
-    if (!cfg_.same_node(s)) continue;
+    if (s == cfg_.rank || !cfg_.same_node(s)) continue;  // our own kernels come first on the stream
     if (!wait_at_least(flag_at(host_ws_cpu_, layout_, s, kind), epoch_, deadline, [this] { check_proxy(); }))
       throw fabric::TimeoutError(who + std::to_string(cfg_.timeout_s) + " s waiting for the " + what +
                                  " of same-node peer " + std::to_string(s) + " (epoch " + std::to_string(epoch_) + ")");

@@ -1,12 +1,14 @@
 // Dispatch, receive half (docs/protocol.md, "Dispatch at receiver r"):
 // 1. plan_kernel (one block): waits for the dispatch flag of every same-node
 //    sender and, with remote peers, for the proxy's dispatch_done; reads the
-//    routing matrix from the host workspace; checks max_recv_tokens on every
+//    routing matrix (same-node rows from the device workspace, remote ones
+//    from the host workspace, where the proxy put them); checks max_recv_tokens on every
 //    rank (each rank holds the whole matrix, so all decide alike); computes
 //    tokens_per_expert, the padded expert starts and the segment table.
-// 2. copy_kernel (persistent, one warp per output row): copies each received
-//    row into the expert-major output, splitting payload and fp8 scales (one
-//    stream of 16-byte pieces, 8 loads a lane in flight, when aligned).
+// 2. copy_kernel (persistent, one warp per chunk of an output row): copies
+//    each received row into the expert-major output, splitting payload and
+//    fp8 scales (one stream of 16-byte pieces, 8 loads a lane in flight, when
+//    aligned).
 #include <cuda_runtime.h>
 
 #include "launch.h"
@@ -71,7 +73,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(DispatchRecvParams p
   __syncthreads();
   const uint64_t deadline = global_timer_ns() + in.timeout_ns;
   for (int s = tid; s < N && p.wait_in_kernel; s += kPlanThreads) {
-    if (same_node(in, s) && !wait_geq(flag_ptr(in.host_ws, l, s, kFlagDispatch), epoch, deadline)) {
+    if (s != in.rank && same_node(in, s) && !wait_geq(flag_ptr(in.host_ws, l, s, kFlagDispatch), epoch, deadline)) {
       report(in, kStatusTimeout);
       ok = 0;
     }
@@ -83,9 +85,11 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(DispatchRecvParams p
   __syncthreads();
   allow_dependents();
 
-  if (ok) {
-    const uint32_t* rows = routing_row(in.host_ws, l, 0, E);
-    for (int i = tid; i < N * E; i += kPlanThreads) matrix[i] = static_cast<int32_t>(rows[i]);
+  if (ok) {  // rows of same-node senders from our device workspace, the others' where the proxy put them
+    for (int i = tid; i < N * E; i += kPlanThreads) {
+      const int s = i / E;
+      matrix[i] = static_cast<int32_t>(routing_row(same_node(in, s) ? in.device_ws : in.host_ws, l, s, E)[i % E]);
+    }
   }
   __syncthreads();
   // Capacity, for every rank (the same decision everywhere).
@@ -176,16 +180,22 @@ __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) copy_kernel(Di
   const int rows = *p.scratch.output_rows;
   const int64_t payload = in.payload_bytes;
   const int64_t scale_bytes = static_cast<int64_t>(in.num_scales) * sizeof(float);
-  const RowWalk walk;
-  for (int row = walk.first; row < rows; row += walk.stride) {
+  const int64_t row_bytes = payload + scale_bytes;
+  for (ChunkWalk walk(row_chunks(row_bytes)); walk.row < rows; walk.next()) {
+    const int row = walk.row, chunk = walk.chunk;
     int s, j;
     if (!locate(segs, in.num_experts, row, &s, &j)) continue;  // padding
     const uint8_t* src = source_row(in, p.scratch.senders, s, j);
     uint8_t* dst_x = static_cast<uint8_t*>(p.out_x) + row * payload;
     uint8_t* dst_scale = reinterpret_cast<uint8_t*>(p.out_scale) + row * scale_bytes;
-    if (warp_copy_split(dst_x, dst_scale, src, payload, scale_bytes, walk.lane)) continue;
-    warp_copy(dst_x, src, payload, walk.lane);
-    if (scale_bytes > 0) warp_copy(dst_scale, src + payload, scale_bytes, walk.lane);
+    if (split_copyable(dst_x, dst_scale, src, payload, scale_bytes)) {
+      const int64_t begin = static_cast<int64_t>(chunk) * kCopyChunkBytes;
+      const int64_t end = begin + kCopyChunkBytes < row_bytes ? begin + kCopyChunkBytes : row_bytes;
+      warp_copy_split(dst_x, dst_scale, src, payload, begin, end, walk.lane);
+    } else if (chunk == 0) {  // unaligned rows: one warp copies the whole row
+      warp_copy(dst_x, src, payload, walk.lane);
+      if (scale_bytes > 0) warp_copy(dst_scale, src + payload, scale_bytes, walk.lane);
+    }
   }
 }
 
@@ -200,7 +210,8 @@ cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t strea
   const size_t seg_smem = static_cast<size_t>(in.num_experts) * sizeof(Segment);
   err = allow_dynamic_smem(reinterpret_cast<const void*>(copy_kernel), seg_smem);
   if (err != cudaSuccess) return err;
-  const int blocks = persistent_blocks(p.max_output_rows, kCopyThreads / kWarp, kCopyBlocksPerSm);
+  const int chunks = row_chunks(in.payload_bytes + static_cast<int64_t>(in.num_scales) * sizeof(float));
+  const int blocks = persistent_blocks(p.max_output_rows * chunks, kCopyThreads / kWarp, kCopyBlocksPerSm);
   return launch_kernel(copy_kernel, blocks, kCopyThreads, seg_smem, stream, p);
 }
 

@@ -8,7 +8,8 @@
 //   every row that travels over the fabric (send, private/shared rows from
 //   remote senders, combine_send, combine_recv from remote receivers);
 // - the device workspace (cudaMalloc, mapped by same-node ranks through CUDA
-//   IPC): rows between ranks of one node. All flags stay in the host
+//   IPC): rows between ranks of one node, and a copy of their routing rows
+//   (read by the plan kernel without a trip over PCIe). All flags stay in the host
 //   workspace, where a rank's CPU can poll them with a timeout (eager calls)
 //   and its kernels can poll them too (captured graphs).
 // Where the provider reads GPU memory (FI_HMEM), `fabric` can be the device
@@ -108,6 +109,7 @@ struct Scratch {
   int32_t* num_tokens = nullptr;   // [1] live T of the last dispatch_send
   int32_t* slots = nullptr;        // [max_tokens * topk] send row of (t, k); -1 if dropped
   int32_t* copy_rank = nullptr;    // [max_tokens * topk] destination rank of (t, k)
+  uint8_t** copy_dst = nullptr;    // [max_tokens * topk] where pack stores (t, k); null if dropped
   int64_t* send_start = nullptr;   // [world + 1] send_off[rank][r]
   int32_t* block_base = nullptr;   // [route blocks][num_experts] routing step of large calls
   int32_t* dropped = nullptr;      // [1] a large call's routing saw an id out of range

@@ -38,34 +38,36 @@ __device__ __forceinline__ uint16_t float_to_bf16_bits(float f) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(f));
 }
 
+// Loads the whole piece at p (kVec bf16 or fp32 elements, 16-byte aligned) as floats.
+__device__ __forceinline__ void load_full_piece(const void* p, int dtype, float (&v)[kVec]) {
+  if (dtype == static_cast<int>(DType::kBf16)) {
+    const uint4 raw = ld_16_stream(p);
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = __uint_as_float(w[i] << 16);
+      v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+    return;
+  }
+  const uint4 a = ld_16_stream(p), b = ld_16_stream(static_cast<const float*>(p) + 4);
+  v[0] = __uint_as_float(a.x), v[1] = __uint_as_float(a.y), v[2] = __uint_as_float(a.z), v[3] = __uint_as_float(a.w);
+  v[4] = __uint_as_float(b.x), v[5] = __uint_as_float(b.y), v[6] = __uint_as_float(b.z), v[7] = __uint_as_float(b.w);
+}
+
 // Loads elements [first, first + n) of a bf16 or fp32 row as floats (n <= kVec;
 // the rest are 0, which leaves an fp8 block's amax unchanged).
 __device__ __forceinline__ void load_piece(const void* row, int dtype, int64_t first, int n, float (&v)[kVec]) {
-  if (dtype == static_cast<int>(DType::kBf16)) {
-    const auto* p = static_cast<const uint16_t*>(row) + first;
-    if (n == kVec && aligned(p, 16)) {
-      uint4 raw = ld_16_stream(p);
-      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  const size_t elem = dtype == static_cast<int>(DType::kBf16) ? 2 : 4;
+  const void* p = static_cast<const uint8_t*>(row) + first * elem;
+  if (n == kVec && aligned(p, 16)) return load_full_piece(p, dtype, v);
+  if (elem == 2) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        v[2 * i] = __uint_as_float(w[i] << 16);
-        v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-      }
-      return;
-    }
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) v[i] = i < n ? bf16_bits_to_float(p[i]) : 0.0f;
-    return;
-  }
-  const auto* p = static_cast<const float*>(row) + first;
-  if (n == kVec && aligned(p, 16)) {
-    uint4 a = ld_16_stream(p), b = ld_16_stream(p + 4);
-    v[0] = __uint_as_float(a.x), v[1] = __uint_as_float(a.y), v[2] = __uint_as_float(a.z), v[3] = __uint_as_float(a.w);
-    v[4] = __uint_as_float(b.x), v[5] = __uint_as_float(b.y), v[6] = __uint_as_float(b.z), v[7] = __uint_as_float(b.w);
+    for (int i = 0; i < kVec; ++i) v[i] = i < n ? bf16_bits_to_float(static_cast<const uint16_t*>(p)[i]) : 0.0f;
     return;
   }
 #pragma unroll
-  for (int i = 0; i < kVec; ++i) v[i] = i < n ? p[i] : 0.0f;
+  for (int i = 0; i < kVec; ++i) v[i] = i < n ? static_cast<const float*>(p)[i] : 0.0f;
 }
 
 // A piece converted to its stored form: up to 32 bytes (8 fp32).
@@ -99,18 +101,17 @@ __device__ __forceinline__ Encoded encode_fp8(const float (&v)[kVec], float scal
   return {make_uint4(w[0], w[1], 0, 0), make_uint4(0, 0, 0, 0)};
 }
 
+// Stores a whole piece at dst, aligned to its size (8, 16 or 32 bytes).
+__device__ __forceinline__ void store_full_piece(uint8_t* dst, const Encoded& e, int elem_bytes) {
+  if (elem_bytes == 1) return st_8(dst, make_uint2(e.lo.x, e.lo.y));
+  st_16(dst, e.lo);
+  if (elem_bytes == 4) st_16(dst + 16, e.hi);
+}
+
 // Stores the first n elements (of `elem_bytes` each) of a piece at dst.
 __device__ __forceinline__ void store_piece(uint8_t* dst, const Encoded& e, int elem_bytes, int n) {
   const int bytes = n * elem_bytes;
-  if (n == kVec) {
-    if (elem_bytes == 1 && aligned(dst, 8)) return st_8(dst, make_uint2(e.lo.x, e.lo.y));
-    if (elem_bytes == 2 && aligned(dst, 16)) return st_16(dst, e.lo);
-    if (elem_bytes == 4 && aligned(dst, 16)) {
-      st_16(dst, e.lo);
-      st_16(dst + 16, e.hi);
-      return;
-    }
-  }
+  if (n == kVec && aligned(dst, elem_bytes == 1 ? 8 : 16)) return store_full_piece(dst, e, elem_bytes);
   // Tail of a row: bytewise, fully unrolled so the piece stays in registers.
   const uint32_t w[8] = {e.lo.x, e.lo.y, e.lo.z, e.lo.w, e.hi.x, e.hi.y, e.hi.z, e.hi.w};
 #pragma unroll
@@ -138,25 +139,29 @@ __device__ __forceinline__ float load_f32(const uint8_t* src) {
   return __uint_as_float(u);
 }
 
+// 16-byte pieces a lane loads before its first store, in the row copies.
+constexpr int kCopyUnroll = 8;
+// Bytes one warp moves in one round of a row copy: rows are cut into chunks of
+// this size, so that a row is spread over several warps (a decode-sized call
+// waits on one round of loads per warp instead of four).
+constexpr int kCopyChunkBytes = kCopyUnroll * kWarp * 16;
+
 // Copies `bytes` bytes from src to dst with one warp: 16-byte accesses when
-// both ends allow it, up to kUnroll of them a lane issued before their stores,
-// the last partial step too (predicated), so a 14 KB bf16 row takes 4 round
-// trips to memory (8 + 8 + 8 + 4 a lane), not 7: what a decode-sized call
-// waits on.
+// both ends allow it, up to kCopyUnroll of them a lane issued before their
+// stores, the last partial step too (predicated).
 __device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane) {
-  constexpr int kUnroll = 8;
   if (aligned(dst, 16) && aligned(src, 16)) {
     const int64_t vecs = bytes / 16;
-    for (int64_t base = 0; base < vecs; base += kUnroll * kWarp) {
+    for (int64_t base = 0; base < vecs; base += kCopyUnroll * kWarp) {
       const int64_t left = vecs - base - lane;  // pieces u with u * kWarp < left are this lane's
       const uint8_t* s = src + (base + lane) * 16;
       uint8_t* d = dst + (base + lane) * 16;
-      uint4 v[kUnroll];
+      uint4 v[kCopyUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
+      for (int u = 0; u < kCopyUnroll; ++u)
         if (u * kWarp < left) v[u] = ld_16_stream(s + u * kWarp * 16);
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
+      for (int u = 0; u < kCopyUnroll; ++u)
         if (u * kWarp < left) st_16(d + u * kWarp * 16, v[u]);
     }
     for (int64_t b = vecs * 16 + lane; b < bytes; b += kWarp) dst[b] = src[b];
@@ -172,32 +177,34 @@ __device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int6
   for (int64_t b = lane; b < bytes; b += kWarp) dst[b] = src[b];
 }
 
-// Copies src[0, a_bytes) to dst_a and src[a_bytes, a_bytes + b_bytes) to
-// dst_b with one warp (a dispatch row: payload, then fp8 scales), as one
-// stream of 16-byte pieces with up to kUnroll loads a lane issued before their
-// stores, across the boundary. False, having copied nothing, unless every
-// pointer and both sizes are multiples of 16; the caller then copies the two
-// parts with warp_copy.
-__device__ __forceinline__ bool warp_copy_split(uint8_t* dst_a, uint8_t* dst_b, const uint8_t* src, int64_t a_bytes,
-                                                int64_t b_bytes, int lane) {
-  constexpr int kUnroll = 8;
-  if (!aligned(dst_a, 16) || !aligned(src, 16) || (a_bytes % 16) != 0 || (b_bytes % 16) != 0) return false;
-  if (b_bytes > 0 && !aligned(dst_b, 16)) return false;
-  const int64_t va = a_bytes / 16, vt = va + b_bytes / 16;
-  for (int64_t base = 0; base < vt; base += kUnroll * kWarp) {
-    uint4 v[kUnroll];
+// Whether warp_copy_split can copy a row of a_bytes + b_bytes: every pointer
+// and both sizes multiples of 16.
+__device__ __forceinline__ bool split_copyable(const uint8_t* dst_a, const uint8_t* dst_b, const uint8_t* src,
+                                               int64_t a_bytes, int64_t b_bytes) {
+  return aligned(dst_a, 16) && aligned(src, 16) && a_bytes % 16 == 0 && b_bytes % 16 == 0 &&
+         (b_bytes == 0 || aligned(dst_b, 16));
+}
+
+// Copies bytes [begin, end) (multiples of 16, or end the row's) of
+// src[0, a_bytes + b_bytes) with one warp, the first a_bytes to dst_a and the
+// rest to dst_b (a dispatch row: payload, then fp8 scales), as one stream of
+// 16-byte pieces across the boundary. Needs split_copyable.
+__device__ __forceinline__ void warp_copy_split(uint8_t* dst_a, uint8_t* dst_b, const uint8_t* src, int64_t a_bytes,
+                                                int64_t begin, int64_t end, int lane) {
+  const int64_t va = a_bytes / 16, vt = end / 16;
+  for (int64_t base = begin / 16; base < vt; base += kCopyUnroll * kWarp) {
+    uint4 v[kCopyUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kCopyUnroll; ++u) {
       const int64_t i = base + u * kWarp + lane;
       if (i < vt) v[u] = ld_16_stream(src + i * 16);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kCopyUnroll; ++u) {
       const int64_t i = base + u * kWarp + lane;
       if (i < vt) st_16(i < va ? dst_a + i * 16 : dst_b + (i - va) * 16, v[u]);
     }
   }
-  return true;
 }
 
 // Location helpers on the Layout (host-only methods there).

@@ -30,15 +30,31 @@ __device__ __forceinline__ bool locate(const Segment* segs, int count, int row, 
   return true;
 }
 
-// Warps of a persistent grid take output rows round-robin.
-struct RowWalk {
-  int first, stride, lane;
-  __device__ RowWalk() {
+// Warps of a persistent grid take work items round-robin: output rows, each
+// cut into `chunks` pieces (consecutive warps take consecutive chunks of a
+// row). Items are stepped by a fixed stride instead of divided out of a
+// counter each time.
+struct ChunkWalk {
+  int row, chunk, lane;
+  int chunks, stride_rows, stride_chunks;
+  __device__ explicit ChunkWalk(int row_chunks) : chunks(row_chunks) {
     const int warps = blockDim.x / kWarp;
-    first = blockIdx.x * warps + threadIdx.x / kWarp;
-    stride = gridDim.x * warps;
+    const int first = blockIdx.x * warps + threadIdx.x / kWarp;
+    const int stride = gridDim.x * warps;
+    row = first / chunks, chunk = first % chunks;
+    stride_rows = stride / chunks, stride_chunks = stride % chunks;
     lane = threadIdx.x % kWarp;
   }
+  __device__ void next() {
+    row += stride_rows;
+    chunk += stride_chunks;
+    if (chunk >= chunks) chunk -= chunks, ++row;
+  }
 };
+
+// Chunks of kCopyChunkBytes in a row of `bytes`.
+__host__ __device__ constexpr int row_chunks(int64_t bytes) {
+  return static_cast<int>((bytes + kCopyChunkBytes - 1) / kCopyChunkBytes);
+}
 
 }  // namespace moe_a2a::a2a::cuda

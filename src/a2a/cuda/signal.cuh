@@ -3,7 +3,8 @@
 // Flags live in the host workspaces (mapped shared memory), as in the CPU
 // implementation, so a waiting rank can poll them from its CPU with a timeout
 // as well as from a kernel. One launch fewer than a separate signalling
-// kernel, which matters at decode sizes.
+// kernel, which matters at decode sizes. A rank never waits for its own flag:
+// its kernels that read what it wrote run later on the same stream.
 #pragma once
 
 #include "memory.cuh"
@@ -13,6 +14,7 @@ namespace moe_a2a::a2a::cuda {
 
 __device__ __forceinline__ void signal_when_grid_done(const Instance& in, uint32_t* done_blocks, int kind,
                                                       uint64_t* proxy_flag) {
+  if (in.world == 1) return;  // nobody to tell: our own later kernels follow in stream order
   __syncthreads();  // the block's stores precede thread 0's fence
   if (threadIdx.x != 0) return;
   fence_sys();  // our rows are visible everywhere before we are counted

@@ -1,0 +1,140 @@
+"""Where one rank's eager CUDA step spends its time, for tuning (one process, no mpirun).
+
+    python3 tools/gpu/profile_step.py --shape decode host     # host-side costs, one table
+    ncu --profile-from-start off ... python3 tools/gpu/profile_step.py --shape prefill ncu
+
+`host` times, on the host clock with the stream idle before each: the bare
+costs this machine charges (a stream sync, a tiny kernel and its sync, the id
+range check), then each half of dispatch and combine as the benchmark times
+it, and the whole step in one span next to the torch-native version.
+`ncu` runs warm-up steps, then one step between cudaProfilerStart/Stop, so
+Nsight Compute sees exactly one step's kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from moe_a2a.all_to_all import AllToAll, Config
+from moe_a2a.bench.a2a_cuda import MODEL, SHAPES, make_round, torch_native
+
+
+def host_us(fn: Callable[[], object], iters: int) -> float:
+    """Median microseconds from call to idle stream."""
+    times = []
+    for _ in range(iters + 3):
+        torch.cuda.synchronize()
+        start = time.perf_counter_ns()
+        fn()
+        torch.cuda.current_stream().synchronize()
+        times.append((time.perf_counter_ns() - start) / 1e3)
+    return statistics.median(times[3:])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="decode")
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("mode", choices=["host", "ncu"])
+    args = parser.parse_args()
+    from mpi4py import MPI
+
+    device = torch.device("cuda", 0)
+    tokens = SHAPES[args.shape]
+    cfg = Config(
+        max_tokens=tokens,
+        dispatch_dtype="fp8",
+        combine_dtype="bf16",
+        max_recv_tokens=2 * tokens * MODEL["topk"],
+        timeout_s=60.0,
+        **MODEL,
+    )
+    r = make_round(1, tokens, device)
+    with AllToAll(cfg, comm=MPI.COMM_WORLD, device="cuda", provider="shm") as a2a:
+        y = torch.randn(a2a.max_output_rows, MODEL["hidden"], device=device).to(torch.bfloat16)
+
+        def step() -> None:
+            d = a2a.dispatch(r.x, r.ids, r.weights)
+            a2a.combine(y[: d.expert_x.shape[0]], d)
+
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        if args.mode == "ncu":
+            torch.cuda.cudart().cudaProfilerStart()
+            step()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+            return 0
+
+        one = torch.zeros(1, device=device)
+        rows: list[tuple[str, float]] = [
+            ("stream sync, idle", host_us(lambda: None, args.iters)),
+            ("tiny kernel + sync", host_us(lambda: one.add_(1), args.iters)),
+            ("aminmax(ids) + int()", host_us(lambda: [int(v) for v in torch.aminmax(r.ids)], args.iters)),
+            (
+                "validate dispatch args",
+                host_us(lambda: a2a._validate_dispatch(r.x, r.ids, r.weights, None), args.iters),
+            ),
+        ]
+        halves = {"dispatch send": 0.0, "dispatch recv": 0.0, "combine send": 0.0, "combine recv": 0.0}
+        samples: dict[str, list[float]] = {k: [] for k in halves}
+        for _ in range(args.iters):
+            torch.cuda.synchronize()
+            t = [time.perf_counter_ns()]
+            p = a2a.dispatch(r.x, r.ids, r.weights, recv=False)
+            torch.cuda.current_stream().synchronize()
+            t.append(time.perf_counter_ns())
+            d = a2a.dispatch(handle=p, send=False)
+            torch.cuda.current_stream().synchronize()
+            t.append(time.perf_counter_ns())
+            pc = a2a.combine(y[: d.expert_x.shape[0]], d, recv=False)
+            torch.cuda.current_stream().synchronize()
+            t.append(time.perf_counter_ns())
+            a2a.combine(handle=pc, send=False)
+            torch.cuda.current_stream().synchronize()
+            t.append(time.perf_counter_ns())
+            for i, k in enumerate(halves):
+                samples[k].append((t[i + 1] - t[i]) / 1e3)
+        rows += [(k, statistics.median(v)) for k, v in samples.items()]
+        # The host's own cost of each call: from the call to its return, the GPU idle before.
+        calls: dict[str, list[float]] = {f"{k}, call only": [] for k in halves}
+        for _ in range(args.iters):
+            stamps = []
+            torch.cuda.synchronize()
+            stamps.append(time.perf_counter_ns())
+            p = a2a.dispatch(r.x, r.ids, r.weights, recv=False)
+            stamps.append(time.perf_counter_ns())
+            torch.cuda.synchronize()
+            stamps.append(time.perf_counter_ns())
+            d = a2a.dispatch(handle=p, send=False)
+            stamps.append(time.perf_counter_ns())
+            torch.cuda.synchronize()
+            stamps.append(time.perf_counter_ns())
+            pc = a2a.combine(y[: d.expert_x.shape[0]], d, recv=False)
+            stamps.append(time.perf_counter_ns())
+            torch.cuda.synchronize()
+            stamps.append(time.perf_counter_ns())
+            a2a.combine(handle=pc, send=False)
+            stamps.append(time.perf_counter_ns())
+            for i, k in enumerate(calls):
+                calls[k].append((stamps[2 * i + 1] - stamps[2 * i]) / 1e3)
+        rows += [(k, statistics.median(v)) for k, v in calls.items()]
+        rows.append(("step, one span", host_us(step, args.iters)))
+        native_dispatch, native_combine = torch_native(r, y)
+        rows.append(
+            ("torch-native, one span", host_us(lambda: (native_dispatch(), native_combine()), args.iters))
+        )
+    print(f"-- {args.shape}, one rank, host clock (median of {args.iters}):")
+    for name, us in rows:
+        print(f"   {name:30} {us:9.1f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
