@@ -17,8 +17,9 @@ namespace {
 constexpr int kReturnThreads = 256;
 // Blocks a multiprocessor; the persistent grid is sized for this many, and
 // __launch_bounds__ makes them all resident (a second wave would leave its
-// rows to the end). Three: about 80 registers for 8 x 16 bytes a lane in flight.
-constexpr int kReturnBlocksPerSm = 3;
+// rows to the end). Four: 64 registers, 8 x 16 bytes a lane in flight, and a
+// decode-sized call's row chunks all in one round.
+constexpr int kReturnBlocksPerSm = 4;
 
 __device__ __forceinline__ uint8_t* return_row(const Instance& in, const SenderPlan* senders, int s, int64_t j) {
   const Layout& l = in.layout;
@@ -57,7 +58,7 @@ __global__ void __launch_bounds__(kReturnThreads, kReturnBlocksPerSm) return_ker
   const int rows = *p.scratch.output_rows;
   const int64_t y_row = static_cast<int64_t>(in.hidden) * dtype_size(p.y_dtype);
   const int out_bytes = dtype_size(in.combine_dtype);
-  const int chunk_elems = kCopyChunkBytes / out_bytes;
+  const int chunk_elems = static_cast<int>(chunk_bytes(static_cast<int64_t>(in.hidden) * out_bytes) / out_bytes);
   for (ChunkWalk walk(row_chunks(static_cast<int64_t>(in.hidden) * out_bytes)); walk.row < rows; walk.next()) {
     const int row = walk.row;
     const int e0 = walk.chunk * chunk_elems;

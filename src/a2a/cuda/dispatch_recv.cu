@@ -1,10 +1,11 @@
 // Dispatch, receive half (docs/protocol.md, "Dispatch at receiver r"):
-// 1. plan_kernel (one block): waits for the dispatch flag of every same-node
-//    sender and, with remote peers, for the proxy's dispatch_done; reads the
-//    routing matrix (same-node rows from the device workspace, remote ones
-//    from the host workspace, where the proxy put them); checks max_recv_tokens on every
-//    rank (each rank holds the whole matrix, so all decide alike); computes
-//    tokens_per_expert, the padded expert starts and the segment table.
+// 1. plan_kernel (one block, beside our pack kernel): waits for the route
+//    flag of every same-node sender and, with remote peers, for the proxy's
+//    dispatch_done; reads the routing matrix (same-node rows from the device
+//    workspace, remote ones from the host workspace, where the proxy put
+//    them); checks max_recv_tokens on every rank (each rank holds the whole
+//    matrix, so all decide alike); computes tokens_per_expert, the padded
+//    expert starts and the segment table; then waits for the packs.
 // 2. copy_kernel (persistent, one warp per chunk of an output row): copies
 //    each received row into the expert-major output, splitting payload and
 //    fp8 scales (one stream of 16-byte pieces, 8 loads a lane in flight, when
@@ -52,43 +53,37 @@ __device__ bool wait_proxy(const Instance& in, const uint64_t* flag, uint64_t ep
   return true;
 }
 
-// Dynamic shared memory: the routing matrix [world][E], then n[L], start[L].
-__global__ void __launch_bounds__(kPlanThreads) plan_kernel(DispatchRecvParams p) {
-  extern __shared__ int32_t matrix[];
-  grid_dependency_wait();  // dependents are allowed after the flag wait below
+// Waits (every thread of the block) for flag `kind` of every same-node peer
+// but ourselves; false, with the status set, on a timeout.
+__device__ bool wait_peers(const Instance& in, int kind, uint64_t epoch, uint64_t deadline) {
+  bool ok = true;
+  for (int s = threadIdx.x; s < in.world; s += blockDim.x)
+    if (s != in.rank && same_node(in, s) && !wait_geq(flag_ptr(in.host_ws, in.layout, s, kind), epoch, deadline)) {
+      report(in, kStatusTimeout);
+      ok = false;
+    }
+  return __syncthreads_and(ok);
+}
+
+// The plan from the routing matrix: capacity for every rank, per-sender
+// placement, tokens_per_expert, expert starts and the segment table; with
+// `ok` false (a wait failed) or over capacity it delivers nothing.
+// Shared memory: matrix [world][E], n[L], start[L].
+__device__ void compute_plan(const DispatchRecvParams& p, int32_t* matrix, bool ok_in) {
   const Instance& in = p.inst;
   const Layout& l = in.layout;
   const int N = in.world, E = in.num_experts, L = in.local_experts, rank = in.rank;
   const int64_t P = in.max_private;
   int32_t* n = matrix + N * E;
   int32_t* start = n + L;
-  __shared__ uint64_t epoch;
   __shared__ int ok;
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
-
-  if (tid == 0) {
-    epoch = *reinterpret_cast<volatile uint64_t*>(in.epoch);
-    ok = 1;
-  }
+  if (tid == 0) ok = ok_in;
   __syncthreads();
-  const uint64_t deadline = global_timer_ns() + in.timeout_ns;
-  for (int s = tid; s < N && p.wait_in_kernel; s += kPlanThreads) {
-    if (s != in.rank && same_node(in, s) && !wait_geq(flag_ptr(in.host_ws, l, s, kFlagDispatch), epoch, deadline)) {
-      report(in, kStatusTimeout);
-      ok = 0;
-    }
-  }
-  if (tid == 0 && in.has_remote && p.wait_in_kernel) {
-    if (!wait_proxy(in, in.proxy.dispatch_done, epoch, deadline)) ok = 0;
-    else if (ld_acquire_sys(in.proxy.overflow) == epoch) ok = 0, report(in, kStatusCapacity);
-  }
-  __syncthreads();
-  allow_dependents();
-
   if (ok) {  // rows of same-node senders from our device workspace, the others' where the proxy put them
     for (int i = tid; i < N * E; i += kPlanThreads) {
       const int s = i / E;
-      matrix[i] = static_cast<int32_t>(routing_row(same_node(in, s) ? in.device_ws : in.host_ws, l, s, E)[i % E]);
+      matrix[i] = static_cast<int32_t>(__ldcg(routing_row(same_node(in, s) ? in.device_ws : in.host_ws, l, s, E) + i % E));
     }
   }
   __syncthreads();
@@ -159,6 +154,37 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(DispatchRecvParams p
   if (tid == 0) *p.scratch.output_rows = *p.scratch.output_rows_host = rows_out;
 }
 
+// The plan needs only routing rows, which every routing kernel published
+// before its packing began, so this kernel does not start by waiting for the
+// kernel before it (our pack): with programmatic dependent launch it runs
+// beside it. It waits for the packs (ours through the grid dependency, the
+// peers' through their dispatch flags) only before it ends, because the copy
+// kernel after it reads their rows.
+__global__ void __launch_bounds__(kPlanThreads) plan_kernel(DispatchRecvParams p) {
+  extern __shared__ int32_t matrix[];
+  const Instance& in = p.inst;
+  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(in.epoch);  // our routing kernel has ended
+  const uint64_t deadline = global_timer_ns() + in.timeout_ns;
+  bool ok = true;
+  if (p.wait_in_kernel) {
+    ok = wait_peers(in, kFlagRoute, epoch, deadline);
+    __shared__ int proxy_ok;
+    if (threadIdx.x == 0) {
+      proxy_ok = 1;
+      if (in.has_remote) {  // remote routing rows: the proxy says everything arrived
+        if (!wait_proxy(in, in.proxy.dispatch_done, epoch, deadline)) proxy_ok = 0;
+        else if (ld_acquire_sys(in.proxy.overflow) == epoch) proxy_ok = 0, report(in, kStatusCapacity);
+      }
+    }
+    __syncthreads();
+    ok = ok && proxy_ok;
+  }
+  compute_plan(p, matrix, ok);
+  if (p.wait_in_kernel) wait_peers(in, kFlagDispatch, epoch, deadline);
+  grid_dependency_wait();
+  allow_dependents();
+}
+
 __device__ __forceinline__ const uint8_t* source_row(const Instance& in, const SenderPlan* senders, int s, int64_t j) {
   const Layout& l = in.layout;
   const size_t row = l.dispatch_row;
@@ -181,6 +207,7 @@ __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) copy_kernel(Di
   const int64_t payload = in.payload_bytes;
   const int64_t scale_bytes = static_cast<int64_t>(in.num_scales) * sizeof(float);
   const int64_t row_bytes = payload + scale_bytes;
+  const int64_t chunk_size = chunk_bytes(row_bytes);
   for (ChunkWalk walk(row_chunks(row_bytes)); walk.row < rows; walk.next()) {
     const int row = walk.row, chunk = walk.chunk;
     int s, j;
@@ -189,8 +216,8 @@ __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) copy_kernel(Di
     uint8_t* dst_x = static_cast<uint8_t*>(p.out_x) + row * payload;
     uint8_t* dst_scale = reinterpret_cast<uint8_t*>(p.out_scale) + row * scale_bytes;
     if (split_copyable(dst_x, dst_scale, src, payload, scale_bytes)) {
-      const int64_t begin = static_cast<int64_t>(chunk) * kCopyChunkBytes;
-      const int64_t end = begin + kCopyChunkBytes < row_bytes ? begin + kCopyChunkBytes : row_bytes;
+      const int64_t begin = chunk * chunk_size;
+      const int64_t end = begin + chunk_size < row_bytes ? begin + chunk_size : row_bytes;
       warp_copy_split(dst_x, dst_scale, src, payload, begin, end, walk.lane);
     } else if (chunk == 0) {  // unaligned rows: one warp copies the whole row
       warp_copy(dst_x, src, payload, walk.lane);

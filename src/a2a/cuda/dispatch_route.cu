@@ -87,10 +87,11 @@ __device__ __forceinline__ uint8_t* destination(const Instance& in, int slot, in
 }
 
 // Second walk: hist[e] (+ first[e] when given) is the send row of this warp's
-// next copy of e. Writes each copy's row, rank and destination. send_start
-// must be visible to the block.
+// next copy of e. Writes each copy's row, rank and destination;
+// send_start(r) is send_off[rank][r].
+template <typename SendStart>
 __device__ void slot_ids(const DispatchSendParams& p, const WarpIds& ids, int64_t begin, int64_t end, int32_t* hist,
-                         const int32_t* first, int lane) {
+                         const int32_t* first, SendStart send_start, int lane) {
   const unsigned lanes_below = (1u << lane) - 1;
   const Instance& in = p.inst;
   const int L = in.local_experts;
@@ -107,7 +108,7 @@ __device__ void slot_ids(const DispatchSendParams& p, const WarpIds& ids, int64_
       const int r = e >= 0 ? e / L : -1;
       p.scratch.slots[i] = slot;
       p.scratch.copy_rank[i] = r;
-      p.scratch.copy_dst[i] = e >= 0 ? destination(in, slot, r, p.scratch.send_start[r]) : nullptr;
+      p.scratch.copy_dst[i] = e >= 0 ? destination(in, slot, r, send_start(r)) : nullptr;
     }
   }
 }
@@ -130,8 +131,8 @@ __device__ void warp_offsets(int32_t* hist, int warps, int E, const int32_t* bas
 // The routing row into every same-node host workspace (ours too, where the
 // proxy scatters it to remote peers, and the host reads it) and device
 // workspace (where their plan reads it, without a trip over PCIe), and
-// send_start. Every thread of the
-// block calls it; the caller synchronises before reading send_start.
+// send_start (read by the large calls' slot kernel). Every thread of
+// the block calls it.
 __device__ void write_routing(const DispatchSendParams& p, const int32_t* counts, const int32_t* first,
                               int64_t copies) {
   const Instance& in = p.inst;
@@ -147,10 +148,8 @@ __device__ void write_routing(const DispatchSendParams& p, const int32_t* counts
 }
 
 // Thread 0, after write_routing and a block barrier: the route flags of
-// same-node peers and the proxy. Alone, a rank has nobody to tell.
-__device__ void raise_route(const Instance& in, uint64_t epoch, bool dropped) {
-  if (dropped) report(in, kStatusBadExpert);
-  if (in.world == 1) return;
+// same-node peers and the proxy (a rank alone has nobody to tell).
+__device__ void raise_route(const Instance& in, uint64_t epoch) {
   fence_sys();
   for (int r = 0; r < in.world; ++r)
     if (same_node(in, r)) st_release_sys(flag_ptr(in.peers[r].host, in.layout, in.rank, kFlagRoute), epoch);
@@ -199,9 +198,13 @@ __global__ void __launch_bounds__(kSmallThreads) route_kernel(DispatchSendParams
   block_exclusive_scan<kSmallThreads, int32_t>(
       E, [&](int e) { return counts[e]; }, [&](int e, int32_t v) { first[e] = v; });
   write_routing(p, counts, first, copies);
-  __syncthreads();
-  slot_ids(p, ids, begin, end, hist + warp * E, first, lane);
-  if (threadIdx.x == 0) raise_route(p.inst, epoch, dropped != 0);
+  const int L = p.inst.local_experts;
+  slot_ids(p, ids, begin, end, hist + warp * E, first, [&](int r) -> int64_t { return first[r * L]; }, lane);
+  if (threadIdx.x == 0 && dropped) report(p.inst, kStatusBadExpert);
+  if (p.inst.world > 1) {
+    __syncthreads();  // every thread's routing row before thread 0's fence
+    if (threadIdx.x == 0) raise_route(p.inst, epoch);
+  }
 }
 
 // Large calls, 1/3: each block counts its kRouteBlockCopies copies per expert
@@ -260,7 +263,9 @@ __global__ void __launch_bounds__(kSmallThreads) offsets_kernel(DispatchSendPara
   for (int i = threadIdx.x; i < blocks * E; i += kSmallThreads) base[i] += first[i % E];
   write_routing(p, counts, first, static_cast<int64_t>(tokens) * p.inst.topk);
   __syncthreads();
-  if (threadIdx.x == 0) raise_route(p.inst, epoch, dropped != 0);
+  if (threadIdx.x != 0) return;
+  if (dropped) report(p.inst, kStatusBadExpert);
+  if (p.inst.world > 1) raise_route(p.inst, epoch);
 }
 
 // Large calls, 3/3: each block walks its copies again, from its first rows.
@@ -279,7 +284,7 @@ __global__ void __launch_bounds__(kLargeThreads) slot_kernel(DispatchSendParams 
   __syncthreads();
   warp_offsets(hist, kLargeWarps, E, p.scratch.block_base + static_cast<size_t>(blockIdx.x) * E, nullptr);
   __syncthreads();
-  slot_ids(p, ids, begin, end, hist + warp * E, nullptr, lane);
+  slot_ids(p, ids, begin, end, hist + warp * E, nullptr, [&](int r) { return p.scratch.send_start[r]; }, lane);
 }
 
 }  // namespace

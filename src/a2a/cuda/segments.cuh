@@ -52,9 +52,17 @@ struct ChunkWalk {
   }
 };
 
-// Chunks of kCopyChunkBytes in a row of `bytes`.
+// Chunks of at most kCopyChunkBytes in a row of `bytes`.
 __host__ __device__ constexpr int row_chunks(int64_t bytes) {
-  return static_cast<int>((bytes + kCopyChunkBytes - 1) / kCopyChunkBytes);
+  return bytes > kCopyChunkBytes ? static_cast<int>((bytes + kCopyChunkBytes - 1) / kCopyChunkBytes) : 1;
+}
+
+// Bytes of each chunk: equal shares (the last may be shorter), rounded up to
+// kChunkAlign bytes (whole 8-element pieces of fp32; 16-byte accesses).
+constexpr int64_t kChunkAlign = 32;
+__host__ __device__ constexpr int64_t chunk_bytes(int64_t bytes) {
+  const int64_t share = (bytes + row_chunks(bytes) - 1) / row_chunks(bytes);
+  return (share + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
 }
 
 }  // namespace moe_a2a::a2a::cuda
