@@ -34,11 +34,6 @@ if [[ -d .whl ]]; then  # pytest-mpi, missing on the GPU image
 fi
 
 if has build; then
-  # Until src/bindings/module.cc calls bind_cuda(m) itself (a local edit on this machine only).
-  if ! grep -q "bind_cuda(m)" src/bindings/module.cc; then
-    sed -i 's/^void bind_a2a(nb::module_& m);/&\nvoid bind_cuda(nb::module_\& m);/; s/^  bind_a2a(m);/&\n  bind_cuda(m);/' \
-      src/bindings/module.cc
-  fi
   start=$SECONDS
   if LIBFABRIC_ROOT=$ROOT/.fabric-dev/root/usr timeout 300 "$PY" -m pip install --no-build-isolation --no-deps . \
       >"$OUT/build.log" 2>&1; then

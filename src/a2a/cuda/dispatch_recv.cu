@@ -65,6 +65,13 @@ __device__ bool wait_peers(const Instance& in, int kind, uint64_t epoch, uint64_
   return __syncthreads_and(ok);
 }
 
+// After a failed wait or over capacity: no rows; the host raises the status.
+// Every thread of the block calls it.
+__device__ void deliver_nothing(const DispatchRecvParams& p) {
+  for (int i = threadIdx.x; i < p.inst.local_experts; i += blockDim.x) p.tokens_per_expert[i] = 0;
+  if (threadIdx.x == 0) *p.scratch.output_rows = *p.scratch.output_rows_host = 0;
+}
+
 // The plan from the routing matrix: capacity for every rank, per-sender
 // placement, tokens_per_expert, expert starts and the segment table; with
 // `ok` false (a wait failed) or over capacity it delivers nothing.
@@ -97,11 +104,7 @@ __device__ void compute_plan(const DispatchRecvParams& p, int32_t* matrix, bool 
     }
   }
   __syncthreads();
-  if (!ok) {  // deliver nothing; the host raises the status
-    for (int i = tid; i < L; i += kPlanThreads) p.tokens_per_expert[i] = 0;
-    if (tid == 0) *p.scratch.output_rows = *p.scratch.output_rows_host = 0;
-    return;
-  }
+  if (!ok) return deliver_nothing(p);
 
   const int32_t* mine = matrix + rank * L;  // column block of our experts: mine[s * E + i]
   for (int s = warp; s < N; s += kPlanWarps) {
@@ -180,7 +183,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(DispatchRecvParams p
     ok = ok && proxy_ok;
   }
   compute_plan(p, matrix, ok);
-  if (p.wait_in_kernel) wait_peers(in, kFlagDispatch, epoch, deadline);
+  if (p.wait_in_kernel && !wait_peers(in, kFlagDispatch, epoch, deadline)) deliver_nothing(p);
   grid_dependency_wait();
   allow_dependents();
 }
