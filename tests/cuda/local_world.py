@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,38 +27,32 @@ DTYPES = {**DISPATCH_DTYPES, **COMBINE_DTYPES}
 POISON_BYTE = 0xA5
 
 
-@dataclass
+@dataclass(frozen=True)
 class Shape:
+    """`world` ranks in nodes of `ranks_per_node`, all running one Config (whose
+    fields read through: shape.hidden is shape.config.hidden)."""
+
     world: int
     ranks_per_node: int
-    max_tokens: int
-    hidden: int
-    num_experts: int
-    topk: int
-    dispatch_dtype: str = "bf16"
-    combine_dtype: str = "bf16"
-    expert_padding: int = 1
-    max_private_tokens: int | None = None
-    max_recv_tokens: int | None = None
+    config: Config
+
+    @classmethod
+    def of(cls, world: int, ranks_per_node: int, *args: Any, **kwargs: Any) -> Shape:
+        """Shape.of(world, ranks_per_node, <Config's arguments>)."""
+        return cls(world, ranks_per_node, Config(*args, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "config":  # not set yet (copying): no recursion
+            raise AttributeError(name)
+        return getattr(self.config, name)
 
     @property
     def local_experts(self) -> int:
-        return self.num_experts // self.world
+        return self.config.num_experts // self.world
 
     def resolved(self) -> tuple[int, int]:
         """(max_private_tokens, max_recv_tokens), defaults as AllToAll fills them in."""
-        config = Config(
-            max_tokens=self.max_tokens,
-            hidden=self.hidden,
-            num_experts=self.num_experts,
-            topk=self.topk,
-            dispatch_dtype=self.dispatch_dtype,
-            combine_dtype=self.combine_dtype,
-            expert_padding=self.expert_padding,
-            max_private_tokens=self.max_private_tokens,
-            max_recv_tokens=self.max_recv_tokens,
-        )
-        return config.resolved(self.world)
+        return self.config.resolved(self.world)
 
 
 @dataclass

@@ -110,45 +110,60 @@ def _run(
 
 # (id, shape, tokens per rank, extra arguments)
 CASES = [
-    ("w1-decode-fp8", Shape(1, 1, 128, 7168, 256, 8, "fp8"), [128], {}),
-    ("w1-bf16-fp32combine", Shape(1, 1, 32, 512, 16, 4, "bf16", "fp32"), [29], {"y_dtype": torch.float32}),
-    ("w2-ipc-bf16", Shape(2, 2, 16, 256, 8, 2), [16, 11], {}),
-    ("w2-fabric-fp8-h200", Shape(2, 1, 16, 200, 8, 3, "fp8"), [13, 16], {}),
-    ("w4-mixed-fp8-pad4", Shape(4, 2, 24, 384, 16, 4, "fp8", "fp32", expert_padding=4), [24, 7, 0, 19], {}),
-    ("w4-ipc-zero-tokens", Shape(4, 4, 16, 256, 8, 2), [5, 0, 16, 9], {"mode": "distinct"}),
+    ("w1-decode-fp8", Shape.of(1, 1, 128, 7168, 256, 8, "fp8"), [128], {}),
+    ("w1-bf16-fp32combine", Shape.of(1, 1, 32, 512, 16, 4, "bf16", "fp32"), [29], {"y_dtype": torch.float32}),
+    ("w2-ipc-bf16", Shape.of(2, 2, 16, 256, 8, 2), [16, 11], {}),
+    ("w2-fabric-fp8-h200", Shape.of(2, 1, 16, 200, 8, 3, "fp8"), [13, 16], {}),
+    (
+        "w4-mixed-fp8-pad4",
+        Shape.of(4, 2, 24, 384, 16, 4, "fp8", "fp32", expert_padding=4),
+        [24, 7, 0, 19],
+        {},
+    ),
+    ("w4-ipc-zero-tokens", Shape.of(4, 4, 16, 256, 8, 2), [5, 0, 16, 9], {"mode": "distinct"}),
     (
         "w8-mixed-one-expert",
-        Shape(8, 4, 16, 256, 32, 8, "fp8"),
+        Shape.of(8, 4, 16, 256, 32, 8, "fp8"),
         [16, 3, 0, 16, 8, 1, 16, 12],
         {"mode": "one_expert"},
     ),
     (
         "w8-overflow-one-rank",
-        Shape(8, 2, 12, 128, 32, 4, max_private_tokens=2),
+        Shape.of(8, 2, 12, 128, 32, 4, max_private_tokens=2),
         [12, 12, 5, 0, 12, 7, 12, 3],
         {"mode": "one_rank"},
     ),
     (
         "w4-fp32-from-bf16-h100",
-        Shape(4, 2, 10, 100, 8, 2, "fp32", "fp32"),
+        Shape.of(4, 2, 10, 100, 8, 2, "fp32", "fp32"),
         [10, 9, 8, 7],
         {"y_dtype": torch.float32},
     ),
     (
         "w2-fp8-h90-pad3",
-        Shape(2, 1, 9, 90, 4, 2, "fp8", expert_padding=3),
+        Shape.of(2, 1, 9, 90, 4, 2, "fp8", expert_padding=3),
         [9, 4],
         {"x_dtype": torch.float32},
     ),
-    ("w2-fp8-prequantised", Shape(2, 1, 8, 320, 4, 2, "fp8"), [8, 5], {"prequantised": True}),
-    ("w4-int32-ids", Shape(4, 2, 8, 128, 8, 3), [8, 8, 2, 6], {"ids_dtype": torch.int32, "mode": "distinct"}),
+    ("w2-fp8-prequantised", Shape.of(2, 1, 8, 320, 4, 2, "fp8"), [8, 5], {"prequantised": True}),
+    (
+        "w4-int32-ids",
+        Shape.of(4, 2, 8, 128, 8, 3),
+        [8, 8, 2, 6],
+        {"ids_dtype": torch.int32, "mode": "distinct"},
+    ),
     # More than 4096 copies: the routing step spreads over many blocks.
-    ("w2-large-route-fp8", Shape(2, 1, 640, 64, 16, 8, "fp8"), [640, 517], {"mode": "distinct"}),
-    ("w4-large-route-mixed", Shape(4, 2, 1100, 64, 32, 4), [1100, 3, 1024, 0], {}),
-    ("w4-host-wait", Shape(4, 2, 16, 256, 16, 4, "fp8"), [16, 9, 0, 5], {"host_wait": True, "iterations": 3}),
+    ("w2-large-route-fp8", Shape.of(2, 1, 640, 64, 16, 8, "fp8"), [640, 517], {"mode": "distinct"}),
+    ("w4-large-route-mixed", Shape.of(4, 2, 1100, 64, 32, 4), [1100, 3, 1024, 0], {}),
+    (
+        "w4-host-wait",
+        Shape.of(4, 2, 16, 256, 16, 4, "fp8"),
+        [16, 9, 0, 5],
+        {"host_wait": True, "iterations": 3},
+    ),
     (
         "w4-reuse-10",
-        Shape(4, 2, 20, 256, 16, 4, "fp8", max_private_tokens=3),
+        Shape.of(4, 2, 20, 256, 16, 4, "fp8", max_private_tokens=3),
         [20, 1, 20, 13],
         {"iterations": 10},
     ),
@@ -163,7 +178,7 @@ def test_dispatch_combine_matches_reference(shape: Shape, tokens: list[int], ext
 @pytest.mark.parametrize("ranks_per_node", [1, 2], ids=["fabric", "ipc"])
 def test_capacity_error_then_recovery(ranks_per_node: int) -> None:
     """Too many copies for max_recv_tokens: every rank fails alike, and the next call works."""
-    shape = Shape(2, ranks_per_node, 8, 128, 4, 2, max_recv_tokens=10)
+    shape = Shape.of(2, ranks_per_node, 8, 128, 4, 2, max_recv_tokens=10)
     world = LocalWorld(shape)
     gen = torch.Generator().manual_seed(1)
     xs = [_tokens(torch.bfloat16, gen, 8, 128).cuda() for _ in range(2)]
@@ -183,7 +198,7 @@ def test_fp8_quantisation_bitwise_edge_values() -> None:
     x[2] = torch.tensor([448.0, -448.0, 0.5, 2.0**-9, 2.0**-10, 3.0 * 2.0**-10] * (hidden // 6))
     x[3] = torch.randn(hidden) * 1e-30  # subnormal-sized inputs
     x = x.to(torch.bfloat16)
-    shape = Shape(1, 1, tokens, hidden, 1, 1, "fp8")
+    shape = Shape.of(1, 1, tokens, hidden, 1, 1, "fp8")
     out = LocalWorld(shape).dispatch([x.cuda()], [torch.zeros(tokens, 1, dtype=torch.int64, device="cuda")])[
         0
     ]
