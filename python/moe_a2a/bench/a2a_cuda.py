@@ -206,7 +206,7 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, copy_gbs: float) -
 
 # Which phase each kernel belongs to (src/a2a/cuda/*.cu).
 KERNEL_PHASE = {
-    "route_kernel": "dispatch_send",
+    "route_pack_kernel": "dispatch_send",
     "count_kernel": "dispatch_send",
     "offsets_kernel": "dispatch_send",
     "slot_kernel": "dispatch_send",
@@ -237,7 +237,7 @@ def profile_kernels(a2a: Any, r: Round, y_full: torch.Tensor, name: str, report:
     if report:
         print(f"-- kernels of one {name} step (rank 0, average of {steps}):")
         for kernel, us in sorted(kernels.items(), key=lambda kv: -kv[1]):
-            print(f"   {kernel:16} {us:9.1f} us")
+            print(f"   {kernel:18} {us:9.1f} us")
     return kernels
 
 

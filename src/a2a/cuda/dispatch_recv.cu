@@ -21,7 +21,12 @@
 namespace moe_a2a::a2a::cuda {
 namespace {
 
-constexpr int kPlanThreads = 512;
+// The plan runs beside our pack kernel, so it must fit beside its blocks: at
+// most 16K registers (256 threads of 64), which a multiprocessor holding
+// four pack blocks still has free.
+constexpr int kPlanThreads = 256;
+constexpr int kPlanMaxRegisters = 64;
+constexpr int kPlanMinBlocks = 65536 / (kPlanThreads * kPlanMaxRegisters);  // for __launch_bounds__
 constexpr int kPlanWarps = kPlanThreads / kWarp;
 constexpr int kCopyThreads = 256;
 // Blocks a multiprocessor: the persistent grid is sized for this many, so all
@@ -157,17 +162,22 @@ __device__ void compute_plan(const DispatchRecvParams& p, int32_t* matrix, bool 
   if (tid == 0) *p.scratch.output_rows = *p.scratch.output_rows_host = rows_out;
 }
 
-// The plan needs only routing rows, which every routing kernel published
-// before its packing began, so this kernel does not start by waiting for the
-// kernel before it (our pack): with programmatic dependent launch it runs
-// beside it. It waits for the packs (ours through the grid dependency, the
+// The plan needs only routing rows, which our dispatch send published (with
+// the call's epoch) before it let this kernel be scheduled, so this kernel
+// does not start by waiting for the kernel before it (our pack): with
+// programmatic dependent launch it runs beside it. It waits for the packs (ours through the grid dependency, the
 // peers' through their dispatch flags) only before it ends, because the copy
 // kernel after it reads their rows.
-__global__ void __launch_bounds__(kPlanThreads) plan_kernel(DispatchRecvParams p) {
+__global__ void __launch_bounds__(kPlanThreads, kPlanMinBlocks) plan_kernel(DispatchRecvParams p) {
   extern __shared__ int32_t matrix[];
   const Instance& in = p.inst;
-  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(in.epoch);  // our routing kernel has ended
+  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(in.epoch);  // published before we were scheduled
   const uint64_t deadline = global_timer_ns() + in.timeout_ns;
+  // Waiting on no flag (eager calls, whose host saw them all, or a rank
+  // alone), the plan lets the copy kernel's blocks in at once: they wait in
+  // hardware for this grid to end and start without a launch gap. Otherwise
+  // only after its waits (see allow_dependents in memory.cuh).
+  if (!p.wait_in_kernel || (in.world == 1 && !in.has_remote)) allow_dependents();
   bool ok = true;
   if (p.wait_in_kernel) {
     ok = wait_peers(in, kFlagRoute, epoch, deadline);

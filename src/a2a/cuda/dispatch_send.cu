@@ -1,18 +1,23 @@
 // Dispatch, send half (docs/protocol.md, "Send order" and "Dispatch"):
-// 1. routing (dispatch_route.cu): our routing row, published to same-node
-//    peers and the proxy, and the send row of every copy;
-// 2. pack_kernel (persistent, one slice of a token per warp at a time): reads
-//    each piece once, converts or quantises it once, and stores it to each of
-//    the token's top-k destinations, which routing wrote per copy: a
-//    same-node peer's private slot, our device send section (same-node
-//    overflow, pulled by the peer), or our fabric send section (remote).
-//    Persistent blocks, because each block ends with a system-scope fence
-//    before it is counted: one per resident block, not one per token.
+// 1. routing (route.cuh): our routing row, published to same-node peers and
+//    the proxy, and the send row and destination of every copy;
+// 2. packing (one slice of a token per warp at a time): reads each piece
+//    once, converts or quantises it once, and stores it to each of the
+//    token's top-k destinations: a same-node peer's private slot, our device
+//    send section (same-node overflow, pulled by the peer), or our fabric
+//    send section (remote).
+// Small calls (decode) do both in one launch, route_pack_kernel: every block
+// routes the whole call itself into shared memory (a few thousand ids, read
+// from L2) instead of waiting for a separate routing kernel, whose launch,
+// drain and one-block chain cost more than the repeated work. Large calls
+// (prefill) route in three launches (dispatch_route.cu), then pack_kernel.
+// Both grids are persistent, because each block ends with a system-scope
+// fence before it is counted: one per resident block, not one per token.
 #include <cuda_runtime.h>
 
 #include "launch.h"
-#include "memory.cuh"
-#include "rows.cuh"
+#include "route.cuh"
+#include "scan.cuh"
 #include "signal.cuh"
 
 namespace moe_a2a::a2a::cuda {
@@ -23,6 +28,20 @@ constexpr int kPackThreads = 256;
 // independently (no block barriers), each on its own (token, slice) items.
 constexpr int kPackBlocksPerSm = 5;
 constexpr int kPackWarps = kPackThreads / kWarp;
+// route_pack_kernel: two blocks of 16 warps a multiprocessor. Every block
+// routes the whole call, and the multiprocessor's instruction issue bounds
+// that repeated work, so fewer, larger blocks than pack's five (measured:
+// 1 x 1024 threads no better, the step's next kernels then wait for whole
+// multiprocessors). Eight of its warps walk the copies (as many as a decode
+// call's 1024 copies fill, 128 each); all of them pack.
+constexpr int kRoutePackThreads = 512;
+constexpr int kRoutePackWarps = kRoutePackThreads / kWarp;
+constexpr int kRouteWarps = 8;
+constexpr int kRoutePackBlocksPerSm = 2;
+// Shared memory a route_pack_kernel block may take so that two fit a
+// multiprocessor (228 KB on sm_90, 1 KB of it reserved per block); larger
+// calls route in separate kernels.
+constexpr size_t kRoutePackSmemBytes = 100 * 1024;
 
 // Raw fp8 bytes [first, first + n) of an already-quantised row.
 __device__ __forceinline__ Encoded load_fp8_piece(const uint8_t* row, int64_t first, int n) {
@@ -71,16 +90,15 @@ __device__ __forceinline__ Encoded encode_piece(const DispatchSendParams& p, int
 }
 
 // Work item: one warp, kWarp consecutive pieces of one token. The warp loads
-// the token's destinations (lane k holds copy k's) alongside the piece,
-// converts or quantises its piece once and stores it to every destination.
-// (Writes are most of this kernel's traffic, and write bandwidth is what
-// bounds it: prefetching the next item's load changed nothing measurable.)
-template <int kMode>
-__global__ void __launch_bounds__(kPackThreads, kPackBlocksPerSm) pack_kernel(DispatchSendParams p) {
-  kernel_prologue();
+// the token's destinations (lane k holds copy k's, dst_of(t * topk + k))
+// alongside the piece, converts or quantises its piece once and stores it to
+// every destination. (Writes are most of this traffic, and write bandwidth
+// is what bounds it: prefetching the next item's load changed nothing
+// measurable.)
+template <int kMode, typename DstOf>
+__device__ __forceinline__ void pack_items(const DispatchSendParams& p, int tokens, DstOf dst_of) {
   const Instance& in = p.inst;
   const int K = in.topk, H = in.hidden;
-  const int tokens = *p.scratch.num_tokens;
   constexpr bool fp8 = kMode != kPackConvert;
   const int out_bytes = fp8 ? 1 : (in.dispatch_dtype == static_cast<int>(DType::kFp32) ? 4 : 2);
   const int pieces = (H + kVec - 1) / kVec;
@@ -88,19 +106,20 @@ __global__ void __launch_bounds__(kPackThreads, kPackBlocksPerSm) pack_kernel(Di
   const int lane = threadIdx.x % kWarp;
   // Items advance by a fixed stride: (token, slice) is stepped, not divided
   // out of an item counter each time.
-  const int stride = gridDim.x * kPackWarps;
+  const int warps = blockDim.x / kWarp;
+  const int stride = gridDim.x * warps;
   const int stride_t = stride / slices, stride_s = stride % slices;
-  const int item = blockIdx.x * kPackWarps + threadIdx.x / kWarp;
+  const int item = blockIdx.x * warps + threadIdx.x / kWarp;
   for (int t = item / slices, slice = item % slices; t < tokens;) {
-    uint8_t* const* dst = p.scratch.copy_dst + static_cast<int64_t>(t) * K;
-    uint8_t* mine = lane < K ? dst[lane] : nullptr;  // issued before the piece's load, used after it
+    const int64_t copy0 = static_cast<int64_t>(t) * K;
+    uint8_t* mine = lane < K ? dst_of(copy0 + lane) : nullptr;  // issued before the piece's load, used after it
     const int64_t first = static_cast<int64_t>(slice * kWarp + lane) * kVec;
     const int n = first >= H ? 0 : (H - first < kVec ? static_cast<int>(H - first) : kVec);
     float scale;
     const Encoded enc = encode_piece<kMode>(p, t, first, n, out_bytes, scale);
     const bool scale_lane = fp8 && n > 0 && first % kFp8Block == 0;
     for (int k0 = 0; k0 < K; k0 += kWarp) {
-      if (k0 > 0) mine = k0 + lane < K ? dst[k0 + lane] : nullptr;  // topk > 32
+      if (k0 > 0) mine = k0 + lane < K ? dst_of(copy0 + k0 + lane) : nullptr;  // topk > 32
       const int count = K - k0 < kWarp ? K - k0 : kWarp;
       for (int k = 0; k < count; ++k) {
         uint8_t* row = reinterpret_cast<uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(mine), k));
@@ -113,22 +132,131 @@ __global__ void __launch_bounds__(kPackThreads, kPackBlocksPerSm) pack_kernel(Di
     slice += stride_s;
     if (slice >= slices) slice -= slices, ++t;
   }
-  signal_when_grid_done(in, p.scratch.done_blocks, kFlagDispatch, in.proxy.packed);
+}
+
+// Large calls: packs from the destinations the routing kernels wrote.
+template <int kMode>
+__global__ void __launch_bounds__(kPackThreads, kPackBlocksPerSm) pack_kernel(DispatchSendParams p) {
+  kernel_prologue();
+  uint8_t* const* copy_dst = p.scratch.copy_dst;
+  pack_items<kMode>(p, *p.scratch.num_tokens, [&](int64_t c) { return copy_dst[c]; });
+  signal_when_grid_done(p.inst, p.scratch.done_blocks, kFlagDispatch, p.inst.proxy.packed);
+}
+
+// Shared memory of route_pack_kernel: each copy's (slot, expert) [max copies],
+// then per-warp histograms [kRouteWarps][E], counts [E] and first rows [E].
+__host__ __device__ constexpr size_t route_pack_smem(int64_t max_copies, int num_experts) {
+  return static_cast<size_t>(max_copies) * sizeof(int2) +
+         static_cast<size_t>(kRouteWarps + 2) * num_experts * sizeof(int32_t);
+}
+
+// Small calls: every block routes all copies (warp w walks a contiguous run
+// of them, kWarpCopies at a time) into its own table of (slot, expert), then
+// packs its items, finding the destinations of their copies only. Block 0 alone starts the call, publishes the routing
+// row and writes each copy's slot and rank for the receive and combine
+// kernels; it lets our next kernel (the plan, which reads the epoch and the
+// routing row) be scheduled only after publishing them, the other blocks as
+// soon as they start.
+template <int kMode>
+__global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) route_pack_kernel(DispatchSendParams p) {
+  extern __shared__ int2 route_smem[];  // the copy table first: 8-byte aligned
+  grid_dependency_wait();
+  const bool leader = blockIdx.x == 0;
+  if (!leader) allow_dependents();
+  const Instance& in = p.inst;
+  const int E = in.num_experts, L = in.local_experts;
+  const int tokens = resolve_tokens(p);
+  const int64_t copies = static_cast<int64_t>(tokens) * in.topk;
+  int2* table = reinterpret_cast<int2*>(route_smem);  // (slot, expert) of each copy
+  int32_t* hist = reinterpret_cast<int32_t*>(table + static_cast<int64_t>(in.max_tokens) * in.topk);
+  int32_t* counts = hist + kRouteWarps * E;
+  int32_t* first = counts + E;
+  __shared__ int dropped;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t per_warp = (copies + kRouteWarps - 1) / kRouteWarps;
+  const int64_t run = (per_warp + kWarpCopies - 1) / kWarpCopies * kWarpCopies;
+  // Warps past kRouteWarps (or past the copies) walk nothing: an empty run.
+  const int64_t run_begin = warp < kRouteWarps && warp * run < copies ? warp * run : copies;
+  const int64_t run_end = run_begin + run < copies ? run_begin + run : copies;
+  uint64_t epoch = 0;
+  if (threadIdx.x == 0) {
+    dropped = 0;
+    if (leader) epoch = begin_call(p, tokens);
+  }
+  for (int i = threadIdx.x; i < kRouteWarps * E; i += kRoutePackThreads) hist[i] = 0;
+  __syncthreads();
+  // Decode sizes give each warp one batch of kWarpCopies: its ids stay in
+  // registers from the first walk to the second.
+  const int64_t batch_end = run_begin + kWarpCopies < run_end ? run_begin + kWarpCopies : run_end;
+  const WarpIds first_ids = run_begin < run_end ? load_ids(p, run_begin, batch_end, lane) : WarpIds{};
+  bool saw_bad = false;
+  for (int64_t b = run_begin; b < run_end; b += kWarpCopies) {
+    const int64_t end = b + kWarpCopies < run_end ? b + kWarpCopies : run_end;
+    const WarpIds ids = b == run_begin ? first_ids : load_ids(p, b, end, lane);
+    count_ids(ids, hist + warp * E, lane);
+    saw_bad = saw_bad || ids.dropped;
+  }
+  if (__any_sync(kFullMask, saw_bad) && lane == 0) dropped = 1;
+  __syncthreads();
+  warp_offsets(hist, kRouteWarps, E, nullptr, counts);
+  __syncthreads();
+  block_exclusive_scan<kRoutePackThreads, int32_t>(
+      E, [&](int e) { return counts[e]; }, [&](int e, int32_t v) { first[e] = v; });
+  if (leader) write_routing(p, counts, first, copies);
+  const Scratch& s = p.scratch;
+  for (int64_t b = run_begin; b < run_end; b += kWarpCopies) {
+    const int64_t end = b + kWarpCopies < run_end ? b + kWarpCopies : run_end;
+    const WarpIds ids = b == run_begin ? first_ids : load_ids(p, b, end, lane);
+    slot_ids(
+        ids, b, end, hist + warp * E, first,
+        [&](int64_t i, int slot, int e) {
+          table[i] = make_int2(slot, e);
+          if (leader) s.slots[i] = slot, s.copy_rank[i] = e >= 0 ? e / L : -1;
+        },
+        lane);
+  }
+  __syncthreads();  // the copy table; block 0: every thread's routing row
+  if (leader) {
+    if (threadIdx.x == 0) publish_routing(in, epoch, dropped != 0);
+    __syncthreads();  // the fence before any thread lets the plan be scheduled
+    allow_dependents();
+  }
+  // Only the copies of our own items need a destination: one lane each.
+  pack_items<kMode>(p, tokens, [&](int64_t c) -> uint8_t* {
+    const int2 copy = table[c];
+    if (copy.y < 0) return nullptr;  // dropped
+    const int r = copy.y / L;
+    return destination(in, copy.x, r, first[r * L]);
+  });
+  signal_when_grid_done(in, s.done_blocks, kFlagDispatch, in.proxy.packed);
+}
+
+template <int kMode>
+cudaError_t launch_pack(const DispatchSendParams& p, cudaStream_t stream) {
+  const Instance& in = p.inst;
+  const int slices = ((in.hidden + kVec - 1) / kVec + kWarp - 1) / kWarp;
+  const int64_t items = static_cast<int64_t>(in.max_tokens) * slices;
+  const int64_t max_copies = static_cast<int64_t>(in.max_tokens) * in.topk;
+  const size_t smem = route_pack_smem(max_copies, in.num_experts);
+  if (max_copies <= kRouteSingleBlockCopies && smem <= kRoutePackSmemBytes) {
+    cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(route_pack_kernel<kMode>), smem);
+    if (err != cudaSuccess) return err;
+    const int blocks = persistent_blocks(items, kRoutePackWarps, kRoutePackBlocksPerSm);
+    return launch_kernel(route_pack_kernel<kMode>, blocks, kRoutePackThreads, smem, stream, p);
+  }
+  cudaError_t err = launch_route(p, stream);
+  if (err != cudaSuccess) return err;
+  const int blocks = persistent_blocks(items, kPackWarps, kPackBlocksPerSm);
+  return launch_kernel(pack_kernel<kMode>, blocks, kPackThreads, 0, stream, p);
 }
 
 }  // namespace
 
 cudaError_t launch_dispatch_send(const DispatchSendParams& p, cudaStream_t stream) {
   if (p.inst.topk > kMaxTopk) return cudaErrorInvalidValue;
-  cudaError_t err = launch_route(p, stream);
-  if (err != cudaSuccess) return err;
-  const int slices = ((p.inst.hidden + kVec - 1) / kVec + kWarp - 1) / kWarp;
-  const int blocks = persistent_blocks(static_cast<int64_t>(p.inst.max_tokens) * slices, kPackWarps, kPackBlocksPerSm);
-  if (p.inst.dispatch_dtype != static_cast<int>(DType::kFp8))
-    return launch_kernel(pack_kernel<kPackConvert>, blocks, kPackThreads, 0, stream, p);
-  if (p.x_dtype == static_cast<int>(DType::kFp8))
-    return launch_kernel(pack_kernel<kPackFp8>, blocks, kPackThreads, 0, stream, p);
-  return launch_kernel(pack_kernel<kPackQuantize>, blocks, kPackThreads, 0, stream, p);
+  if (p.inst.dispatch_dtype != static_cast<int>(DType::kFp8)) return launch_pack<kPackConvert>(p, stream);
+  if (p.x_dtype == static_cast<int>(DType::kFp8)) return launch_pack<kPackFp8>(p, stream);
+  return launch_pack<kPackQuantize>(p, stream);
 }
 
 }  // namespace moe_a2a::a2a::cuda

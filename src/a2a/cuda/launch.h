@@ -28,11 +28,11 @@ cudaError_t launch_combine_send(const CombineSendParams& p, cudaStream_t stream)
 // Waits for every receiver, then the fp32 weighted sum per token.
 cudaError_t launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream);
 
-// The routing step of dispatch send (dispatch_route.cu).
+// The routing step of large dispatch sends, in three launches (dispatch_route.cu).
 cudaError_t launch_route(const DispatchSendParams& p, cudaStream_t stream);
 
-// Copies that one block of the routing step handles in large calls, and the
-// largest call that one block handles alone.
+// Copies that one block of the large calls' routing handles, and the largest
+// call routed inside the pack kernel instead (dispatch_send.cu).
 constexpr int kRouteBlockCopies = 1024;
 constexpr int64_t kRouteSingleBlockCopies = 4096;
 inline int route_blocks(int64_t max_copies) {

@@ -1,0 +1,168 @@
+// The routing step of dispatch send, as device functions shared by its two
+// forms: the large calls' three kernels (dispatch_route.cu) and the small
+// calls' kernel that routes and packs in one launch (dispatch_send.cu).
+//
+// Send order is (rank, local expert, token, k) and experts are contiguous per
+// rank, so a copy's send row is first[e] plus its rank among the copies of
+// expert e in (t, k) order: a stable counting sort by expert. Each warp owns
+// a contiguous run of copies (one id load a lane) and walks it twice: once to
+// count (per-warp histograms in shared memory), once, after the counts of all
+// earlier warps are known, to hand out rows in order; the second walk also
+// yields where pack stores each copy, so that pack reads one pointer per copy
+// instead of a chain of lookups.
+#pragma once
+
+#include "memory.cuh"
+#include "rows.cuh"
+
+namespace moe_a2a::a2a::cuda {
+
+constexpr int kIdsInFlight = 4;                    // id loads a lane issues before the first is used
+constexpr int kWarpCopies = kIdsInFlight * kWarp;  // copies one warp walks: one load each lane
+
+// The call's token count, clamped to [0, max_tokens].
+__device__ __forceinline__ int resolve_tokens(const DispatchSendParams& p) {
+  const int t = p.num_tokens_ptr != nullptr ? *p.num_tokens_ptr : p.num_tokens;
+  return t < 0 ? 0 : (t > p.inst.max_tokens ? p.inst.max_tokens : t);
+}
+
+// The experts of one warp's copies [begin, end) (at most kWarpCopies): copy
+// begin + u * kWarp + lane in e[u], -1 past the end or for an id out of range
+// (that copy is dropped), and peers[u], the lanes holding the same e[u].
+// Loaded and matched once, walked twice (count, then slots).
+struct WarpIds {
+  int e[kIdsInFlight];
+  unsigned peers[kIdsInFlight];
+  bool dropped = false;  // this lane saw an id out of range
+};
+
+__device__ __forceinline__ WarpIds load_ids(const DispatchSendParams& p, int64_t begin, int64_t end, int lane) {
+  // Every load is issued before any is used (one branch on the id width, not one per id).
+  int64_t raw[kIdsInFlight];
+  if (p.ids_are_64bit) {
+    const int64_t* ids = static_cast<const int64_t*>(p.topk_ids);
+#pragma unroll
+    for (int u = 0; u < kIdsInFlight; ++u) raw[u] = begin + u * kWarp + lane < end ? ids[begin + u * kWarp + lane] : 0;
+  } else {
+    const int32_t* ids = static_cast<const int32_t*>(p.topk_ids);
+#pragma unroll
+    for (int u = 0; u < kIdsInFlight; ++u) raw[u] = begin + u * kWarp + lane < end ? ids[begin + u * kWarp + lane] : 0;
+  }
+  WarpIds w;
+#pragma unroll
+  for (int u = 0; u < kIdsInFlight; ++u) {
+    const bool live = begin + u * kWarp + lane < end;
+    const bool valid = raw[u] >= 0 && raw[u] < p.inst.num_experts;
+    w.e[u] = live && valid ? static_cast<int>(raw[u]) : -1;
+    w.dropped = w.dropped || (live && !valid);
+  }
+  // All matches issued together, so that their latencies overlap.
+#pragma unroll
+  for (int u = 0; u < kIdsInFlight; ++u) w.peers[u] = __match_any_sync(kFullMask, w.e[u]);
+  return w;
+}
+
+// First walk: hist[e] += this warp's copies of e.
+__device__ __forceinline__ void count_ids(const WarpIds& ids, int32_t* hist, int lane) {
+#pragma unroll
+  for (int u = 0; u < kIdsInFlight; ++u) {
+    if (ids.e[u] >= 0 && lane == __ffs(ids.peers[u]) - 1) hist[ids.e[u]] += __popc(ids.peers[u]);
+    __syncwarp();
+  }
+}
+
+// Where pack stores copy (slot, rank r): a same-node peer's private row, our
+// device send section (same-node overflow, which the peer pulls), or our
+// fabric send section (remote peers).
+__device__ __forceinline__ uint8_t* destination(const Instance& in, int slot, int r, int64_t send_start) {
+  const Layout& l = in.layout;
+  const size_t row = l.dispatch_row;
+  const int64_t j = slot - send_start;
+  if (!same_node(in, r)) return in.fabric_ws + l.send + slot * row;
+  if (j < in.max_private)
+    return in.peers[r].device + l.private_rows + (static_cast<size_t>(in.rank) * in.max_private + j) * row;
+  return in.device_ws + l.send + slot * row;
+}
+
+// Second walk: hist[e] (+ first[e] when given) is the send row of this warp's
+// next copy of e. Hands each copy i to sink(i, slot, e), with slot and e -1
+// for a dropped copy.
+template <typename Sink>
+__device__ __forceinline__ void slot_ids(const WarpIds& ids, int64_t begin, int64_t end, int32_t* hist,
+                                         const int32_t* first, Sink sink, int lane) {
+  const unsigned lanes_below = (1u << lane) - 1;
+#pragma unroll
+  for (int u = 0; u < kIdsInFlight; ++u) {  // in order: ranks stay stable
+    const int e = ids.e[u];
+    const unsigned same = ids.peers[u];
+    const int slot = e >= 0 ? hist[e] + (first != nullptr ? first[e] : 0) + __popc(same & lanes_below) : -1;
+    __syncwarp();
+    if (e >= 0 && lane == __ffs(same) - 1) hist[e] += __popc(same);
+    __syncwarp();
+    const int64_t i = begin + u * kWarp + lane;
+    if (i < end) sink(i, slot, e);
+  }
+}
+
+// Per expert, across the block's first `warps` warps: hist[w][e] becomes
+// base[e] (when given) plus the copies of warps before w; writes the block's
+// total of e to totals[e] when asked.
+__device__ __forceinline__ void warp_offsets(int32_t* hist, int warps, int E, const int32_t* base, int32_t* totals) {
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int32_t acc = base != nullptr ? base[e] : 0;
+    for (int w = 0; w < warps; ++w) {
+      const int32_t c = hist[w * E + e];
+      hist[w * E + e] = acc;
+      acc += c;
+    }
+    if (totals != nullptr) totals[e] = acc;
+  }
+}
+
+// The routing row into every same-node host workspace (ours too, where the
+// proxy scatters it to remote peers, and the host reads it) and device
+// workspace (where their plan reads it, without a trip over PCIe), and
+// send_start (read by the large calls' slot kernel). Every thread of the
+// block calls it.
+__device__ __forceinline__ void write_routing(const DispatchSendParams& p, const int32_t* counts,
+                                              const int32_t* first, int64_t copies) {
+  const Instance& in = p.inst;
+  const int E = in.num_experts;
+  for (int r = 0; r < in.world; ++r) {
+    if (!same_node(in, r)) continue;
+    uint32_t* host_row = routing_row(in.peers[r].host, in.layout, in.rank, E);
+    uint32_t* device_row = routing_row(in.peers[r].device, in.layout, in.rank, E);
+    for (int e = threadIdx.x; e < E; e += blockDim.x) host_row[e] = device_row[e] = static_cast<uint32_t>(counts[e]);
+  }
+  for (int r = threadIdx.x; r <= in.world; r += blockDim.x)
+    p.scratch.send_start[r] = r < in.world ? first[r * in.local_experts] : copies;
+}
+
+// A new call: epoch and status. Thread 0 only, before the routing row.
+__device__ __forceinline__ uint64_t begin_call(const DispatchSendParams& p, int tokens) {
+  const Instance& in = p.inst;
+  const uint64_t epoch = *in.epoch + 1;
+  *in.epoch = epoch;
+  *p.scratch.num_tokens = tokens;
+  *reinterpret_cast<volatile int32_t*>(in.status) = kStatusOk;
+  return epoch;
+}
+
+// Thread 0, after write_routing and a block barrier: reports dropped ids,
+// then makes the call's epoch and routing row visible before anything that
+// follows (our plan kernel reads both, possibly before this grid ends; see
+// launch_dispatch_send) and raises the route flags of same-node peers and
+// the proxy (a rank alone has nobody to tell).
+__device__ __forceinline__ void publish_routing(const Instance& in, uint64_t epoch, bool dropped) {
+  if (dropped) report(in, kStatusBadExpert);
+  if (in.world == 1) {  // only our own kernels read them: the device scope is enough
+    __threadfence();
+    return;
+  }
+  fence_sys();
+  for (int r = 0; r < in.world; ++r)
+    if (same_node(in, r)) st_release_sys(flag_ptr(in.peers[r].host, in.layout, in.rank, kFlagRoute), epoch);
+  if (in.proxy.route_ready != nullptr) st_release_sys(in.proxy.route_ready, epoch);
+}
+
+}  // namespace moe_a2a::a2a::cuda
