@@ -38,7 +38,6 @@ constexpr int kRoutePackThreads = 512;
 constexpr int kRoutePackWarps = kRoutePackThreads / kWarp;
 constexpr int kRouteWarps = 8;
 constexpr int kRoutePackBlocksPerSm = 2;
-constexpr int kRouteLeaderBlocks = 1;  // block 0 routes and publishes, packs nothing
 // Shared memory a route_pack_kernel block may take so that two fit a
 // multiprocessor (228 KB on sm_90, 1 KB of it reserved per block); larger
 // calls route in separate kernels.
@@ -96,9 +95,8 @@ __device__ __forceinline__ Encoded encode_piece(const DispatchSendParams& p, int
 // every destination. (Writes are most of this traffic, and write bandwidth
 // is what bounds it: prefetching the next item's load changed nothing
 // measurable.)
-// Blocks [first_block, gridDim.x) share the items.
 template <int kMode, typename DstOf>
-__device__ __forceinline__ void pack_items(const DispatchSendParams& p, int tokens, int first_block, DstOf dst_of) {
+__device__ __forceinline__ void pack_items(const DispatchSendParams& p, int tokens, DstOf dst_of) {
   const Instance& in = p.inst;
   const int K = in.topk, H = in.hidden;
   constexpr bool fp8 = kMode != kPackConvert;
@@ -109,9 +107,9 @@ __device__ __forceinline__ void pack_items(const DispatchSendParams& p, int toke
   // Items advance by a fixed stride: (token, slice) is stepped, not divided
   // out of an item counter each time.
   const int warps = blockDim.x / kWarp;
-  const int stride = (gridDim.x - first_block) * warps;
+  const int stride = gridDim.x * warps;
   const int stride_t = stride / slices, stride_s = stride % slices;
-  const int item = (blockIdx.x - first_block) * warps + threadIdx.x / kWarp;
+  const int item = blockIdx.x * warps + threadIdx.x / kWarp;
   for (int t = item / slices, slice = item % slices; t < tokens;) {
     const int64_t copy0 = static_cast<int64_t>(t) * K;
     uint8_t* mine = lane < K ? dst_of(copy0 + lane) : nullptr;  // issued before the piece's load, used after it
@@ -141,7 +139,7 @@ template <int kMode>
 __global__ void __launch_bounds__(kPackThreads, kPackBlocksPerSm) pack_kernel(DispatchSendParams p) {
   kernel_prologue();
   uint8_t* const* copy_dst = p.scratch.copy_dst;
-  pack_items<kMode>(p, *p.scratch.num_tokens, 0, [&](int64_t c) { return copy_dst[c]; });
+  pack_items<kMode>(p, *p.scratch.num_tokens, [&](int64_t c) { return copy_dst[c]; });
   signal_when_grid_done(p.inst, p.scratch.done_blocks, kFlagDispatch, p.inst.proxy.packed);
 }
 
@@ -153,13 +151,12 @@ __host__ __device__ constexpr size_t route_pack_smem(int64_t max_copies, int num
 }
 
 // Small calls: every block routes all copies (warp w walks a contiguous run
-// of them, kWarpCopies at a time) into its own table of (slot, expert). Block
-// 0, the leader, then starts the call, publishes the routing row, writes each
-// copy's slot and rank for the receive and combine kernels, and lets our next
-// kernel (the plan, which reads the epoch and the routing row) be scheduled;
-// it packs nothing, so that its extra work and fence do not delay the end of
-// the grid. The other blocks let the plan in as soon as they start and pack
-// their items, finding the destinations of those items' copies only.
+// of them, kWarpCopies at a time) into its own table of (slot, expert), then
+// packs its items, finding the destinations of their copies only. Block 0 alone starts the call, publishes the routing
+// row and writes each copy's slot and rank for the receive and combine
+// kernels; it lets our next kernel (the plan, which reads the epoch and the
+// routing row) be scheduled only after publishing them, the other blocks as
+// soon as they start.
 template <int kMode>
 __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) route_pack_kernel(DispatchSendParams p) {
   extern __shared__ int2 route_smem[];  // the copy table first: 8-byte aligned
@@ -223,15 +220,14 @@ __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) rout
     if (threadIdx.x == 0) publish_routing(in, epoch, dropped != 0);
     __syncthreads();  // the fence before any thread lets the plan be scheduled
     allow_dependents();
-  } else {
-    // Only the copies of our own items need a destination: one lane each.
-    pack_items<kMode>(p, tokens, kRouteLeaderBlocks, [&](int64_t c) -> uint8_t* {
-      const int2 copy = table[c];
-      if (copy.y < 0) return nullptr;  // dropped
-      const int r = copy.y / L;
-      return destination(in, copy.x, r, first[r * L]);
-    });
   }
+  // Only the copies of our own items need a destination: one lane each.
+  pack_items<kMode>(p, tokens, [&](int64_t c) -> uint8_t* {
+    const int2 copy = table[c];
+    if (copy.y < 0) return nullptr;  // dropped
+    const int r = copy.y / L;
+    return destination(in, copy.x, r, first[r * L]);
+  });
   signal_when_grid_done(in, s.done_blocks, kFlagDispatch, in.proxy.packed);
 }
 
@@ -245,7 +241,7 @@ cudaError_t launch_pack(const DispatchSendParams& p, cudaStream_t stream) {
   if (max_copies <= kRouteSingleBlockCopies && smem <= kRoutePackSmemBytes) {
     cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(route_pack_kernel<kMode>), smem);
     if (err != cudaSuccess) return err;
-    const int blocks = kRouteLeaderBlocks + persistent_blocks(items, kRoutePackWarps, kRoutePackBlocksPerSm);
+    const int blocks = persistent_blocks(items, kRoutePackWarps, kRoutePackBlocksPerSm);
     return launch_kernel(route_pack_kernel<kMode>, blocks, kRoutePackThreads, smem, stream, p);
   }
   cudaError_t err = launch_route(p, stream);
