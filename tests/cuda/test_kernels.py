@@ -152,7 +152,7 @@ CASES = [
         [8, 8, 2, 6],
         {"ids_dtype": torch.int32, "mode": "distinct"},
     ),
-    # More than 4096 copies: the routing step spreads over many blocks.
+    # More than 1024 copies: the routing step spreads over many blocks.
     ("w2-large-route-fp8", Shape.of(2, 1, 640, 64, 16, 8, "fp8"), [640, 517], {"mode": "distinct"}),
     ("w4-large-route-mixed", Shape.of(4, 2, 1100, 64, 32, 4), [1100, 3, 1024, 0], {}),
     (

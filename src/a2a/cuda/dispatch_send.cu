@@ -32,15 +32,17 @@ constexpr int kPackWarps = kPackThreads / kWarp;
 // routes the whole call, and the multiprocessor's instruction issue bounds
 // that repeated work, so fewer, larger blocks than pack's five (measured:
 // 1 x 1024 threads no better, the step's next kernels then wait for whole
-// multiprocessors). Eight of its warps walk the copies (as many as a decode
-// call's 1024 copies fill, 128 each); all of them pack.
+// multiprocessors). Eight of its warps walk the copies, 128 each (a decode
+// call of 128 tokens, top-8); all of them pack. Larger calls route in
+// separate kernels.
 constexpr int kRoutePackThreads = 512;
 constexpr int kRoutePackWarps = kRoutePackThreads / kWarp;
 constexpr int kRouteWarps = 8;
+constexpr int64_t kRoutePackMaxCopies = kRouteWarps * kWarpCopies;  // 1024: a decode call of 128 tokens, top-8
 constexpr int kRoutePackBlocksPerSm = 2;
 // Shared memory a route_pack_kernel block may take so that two fit a
-// multiprocessor (228 KB on sm_90, 1 KB of it reserved per block); larger
-// calls route in separate kernels.
+// multiprocessor (228 KB on sm_90, 1 KB of it reserved per block): it grows
+// with the number of experts.
 constexpr size_t kRoutePackSmemBytes = 100 * 1024;
 
 // Raw fp8 bytes [first, first + n) of an already-quantised row.
@@ -150,13 +152,13 @@ __host__ __device__ constexpr size_t route_pack_smem(int64_t max_copies, int num
          static_cast<size_t>(kRouteWarps + 2) * num_experts * sizeof(int32_t);
 }
 
-// Small calls: every block routes all copies (warp w walks a contiguous run
-// of them, kWarpCopies at a time) into its own table of (slot, expert), then
-// packs its items, finding the destinations of their copies only. Block 0 alone starts the call, publishes the routing
-// row and writes each copy's slot and rank for the receive and combine
-// kernels; it lets our next kernel (the plan, which reads the epoch and the
-// routing row) be scheduled only after publishing them, the other blocks as
-// soon as they start.
+// Small calls: every block routes all copies into its own table of (slot,
+// expert), then packs its items, finding the destinations of their copies
+// only. Block 0 alone starts the call, publishes the routing row and writes
+// each copy's slot and rank for the receive and combine kernels; it lets our
+// next kernel (the plan, which reads the epoch and the routing row) be
+// scheduled only after publishing them, the other blocks as soon as they
+// start.
 template <int kMode>
 __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) route_pack_kernel(DispatchSendParams p) {
   extern __shared__ int2 route_smem[];  // the copy table first: 8-byte aligned
@@ -173,11 +175,12 @@ __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) rout
   int32_t* first = counts + E;
   __shared__ int dropped;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int64_t per_warp = (copies + kRouteWarps - 1) / kRouteWarps;
-  const int64_t run = (per_warp + kWarpCopies - 1) / kWarpCopies * kWarpCopies;
-  // Warps past kRouteWarps (or past the copies) walk nothing: an empty run.
-  const int64_t run_begin = warp < kRouteWarps && warp * run < copies ? warp * run : copies;
-  const int64_t run_end = run_begin + run < copies ? run_begin + run : copies;
+  // Warp w < kRouteWarps walks copies [w * kWarpCopies, ...) (the call has at
+  // most kRoutePackMaxCopies); the other warps, and those past the copies,
+  // walk nothing. The ids stay in registers from the first walk to the second.
+  const int64_t run_begin = warp < kRouteWarps ? static_cast<int64_t>(warp) * kWarpCopies : copies;
+  const int64_t run_end = run_begin + kWarpCopies < copies ? run_begin + kWarpCopies : copies;
+  const bool walks = run_begin < run_end;  // warp-uniform
   uint64_t epoch = 0;
   if (threadIdx.x == 0) {
     dropped = 0;
@@ -185,18 +188,9 @@ __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) rout
   }
   for (int i = threadIdx.x; i < kRouteWarps * E; i += kRoutePackThreads) hist[i] = 0;
   __syncthreads();
-  // Decode sizes give each warp one batch of kWarpCopies: its ids stay in
-  // registers from the first walk to the second.
-  const int64_t batch_end = run_begin + kWarpCopies < run_end ? run_begin + kWarpCopies : run_end;
-  const WarpIds first_ids = run_begin < run_end ? load_ids(p, run_begin, batch_end, lane) : WarpIds{};
-  bool saw_bad = false;
-  for (int64_t b = run_begin; b < run_end; b += kWarpCopies) {
-    const int64_t end = b + kWarpCopies < run_end ? b + kWarpCopies : run_end;
-    const WarpIds ids = b == run_begin ? first_ids : load_ids(p, b, end, lane);
-    count_ids(ids, hist + warp * E, lane);
-    saw_bad = saw_bad || ids.dropped;
-  }
-  if (__any_sync(kFullMask, saw_bad) && lane == 0) dropped = 1;
+  const WarpIds ids = walks ? load_ids(p, run_begin, run_end, lane) : WarpIds{};
+  if (walks) count_ids(ids, hist + warp * E, lane);
+  if (__any_sync(kFullMask, ids.dropped) && lane == 0) dropped = 1;
   __syncthreads();
   warp_offsets(hist, kRouteWarps, E, nullptr, counts);
   __syncthreads();
@@ -204,11 +198,9 @@ __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) rout
       E, [&](int e) { return counts[e]; }, [&](int e, int32_t v) { first[e] = v; });
   if (leader) write_routing(p, counts, first, copies);
   const Scratch& s = p.scratch;
-  for (int64_t b = run_begin; b < run_end; b += kWarpCopies) {
-    const int64_t end = b + kWarpCopies < run_end ? b + kWarpCopies : run_end;
-    const WarpIds ids = b == run_begin ? first_ids : load_ids(p, b, end, lane);
+  if (walks) {
     slot_ids(
-        ids, b, end, hist + warp * E, first,
+        ids, run_begin, run_end, hist + warp * E, first,
         [&](int64_t i, int slot, int e) {
           table[i] = make_int2(slot, e);
           if (leader) s.slots[i] = slot, s.copy_rank[i] = e >= 0 ? e / L : -1;
@@ -238,7 +230,7 @@ cudaError_t launch_pack(const DispatchSendParams& p, cudaStream_t stream) {
   const int64_t items = static_cast<int64_t>(in.max_tokens) * slices;
   const int64_t max_copies = static_cast<int64_t>(in.max_tokens) * in.topk;
   const size_t smem = route_pack_smem(max_copies, in.num_experts);
-  if (max_copies <= kRouteSingleBlockCopies && smem <= kRoutePackSmemBytes) {
+  if (max_copies <= kRoutePackMaxCopies && smem <= kRoutePackSmemBytes) {
     cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(route_pack_kernel<kMode>), smem);
     if (err != cudaSuccess) return err;
     const int blocks = persistent_blocks(items, kRoutePackWarps, kRoutePackBlocksPerSm);

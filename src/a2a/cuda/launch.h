@@ -31,10 +31,8 @@ cudaError_t launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream)
 // The routing step of large dispatch sends, in three launches (dispatch_route.cu).
 cudaError_t launch_route(const DispatchSendParams& p, cudaStream_t stream);
 
-// Copies that one block of the large calls' routing handles, and the largest
-// call routed inside the pack kernel instead (dispatch_send.cu).
+// Copies that one block of the large calls' routing handles.
 constexpr int kRouteBlockCopies = 1024;
-constexpr int64_t kRouteSingleBlockCopies = 4096;
 inline int route_blocks(int64_t max_copies) {
   return static_cast<int>((max_copies + kRouteBlockCopies - 1) / kRouteBlockCopies);
 }
