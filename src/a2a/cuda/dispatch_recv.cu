@@ -26,7 +26,8 @@ namespace {
 // four pack blocks still has free.
 constexpr int kPlanThreads = 256;
 constexpr int kPlanMaxRegisters = 64;
-constexpr int kPlanMinBlocks = 65536 / (kPlanThreads * kPlanMaxRegisters);  // for __launch_bounds__
+constexpr int kRegistersPerSm = 65536;  // sm_90
+constexpr int kPlanMinBlocks = kRegistersPerSm / (kPlanThreads * kPlanMaxRegisters);  // for __launch_bounds__
 constexpr int kPlanWarps = kPlanThreads / kWarp;
 constexpr int kCopyThreads = 256;
 // Blocks a multiprocessor: the persistent grid is sized for this many, so all
@@ -165,9 +166,10 @@ __device__ void compute_plan(const DispatchRecvParams& p, int32_t* matrix, bool 
 // The plan needs only routing rows, which our dispatch send published (with
 // the call's epoch) before it let this kernel be scheduled, so this kernel
 // does not start by waiting for the kernel before it (our pack): with
-// programmatic dependent launch it runs beside it. It waits for the packs (ours through the grid dependency, the
-// peers' through their dispatch flags) only before it ends, because the copy
-// kernel after it reads their rows.
+// programmatic dependent launch it runs beside it. It waits for the packs
+// (ours through the grid dependency, the peers' through their dispatch
+// flags) only before it ends, because the copy kernel after it reads their
+// rows.
 __global__ void __launch_bounds__(kPlanThreads, kPlanMinBlocks) plan_kernel(DispatchRecvParams p) {
   extern __shared__ int32_t matrix[];
   const Instance& in = p.inst;

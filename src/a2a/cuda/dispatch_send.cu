@@ -7,7 +7,7 @@
 //    send section (same-node overflow, pulled by the peer), or our fabric
 //    send section (remote).
 // Small calls (decode) do both in one launch, route_pack_kernel: every block
-// routes the whole call itself into shared memory (a few thousand ids, read
+// routes the whole call itself into shared memory (at most 1024 ids, read
 // from L2) instead of waiting for a separate routing kernel, whose launch,
 // drain and one-block chain cost more than the repeated work. Large calls
 // (prefill) route in three launches (dispatch_route.cu), then pack_kernel.

@@ -7,9 +7,9 @@
 // expert e in (t, k) order: a stable counting sort by expert. Each warp owns
 // a contiguous run of copies (one id load a lane) and walks it twice: once to
 // count (per-warp histograms in shared memory), once, after the counts of all
-// earlier warps are known, to hand out rows in order; the second walk also
-// yields where pack stores each copy, so that pack reads one pointer per copy
-// instead of a chain of lookups.
+// earlier warps are known, to hand out rows in order. The second walk hands
+// each copy's row to the caller: the large calls store where pack puts the
+// copy (one pointer per copy for pack to read), route_pack its row and expert.
 #pragma once
 
 #include "memory.cuh"
@@ -151,7 +151,7 @@ __device__ __forceinline__ uint64_t begin_call(const DispatchSendParams& p, int 
 // Thread 0, after write_routing and a block barrier: reports dropped ids,
 // then makes the call's epoch and routing row visible before anything that
 // follows (our plan kernel reads both, possibly before this grid ends; see
-// launch_dispatch_send) and raises the route flags of same-node peers and
+// route_pack_kernel) and raises the route flags of same-node peers and
 // the proxy (a rank alone has nobody to tell).
 __device__ __forceinline__ void publish_routing(const Instance& in, uint64_t epoch, bool dropped) {
   if (dropped) report(in, kStatusBadExpert);
