@@ -98,10 +98,10 @@ void bind_cuda(nb::module_& m) {
           release())
       .def(
           "combine_send",
-          [](CudaAllToAll& a, uintptr_t y, DType y_dtype, uintptr_t stream) {
-            a.combine_send(ptr<const void>(y), y_dtype, stream_of(stream));
+          [](CudaAllToAll& a, uintptr_t y, DType y_dtype, int64_t y_rows, uintptr_t stream) {
+            a.combine_send(ptr<const void>(y), y_dtype, y_rows, stream_of(stream));
           },
-          nb::arg("y"), nb::arg("y_dtype"), nb::arg("stream"))
+          nb::arg("y"), nb::arg("y_dtype"), nb::arg("y_rows"), nb::arg("stream"))
       .def(
           "combine_recv",
           [](CudaAllToAll& a, uintptr_t weights, uintptr_t out, bool host_wait, uintptr_t stream) {

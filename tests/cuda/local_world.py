@@ -226,7 +226,7 @@ class LocalWorld:
     ) -> list[torch.Tensor]:
         stream = torch.cuda.current_stream().cuda_stream
         for a, y in zip(self.ranks, ys, strict=True):
-            a.combine_send(y.data_ptr(), CORE_DTYPE[y.dtype], stream)
+            a.combine_send(y.data_ptr(), CORE_DTYPE[y.dtype], y.shape[0], stream)
         torch.cuda.synchronize()
         epoch = self.ranks[0].epoch
         for a in self.ranks if self.shape.world > 1 else []:

@@ -116,7 +116,7 @@ class CudaBackend:
         return expert_x, scale, counts
 
     def combine_send(self, y: torch.Tensor) -> None:
-        self._impl.combine_send(y.data_ptr(), CORE_DTYPE[y.dtype], self._stream())
+        self._impl.combine_send(y.data_ptr(), CORE_DTYPE[y.dtype], y.shape[0], self._stream())
         self._alive = (*self._alive, y)
 
     def combine_recv(self, weights: torch.Tensor, out: torch.Tensor) -> None:

@@ -53,20 +53,46 @@ __global__ void __launch_bounds__(kReturnThreads, kReturnBlocksPerSm) return_ker
   extern __shared__ Segment segs[];
   kernel_prologue();
   const Instance& in = p.inst;
-  load_segments(segs, p.scratch.segments, in.num_experts);
-  __syncthreads();
-  const int rows = *p.scratch.output_rows;
   const int64_t y_row = static_cast<int64_t>(in.hidden) * dtype_size(p.y_dtype);
   const int out_bytes = dtype_size(in.combine_dtype);
   const int chunk_elems = static_cast<int>(chunk_bytes(static_cast<int64_t>(in.hidden) * out_bytes) / out_bytes);
-  for (ChunkWalk walk(row_chunks(static_cast<int64_t>(in.hidden) * out_bytes)); walk.row < rows; walk.next()) {
-    const int row = walk.row;
+  const uint8_t* y = static_cast<const uint8_t*>(p.y);
+  ChunkWalk walk(row_chunks(static_cast<int64_t>(in.hidden) * out_bytes));
+  const auto chunk_end = [&](int e0) { return e0 + chunk_elems < in.hidden ? e0 + chunk_elems : in.hidden; };
+  // A plain copy (y already in the combine dtype) moves a chunk in one round
+  // (combine rows are 16-byte aligned): the warp loads its next chunk as soon
+  // as it knows it, the first one before reading the plan, so that its memory
+  // latency passes under the plan's (at decode sizes it is the warp's only
+  // chunk).
+  const bool plain = p.y_dtype == in.combine_dtype && aligned(y, 16) && y_row % 16 == 0;
+  CopyRound v;
+  const auto round_pieces = [&] {  // the walk's chunk in 16-byte pieces, less the lane
     const int e0 = walk.chunk * chunk_elems;
-    const int e1 = e0 + chunk_elems < in.hidden ? e0 + chunk_elems : in.hidden;
+    return (chunk_end(e0) - e0) * out_bytes / 16 - walk.lane;
+  };
+  const int64_t chunk_stride = static_cast<int64_t>(chunk_elems) * out_bytes;
+  const auto y_chunk = [&] { return y + walk.row * y_row + walk.chunk * chunk_stride; };
+  if (plain && walk.row < p.y_rows) load_round(v, y_chunk(), round_pieces(), walk.lane);
+  const int filled = *p.scratch.output_rows;
+  const int rows = filled < p.y_rows ? filled : static_cast<int>(p.y_rows);  // never past y (the caller's contract)
+  load_segments(segs, p.scratch.segments, in.num_experts);
+  __syncthreads();
+  const auto destination = [&]() -> uint8_t* {  // nullptr: a padding row, which goes nowhere
     int s, j;
-    if (!locate(segs, in.num_experts, row, &s, &j)) continue;  // padding rows go nowhere
-    convert_range(return_row(in, p.scratch.senders, s, j), static_cast<const uint8_t*>(p.y) + row * y_row, e0, e1,
-                  p.y_dtype, in.combine_dtype, walk.lane);
+    return locate(segs, in.num_experts, walk.row, &s, &j) ? return_row(in, p.scratch.senders, s, j) : nullptr;
+  };
+  if (plain) {
+    while (walk.row < rows) {
+      if (uint8_t* dst = destination()) store_round(dst + walk.chunk * chunk_stride, v, round_pieces(), walk.lane);
+      walk.next();
+      if (walk.row < rows) load_round(v, y_chunk(), round_pieces(), walk.lane);
+    }
+  } else {
+    for (; walk.row < rows; walk.next()) {
+      const int e0 = walk.chunk * chunk_elems;
+      if (uint8_t* dst = destination())
+        convert_range(dst, y + walk.row * y_row, e0, chunk_end(e0), p.y_dtype, in.combine_dtype, walk.lane);
+    }
   }
   signal_when_grid_done(in, p.scratch.done_blocks, kFlagCombine, in.proxy.combine_packed);
 }

@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <new>
+#include <string>
 #include <stdexcept>
 
 #include "../errors.h"
@@ -303,12 +304,14 @@ void CudaAllToAll::dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_
   check_cuda(launch_dispatch_recv(p, stream), "dispatch recv");
 }
 
-void CudaAllToAll::combine_send(const void* y, DType y_dtype, cudaStream_t stream) {
+void CudaAllToAll::combine_send(const void* y, DType y_dtype, int64_t y_rows, cudaStream_t stream) {
+  if (y_rows < 0) throw std::invalid_argument("combine_send: y_rows: got " + std::to_string(y_rows) + "; expected >= 0");
   CombineSendParams p;
   p.inst = instance();
   p.scratch = scratch_;
   p.y = y;
   p.y_dtype = static_cast<int32_t>(y_dtype);
+  p.y_rows = y_rows;
   check_cuda(launch_combine_send(p, stream), "combine send");
 }
 

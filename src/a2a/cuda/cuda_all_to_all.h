@@ -52,7 +52,7 @@ class CudaAllToAll {
   void dispatch_send(const void* x, DType x_dtype, const float* x_scale, const void* topk_ids, bool ids_64bit,
                      int num_tokens, const int32_t* num_tokens_device, cudaStream_t stream);
   void dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_per_expert, bool host_wait, cudaStream_t stream);
-  void combine_send(const void* y, DType y_dtype, cudaStream_t stream);
+  void combine_send(const void* y, DType y_dtype, int64_t y_rows, cudaStream_t stream);
   void combine_recv(const float* weights, void* out, bool host_wait, cudaStream_t stream);
 
   // After the caller synchronised with the stream: the outcome of the last

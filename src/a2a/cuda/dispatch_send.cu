@@ -91,48 +91,97 @@ __device__ __forceinline__ Encoded encode_piece(const DispatchSendParams& p, int
   }
 }
 
-// Work item: one warp, kWarp consecutive pieces of one token. The warp loads
-// the token's destinations (lane k holds copy k's, dst_of(t * topk + k))
-// alongside the piece, converts or quantises its piece once and stores it to
-// every destination. (Writes are most of this traffic, and write bandwidth
-// is what bounds it: prefetching the next item's load changed nothing
-// measurable.)
-template <int kMode, typename DstOf>
-__device__ __forceinline__ void pack_items(const DispatchSendParams& p, int tokens, DstOf dst_of) {
-  const Instance& in = p.inst;
-  const int K = in.topk, H = in.hidden;
-  constexpr bool fp8 = kMode != kPackConvert;
-  const int out_bytes = fp8 ? 1 : (in.dispatch_dtype == static_cast<int>(DType::kFp32) ? 4 : 2);
-  const int pieces = (H + kVec - 1) / kVec;
-  const int slices = (pieces + kWarp - 1) / kWarp;
-  const int lane = threadIdx.x % kWarp;
-  // Items advance by a fixed stride: (token, slice) is stepped, not divided
-  // out of an item counter each time.
-  const int warps = blockDim.x / kWarp;
-  const int stride = gridDim.x * warps;
-  const int stride_t = stride / slices, stride_s = stride % slices;
-  const int item = blockIdx.x * warps + threadIdx.x / kWarp;
-  for (int t = item / slices, slice = item % slices; t < tokens;) {
-    const int64_t copy0 = static_cast<int64_t>(t) * K;
-    uint8_t* mine = lane < K ? dst_of(copy0 + lane) : nullptr;  // issued before the piece's load, used after it
-    const int64_t first = static_cast<int64_t>(slice * kWarp + lane) * kVec;
-    const int n = first >= H ? 0 : (H - first < kVec ? static_cast<int>(H - first) : kVec);
-    float scale;
-    const Encoded enc = encode_piece<kMode>(p, t, first, n, out_bytes, scale);
-    const bool scale_lane = fp8 && n > 0 && first % kFp8Block == 0;
-    for (int k0 = 0; k0 < K; k0 += kWarp) {
-      if (k0 > 0) mine = k0 + lane < K ? dst_of(copy0 + k0 + lane) : nullptr;  // topk > 32
-      const int count = K - k0 < kWarp ? K - k0 : kWarp;
-      for (int k = 0; k < count; ++k) {
-        uint8_t* row = reinterpret_cast<uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(mine), k));
-        if (row == nullptr) continue;  // dropped copy (warp-uniform)
-        if (n > 0) store_piece(row + first * out_bytes, enc, out_bytes, n);
-        if (scale_lane) store_f32(row + in.payload_bytes + (first / kFp8Block) * sizeof(float), scale);
-      }
-    }
+// Work items: one warp, kWarp consecutive pieces (a slice) of one token.
+// A warp's items advance by a fixed stride: (token, slice) is stepped, not
+// divided out of an item counter each time.
+struct PackCursor {
+  int t, slice, slices, stride_t, stride_s;
+  __device__ __forceinline__ explicit PackCursor(int hidden) {
+    const int pieces = (hidden + kVec - 1) / kVec;
+    slices = (pieces + kWarp - 1) / kWarp;
+    const int warps = blockDim.x / kWarp;
+    const int stride = gridDim.x * warps;
+    stride_t = stride / slices;
+    stride_s = stride % slices;
+    const int item = blockIdx.x * warps + threadIdx.x / kWarp;
+    t = item / slices;
+    slice = item % slices;
+  }
+  __device__ __forceinline__ void next() {
     t += stride_t;
     slice += stride_s;
     if (slice >= slices) slice -= slices, ++t;
+  }
+};
+
+// One lane's piece of a work item, loaded and encoded, ready to store.
+struct PackPiece {
+  Encoded enc;
+  float scale;
+  int64_t first;  // element offset in the row
+  int n;          // elements, 0 past the row's end
+};
+
+// Loads and encodes the lane's piece of item (t, slice). Every lane of the
+// warp calls it (the amax shuffles need all lanes).
+template <int kMode>
+__device__ __forceinline__ PackPiece load_item(const DispatchSendParams& p, int t, int slice, int out_bytes) {
+  const int H = p.inst.hidden;
+  PackPiece piece;
+  piece.first = static_cast<int64_t>(slice * kWarp + threadIdx.x % kWarp) * kVec;
+  piece.n = piece.first >= H ? 0 : (H - piece.first < kVec ? static_cast<int>(H - piece.first) : kVec);
+  piece.enc = encode_piece<kMode>(p, t, piece.first, piece.n, out_bytes, piece.scale);
+  return piece;
+}
+
+// Stores the piece to every copy of token t: lane k's `mine` is copy
+// copy0 + k's row (from dst_of for topk > 32).
+template <int kMode, typename DstOf>
+__device__ __forceinline__ void store_item(const DispatchSendParams& p, const PackPiece& piece, int64_t copy0,
+                                           uint8_t* mine, int out_bytes, DstOf dst_of) {
+  const Instance& in = p.inst;
+  const int K = in.topk, lane = threadIdx.x % kWarp;
+  const bool scale_lane = kMode != kPackConvert && piece.n > 0 && piece.first % kFp8Block == 0;
+  for (int k0 = 0; k0 < K; k0 += kWarp) {
+    if (k0 > 0) mine = k0 + lane < K ? dst_of(copy0 + k0 + lane) : nullptr;  // topk > 32
+    const int count = K - k0 < kWarp ? K - k0 : kWarp;
+    for (int k = 0; k < count; ++k) {
+      uint8_t* row = reinterpret_cast<uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(mine), k));
+      if (row == nullptr) continue;  // dropped copy (warp-uniform)
+      if (piece.n > 0) store_piece(row + piece.first * out_bytes, piece.enc, out_bytes, piece.n);
+      if (scale_lane) store_f32(row + in.payload_bytes + (piece.first / kFp8Block) * sizeof(float), piece.scale);
+    }
+  }
+}
+
+// Fetches the lane's piece of the cursor's item into L2.
+__device__ __forceinline__ void prefetch_item(const DispatchSendParams& p, const PackCursor& at) {
+  const int64_t first = static_cast<int64_t>(at.slice * kWarp + threadIdx.x % kWarp) * kVec;
+  if (first >= p.inst.hidden) return;
+  const int elem = p.x_dtype == static_cast<int>(DType::kFp8) ? 1 : (p.x_dtype == static_cast<int>(DType::kBf16) ? 2 : 4);
+  prefetch_l2(static_cast<const uint8_t*>(p.x) + (static_cast<int64_t>(at.t) * p.inst.hidden + first) * elem);
+}
+
+__device__ __forceinline__ int pack_out_bytes(const Instance& in, int mode) {
+  if (mode != kPackConvert) return 1;
+  return in.dispatch_dtype == static_cast<int>(DType::kFp32) ? 4 : 2;
+}
+
+// Packs the cursor's items from `at` on: loads each piece once, converts or
+// quantises it once and stores it to every destination. The warp reads the
+// token's destinations (lane k holds copy k's, dst_of(t * topk + k)) before
+// the piece, to use after it. (Writes are most of this traffic, and write
+// bandwidth is what bounds it: prefetching the next item's load changed
+// nothing measurable.)
+template <int kMode, typename DstOf>
+__device__ __forceinline__ void pack_items(const DispatchSendParams& p, int tokens, PackCursor at, DstOf dst_of) {
+  const int K = p.inst.topk, lane = threadIdx.x % kWarp;
+  const int out_bytes = pack_out_bytes(p.inst, kMode);
+  for (; at.t < tokens; at.next()) {
+    const int64_t copy0 = static_cast<int64_t>(at.t) * K;
+    uint8_t* mine = lane < K ? dst_of(copy0 + lane) : nullptr;
+    const PackPiece piece = load_item<kMode>(p, at.t, at.slice, out_bytes);
+    store_item<kMode>(p, piece, copy0, mine, out_bytes, dst_of);
   }
 }
 
@@ -141,7 +190,7 @@ template <int kMode>
 __global__ void __launch_bounds__(kPackThreads, kPackBlocksPerSm) pack_kernel(DispatchSendParams p) {
   kernel_prologue();
   uint8_t* const* copy_dst = p.scratch.copy_dst;
-  pack_items<kMode>(p, *p.scratch.num_tokens, [&](int64_t c) { return copy_dst[c]; });
+  pack_items<kMode>(p, *p.scratch.num_tokens, PackCursor(p.inst.hidden), [&](int64_t c) { return copy_dst[c]; });
   signal_when_grid_done(p.inst, p.scratch.done_blocks, kFlagDispatch, p.inst.proxy.packed);
 }
 
@@ -186,9 +235,14 @@ __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) rout
     dropped = 0;
     if (leader) epoch = begin_call(p, tokens);
   }
+  // The ids first, then the warp's first item is fetched into L2 while the
+  // block routes (at decode sizes it is the warp's only item).
+  const RawIds raw = walks ? load_raw_ids(p, run_begin, run_end, lane) : RawIds{};
+  const PackCursor items(in.hidden);
+  if (items.t < tokens) prefetch_item(p, items);
   for (int i = threadIdx.x; i < kRouteWarps * E; i += kRoutePackThreads) hist[i] = 0;
   __syncthreads();
-  const WarpIds ids = walks ? load_ids(p, run_begin, run_end, lane) : WarpIds{};
+  const WarpIds ids = walks ? match_ids(p, raw, run_begin, run_end, lane) : WarpIds{};
   if (walks) count_ids(ids, hist + warp * E, lane);
   if (__any_sync(kFullMask, ids.dropped) && lane == 0) dropped = 1;
   __syncthreads();
@@ -214,12 +268,14 @@ __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) rout
     allow_dependents();
   }
   // Only the copies of our own items need a destination: one lane each.
-  pack_items<kMode>(p, tokens, [&](int64_t c) -> uint8_t* {
-    const int2 copy = table[c];
-    if (copy.y < 0) return nullptr;  // dropped
-    const int r = copy.y / L;
-    return destination(in, copy.x, r, first[r * L]);
-  });
+  pack_items<kMode>(
+      p, tokens, items,
+      [&](int64_t c) -> uint8_t* {
+        const int2 copy = table[c];
+        if (copy.y < 0) return nullptr;  // dropped
+        const int r = copy.y / L;
+        return destination(in, copy.x, r, first[r * L]);
+      });
   signal_when_grid_done(in, s.done_blocks, kFlagDispatch, in.proxy.packed);
 }
 

@@ -145,7 +145,8 @@ struct DispatchRecvParams {
 struct CombineSendParams {
   Instance inst;
   Scratch scratch;
-  const void* y = nullptr;  // [output rows, hidden] in y_dtype (bf16 or fp32)
+  const void* y = nullptr;  // [y_rows, hidden] in y_dtype (bf16 or fp32); y_rows >= output rows
+  int64_t y_rows = 0;
   int32_t y_dtype = 0;
 };
 

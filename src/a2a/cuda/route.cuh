@@ -36,30 +36,45 @@ struct WarpIds {
   bool dropped = false;  // this lane saw an id out of range
 };
 
-__device__ __forceinline__ WarpIds load_ids(const DispatchSendParams& p, int64_t begin, int64_t end, int lane) {
+// The raw ids of one warp's copies, loads in flight (nothing waits on them
+// until match_ids): a caller may issue other loads in between.
+struct RawIds {
+  int64_t id[kIdsInFlight];
+};
+
+__device__ __forceinline__ RawIds load_raw_ids(const DispatchSendParams& p, int64_t begin, int64_t end, int lane) {
   // Every load is issued before any is used (one branch on the id width, not one per id).
-  int64_t raw[kIdsInFlight];
+  RawIds r;
   if (p.ids_are_64bit) {
     const int64_t* ids = static_cast<const int64_t*>(p.topk_ids);
 #pragma unroll
-    for (int u = 0; u < kIdsInFlight; ++u) raw[u] = begin + u * kWarp + lane < end ? ids[begin + u * kWarp + lane] : 0;
+    for (int u = 0; u < kIdsInFlight; ++u) r.id[u] = begin + u * kWarp + lane < end ? ids[begin + u * kWarp + lane] : 0;
   } else {
     const int32_t* ids = static_cast<const int32_t*>(p.topk_ids);
 #pragma unroll
-    for (int u = 0; u < kIdsInFlight; ++u) raw[u] = begin + u * kWarp + lane < end ? ids[begin + u * kWarp + lane] : 0;
+    for (int u = 0; u < kIdsInFlight; ++u) r.id[u] = begin + u * kWarp + lane < end ? ids[begin + u * kWarp + lane] : 0;
   }
+  return r;
+}
+
+__device__ __forceinline__ WarpIds match_ids(const DispatchSendParams& p, const RawIds& raw, int64_t begin,
+                                             int64_t end, int lane) {
   WarpIds w;
 #pragma unroll
   for (int u = 0; u < kIdsInFlight; ++u) {
     const bool live = begin + u * kWarp + lane < end;
-    const bool valid = raw[u] >= 0 && raw[u] < p.inst.num_experts;
-    w.e[u] = live && valid ? static_cast<int>(raw[u]) : -1;
+    const bool valid = raw.id[u] >= 0 && raw.id[u] < p.inst.num_experts;
+    w.e[u] = live && valid ? static_cast<int>(raw.id[u]) : -1;
     w.dropped = w.dropped || (live && !valid);
   }
   // All matches issued together, so that their latencies overlap.
 #pragma unroll
   for (int u = 0; u < kIdsInFlight; ++u) w.peers[u] = __match_any_sync(kFullMask, w.e[u]);
   return w;
+}
+
+__device__ __forceinline__ WarpIds load_ids(const DispatchSendParams& p, int64_t begin, int64_t end, int lane) {
+  return match_ids(p, load_raw_ids(p, begin, end, lane), begin, end, lane);
 }
 
 // First walk: hist[e] += this warp's copies of e.

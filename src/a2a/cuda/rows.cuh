@@ -146,6 +146,21 @@ constexpr int kCopyUnroll = 8;
 // waits on one round of loads per warp instead of four).
 constexpr int kCopyChunkBytes = kCopyUnroll * kWarp * 16;
 
+// One round of a warp's 16-byte row copy: up to kCopyUnroll pieces a lane,
+// all loaded before the first is stored. `left` is the round's 16-byte
+// pieces less the lane's index (piece u is the lane's when u * kWarp < left).
+using CopyRound = uint4[kCopyUnroll];
+__device__ __forceinline__ void load_round(CopyRound& v, const uint8_t* src, int64_t left, int lane) {
+#pragma unroll
+  for (int u = 0; u < kCopyUnroll; ++u)
+    if (u * kWarp < left) v[u] = ld_16_stream(src + (lane + u * kWarp) * 16);
+}
+__device__ __forceinline__ void store_round(uint8_t* dst, const CopyRound& v, int64_t left, int lane) {
+#pragma unroll
+  for (int u = 0; u < kCopyUnroll; ++u)
+    if (u * kWarp < left) st_16(dst + (lane + u * kWarp) * 16, v[u]);
+}
+
 // Copies `bytes` bytes from src to dst with one warp: 16-byte accesses when
 // both ends allow it, up to kCopyUnroll of them a lane issued before their
 // stores, the last partial step too (predicated).
@@ -153,16 +168,9 @@ __device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int6
   if (aligned(dst, 16) && aligned(src, 16)) {
     const int64_t vecs = bytes / 16;
     for (int64_t base = 0; base < vecs; base += kCopyUnroll * kWarp) {
-      const int64_t left = vecs - base - lane;  // pieces u with u * kWarp < left are this lane's
-      const uint8_t* s = src + (base + lane) * 16;
-      uint8_t* d = dst + (base + lane) * 16;
-      uint4 v[kCopyUnroll];
-#pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u)
-        if (u * kWarp < left) v[u] = ld_16_stream(s + u * kWarp * 16);
-#pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u)
-        if (u * kWarp < left) st_16(d + u * kWarp * 16, v[u]);
+      CopyRound v;
+      load_round(v, src + base * 16, vecs - base - lane, lane);
+      store_round(dst + base * 16, v, vecs - base - lane, lane);
     }
     for (int64_t b = vecs * 16 + lane; b < bytes; b += kWarp) dst[b] = src[b];
     return;
