@@ -155,6 +155,12 @@ CASES = [
     # More than 1024 copies: the routing step spreads over many blocks.
     ("w2-large-route-fp8", Shape.of(2, 1, 640, 64, 16, 8, "fp8"), [640, 517], {"mode": "distinct"}),
     ("w4-large-route-mixed", Shape.of(4, 2, 1100, 64, 32, 4), [1100, 3, 1024, 0], {}),
+    # Large calls with whole fp8 blocks: packed through the bulk copy engine, to
+    # GPU memory (same node) and to pinned host memory (the fabric path).
+    ("w2-bulk-fabric-fp8", Shape.of(2, 1, 300, 256, 16, 8, "fp8"), [300, 211], {}),
+    ("w4-bulk-mixed-bf16", Shape.of(4, 2, 600, 384, 32, 4), [600, 17, 0, 433], {}),
+    ("w2-bulk-prequantised", Shape.of(2, 2, 520, 128, 8, 2, "fp8"), [520, 301], {"prequantised": True}),
+    ("w1-bulk-fp8-from-fp32", Shape.of(1, 1, 700, 256, 16, 4, "fp8"), [700], {"x_dtype": torch.float32}),
     (
         "w4-host-wait",
         Shape.of(4, 2, 16, 256, 16, 4, "fp8"),

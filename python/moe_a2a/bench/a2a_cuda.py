@@ -208,9 +208,9 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, copy_gbs: float) -
 KERNEL_PHASE = {
     "route_pack_kernel": "dispatch_send",
     "count_kernel": "dispatch_send",
-    "offsets_kernel": "dispatch_send",
     "slot_kernel": "dispatch_send",
     "pack_kernel": "dispatch_send",
+    "bulk_pack_kernel": "dispatch_send",
     "plan_kernel": "dispatch_recv",
     "copy_kernel": "dispatch_recv",
     "return_kernel": "combine_send",

@@ -74,7 +74,6 @@ void CudaAllToAll::allocate() {
       copies * sizeof(int32_t),                         // slots
       copies * sizeof(int32_t),                         // copy_rank
       copies * sizeof(uint8_t*),                        // copy_dst
-      (cfg_.world + 1) * sizeof(int64_t),               // send_start
       static_cast<size_t>(route_blocks(static_cast<int64_t>(copies))) * cfg_.num_experts * sizeof(int32_t),  // block_base
       sizeof(int32_t),                                  // dropped
       sizeof(uint32_t),                                 // done_blocks
@@ -98,7 +97,6 @@ void CudaAllToAll::allocate() {
   scratch_.slots = reinterpret_cast<int32_t*>(take());
   scratch_.copy_rank = reinterpret_cast<int32_t*>(take());
   scratch_.copy_dst = reinterpret_cast<uint8_t**>(take());
-  scratch_.send_start = reinterpret_cast<int64_t*>(take());
   scratch_.block_base = reinterpret_cast<int32_t*>(take());
   scratch_.dropped = reinterpret_cast<int32_t*>(take());
   scratch_.done_blocks = reinterpret_cast<uint32_t*>(take());

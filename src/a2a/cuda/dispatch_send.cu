@@ -10,12 +10,14 @@
 // routes the whole call itself into shared memory (at most 1024 ids, read
 // from L2) instead of waiting for a separate routing kernel, whose launch,
 // drain and one-block chain cost more than the repeated work. Large calls
-// (prefill) route in three launches (dispatch_route.cu), then pack_kernel.
+// (prefill) route in two launches (dispatch_route.cu), then pack through the
+// bulk copy engine (dispatch_bulk.cu) or, where that does not fit, pack_kernel.
 // Both grids are persistent, because each block ends with a system-scope
 // fence before it is counted: one per resident block, not one per token.
 #include <cuda_runtime.h>
 
 #include "launch.h"
+#include "pack.cuh"
 #include "route.cuh"
 #include "scan.cuh"
 #include "signal.cuh"
@@ -44,52 +46,6 @@ constexpr int kRoutePackBlocksPerSm = 2;
 // multiprocessor (228 KB on sm_90, 1 KB of it reserved per block): it grows
 // with the number of experts.
 constexpr size_t kRoutePackSmemBytes = 100 * 1024;
-
-// Raw fp8 bytes [first, first + n) of an already-quantised row.
-__device__ __forceinline__ Encoded load_fp8_piece(const uint8_t* row, int64_t first, int n) {
-  const uint8_t* p = row + first;
-  if (n == kVec && aligned(p, 8)) {
-    const uint2 v = *reinterpret_cast<const uint2*>(p);
-    return {make_uint4(v.x, v.y, 0, 0), make_uint4(0, 0, 0, 0)};
-  }
-  uint32_t w[2] = {0, 0};
-#pragma unroll
-  for (int i = 0; i < kVec; ++i)
-    if (i < n) w[i / 4] |= static_cast<uint32_t>(p[i]) << (8 * (i % 4));
-  return {make_uint4(w[0], w[1], 0, 0), make_uint4(0, 0, 0, 0)};
-}
-
-// What pack_kernel does to a piece; one instantiation each, so each holds
-// only its own registers.
-enum PackMode : int { kPackQuantize = 0, kPackFp8 = 1, kPackConvert = 2 };
-
-// Piece `first` of token t in its stored form: converted or quantised (and
-// the block's scale for fp8). Every lane of the warp calls it (the amax
-// shuffles need all lanes).
-template <int kMode>
-__device__ __forceinline__ Encoded encode_piece(const DispatchSendParams& p, int t, int64_t first, int n,
-                                                int out_bytes, float& scale) {
-  const int H = p.inst.hidden;
-  scale = 1.0f;
-  if constexpr (kMode == kPackFp8) {
-    if (n > 0 && first % kFp8Block == 0)
-      scale = p.x_scale[static_cast<size_t>(t) * p.inst.num_scales + first / kFp8Block];
-    return load_fp8_piece(static_cast<const uint8_t*>(p.x) + static_cast<size_t>(t) * H, first, n);
-  } else {
-    const size_t elem = p.x_dtype == static_cast<int>(DType::kBf16) ? 2 : 4;
-    float v[kVec];
-    load_piece(static_cast<const uint8_t*>(p.x) + static_cast<size_t>(t) * H * elem, p.x_dtype, first, n, v);
-    if constexpr (kMode == kPackConvert) return out_bytes == 4 ? encode_fp32(v) : encode_bf16(v);
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-    for (int offset = kLanesPerScaleBlock / 2; offset > 0; offset /= 2)
-      amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
-    scale = amax > 0.0f ? __fdiv_rn(amax, kFp8Max) : 1.0f;
-    return encode_fp8(v, scale);
-  }
-}
 
 // Work items: one warp, kWarp consecutive pieces (a slice) of one token.
 // A warp's items advance by a fixed stride: (token, slice) is stepped, not
@@ -160,11 +116,6 @@ __device__ __forceinline__ void prefetch_item(const DispatchSendParams& p, const
   if (first >= p.inst.hidden) return;
   const int elem = p.x_dtype == static_cast<int>(DType::kFp8) ? 1 : (p.x_dtype == static_cast<int>(DType::kBf16) ? 2 : 4);
   prefetch_l2(static_cast<const uint8_t*>(p.x) + (static_cast<int64_t>(at.t) * p.inst.hidden + first) * elem);
-}
-
-__device__ __forceinline__ int pack_out_bytes(const Instance& in, int mode) {
-  if (mode != kPackConvert) return 1;
-  return in.dispatch_dtype == static_cast<int>(DType::kFp32) ? 4 : 2;
 }
 
 // Packs the cursor's items from `at` on: loads each piece once, converts or
@@ -250,7 +201,7 @@ __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) rout
   __syncthreads();
   block_exclusive_scan<kRoutePackThreads, int32_t>(
       E, [&](int e) { return counts[e]; }, [&](int e, int32_t v) { first[e] = v; });
-  if (leader) write_routing(p, counts, first, copies);
+  if (leader) write_routing(p, counts);
   const Scratch& s = p.scratch;
   if (walks) {
     slot_ids(
@@ -294,6 +245,7 @@ cudaError_t launch_pack(const DispatchSendParams& p, cudaStream_t stream) {
   }
   cudaError_t err = launch_route(p, stream);
   if (err != cudaSuccess) return err;
+  if (bulk_pack_fits(p)) return launch_bulk_pack(p, stream);
   const int blocks = persistent_blocks(items, kPackWarps, kPackBlocksPerSm);
   return launch_kernel(pack_kernel<kMode>, blocks, kPackThreads, 0, stream, p);
 }

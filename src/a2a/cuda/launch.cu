@@ -25,13 +25,16 @@ cudaError_t allow_dynamic_smem(const void* kernel, size_t bytes) {
   return err;
 }
 
-bool use_pdl() {
-  constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices] = {};  // 0 unknown, 1 no, 2 yes
+namespace {
+
+// A Hopper feature, on unless the environment variable `name` is "0"; the
+// answer is kept per device in `cached` (0 unknown, 1 no, 2 yes).
+constexpr int kMaxDevices = 64;
+bool sm90_feature(const char* name, int (&cached)[kMaxDevices]) {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return false;
   if (cached[device] == 0) {
-    const char* env = std::getenv("MOE_A2A_CUDA_PDL");
+    const char* env = std::getenv(name);
     int major = 0;
     const bool capable =
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
@@ -40,12 +43,23 @@ bool use_pdl() {
   return cached[device] == 2;
 }
 
+}  // namespace
+
+bool use_pdl() {
+  static int cached[kMaxDevices] = {};
+  return sm90_feature("MOE_A2A_CUDA_PDL", cached);
+}
+
+bool use_bulk_pack() {
+  static int cached[kMaxDevices] = {};
+  return sm90_feature("MOE_A2A_CUDA_BULK", cached);
+}
+
 // The default of 4 blocks a multiprocessor suits the 256-thread copy kernels:
 // at about 64 registers a thread, 3 to 4 fit, and each warp keeps 4 x 16
 // bytes a lane in flight, more than Little's law asks of HBM3e (about 33 KB
 // per multiprocessor).
 int persistent_blocks(int64_t items, int per_block, int per_sm) {
-  constexpr int kMaxDevices = 64;
   static int sm_count[kMaxDevices] = {};
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) device = 0;

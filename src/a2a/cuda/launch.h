@@ -28,8 +28,13 @@ cudaError_t launch_combine_send(const CombineSendParams& p, cudaStream_t stream)
 // Waits for every receiver, then the fp32 weighted sum per token.
 cudaError_t launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream);
 
-// The routing step of large dispatch sends, in three launches (dispatch_route.cu).
+// The routing step of large dispatch sends, in two launches (dispatch_route.cu).
 cudaError_t launch_route(const DispatchSendParams& p, cudaStream_t stream);
+
+// Packing of large dispatch sends through the bulk copy engine
+// (dispatch_bulk.cu), after launch_route, where bulk_pack_fits.
+bool bulk_pack_fits(const DispatchSendParams& p);
+cudaError_t launch_bulk_pack(const DispatchSendParams& p, cudaStream_t stream);
 
 // Copies that one block of the large calls' routing handles.
 constexpr int kRouteBlockCopies = 1024;
@@ -53,6 +58,10 @@ inline int round_up_threads(int work, int limit) {
 // Whether launches use programmatic dependent launch: on sm_90 and newer,
 // unless MOE_A2A_CUDA_PDL=0 in the environment (read once per device).
 bool use_pdl();
+
+// Whether large dispatch sends pack through the bulk copy engine: on sm_90
+// and newer, unless MOE_A2A_CUDA_BULK=0 (read once per device).
+bool use_bulk_pack();
 
 // kernel<<<grid, block, smem, stream>>>(args...), with programmatic dependent
 // launch where use_pdl(): the kernel's blocks may be scheduled while the

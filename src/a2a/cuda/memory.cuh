@@ -67,6 +67,36 @@ __device__ __forceinline__ void st_8(void* p, uint2 v) {
   asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
 }
 
+// The bulk copy engine (sm_90): a thread hands whole shared-memory buffers to
+// cp.async.bulk, which writes them to global memory while the block goes on.
+// Buffers are written by ordinary stores first: each writing thread fences
+// (fence_proxy_async_shared) before the barrier after which one thread
+// issues the copies. Before a buffer is refilled, the thread that issued its
+// copies waits until at most `kPending` of its groups still read shared memory.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+__device__ __forceinline__ void bulk_store(void* dst, const void* src_smem, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+               "r"(static_cast<uint32_t>(__cvta_generic_to_shared(src_smem))), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
+}
+
+// Every copy this thread issued has been written; then ordered before this
+// thread's later ordinary accesses (the flags that announce the rows).
+__device__ __forceinline__ void bulk_wait_written() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
 // Programmatic dependent launch (sm_90). A kernel launched with
 // launch_kernel (launch.h) may start while the previous kernel of its stream
 // still runs, so every kernel calls grid_dependency_wait() before its first

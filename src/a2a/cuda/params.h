@@ -110,7 +110,6 @@ struct Scratch {
   int32_t* slots = nullptr;        // [max_tokens * topk] send row of (t, k); -1 if dropped
   int32_t* copy_rank = nullptr;    // [max_tokens * topk] destination rank of (t, k)
   uint8_t** copy_dst = nullptr;    // [max_tokens * topk] where pack stores (t, k); null if dropped
-  int64_t* send_start = nullptr;   // [world + 1] send_off[rank][r]
   int32_t* block_base = nullptr;   // [route blocks][num_experts] routing step of large calls
   int32_t* dropped = nullptr;      // [1] a large call's routing saw an id out of range
   uint32_t* done_blocks = nullptr; // [1] blocks of the running launch that finished (reset by the last)

@@ -89,6 +89,7 @@ __device__ __forceinline__ void count_ids(const WarpIds& ids, int32_t* hist, int
 // Where pack stores copy (slot, rank r): a same-node peer's private row, our
 // device send section (same-node overflow, which the peer pulls), or our
 // fabric send section (remote peers).
+// send_start: the send row of rank r's first copy.
 __device__ __forceinline__ uint8_t* destination(const Instance& in, int slot, int r, int64_t send_start) {
   const Layout& l = in.layout;
   const size_t row = l.dispatch_row;
@@ -136,11 +137,9 @@ __device__ __forceinline__ void warp_offsets(int32_t* hist, int warps, int E, co
 
 // The routing row into every same-node host workspace (ours too, where the
 // proxy scatters it to remote peers, and the host reads it) and device
-// workspace (where their plan reads it, without a trip over PCIe), and
-// send_start (read by the large calls' slot kernel). Every thread of the
-// block calls it.
-__device__ __forceinline__ void write_routing(const DispatchSendParams& p, const int32_t* counts,
-                                              const int32_t* first, int64_t copies) {
+// workspace (where their plan reads it, without a trip over PCIe). Every
+// thread of the block calls it.
+__device__ __forceinline__ void write_routing(const DispatchSendParams& p, const int32_t* counts) {
   const Instance& in = p.inst;
   const int E = in.num_experts;
   for (int r = 0; r < in.world; ++r) {
@@ -149,8 +148,6 @@ __device__ __forceinline__ void write_routing(const DispatchSendParams& p, const
     uint32_t* device_row = routing_row(in.peers[r].device, in.layout, in.rank, E);
     for (int e = threadIdx.x; e < E; e += blockDim.x) host_row[e] = device_row[e] = static_cast<uint32_t>(counts[e]);
   }
-  for (int r = threadIdx.x; r <= in.world; r += blockDim.x)
-    p.scratch.send_start[r] = r < in.world ? first[r * in.local_experts] : copies;
 }
 
 // A new call: epoch and status. Thread 0 only, before the routing row.

@@ -38,11 +38,20 @@ __device__ __forceinline__ uint16_t float_to_bf16_bits(float f) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(f));
 }
 
-// Loads the whole piece at p (kVec bf16 or fp32 elements, 16-byte aligned) as floats.
-__device__ __forceinline__ void load_full_piece(const void* p, int dtype, float (&v)[kVec]) {
+// A whole piece as loaded: kVec bf16 (lo) or fp32 (lo, hi) elements.
+struct RawPiece {
+  uint4 lo, hi;
+};
+
+// Issues the loads of the whole piece at p (16-byte aligned); nothing waits yet.
+__device__ __forceinline__ RawPiece load_raw_piece(const void* p, int dtype) {
+  if (dtype == static_cast<int>(DType::kBf16)) return {ld_16_stream(p), make_uint4(0, 0, 0, 0)};
+  return {ld_16_stream(p), ld_16_stream(static_cast<const float*>(p) + 4)};
+}
+
+__device__ __forceinline__ void unpack_piece(const RawPiece& r, int dtype, float (&v)[kVec]) {
   if (dtype == static_cast<int>(DType::kBf16)) {
-    const uint4 raw = ld_16_stream(p);
-    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+    const uint32_t w[4] = {r.lo.x, r.lo.y, r.lo.z, r.lo.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       v[2 * i] = __uint_as_float(w[i] << 16);
@@ -50,9 +59,14 @@ __device__ __forceinline__ void load_full_piece(const void* p, int dtype, float 
     }
     return;
   }
-  const uint4 a = ld_16_stream(p), b = ld_16_stream(static_cast<const float*>(p) + 4);
-  v[0] = __uint_as_float(a.x), v[1] = __uint_as_float(a.y), v[2] = __uint_as_float(a.z), v[3] = __uint_as_float(a.w);
-  v[4] = __uint_as_float(b.x), v[5] = __uint_as_float(b.y), v[6] = __uint_as_float(b.z), v[7] = __uint_as_float(b.w);
+  const uint32_t w[8] = {r.lo.x, r.lo.y, r.lo.z, r.lo.w, r.hi.x, r.hi.y, r.hi.z, r.hi.w};
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) v[i] = __uint_as_float(w[i]);
+}
+
+// Loads the whole piece at p (kVec bf16 or fp32 elements, 16-byte aligned) as floats.
+__device__ __forceinline__ void load_full_piece(const void* p, int dtype, float (&v)[kVec]) {
+  unpack_piece(load_raw_piece(p, dtype), dtype, v);
 }
 
 // Loads elements [first, first + n) of a bf16 or fp32 row as floats (n <= kVec;
