@@ -32,7 +32,6 @@ constexpr int kBulkPiecesInFlight = 2;  // pieces of a thread's round
 constexpr size_t kBulkSmemBytes = 54 * 1024;
 
 // The lane's pieces of one round: loaded together, then encoded into the row.
-template <int kMode>
 struct BulkRound {
   RawPiece raw[kBulkPiecesInFlight];
   float in_scale[kBulkPiecesInFlight];  // kPackFp8: the scale stored with x
@@ -40,7 +39,7 @@ struct BulkRound {
 
 template <int kMode>
 __device__ __forceinline__ void load_round(const DispatchSendParams& p, int t, int first_piece, int pieces,
-                                           BulkRound<kMode>& r) {
+                                           BulkRound& r) {
   const int H = p.inst.hidden;
 #pragma unroll
   for (int j = 0; j < kBulkPiecesInFlight; ++j) {
@@ -63,7 +62,7 @@ __device__ __forceinline__ void load_round(const DispatchSendParams& p, int t, i
 // amax shuffles, with zeros.
 template <int kMode>
 __device__ __forceinline__ void encode_round(const DispatchSendParams& p, int first_piece, int pieces,
-                                             const BulkRound<kMode>& r, uint8_t* row, int out_bytes) {
+                                             const BulkRound& r, uint8_t* row, int out_bytes) {
   const int warp_first = first_piece - static_cast<int>(threadIdx.x % kWarp);
 #pragma unroll
   for (int j = 0; j < kBulkPiecesInFlight; ++j) {
@@ -112,7 +111,7 @@ __global__ void __launch_bounds__(kBulkThreads, kBulkBlocksPerSm) bulk_pack_kern
   const bool issuer = threadIdx.x == 0;
   constexpr int kPerRound = kBulkThreads * kBulkPiecesInFlight;
   const int rounds = (pieces + kPerRound - 1) / kPerRound;
-  BulkRound<kMode> next;
+  BulkRound next;
   if (static_cast<int>(blockIdx.x) < tokens) load_round<kMode>(p, blockIdx.x, threadIdx.x, pieces, next);
   int stage = 0;
   for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
@@ -124,7 +123,7 @@ __global__ void __launch_bounds__(kBulkThreads, kBulkBlocksPerSm) bulk_pack_kern
     if (issuer) bulk_wait_read<kBulkStages - 1>();  // this buffer's last copies have read it
     __syncthreads();
     for (int round = 0; round < rounds; ++round) {
-      const BulkRound<kMode> current = next;
+      const BulkRound current = next;
       const int first_piece = round * kPerRound + static_cast<int>(threadIdx.x);
       if (round + 1 < rounds) load_round<kMode>(p, t, first_piece + kPerRound, pieces, next);
       else if (t + static_cast<int>(gridDim.x) < tokens) load_round<kMode>(p, t + gridDim.x, threadIdx.x, pieces, next);
