@@ -38,21 +38,22 @@ struct BulkRound {
 };
 
 template <int kMode>
-__device__ __forceinline__ void load_round(const DispatchSendParams& p, int t, int first_piece, int pieces,
-                                           BulkRound& r) {
+__device__ __forceinline__ void load_pieces(const DispatchSendParams& p, int t, int first_piece, int pieces,
+                                            BulkRound& r) {
   const int H = p.inst.hidden;
+  const uint8_t* x = static_cast<const uint8_t*>(p.x);
 #pragma unroll
   for (int j = 0; j < kBulkPiecesInFlight; ++j) {
     const int piece = first_piece + j * kBulkThreads;
     if (piece >= pieces) continue;
     const int64_t first = static_cast<int64_t>(piece) * kVec;
     if constexpr (kMode == kPackFp8) {
-      const uint2 v = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(p.x) + static_cast<int64_t>(t) * H + first);
+      const uint2 v = *reinterpret_cast<const uint2*>(x + static_cast<int64_t>(t) * H + first);
       r.raw[j].lo = make_uint4(v.x, v.y, 0, 0);
-      if (first % kFp8Block == 0) r.in_scale[j] = p.x_scale[static_cast<int64_t>(t) * p.inst.num_scales + first / kFp8Block];
+      if (first % kFp8Block == 0)
+        r.in_scale[j] = p.x_scale[static_cast<int64_t>(t) * p.inst.num_scales + first / kFp8Block];
     } else {
-      const size_t elem = p.x_dtype == static_cast<int>(DType::kBf16) ? 2 : 4;
-      r.raw[j] = load_raw_piece(static_cast<const uint8_t*>(p.x) + (static_cast<int64_t>(t) * H + first) * elem, p.x_dtype);
+      r.raw[j] = load_raw_piece(x + (static_cast<int64_t>(t) * H + first) * dtype_size(p.x_dtype), p.x_dtype);
     }
   }
 }
@@ -61,7 +62,7 @@ __device__ __forceinline__ void load_round(const DispatchSendParams& p, int t, i
 // (hidden is whole fp8 blocks); a warp's lanes past the row still join the
 // amax shuffles, with zeros.
 template <int kMode>
-__device__ __forceinline__ void encode_round(const DispatchSendParams& p, int first_piece, int pieces,
+__device__ __forceinline__ void encode_pieces(const DispatchSendParams& p, int first_piece, int pieces,
                                              const BulkRound& r, uint8_t* row, int out_bytes) {
   const int warp_first = first_piece - static_cast<int>(threadIdx.x % kWarp);
 #pragma unroll
@@ -112,7 +113,7 @@ __global__ void __launch_bounds__(kBulkThreads, kBulkBlocksPerSm) bulk_pack_kern
   constexpr int kPerRound = kBulkThreads * kBulkPiecesInFlight;
   const int rounds = (pieces + kPerRound - 1) / kPerRound;
   BulkRound next;
-  if (static_cast<int>(blockIdx.x) < tokens) load_round<kMode>(p, blockIdx.x, threadIdx.x, pieces, next);
+  if (static_cast<int>(blockIdx.x) < tokens) load_pieces<kMode>(p, blockIdx.x, threadIdx.x, pieces, next);
   int stage = 0;
   for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
     // Warp 0 fetches the copies' destinations now, to use once the row is built.
@@ -125,9 +126,10 @@ __global__ void __launch_bounds__(kBulkThreads, kBulkBlocksPerSm) bulk_pack_kern
     for (int round = 0; round < rounds; ++round) {
       const BulkRound current = next;
       const int first_piece = round * kPerRound + static_cast<int>(threadIdx.x);
-      if (round + 1 < rounds) load_round<kMode>(p, t, first_piece + kPerRound, pieces, next);
-      else if (t + static_cast<int>(gridDim.x) < tokens) load_round<kMode>(p, t + gridDim.x, threadIdx.x, pieces, next);
-      encode_round<kMode>(p, first_piece, pieces, current, row, out_bytes);
+      const int next_t = t + static_cast<int>(gridDim.x);
+      if (round + 1 < rounds) load_pieces<kMode>(p, t, first_piece + kPerRound, pieces, next);
+      else if (next_t < tokens) load_pieces<kMode>(p, next_t, threadIdx.x, pieces, next);
+      encode_pieces<kMode>(p, first_piece, pieces, current, row, out_bytes);
     }
     fence_proxy_async_shared();
     __syncthreads();
@@ -157,7 +159,7 @@ cudaError_t launch_bulk(const DispatchSendParams& p, cudaStream_t stream) {
 
 bool bulk_pack_fits(const DispatchSendParams& p) {
   const Instance& in = p.inst;
-  const size_t x_elem = p.x_dtype == static_cast<int>(DType::kFp8) ? 1 : (p.x_dtype == static_cast<int>(DType::kBf16) ? 2 : 4);
+  const size_t x_elem = dtype_bytes(static_cast<DType>(p.x_dtype));
   return use_bulk_pack() && in.topk <= kWarp && in.hidden % kFp8Block == 0 &&
          reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && (in.hidden * x_elem) % 16 == 0 &&
          static_cast<size_t>(kBulkStages) * in.layout.dispatch_row <= kBulkSmemBytes;

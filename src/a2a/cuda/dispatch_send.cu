@@ -114,8 +114,8 @@ __device__ __forceinline__ void store_item(const DispatchSendParams& p, const Pa
 __device__ __forceinline__ void prefetch_item(const DispatchSendParams& p, const PackCursor& at) {
   const int64_t first = static_cast<int64_t>(at.slice * kWarp + threadIdx.x % kWarp) * kVec;
   if (first >= p.inst.hidden) return;
-  const int elem = p.x_dtype == static_cast<int>(DType::kFp8) ? 1 : (p.x_dtype == static_cast<int>(DType::kBf16) ? 2 : 4);
-  prefetch_l2(static_cast<const uint8_t*>(p.x) + (static_cast<int64_t>(at.t) * p.inst.hidden + first) * elem);
+  const int64_t element = static_cast<int64_t>(at.t) * p.inst.hidden + first;
+  prefetch_l2(static_cast<const uint8_t*>(p.x) + element * dtype_size(p.x_dtype));
 }
 
 // Packs the cursor's items from `at` on: loads each piece once, converts or
