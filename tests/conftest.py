@@ -11,7 +11,10 @@ Under MPI with more than one rank:
   pyproject, smaller per test) dumps every thread's stack and aborts the job
   the same way. pytest-timeout's own methods cannot do that: `signal` never
   fires while the main thread sits in a blocking MPI call, and `thread` ends
-  only this rank.
+  only this rank. Before aborting it also asks the other ranks on its host
+  for their stacks (SIGUSR1: each rank dumps into a file of its own) and
+  adds them to its report, since the rank that holds the others up may be
+  outside any test's timer, or unable to write to its console.
 
 Environment:
 - `MOE_A2A_TEST_PROVIDER`: libfabric provider of the fabric tests (default `tcp`).
@@ -27,18 +30,26 @@ log; mpirun names the rank that aborted.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import itertools
 import os
 import secrets
+import signal
+import socket
 import sys
+import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 _seed: int | None = None  # the job's seed, fixed in pytest_configure
+_host_peers: list[tuple[int, int]] = []  # (rank, pid) of the other ranks on this host
+_stacks_file: Any = None  # where this rank dumps its stacks when a peer asks (SIGUSR1)
+STACKS_GRACE_S = 2.0  # how long a timed-out rank waits for the others' stacks
 
 
 def _with_mpi(config: pytest.Config) -> bool:
@@ -98,7 +109,49 @@ def pytest_configure(config: pytest.Config) -> None:
 
         # Rank 0's choice wins, so every rank generates the same data for every rank.
         seed = MPI.COMM_WORLD.bcast(seed, root=0)
+        _answer_stack_requests()
     _seed = seed
+
+
+def _stacks_path(pid: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"moe-a2a-stacks-{pid}.txt")
+
+
+def _answer_stack_requests() -> None:
+    """Collective: learn the other ranks on this host; dump our stacks to a file on SIGUSR1."""
+    global _stacks_file, _host_peers
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    ranks = comm.allgather((socket.gethostname(), os.getpid()))
+    host = ranks[comm.Get_rank()][0]
+    _host_peers = [(r, pid) for r, (h, pid) in enumerate(ranks) if h == host and r != comm.Get_rank()]
+    _stacks_file = open(_stacks_path(os.getpid()), "w")  # noqa: SIM115 (open for the whole session)
+    faulthandler.register(signal.SIGUSR1, file=_stacks_file, all_threads=True)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _stacks_file is not None:
+        faulthandler.unregister(signal.SIGUSR1)
+        _stacks_file.close()
+        os.unlink(_stacks_file.name)
+
+
+def _peer_stacks(rank: int) -> str:
+    """Asks the other ranks on this host for their stacks; returns them as text."""
+    for _, pid in _host_peers:
+        with contextlib.suppress(OSError):  # already gone
+            os.kill(pid, signal.SIGUSR1)
+    time.sleep(STACKS_GRACE_S)
+    parts = []
+    for r, pid in _host_peers:
+        try:
+            with open(_stacks_path(pid)) as f:
+                text = f.read()
+        except OSError as err:
+            text = f"(none: {err})\n"
+        parts.append(f"\n--- rank {r}'s stacks, as rank {rank} asked for them ---\n{text}")
+    return "".join(parts)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -146,6 +199,7 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
             "stacks follow, then the MPI job is aborted ===\n",
         )
         faulthandler.dump_traceback(file=2, all_threads=True)
+        os.write(2, _peer_stacks(rank).encode(errors="replace"))
         from mpi4py import MPI
 
         MPI.COMM_WORLD.Abort(1)
