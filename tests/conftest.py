@@ -100,7 +100,7 @@ def _abort(config: pytest.Config, text: str) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    global _seed
+    global _seed, _watchdog
     seed = _env_int("MOE_A2A_TEST_SEED", -1, 0)
     if seed < 0:
         seed = secrets.randbits(32)
@@ -110,6 +110,8 @@ def pytest_configure(config: pytest.Config) -> None:
         # Rank 0's choice wins, so every rank generates the same data for every rank.
         seed = MPI.COMM_WORLD.bcast(seed, root=0)
         _answer_stack_requests()
+        if MPI.COMM_WORLD.Get_size() > 1:
+            _watchdog = _Watchdog()
     _seed = seed
 
 
@@ -204,17 +206,54 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
 
         MPI.COMM_WORLD.Abort(1)
 
-    timer = threading.Timer(settings.timeout, expire)
-    timer.daemon = True
-    timer.name = f"moe-a2a timeout {item.nodeid}"
-
-    def cancel() -> None:
-        timer.cancel()
-
     # pytest-timeout's pytest_timeout_cancel_timer calls item.cancel_timeout.
-    item.cancel_timeout = cancel  # type: ignore[attr-defined]
-    timer.start()
+    item.cancel_timeout = _watchdog.disarm  # type: ignore[attr-defined]
+    _watchdog.arm(settings.timeout, expire)
     return True
+
+
+class _Watchdog:
+    """One thread for the whole session that times out the current test.
+
+    Not a timer thread per test: on the 2-core CI machine, with three ranks'
+    engine workers spinning, starting a new thread once took over a minute
+    (the rank sat in Thread.start, outside any test's timer, while the
+    others timed out waiting for it in a collective).
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._deadline: float | None = None
+        self._on_expire: Callable[[], None] | None = None
+        threading.Thread(target=self._run, name="moe-a2a test watchdog", daemon=True).start()
+
+    def arm(self, seconds: float, on_expire: Callable[[], None]) -> None:
+        with self._cv:
+            self._deadline = time.monotonic() + seconds
+            self._on_expire = on_expire
+            self._cv.notify()
+
+    def disarm(self) -> None:
+        with self._cv:
+            self._deadline = None
+            self._cv.notify()
+
+    def _run(self) -> None:
+        with self._cv:
+            while True:
+                if self._deadline is None:
+                    self._cv.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+            on_expire = self._on_expire
+        assert on_expire is not None
+        on_expire()  # aborts the job
+
+
+_watchdog: Any = None  # the session's _Watchdog (MPI runs of several ranks)
 
 
 # ---------------------------------------------------------------- fixtures
