@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import glob
 import itertools
 import os
 import secrets
@@ -115,8 +116,11 @@ def pytest_configure(config: pytest.Config) -> None:
     _seed = seed
 
 
-def _stacks_path(pid: int) -> str:
-    return os.path.join(tempfile.gettempdir(), f"moe-a2a-stacks-{pid}.txt")
+_STACKS_FILE = "moe-a2a-stacks-{}.txt"  # in the temporary directory, by pid
+
+
+def _stacks_path(pid: int | str) -> str:
+    return os.path.join(tempfile.gettempdir(), _STACKS_FILE.format(pid))
 
 
 def _answer_stack_requests() -> None:
@@ -128,8 +132,24 @@ def _answer_stack_requests() -> None:
     ranks = comm.allgather((socket.gethostname(), os.getpid()))
     host = ranks[comm.Get_rank()][0]
     _host_peers = [(r, pid) for r, (h, pid) in enumerate(ranks) if h == host and r != comm.Get_rank()]
+    _remove_dead_stack_files()
     _stacks_file = open(_stacks_path(os.getpid()), "w")  # noqa: SIM115 (open for the whole session)
     faulthandler.register(signal.SIGUSR1, file=_stacks_file, all_threads=True)
+
+
+def _remove_dead_stack_files() -> None:
+    """Stack files of aborted runs (an aborted rank never reaches pytest_unconfigure)."""
+    for path in glob.glob(_stacks_path("*")):
+        pid = os.path.basename(path).removeprefix("moe-a2a-stacks-").removesuffix(".txt")
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        except OSError:
+            pass  # alive, another user's
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
