@@ -11,10 +11,11 @@ Under MPI with more than one rank:
   pyproject, smaller per test) dumps every thread's stack and aborts the job
   the same way. pytest-timeout's own methods cannot do that: `signal` never
   fires while the main thread sits in a blocking MPI call, and `thread` ends
-  only this rank. Before aborting it also asks the other ranks on its host
-  for their stacks (SIGUSR1: each rank dumps into a file of its own) and
-  adds them to its report, since the rank that holds the others up may be
-  outside any test's timer, or unable to write to its console.
+  only this rank. Before aborting (after a failure too) it also asks the
+  other ranks on its host for their stacks (SIGUSR1: each rank dumps into a
+  file of its own) and adds them to its report, since the rank that holds
+  the others up may be outside any test's timer, or unable to write to its
+  console.
 
 Environment:
 - `MOE_A2A_TEST_PROVIDER`: libfabric provider of the fabric tests (default `tcp`).
@@ -198,10 +199,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     rank, world = _world()
     if world == 1:
         return  # nobody waits for us: let pytest report as usual
+    # The others' stacks too: a failure here is often a wait for a rank that is stuck.
     _abort(
         item.config,
         f"\n=== moe-a2a: rank {rank} of {world}: {item.nodeid} FAILED during {report.when}; "
-        f"aborting the MPI job (replay with MOE_A2A_TEST_SEED={_seed}) ===\n{report.longreprtext}\n",
+        f"aborting the MPI job (replay with MOE_A2A_TEST_SEED={_seed}) ===\n{report.longreprtext}\n"
+        + _peer_stacks(rank),
     )
 
 
