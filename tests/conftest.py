@@ -51,7 +51,7 @@ import pytest
 _seed: int | None = None  # the job's seed, fixed in pytest_configure
 _host_peers: list[tuple[int, int]] = []  # (rank, pid) of the other ranks on this host
 _stacks_file: Any = None  # where this rank dumps its stacks when a peer asks (SIGUSR1)
-STACKS_GRACE_S = 2.0  # how long a timed-out rank waits for the others' stacks
+STACKS_GRACE_S = 2.0  # how long a failed or timed-out rank waits for the others' stacks
 
 
 def _with_mpi(config: pytest.Config) -> bool:
@@ -141,7 +141,8 @@ def _answer_stack_requests() -> None:
 def _remove_dead_stack_files() -> None:
     """Stack files of aborted runs (an aborted rank never reaches pytest_unconfigure)."""
     for path in glob.glob(_stacks_path("*")):
-        pid = os.path.basename(path).removeprefix("moe-a2a-stacks-").removesuffix(".txt")
+        prefix, suffix = _STACKS_FILE.split("{}")
+        pid = os.path.basename(path).removeprefix(prefix).removesuffix(suffix)
         if not pid.isdigit():
             continue
         try:
@@ -238,10 +239,10 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
 class _Watchdog:
     """One thread for the whole session that times out the current test.
 
-    Not a timer thread per test: on the 2-core CI machine, with three ranks'
-    engine workers spinning, starting a new thread once took over a minute
-    (the rank sat in Thread.start, outside any test's timer, while the
-    others timed out waiting for it in a collective).
+    Not a timer thread per test: on the 2-vCPU CI machine, starting a new
+    thread once took over a minute (its first mmap waited on the process's
+    memory-map lock; the rank sat in Thread.start, outside any test's timer,
+    while the others timed out waiting for it in a collective).
     """
 
     def __init__(self) -> None:
