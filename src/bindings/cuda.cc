@@ -109,6 +109,9 @@ void bind_cuda(nb::module_& m) {
           },
           nb::arg("weights"), nb::arg("out"), nb::arg("host_wait"), nb::arg("stream"), release())
       .def("check", &CudaAllToAll::check, "Raise the outcome of the last call (after synchronising its stream).")
+      .def("wait_planned", &CudaAllToAll::wait_planned,
+           "Eager dispatch: wait until the plan of this call is final (no stream synchronisation), then check().",
+           release())
       .def_prop_ro("status", &CudaAllToAll::status)
       .def_prop_ro("output_rows", &CudaAllToAll::output_rows)
       .def_prop_ro("max_output_rows", &CudaAllToAll::max_output_rows)

@@ -212,13 +212,19 @@ class LocalWorld:
             scale_ptr = scale.data_ptr() if scale is not None else 0
             a.dispatch_recv(x.data_ptr(), scale_ptr, tpe.data_ptr(), self.host_wait, stream)
             outs.append(RankOutput(x, scale, tpe))
+        filled = []
+        if self.host_wait:  # as eager AllToAll: the plan's host word, before any stream synchronisation
+            for a in self.ranks:
+                a.wait_planned()
+                filled.append(a.output_rows)
         torch.cuda.synchronize()
         for a in self.ranks:
             a.check()
-        for a, o in zip(self.ranks, outs, strict=True):
-            o.expert_x = o.expert_x[: a.output_rows]
+        filled = filled or [a.output_rows for a in self.ranks]
+        for rows, o in zip(filled, outs, strict=True):
+            o.expert_x = o.expert_x[:rows]
             if o.expert_x_scale is not None:
-                o.expert_x_scale = o.expert_x_scale[: a.output_rows]
+                o.expert_x_scale = o.expert_x_scale[:rows]
         return outs
 
     def combine(

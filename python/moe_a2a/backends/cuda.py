@@ -4,10 +4,12 @@ Ranks of one node map each other's device workspaces through CUDA IPC and
 write rows directly; rows for other nodes go through the host workspace
 (pinned shared memory), which the host proxy moves over the fabric.
 
-By default dispatch's receive half synchronises with the stream once, to
-learn how many rows arrived (the output's shape) and to raise what the kernels
-reported (an expert id out of range: those copies were dropped, and the
-instance is unusable afterwards, as after any failure but a capacity error).
+By default dispatch's receive half waits on the host until its plan kernel has
+run, to learn how many rows arrived (the output's shape) and to raise what the
+kernels reported (an expert id out of range: those copies were dropped, and the
+instance is unusable afterwards, as after any failure but a capacity error);
+it does not synchronise the stream, so the rows are still being copied when it
+returns, in stream order before anything the caller enqueues next.
 Combine's receive half waits for its peers on the host, where timeouts and
 proxy failures are raised, and returns without synchronising: the result is
 ready in stream order. With `graph_safe=True` nothing synchronises: dispatch
@@ -71,12 +73,6 @@ class CudaBackend:
             return int(raw(self.device.index))
         return torch.cuda.current_stream(self.device).cuda_stream
 
-    def _settle(self) -> None:
-        """Eager mode: wait for the stream, then raise what the kernels reported."""
-        if not self.graph_safe:
-            torch.cuda.current_stream(self.device).synchronize()
-            self._impl.check()
-
     def dispatch_send(self, x: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor) -> None:
         self._impl.dispatch_send(
             x.data_ptr(),
@@ -108,8 +104,10 @@ class CudaBackend:
             not self.graph_safe,
             self._stream(),
         )
-        self._settle()
         if not self.graph_safe:
+            # Not a stream synchronisation: the plan kernel raises a host word once the
+            # output rows and the status are final, and the copy kernel goes on meanwhile.
+            self._impl.wait_planned()
             filled = int(self._impl.output_rows)
             expert_x = expert_x[:filled]
             scale = scale[:filled] if scale is not None else None

@@ -105,13 +105,16 @@ void CudaAllToAll::allocate() {
   scratch_.output_rows = reinterpret_cast<int32_t*>(take());
   epoch_device_ = reinterpret_cast<uint64_t*>(take());
 
-  // Small host words the kernels write and the host reads after a sync.
   void* words = nullptr;
-  check_cuda(cudaHostAlloc(&words, 2 * sizeof(int32_t), cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
-  std::memset(words, 0, 2 * sizeof(int32_t));
-  status_ = static_cast<int32_t*>(words);
-  output_rows_host_ = status_ + 1;
-  scratch_.output_rows_host = output_rows_host_;
+  check_cuda(cudaHostAlloc(&words, sizeof(HostWords), cudaHostAllocMapped | cudaHostAllocPortable),
+             "cudaHostAlloc(host words)");
+  words_ = new (words) HostWords();
+  void* words_dev = nullptr;
+  check_cuda(cudaHostGetDevicePointer(&words_dev, words, 0), "cudaHostGetDevicePointer(host words)");
+  auto* dev = static_cast<HostWords*>(words_dev);
+  status_device_ = &dev->status;
+  scratch_.output_rows_host = &dev->output_rows;
+  scratch_.planned_host = reinterpret_cast<uint64_t*>(&dev->planned.value);
 
   void* signals = nullptr;
   check_cuda(cudaHostAlloc(&signals, sizeof(ProxySignals), cudaHostAllocMapped | cudaHostAllocPortable),
@@ -140,7 +143,10 @@ CudaAllToAll::~CudaAllToAll() {
     signals_->~ProxySignals();
     cudaFreeHost(signals_);
   }
-  cudaFreeHost(status_);
+  if (words_ != nullptr) {
+    words_->~HostWords();
+    cudaFreeHost(words_);
+  }
   cudaFree(peers_device_);
   cudaFree(scratch_mem_);
   cudaFree(device_ws_);
@@ -233,9 +239,7 @@ const Instance& CudaAllToAll::instance() {
   in.proxy.overflow = dev(&signals_->overflow.value);
   in.proxy.failed = dev(&signals_->failed.value);
   in.epoch = epoch_device_;
-  void* status_dev = nullptr;
-  check_cuda(cudaHostGetDevicePointer(&status_dev, status_, 0), "cudaHostGetDevicePointer(status)");
-  in.status = static_cast<int32_t*>(status_dev);
+  in.status = status_device_;
   return in;
 }
 
@@ -261,6 +265,17 @@ void CudaAllToAll::wait_host(FlagKind kind, const Seq& done, const char* what) {
       throw fabric::TimeoutError(who + std::to_string(cfg_.timeout_s) + " s waiting for the " + what +
                                  " of same-node peer " + std::to_string(s) + " (epoch " + std::to_string(epoch_) + ")");
   }
+}
+
+void CudaAllToAll::wait_planned() {
+  // Our kernels may queue behind anything earlier on the stream, and the plan
+  // kernel itself may wait that long for flags (graph mode's deadline): a
+  // grace second more than that.
+  const auto deadline = deadline_after(kProxyGrace * cfg_.timeout_s + 2 * kGraceSeconds);
+  if (!wait_at_least(&words_->planned.value, epoch_, deadline, [this] { check_proxy(); }))
+    throw fabric::TimeoutError("rank " + std::to_string(cfg_.rank) + ": timed out waiting for the plan kernel of epoch " +
+                               std::to_string(epoch_) + " (its stream did not reach it)");
+  check();
 }
 
 int64_t CudaAllToAll::max_output_rows() const {
@@ -334,7 +349,8 @@ std::string CudaAllToAll::capacity_message() const {
 
 void CudaAllToAll::check() const {
   const std::string who = "rank " + std::to_string(cfg_.rank) + ": ";
-  switch (*status_) {
+  const int32_t status = words_->status;
+  switch (status) {
     case kStatusOk:
       return;
     case kStatusCapacity:
@@ -348,7 +364,7 @@ void CudaAllToAll::check() const {
       throw std::invalid_argument(who + "topk_ids held an expert id outside [0, " + std::to_string(cfg_.num_experts) +
                                   "); those copies were dropped");
     default:
-      throw std::runtime_error(who + "unknown status " + std::to_string(*status_));
+      throw std::runtime_error(who + "unknown status " + std::to_string(status));
   }
 }
 

@@ -26,6 +26,13 @@
 
 namespace moe_a2a::a2a::cuda {
 
+// Words the kernels write into pinned mapped host memory for the host.
+struct HostWords {
+  int32_t status = 0;       // Status of the last call
+  int32_t output_rows = 0;  // padded output rows of the last dispatch_recv
+  Seq planned;              // epoch whose plan (status, output_rows) is final
+};
+
 class CudaAllToAll {
  public:
   // A rank of a job: `host_workspace` already maps its node's peers.
@@ -55,11 +62,16 @@ class CudaAllToAll {
   void combine_send(const void* y, DType y_dtype, int64_t y_rows, cudaStream_t stream);
   void combine_recv(const float* weights, void* out, bool host_wait, cudaStream_t stream);
 
-  // After the caller synchronised with the stream: the outcome of the last
-  // call (throws CapacityError, fabric errors), and the rows it filled.
+  // After the caller synchronised with the stream (or wait_planned): the
+  // outcome of the last call (throws CapacityError, fabric errors), and the
+  // rows it filled.
   void check() const;
-  int32_t status() const { return *status_; }
-  int64_t output_rows() const { return *output_rows_host_; }
+  // Eager dispatch: wait until the plan of the current epoch is final (its
+  // kernel wrote `planned`), then check(). Cheaper than a stream
+  // synchronisation, and the copy kernel after the plan keeps running.
+  void wait_planned();
+  int32_t status() const { return words_->status; }
+  int64_t output_rows() const { return words_->output_rows; }
   int64_t max_output_rows() const;
   uint64_t epoch() const { return epoch_; }
 
@@ -99,8 +111,8 @@ class CudaAllToAll {
   uint8_t* scratch_mem_ = nullptr;
   Scratch scratch_;
   uint64_t* epoch_device_ = nullptr;
-  int32_t* status_ = nullptr;            // mapped host
-  int32_t* output_rows_host_ = nullptr;  // mapped host
+  HostWords* words_ = nullptr;           // mapped host
+  int32_t* status_device_ = nullptr;     // its status, device address
   ProxySignals* signals_ = nullptr;      // mapped host
   std::unique_ptr<Proxy> proxy_;
   uint64_t epoch_ = 0;

@@ -196,8 +196,15 @@ __global__ void __launch_bounds__(kPlanThreads, kPlanMinBlocks) plan_kernel(Disp
   }
   compute_plan(p, matrix, ok);
   if (p.wait_in_kernel && !wait_peers(in, kFlagDispatch, epoch, deadline)) deliver_nothing(p);
-  grid_dependency_wait();
+  grid_dependency_wait();  // the routing before us reported its status too
   allow_dependents();
+  // An eager host waits for this word, not for the stream: it needs only the
+  // output rows and the status, and returns while the copy kernel runs.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    fence_sys();
+    st_release_sys(p.scratch.planned_host, epoch);
+  }
 }
 
 __device__ __forceinline__ const uint8_t* source_row(const Instance& in, const SenderPlan* senders, int s, int64_t j) {
