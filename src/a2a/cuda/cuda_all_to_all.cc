@@ -43,7 +43,12 @@ CudaAllToAll::CudaAllToAll(Workspace* host_workspace, fabric::TransferEngine* en
     // workspace: register that head, not the gigabytes of rows behind it.
     if (r != cfg_.rank && node[r] != nullptr) register_host(node[r], layout_.private_rows, &peers_[r].host);
 
-  proxy_ = std::make_unique<Proxy>(proxy_context(*host_workspace, engine, region, group, remote_peers, signals_));
+  // Every peer on this node: kernels reach them all through CUDA IPC and
+  // nothing waits for the proxy (its flags are read only with remote peers),
+  // so no thread polls a step that moves nothing (with several ranks a node,
+  // those threads took host cores from the ranks' own launches).
+  if (has_remote_)
+    proxy_ = std::make_unique<Proxy>(proxy_context(*host_workspace, engine, region, group, remote_peers, signals_));
 }
 
 CudaAllToAll::CudaAllToAll(const A2AConfig& config) : cfg_(config), layout_(Layout::of(config)) {
