@@ -1,12 +1,19 @@
 """Where one rank's eager CUDA step spends its time, for tuning (one process, no mpirun).
 
     python3 tools/gpu/profile_step.py --shape decode host     # host-side costs, one table
+    python3 tools/gpu/profile_step.py --shape prefill span    # GPU span of dispatch send, PDL on
     ncu --profile-from-start off ... python3 tools/gpu/profile_step.py --shape prefill ncu
 
 `host` times, on the host clock with the stream idle before each: the bare
 costs this machine charges (a stream sync, a tiny kernel and its sync, the id
 range check), then each half of dispatch and combine as the benchmark times
 it, and the whole step in one span next to the torch-native version.
+`span` times dispatch send's kernels on the GPU as a step runs them (with
+programmatic dependent launch, so overlap between them counts): its launches
+are queued behind a sleeping kernel, so host launch gaps do not count, and
+CUDA events before and after give the span (median of 35 after 5 warm-up).
+Only dispatch send is timed so: the receive half waits on the host, and the
+kernels after it could then wait for launches.
 `ncu` runs warm-up steps, then one step between cudaProfilerStart/Stop, so
 Nsight Compute sees exactly one step's kernels.
 """
@@ -17,6 +24,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -36,11 +44,34 @@ def host_us(fn: Callable[[], object], iters: int) -> float:
     return statistics.median(times[3:])
 
 
+SLEEP_CYCLES = 200_000  # about 100 us: longer than the host takes to launch dispatch send
+
+
+def send_span_us(a2a: AllToAll, r: Any, y: torch.Tensor, iters: int = 40, warmup: int = 5) -> str:
+    """Dispatch send's GPU span (first kernel's start to last kernel's end), launches queued ahead."""
+    spans = []
+    for i in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        start.record()
+        pending = a2a.dispatch(r.x, r.ids, r.weights, recv=False)
+        end.record()
+        d = a2a.dispatch(handle=pending, send=False)
+        a2a.combine(y[: d.expert_x.shape[0]], d)
+        torch.cuda.synchronize()
+        if i >= warmup:
+            spans.append(start.elapsed_time(end) * 1e3)
+    spans.sort()
+    p90 = spans[int(0.9 * len(spans))]
+    return f"median {statistics.median(spans):.1f} us, min {spans[0]:.1f}, p90 {p90:.1f}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="decode")
     parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("mode", choices=["host", "ncu"])
+    parser.add_argument("mode", choices=["host", "span", "ncu"])
     args = parser.parse_args()
     from mpi4py import MPI
 
@@ -65,6 +96,9 @@ def main() -> int:
         for _ in range(5):
             step()
         torch.cuda.synchronize()
+        if args.mode == "span":
+            print(f"-- {args.shape}, one rank: dispatch send on the GPU, {send_span_us(a2a, r, y)}")
+            return 0
         if args.mode == "ncu":
             torch.cuda.cudart().cudaProfilerStart()
             step()

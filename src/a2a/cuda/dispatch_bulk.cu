@@ -14,6 +14,7 @@
 
 #include "launch.h"
 #include "pack.cuh"
+#include "route.cuh"
 #include "signal.cuh"
 
 namespace moe_a2a::a2a::cuda {
@@ -98,38 +99,57 @@ __device__ __forceinline__ void encode_pieces(const DispatchSendParams& p, int f
   }
 }
 
+// Builds token t's row into `row`, round by round, each round's loads issued
+// before the previous round is encoded. On entry `next` holds t's first
+// round; on return, the first round of token `after` (when it is a token).
+template <int kMode>
+__device__ __forceinline__ void build_row(const DispatchSendParams& p, int t, int after, int tokens, int pieces,
+                                          uint8_t* row, int out_bytes, BulkRound& next) {
+  constexpr int kPerRound = kBulkThreads * kBulkPiecesInFlight;
+  const int rounds = (pieces + kPerRound - 1) / kPerRound;
+  for (int round = 0; round < rounds; ++round) {
+    const BulkRound current = next;
+    const int first_piece = round * kPerRound + static_cast<int>(threadIdx.x);
+    if (round + 1 < rounds) load_pieces<kMode>(p, t, first_piece + kPerRound, pieces, next);
+    else if (after < tokens) load_pieces<kMode>(p, after, threadIdx.x, pieces, next);
+    encode_pieces<kMode>(p, first_piece, pieces, current, row, out_bytes);
+  }
+}
+
+// A block's first row is built before the grid wait: x, its scales and the
+// token count are the call's input, complete before count_kernel's wait
+// returned, and the kernels between (slot_kernel, then us) are scheduled
+// only after it. So the first rows overlap slot_kernel; only the
+// destinations (slot_kernel's copy_dst) wait for it.
 template <int kMode>
 __global__ void __launch_bounds__(kBulkThreads, kBulkBlocksPerSm) bulk_pack_kernel(DispatchSendParams p) {
   extern __shared__ __align__(128) uint8_t ring[];
-  kernel_prologue();
   const Instance& in = p.inst;
   const int K = in.topk;
-  const int tokens = *p.scratch.num_tokens;
+  const int tokens = resolve_tokens(p);
   const int pieces = in.hidden / kVec;
   const int out_bytes = pack_out_bytes(in, kMode);
   const uint32_t row_bytes = static_cast<uint32_t>(in.layout.dispatch_row);
   const int lane = threadIdx.x % kWarp;
   const bool issuer = threadIdx.x == 0;
-  constexpr int kPerRound = kBulkThreads * kBulkPiecesInFlight;
-  const int rounds = (pieces + kPerRound - 1) / kPerRound;
+  const int first_t = blockIdx.x, stride = gridDim.x;
   BulkRound next;
-  if (static_cast<int>(blockIdx.x) < tokens) load_pieces<kMode>(p, blockIdx.x, threadIdx.x, pieces, next);
+  if (first_t < tokens) {
+    load_pieces<kMode>(p, first_t, threadIdx.x, pieces, next);
+    build_row<kMode>(p, first_t, first_t + stride, tokens, pieces, ring, out_bytes, next);
+  }
+  kernel_prologue();
   int stage = 0;
-  for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
+  for (int t = first_t; t < tokens; t += stride) {
     // Warp 0 fetches the copies' destinations now, to use once the row is built.
     uint8_t* mine = threadIdx.x < static_cast<unsigned>(K) ? p.scratch.copy_dst[static_cast<int64_t>(t) * K + lane]
                                                            : nullptr;
     uint8_t* row = ring + static_cast<size_t>(stage) * row_bytes;
     stage = stage + 1 == kBulkStages ? 0 : stage + 1;
-    if (issuer) bulk_wait_read<kBulkStages - 1>();  // this buffer's last copies have read it
-    __syncthreads();
-    for (int round = 0; round < rounds; ++round) {
-      const BulkRound current = next;
-      const int first_piece = round * kPerRound + static_cast<int>(threadIdx.x);
-      const int next_t = t + static_cast<int>(gridDim.x);
-      if (round + 1 < rounds) load_pieces<kMode>(p, t, first_piece + kPerRound, pieces, next);
-      else if (next_t < tokens) load_pieces<kMode>(p, next_t, threadIdx.x, pieces, next);
-      encode_pieces<kMode>(p, first_piece, pieces, current, row, out_bytes);
+    if (t != first_t) {
+      if (issuer) bulk_wait_read<kBulkStages - 1>();  // this buffer's last copies have read it
+      __syncthreads();
+      build_row<kMode>(p, t, t + stride, tokens, pieces, row, out_bytes, next);
     }
     fence_proxy_async_shared();
     __syncthreads();

@@ -43,9 +43,13 @@ __global__ void __launch_bounds__(kLargeThreads) count_kernel(DispatchSendParams
 // own first row per expert from the blocks' counts, then walks its copies
 // again. Block 0 also starts the call and publishes the routing row.
 // Shared memory: hist [warps][E], counts [E], first [E], mine [E].
+//
+// The ids are loaded and matched before the grid wait: they are the call's
+// input, complete before count_kernel's own wait returned, and only after
+// that wait does count_kernel let this kernel be scheduled. So this part
+// overlaps count_kernel (with programmatic dependent launch).
 __global__ void __launch_bounds__(kLargeThreads) slot_kernel(DispatchSendParams p) {
   extern __shared__ int32_t hist[];
-  kernel_prologue();
   const Instance& in = p.inst;
   const Scratch& s = p.scratch;
   const int E = in.num_experts;
@@ -59,6 +63,7 @@ __global__ void __launch_bounds__(kLargeThreads) slot_kernel(DispatchSendParams 
   const int64_t begin = static_cast<int64_t>(blockIdx.x) * kRouteBlockCopies + warp * kWarpCopies;
   const int64_t end = begin + kWarpCopies < copies ? begin + kWarpCopies : copies;
   const WarpIds ids = load_ids(p, begin, end, lane);
+  kernel_prologue();  // count_kernel's block_base from here on
   // Per expert, the copies of every block (count_kernel) and of those before ours.
   const int blocks = gridDim.x;
   for (int e = threadIdx.x; e < E; e += kLargeThreads) {
