@@ -45,8 +45,7 @@ CudaAllToAll::CudaAllToAll(Workspace* host_workspace, fabric::TransferEngine* en
 
   // Every peer on this node: kernels reach them all through CUDA IPC and
   // nothing waits for the proxy (its flags are read only with remote peers),
-  // so no thread polls a step that moves nothing (with several ranks a node,
-  // those threads took host cores from the ranks' own launches).
+  // so no thread polls through steps that move nothing.
   if (has_remote_)
     proxy_ = std::make_unique<Proxy>(proxy_context(*host_workspace, engine, region, group, remote_peers, signals_));
 }
