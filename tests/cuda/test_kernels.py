@@ -194,6 +194,18 @@ def test_capacity_error_then_recovery(ranks_per_node: int) -> None:
     _run(shape, [3, 2], mode="distinct", world=world)
 
 
+def test_wait_planned_refuses_after_kernel_waits() -> None:
+    """Without host_wait the plan does not signal the host: wait_planned says so at once."""
+    shape = Shape.of(1, 1, 4, 128, 4, 2)
+    world = LocalWorld(shape)  # kernels wait for the flags, as in a captured graph
+    gen = torch.Generator().manual_seed(3)
+    world.dispatch(
+        [_tokens(torch.bfloat16, gen, 4, 128).cuda()], [torch.zeros(4, 2, dtype=torch.int64, device="cuda")]
+    )
+    with pytest.raises(RuntimeError, match="host_wait=false"):
+        world.ranks[0].wait_planned()
+
+
 def test_fp8_quantisation_bitwise_edge_values() -> None:
     """Zero blocks (scale 1), subnormal results, saturation edges and ties, against torch."""
     hidden, tokens = 384, 6

@@ -275,6 +275,9 @@ void CudaAllToAll::wait_planned() {
   // Our kernels may queue behind anything earlier on the stream, and the plan
   // kernel itself may wait that long for flags (graph mode's deadline): a
   // grace second more than that.
+  if (!plan_signals_host_)
+    throw std::logic_error("wait_planned: the last dispatch_recv had host_wait=false; its plan kernel "
+                           "does not signal the host (synchronise the stream, then check())");
   const auto deadline = deadline_after(kProxyGrace * cfg_.timeout_s + 2 * kGraceSeconds);
   if (!wait_at_least(&words_->planned.value, epoch_, deadline, [this] { check_proxy(); }))
     throw fabric::TimeoutError("rank " + std::to_string(cfg_.rank) + ": timed out waiting for the plan kernel of epoch " +
@@ -317,8 +320,9 @@ void CudaAllToAll::dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_
   p.out_scale = out_scale;
   p.tokens_per_expert = tokens_per_expert;
   p.max_output_rows = max_output_rows();
-  p.wait_in_kernel = host_wait ? 0 : 1;
+  p.wait_in_kernel = host_wait ? 0 : 1;  // and with host_wait the plan kernel signals `planned`
   check_cuda(launch_dispatch_recv(p, stream), "dispatch recv");
+  plan_signals_host_ = host_wait;
 }
 
 void CudaAllToAll::combine_send(const void* y, DType y_dtype, int64_t y_rows, cudaStream_t stream) {

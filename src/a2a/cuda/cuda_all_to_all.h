@@ -66,8 +66,8 @@ class CudaAllToAll {
   // outcome of the last call (throws CapacityError, fabric errors), and the
   // rows it filled.
   void check() const;
-  // Eager dispatch: wait until the plan of the current epoch is final (its
-  // kernel wrote `planned`), then check(). Cheaper than a stream
+  // Eager dispatch (after dispatch_recv with host_wait): wait until the plan
+  // of the current epoch is final (its kernel wrote `planned`), then check(). Cheaper than a stream
   // synchronisation, and the copy kernel after the plan keeps running.
   void wait_planned();
   int32_t status() const { return words_->status; }
@@ -116,6 +116,7 @@ class CudaAllToAll {
   ProxySignals* signals_ = nullptr;      // mapped host
   std::unique_ptr<Proxy> proxy_;
   uint64_t epoch_ = 0;
+  bool plan_signals_host_ = false;  // the last dispatch_recv's plan raises `planned` (host_wait)
 };
 
 }  // namespace moe_a2a::a2a::cuda

@@ -198,8 +198,12 @@ __global__ void __launch_bounds__(kPlanThreads, kPlanMinBlocks) plan_kernel(Disp
   if (p.wait_in_kernel && !wait_peers(in, kFlagDispatch, epoch, deadline)) deliver_nothing(p);
   grid_dependency_wait();  // the routing before us reported its status too
   allow_dependents();
-  // An eager host waits for this word, not for the stream: it needs only the
-  // output rows and the status, and returns while the copy kernel runs.
+  // An eager host (the one that saw the flags itself) waits for this word,
+  // not for the stream: it needs only the output rows and the status, and
+  // returns while the copy kernel runs. In a captured graph no host reads
+  // it, and the system-scope fence would delay the copy kernel (about 1 us a
+  // decode step).
+  if (p.wait_in_kernel) return;
   __syncthreads();
   if (threadIdx.x == 0) {
     fence_sys();
