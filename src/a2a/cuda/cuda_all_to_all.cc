@@ -84,6 +84,7 @@ void CudaAllToAll::allocate() {
       cfg_.world * sizeof(SenderPlan),                  // senders
       static_cast<size_t>(cfg_.num_experts) * sizeof(Segment),  // segments
       sizeof(int32_t),                                  // output_rows
+      sizeof(uint64_t),                                 // plan_ready
       sizeof(uint64_t),                                 // epoch
   };
   size_t total = 0;
@@ -107,6 +108,7 @@ void CudaAllToAll::allocate() {
   scratch_.senders = reinterpret_cast<SenderPlan*>(take());
   scratch_.segments = reinterpret_cast<Segment*>(take());
   scratch_.output_rows = reinterpret_cast<int32_t*>(take());
+  scratch_.plan_ready = reinterpret_cast<uint64_t*>(take());
   epoch_device_ = reinterpret_cast<uint64_t*>(take());
 
   void* words = nullptr;

@@ -10,6 +10,10 @@
 //    each received row into the expert-major output, splitting payload and
 //    fp8 scales (one stream of 16-byte pieces, 8 loads a lane in flight, when
 //    aligned).
+// Eager calls (the host saw every flag) run both in one launch instead,
+// plan_copy_kernel: the plan has nothing to wait for there, so running it
+// beside the pack gains nothing, and a launch costs the host more than the
+// plan takes on the GPU.
 #include <cuda_runtime.h>
 
 #include "launch.h"
@@ -76,6 +80,13 @@ __device__ bool wait_peers(const Instance& in, int kind, uint64_t epoch, uint64_
 __device__ void deliver_nothing(const DispatchRecvParams& p) {
   for (int i = threadIdx.x; i < p.inst.local_experts; i += blockDim.x) p.tokens_per_expert[i] = 0;
   if (threadIdx.x == 0) *p.scratch.output_rows = *p.scratch.output_rows_host = 0;
+}
+
+// Where the eager host waits: the plan is final (output rows, status).
+// Thread 0, after every thread's plan writes.
+__device__ __forceinline__ void signal_planned(const DispatchRecvParams& p, uint64_t epoch) {
+  fence_sys();
+  st_release_sys(p.scratch.planned_host, epoch);
 }
 
 // The plan from the routing matrix: capacity for every rank, per-sender
@@ -205,10 +216,7 @@ __global__ void __launch_bounds__(kPlanThreads, kPlanMinBlocks) plan_kernel(Disp
   // decode step).
   if (p.wait_in_kernel) return;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    fence_sys();
-    st_release_sys(p.scratch.planned_host, epoch);
-  }
+  if (threadIdx.x == 0) signal_planned(p, epoch);
 }
 
 __device__ __forceinline__ const uint8_t* source_row(const Instance& in, const SenderPlan* senders, int s, int64_t j) {
@@ -223,9 +231,8 @@ __device__ __forceinline__ const uint8_t* source_row(const Instance& in, const S
   return in.fabric_ws + l.shared_rows + (senders[s].shared_off + j - P) * row;
 }
 
-__global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) copy_kernel(DispatchRecvParams p) {
-  extern __shared__ Segment segs[];
-  kernel_prologue();
+// Copies every received row into the output, from the plan in scratch.
+__device__ __forceinline__ void copy_rows(const DispatchRecvParams& p, Segment* segs) {
   const Instance& in = p.inst;
   load_segments(segs, p.scratch.segments, in.num_experts);
   __syncthreads();
@@ -252,19 +259,60 @@ __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) copy_kernel(Di
   }
 }
 
+__global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) copy_kernel(DispatchRecvParams p) {
+  extern __shared__ Segment segs[];
+  kernel_prologue();
+  copy_rows(p, segs);
+}
+
+// Eager calls: block 0 plans while the other blocks wait for its word in
+// device scratch, then every block copies. Blocks start in index order, so
+// block 0 is resident before any block that waits for it (the forward
+// progress that single-pass scans rely on).
+static_assert(kCopyThreads == kPlanThreads, "block 0 of plan_copy_kernel runs the plan");
+__global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) plan_copy_kernel(DispatchRecvParams p) {
+  extern __shared__ int32_t smem[];  // block 0: the plan's matrix; then every block's segment table
+  kernel_prologue();  // the routing before us reported its status
+  const Instance& in = p.inst;
+  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(in.epoch);
+  if (blockIdx.x == 0) {
+    compute_plan(p, smem, true);
+    __threadfence();  // every thread's plan before thread 0's word
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      st_release_gpu(p.scratch.plan_ready, epoch);
+      signal_planned(p, epoch);
+    }
+  }
+  __shared__ int planned;
+  if (threadIdx.x == 0) {
+    planned = wait_geq<true>(p.scratch.plan_ready, epoch, global_timer_ns() + in.timeout_ns);
+    if (!planned) report(in, kStatusTimeout);
+  }
+  __syncthreads();
+  if (!planned || ld_acquire_gpu(p.scratch.plan_ready) < epoch) return;  // each thread acquires the plan
+  copy_rows(p, reinterpret_cast<Segment*>(smem));
+}
+
 }  // namespace
 
 cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream) {
   const Instance& in = p.inst;
   const size_t plan_smem = (static_cast<size_t>(in.world) * in.num_experts + 2 * in.local_experts) * sizeof(int32_t);
+  const size_t seg_smem = static_cast<size_t>(in.num_experts) * sizeof(Segment);
+  const int chunks = row_chunks(in.payload_bytes + static_cast<int64_t>(in.num_scales) * sizeof(float));
+  const int blocks = persistent_blocks(p.max_output_rows * chunks, kCopyThreads / kWarp, kCopyBlocksPerSm);
+  if (!p.wait_in_kernel) {
+    const size_t smem = plan_smem > seg_smem ? plan_smem : seg_smem;
+    cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(plan_copy_kernel), smem);
+    if (err != cudaSuccess) return err;
+    return launch_kernel(plan_copy_kernel, blocks, kCopyThreads, smem, stream, p);
+  }
   cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(plan_kernel), plan_smem);
   if (err != cudaSuccess) return err;
   if ((err = launch_kernel(plan_kernel, 1, kPlanThreads, plan_smem, stream, p)) != cudaSuccess) return err;
-  const size_t seg_smem = static_cast<size_t>(in.num_experts) * sizeof(Segment);
   err = allow_dynamic_smem(reinterpret_cast<const void*>(copy_kernel), seg_smem);
   if (err != cudaSuccess) return err;
-  const int chunks = row_chunks(in.payload_bytes + static_cast<int64_t>(in.num_scales) * sizeof(float));
-  const int blocks = persistent_blocks(p.max_output_rows * chunks, kCopyThreads / kWarp, kCopyBlocksPerSm);
   return launch_kernel(copy_kernel, blocks, kCopyThreads, seg_smem, stream, p);
 }
 

@@ -19,6 +19,17 @@ __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// Device scope: a flag between blocks of one grid.
+__device__ __forceinline__ uint64_t ld_acquire_gpu(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_gpu(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 __device__ __forceinline__ int32_t ld_volatile(const int32_t* p) {
   int32_t v;
   asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -127,10 +138,12 @@ __device__ __forceinline__ void kernel_prologue() {
 
 // Waits until *flag >= target or the deadline passes; false on timeout. Backs
 // off with __nanosleep so a spinning thread leaves issue slots to others.
+// kGpuScope: a flag raised by another block of the same grid.
+template <bool kGpuScope = false>
 __device__ __forceinline__ bool wait_geq(const uint64_t* flag, uint64_t target, uint64_t deadline_ns) {
   constexpr unsigned kMaxSleepNs = 1024;
   unsigned sleep_ns = 32;
-  while (ld_acquire_sys(flag) < target) {
+  while ((kGpuScope ? ld_acquire_gpu(flag) : ld_acquire_sys(flag)) < target) {
     if (global_timer_ns() > deadline_ns) return false;
     __nanosleep(sleep_ns);
     if (sleep_ns < kMaxSleepNs) sleep_ns *= 2;
