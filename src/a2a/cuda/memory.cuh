@@ -9,26 +9,20 @@
 
 namespace moe_a2a::a2a::cuda {
 
-__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-// Device scope: a flag between blocks of one grid.
-__device__ __forceinline__ uint64_t ld_acquire_gpu(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void st_release_gpu(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
+// ld_acquire_<scope> and st_release_<scope> of a 64-bit flag: scope sys for
+// the readers above, gpu for a flag between blocks of one grid.
+#define MOE_A2A_FLAG_ACCESS(scope)                                                               \
+  __device__ __forceinline__ uint64_t ld_acquire_##scope(const uint64_t* p) {                    \
+    uint64_t v;                                                                                  \
+    asm volatile("ld.acquire." #scope ".global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");    \
+    return v;                                                                                    \
+  }                                                                                              \
+  __device__ __forceinline__ void st_release_##scope(uint64_t* p, uint64_t v) {                  \
+    asm volatile("st.release." #scope ".global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");      \
+  }
+MOE_A2A_FLAG_ACCESS(sys)
+MOE_A2A_FLAG_ACCESS(gpu)
+#undef MOE_A2A_FLAG_ACCESS
 
 __device__ __forceinline__ int32_t ld_volatile(const int32_t* p) {
   int32_t v;
