@@ -115,6 +115,8 @@ void bind_cuda(nb::module_& m) {
       .def_prop_ro("status", &CudaAllToAll::status)
       .def_prop_ro("output_rows", &CudaAllToAll::output_rows)
       .def_prop_ro("max_output_rows", &CudaAllToAll::max_output_rows)
+      .def_prop_ro("fused_recv", &CudaAllToAll::fused_recv,
+                   "Eager dispatch_recv plans and copies in one launch (no other rank of the node on our GPU).")
       .def_prop_ro("epoch", &CudaAllToAll::epoch)
       .def_prop_ro("layout", [](const CudaAllToAll& a) { return layout_dict(a.layout()); })
       .def_prop_ro("device_workspace", &CudaAllToAll::device_workspace)

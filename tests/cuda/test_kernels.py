@@ -181,6 +181,25 @@ def test_dispatch_combine_matches_reference(shape: Shape, tokens: list[int], ext
     _run(shape, tokens, **extra)
 
 
+@pytest.mark.parametrize("fused", ["1", "0"], ids=["one-launch", "two-launches"])
+def test_eager_receive_plan_and_copy(fused: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager receive halves with plan and copy in one launch or two (forced), IPC and fabric peers."""
+    monkeypatch.setenv("MOE_A2A_CUDA_FUSED_RECV", fused)
+    shape = Shape.of(4, 2, 16, 256, 16, 4, "fp8", max_private_tokens=5)
+    world = LocalWorld(shape, host_wait=True)
+    assert [a.fused_recv for a in world.ranks] == [fused == "1"] * 4
+    _run(shape, [16, 9, 0, 5], iterations=4, world=world, host_wait=True)
+
+
+def test_eager_receive_in_one_launch_unless_the_gpu_is_shared(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default only a rank with no same-node peer on its GPU fuses plan and copy."""
+    monkeypatch.delenv("MOE_A2A_CUDA_FUSED_RECV", raising=False)
+    alone = LocalWorld(Shape.of(2, 1, 4, 128, 4, 2))  # virtual nodes of one rank: nobody shares
+    shared = LocalWorld(Shape.of(2, 2, 4, 128, 4, 2))  # one node, one GPU, one process
+    assert [a.fused_recv for a in alone.ranks] == [True, True]
+    assert [a.fused_recv for a in shared.ranks] == [False, False]
+
+
 @pytest.mark.parametrize("ranks_per_node", [1, 2], ids=["fabric", "ipc"])
 def test_capacity_error_then_recovery(ranks_per_node: int) -> None:
     """Too many copies for max_recv_tokens: every rank fails alike, and the next call works."""

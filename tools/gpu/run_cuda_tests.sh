@@ -54,15 +54,23 @@ if has kernels; then
   note "kernel tests: $(grep -aE "(passed|failed|error)" "$OUT/kernels.log" | tail -1)"
 fi
 
+# One multi-rank run: multirank N LABEL [VAR=VALUE...] (extra environment for the ranks).
+multirank() {
+  local n=$1 label=$2 logs="$OUT/mr-n$1${2// /-}"
+  shift 2
+  mkdir -p "$logs"
+  MOE_A2A_RANK_LOGS=$logs timeout "${MR_TIMEOUT:-300}" "${MPIRUN[@]}" -n "$n" "$ROOT/tools/rank0_console.sh" \
+    env MOE_A2A_TEST_DEVICE=cuda "$@" "$PY" -m pytest -q -rs -p no:cacheprovider --with-mpi "$ROOT/tests/mpi/test_a2a.py" \
+    --junitxml="$logs/junit.xml" >"$logs/rank0.log" 2>&1
+  grep -av "^\[" "$logs/rank0.log" | tail -15
+  note "multirank n=$n$label (provider $MOE_A2A_TEST_PROVIDER): $(grep -aE "(passed|failed|error)" "$logs/rank0.log" | tail -1)"
+}
+
 if has multirank; then
-  for n in ${MR_SIZES:-1 2 4 8}; do
-    logs="$OUT/mr-n$n" && mkdir -p "$logs"
-    MOE_A2A_RANK_LOGS=$logs timeout "${MR_TIMEOUT:-300}" "${MPIRUN[@]}" -n "$n" "$ROOT/tools/rank0_console.sh" \
-      env MOE_A2A_TEST_DEVICE=cuda "$PY" -m pytest -q -rs -p no:cacheprovider --with-mpi "$ROOT/tests/mpi/test_a2a.py" \
-      --junitxml="$logs/junit.xml" >"$logs/rank0.log" 2>&1
-    grep -av "^\[" "$logs/rank0.log" | tail -15
-    note "multirank n=$n (provider $MOE_A2A_TEST_PROVIDER): $(grep -aE "(passed|failed|error)" "$logs/rank0.log" | tail -1)"
-  done
+  for n in ${MR_SIZES:-1 2 4 8}; do multirank "$n" ""; done
+  # Ranks sharing the GPU receive eagerly in two launches; force the one-launch
+  # receive (a rank alone on its GPU) across ranks too.
+  for n in ${MR_FUSED_SIZES:-4}; do multirank "$n" " fused-recv" MOE_A2A_CUDA_FUSED_RECV=1; done
 fi
 
 if has bench; then

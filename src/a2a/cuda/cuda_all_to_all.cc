@@ -1,5 +1,6 @@
 #include "cuda_all_to_all.h"
 
+#include <cstdlib>
 #include <cstring>
 #include <new>
 #include <string>
@@ -48,6 +49,7 @@ CudaAllToAll::CudaAllToAll(Workspace* host_workspace, fabric::TransferEngine* en
   // so no thread polls through steps that move nothing.
   if (has_remote_)
     proxy_ = std::make_unique<Proxy>(proxy_context(*host_workspace, engine, region, group, remote_peers, signals_));
+  choose_recv(false);  // until open_node says whom we share the GPU with
 }
 
 CudaAllToAll::CudaAllToAll(const A2AConfig& config) : cfg_(config), layout_(Layout::of(config)) {
@@ -61,6 +63,7 @@ CudaAllToAll::CudaAllToAll(const A2AConfig& config) : cfg_(config), layout_(Layo
   registered_.push_back(host);
   check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_ws_), host, 0), "cudaHostGetDevicePointer");
   peers_[cfg_.rank].host = host_ws_;
+  choose_recv(false);  // until connect_local joins a peer on our GPU
 }
 
 void CudaAllToAll::allocate() {
@@ -158,29 +161,65 @@ CudaAllToAll::~CudaAllToAll() {
   cudaFree(device_ws_);
 }
 
+namespace {
+
+// What a rank tells the ranks of its node: its device workspace, and which
+// GPU it runs on (ranks may share one).
+struct NodeHandle {
+  cudaIpcMemHandle_t workspace;
+  cudaUUID_t gpu;
+};
+
+cudaUUID_t gpu_uuid(int device) {
+  cudaDeviceProp prop;
+  check_cuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+  return prop.uuid;
+}
+
+bool same_gpu(const cudaUUID_t& a, const cudaUUID_t& b) { return std::memcmp(&a, &b, sizeof(a)) == 0; }
+
+// MOE_A2A_CUDA_FUSED_RECV: "1" or "0" forces the choice of fused_recv_.
+int fused_recv_override() {
+  const char* env = std::getenv("MOE_A2A_CUDA_FUSED_RECV");
+  if (env == nullptr || *env == '\0') return -1;
+  return std::strcmp(env, "0") == 0 ? 0 : 1;
+}
+
+}  // namespace
+
 std::string CudaAllToAll::ipc_handle() const {
-  cudaIpcMemHandle_t h;
-  check_cuda(cudaIpcGetMemHandle(&h, device_ws_), "cudaIpcGetMemHandle");
+  NodeHandle h;
+  check_cuda(cudaIpcGetMemHandle(&h.workspace, device_ws_), "cudaIpcGetMemHandle");
+  h.gpu = gpu_uuid(device_);
   return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+}
+
+void CudaAllToAll::choose_recv(bool gpu_shared) {
+  const int forced = fused_recv_override();
+  fused_recv_ = forced >= 0 ? forced == 1 : !gpu_shared;
 }
 
 void CudaAllToAll::open_node(const std::vector<std::string>& handles) {
   if (static_cast<int>(handles.size()) != cfg_.world)
     throw std::invalid_argument("open_node: got " + std::to_string(handles.size()) + " handles for a world of " +
                                 std::to_string(cfg_.world));
+  const cudaUUID_t mine = gpu_uuid(device_);
+  bool gpu_shared = false;
   for (int r = 0; r < cfg_.world; ++r) {
     if (r == cfg_.rank || !cfg_.same_node(r)) continue;
-    if (handles[r].size() != sizeof(cudaIpcMemHandle_t))
+    if (handles[r].size() != sizeof(NodeHandle))
       throw std::invalid_argument("open_node: the handle of rank " + std::to_string(r) + " has " +
                                   std::to_string(handles[r].size()) + " bytes, expected " +
-                                  std::to_string(sizeof(cudaIpcMemHandle_t)));
-    cudaIpcMemHandle_t h;
+                                  std::to_string(sizeof(NodeHandle)));
+    NodeHandle h;
     std::memcpy(&h, handles[r].data(), sizeof(h));
     void* p = nullptr;
-    check_cuda(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+    check_cuda(cudaIpcOpenMemHandle(&p, h.workspace, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
     ipc_opened_.push_back(p);
     peers_[r].device = static_cast<uint8_t*>(p);
+    gpu_shared = gpu_shared || same_gpu(h.gpu, mine);
   }
+  choose_recv(gpu_shared);
   peers_dirty_ = true;
 }
 
@@ -190,6 +229,7 @@ void CudaAllToAll::connect_local(const CudaAllToAll& peer) {
     throw std::invalid_argument("connect_local: rank " + std::to_string(r) + " is not another rank of our node");
   peers_[r].device = peer.device_ws_;
   peers_[r].host = peer.host_ws_;
+  if (peer.device_ == device_) choose_recv(true);
   peers_dirty_ = true;
 }
 
@@ -323,6 +363,7 @@ void CudaAllToAll::dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_
   p.tokens_per_expert = tokens_per_expert;
   p.max_output_rows = max_output_rows();
   p.wait_in_kernel = host_wait ? 0 : 1;  // and with host_wait the plan kernel signals `planned`
+  p.fused = host_wait && fused_recv_ ? 1 : 0;
   check_cuda(launch_dispatch_recv(p, stream), "dispatch recv");
   plan_signals_host_ = host_wait;
 }

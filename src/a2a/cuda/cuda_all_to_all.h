@@ -73,6 +73,7 @@ class CudaAllToAll {
   int32_t status() const { return words_->status; }
   int64_t output_rows() const { return words_->output_rows; }
   int64_t max_output_rows() const;
+  bool fused_recv() const { return fused_recv_; }
   uint64_t epoch() const { return epoch_; }
 
   const A2AConfig& config() const { return cfg_; }
@@ -117,6 +118,12 @@ class CudaAllToAll {
   std::unique_ptr<Proxy> proxy_;
   uint64_t epoch_ = 0;
   bool plan_signals_host_ = false;  // the last dispatch_recv's plan raises `planned` (host_wait)
+  // Eager dispatch_recv plans and copies in one launch, unless another rank
+  // of the node runs on our GPU: there the copy blocks that wait for the plan
+  // hold multiprocessors the other ranks' kernels need (8 ranks under MPS:
+  // decode step 313-321 -> 413-457 us), while alone it saves a launch.
+  bool fused_recv_ = true;
+  void choose_recv(bool gpu_shared);
 };
 
 }  // namespace moe_a2a::a2a::cuda

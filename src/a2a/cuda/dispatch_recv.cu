@@ -10,10 +10,10 @@
 //    each received row into the expert-major output, splitting payload and
 //    fp8 scales (one stream of 16-byte pieces, 8 loads a lane in flight, when
 //    aligned).
-// Eager calls (the host saw every flag) run both in one launch instead,
-// plan_copy_kernel: the plan has nothing to wait for there, so running it
-// beside the pack gains nothing, and a launch costs the host more than the
-// plan takes on the GPU.
+// Eager calls (the host saw every flag) of a rank alone on its GPU run both
+// in one launch instead, plan_copy_kernel: the plan has nothing to wait for
+// there, so running it beside the pack gains nothing, and a launch costs the
+// host more than the plan takes on the GPU (see CudaAllToAll::fused_recv_).
 #include <cuda_runtime.h>
 
 #include "launch.h"
@@ -302,7 +302,7 @@ cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t strea
   const size_t seg_smem = static_cast<size_t>(in.num_experts) * sizeof(Segment);
   const int chunks = row_chunks(in.payload_bytes + static_cast<int64_t>(in.num_scales) * sizeof(float));
   const int blocks = persistent_blocks(p.max_output_rows * chunks, kCopyThreads / kWarp, kCopyBlocksPerSm);
-  if (!p.wait_in_kernel) {
+  if (p.fused) {
     const size_t smem = plan_smem > seg_smem ? plan_smem : seg_smem;
     cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(plan_copy_kernel), smem);
     if (err != cudaSuccess) return err;

@@ -141,6 +141,7 @@ struct DispatchRecvParams {
   int32_t* tokens_per_expert = nullptr;  // [local_experts], unpadded
   int64_t max_output_rows = 0;    // rows of out_x: max_recv + local_experts * (expert_padding - 1)
   int32_t wait_in_kernel = 1;     // 0: the host already saw every flag up (eager calls)
+  int32_t fused = 0;              // eager only: plan and copy in one launch (plan_copy_kernel)
 };
 
 struct CombineSendParams {
