@@ -228,6 +228,7 @@ KERNEL_PHASE = {
     "bulk_pack_kernel": "dispatch_send",
     "plan_kernel": "dispatch_recv",
     "copy_kernel": "dispatch_recv",
+    "plan_copy_kernel": "dispatch_recv",
     "return_kernel": "combine_send",
     "wait_kernel": "combine_recv",
     "reduce_kernel": "combine_recv",
@@ -319,6 +320,9 @@ def print_table(results: list[dict[str, Any]]) -> None:
             gbs = res["rank_bytes"][phase] / (us * 1e-6) / 1e9 if us > 0 else 0.0
             line = f"{'':14} {phase:14} {us:9.1f} {gbs:7.0f} {100 * gbs / res['copy_gbs']:6.0f}%"
             print(line)
+        unassigned = sorted(k for k in res["kernel_us"] if k not in KERNEL_PHASE)
+        if unassigned:  # a new kernel: add it to KERNEL_PHASE
+            print(f"{'':14} kernels of no phase (not counted above): {', '.join(unassigned)}")
     if results:
         print(
             f"device-to-device copy: {results[0]['copy_gbs']:.0f} GB/s (read + write); "

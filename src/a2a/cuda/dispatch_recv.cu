@@ -39,6 +39,9 @@ constexpr int kCopyThreads = 256;
 // Three: the row copy holds 8 x 16 bytes a lane in flight (24 warps, 96 KB a
 // multiprocessor) in about 80 registers.
 constexpr int kCopyBlocksPerSm = 3;
+// plan_copy_kernel: the longest a block sleeps between looks at block 0's
+// word (the plan takes microseconds; a longer sleep would start the copy late).
+constexpr unsigned kPlanPollNs = 128;
 
 __device__ __forceinline__ int64_t warp_sum(int64_t v) {
 #pragma unroll
@@ -286,7 +289,7 @@ __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) plan_copy_kern
   }
   __shared__ int planned;
   if (threadIdx.x == 0) {
-    planned = wait_geq<true>(p.scratch.plan_ready, epoch, global_timer_ns() + in.timeout_ns);
+    planned = wait_geq<true, kPlanPollNs>(p.scratch.plan_ready, epoch, global_timer_ns() + in.timeout_ns);
     if (!planned) report(in, kStatusTimeout);
   }
   __syncthreads();

@@ -132,10 +132,10 @@ __device__ __forceinline__ void kernel_prologue() {
 
 // Waits until *flag >= target or the deadline passes; false on timeout. Backs
 // off with __nanosleep so a spinning thread leaves issue slots to others.
-// kGpuScope: a flag raised by another block of the same grid.
-template <bool kGpuScope = false>
+// kGpuScope: a flag raised by another block of the same grid. kMaxSleepNs
+// bounds how late a waiter may see the flag.
+template <bool kGpuScope = false, unsigned kMaxSleepNs = 1024>
 __device__ __forceinline__ bool wait_geq(const uint64_t* flag, uint64_t target, uint64_t deadline_ns) {
-  constexpr unsigned kMaxSleepNs = 1024;
   unsigned sleep_ns = 32;
   while ((kGpuScope ? ld_acquire_gpu(flag) : ld_acquire_sys(flag)) < target) {
     if (global_timer_ns() > deadline_ns) return false;
