@@ -2,6 +2,7 @@
 
     python3 tools/gpu/profile_step.py --shape decode host     # host-side costs, one table
     python3 tools/gpu/profile_step.py --shape prefill span    # GPU span of dispatch send, PDL on
+    python3 tools/gpu/profile_step.py --shape decode timeline # kernels of a replayed graph step
     ncu --profile-from-start off ... python3 tools/gpu/profile_step.py --shape prefill ncu
 
 `host` times, on the host clock with the stream idle before each: the bare
@@ -14,6 +15,10 @@ are queued behind a sleeping kernel, so host launch gaps do not count, and
 CUDA events before and after give the span (median of 35 after 5 warm-up).
 Only dispatch send is timed so: the receive half waits on the host, and the
 kernels after it could then wait for launches.
+`timeline` captures one step (graph_safe) in a CUDA graph, replays it
+back to back under the torch profiler and prints each kernel's start and end
+relative to the step's first kernel (medians over the replays), and the
+replay times from the call, queued behind a sleeping kernel, and back to back.
 `ncu` runs warm-up steps, then one step between cudaProfilerStart/Stop, so
 Nsight Compute sees exactly one step's kernels.
 """
@@ -21,6 +26,7 @@ Nsight Compute sees exactly one step's kernels.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -67,11 +73,89 @@ def send_span_us(a2a: AllToAll, r: Any, y: torch.Tensor, iters: int = 40, warmup
     return f"median {statistics.median(spans):.1f} us, min {spans[0]:.1f}, p90 {p90:.1f}"
 
 
+def replay_timeline(cfg: Config, r: Any, device: torch.device, shape: str, replays: int = 60) -> None:
+    """Median start and end of each kernel of a replayed step, from the step's first kernel."""
+    from mpi4py import MPI
+    from torch.profiler import ProfilerActivity, profile
+
+    from moe_a2a.bench.a2a_cuda import median_ms
+
+    with AllToAll(cfg, comm=MPI.COMM_WORLD, device="cuda", provider="shm", graph_safe=True) as a2a:
+        y = torch.randn(a2a.max_output_rows, MODEL["hidden"], device=device).to(torch.bfloat16)
+
+        def step() -> None:
+            a2a.combine(y, a2a.dispatch(r.x, r.ids, r.weights))
+
+        step()
+        torch.cuda.synchronize()
+        a2a.check()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        called = median_ms(graph.replay, 200) * 1e3
+        queued = median_ms(graph.replay, 200, queued=True) * 1e3
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(200):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                graph.replay()
+            torch.cuda.synchronize()
+        a2a.check()
+    print(
+        f"-- {shape} step replayed: {called:.1f} us from the call, {queued:.1f} us queued (GPU span), "
+        f"{start.elapsed_time(end) * 1e3 / 200:.1f} us each back to back"
+    )
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, _kernel_name(e.name))
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    rows, replayed = step_timeline(kernels)
+    print(f"   kernel             start us   end us   (median of {replayed} replays)")
+    for name, begin, finish in rows:
+        print(f"   {name:18} {begin:8.2f} {finish:8.2f}")
+
+
+def step_timeline(kernels: list[tuple[float, float, str]]) -> tuple[list[tuple[str, float, float]], int]:
+    """(name, median start, median end) of each kernel of a step, from the step's first kernel.
+
+    `kernels` are (start, end, name) of back-to-back replays, sorted by start; a
+    step begins at each launch of the first kernel seen. Steps of another length
+    than the usual one (cut by the profiler's window) and the first step are left out.
+    """
+    first = kernels[0][2]
+    steps: list[list[tuple[float, float, str]]] = []
+    for k in kernels:
+        if k[2] == first or not steps:
+            steps.append([])
+        steps[-1].append(k)
+    size = statistics.mode(len(s) for s in steps)
+    steps = [s for s in steps if len(s) == size][1:]
+    rows = [
+        (
+            steps[0][i][2],
+            statistics.median(s[i][0] - s[0][0] for s in steps),
+            statistics.median(s[i][1] - s[0][0] for s in steps),
+        )
+        for i in range(size)
+    ]
+    return rows, len(steps)
+
+
+def _kernel_name(name: str) -> str:
+    found = re.search(r"(\w+_kernel)", name)
+    return found.group(1) if found else name[:18]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="decode")
     parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("mode", choices=["host", "span", "ncu"])
+    parser.add_argument("mode", choices=["host", "span", "ncu", "timeline"])
     args = parser.parse_args()
     from mpi4py import MPI
 
@@ -86,6 +170,9 @@ def main() -> int:
         **MODEL,
     )
     r = make_round(1, tokens, device)
+    if args.mode == "timeline":
+        replay_timeline(cfg, r, device, args.shape)
+        return 0
     with AllToAll(cfg, comm=MPI.COMM_WORLD, device="cuda", provider="shm") as a2a:
         y = torch.randn(a2a.max_output_rows, MODEL["hidden"], device=device).to(torch.bfloat16)
 
