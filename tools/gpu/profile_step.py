@@ -78,20 +78,10 @@ def replay_timeline(cfg: Config, r: Any, device: torch.device, shape: str, repla
     from mpi4py import MPI
     from torch.profiler import ProfilerActivity, profile
 
-    from moe_a2a.bench.a2a_cuda import median_ms
+    from moe_a2a.bench.a2a_cuda import capture_step, median_ms
 
     with AllToAll(cfg, comm=MPI.COMM_WORLD, device="cuda", provider="shm", graph_safe=True) as a2a:
-        y = torch.randn(a2a.max_output_rows, MODEL["hidden"], device=device).to(torch.bfloat16)
-
-        def step() -> None:
-            a2a.combine(y, a2a.dispatch(r.x, r.ids, r.weights))
-
-        step()
-        torch.cuda.synchronize()
-        a2a.check()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph, _y = capture_step(a2a, r, device)
         called = median_ms(graph.replay, 200) * 1e3
         queued = median_ms(graph.replay, 200, queued=True) * 1e3
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -257,6 +257,25 @@ def profile_kernels(a2a: Any, r: Round, y_full: torch.Tensor, name: str, report:
     return kernels
 
 
+def capture_step(a2a: Any, r: Round, device: torch.device) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """One step (dispatch, then combine) of a graph-safe AllToAll, run once, then captured.
+
+    Returns the graph and the expert outputs it reads: keep both while replaying.
+    """
+    y_full = torch.randn(a2a.max_output_rows, MODEL["hidden"], device=device).to(torch.bfloat16)
+
+    def step() -> None:
+        a2a.combine(y_full, a2a.dispatch(r.x, r.ids, r.weights))
+
+    step()
+    torch.cuda.synchronize()
+    a2a.check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph, y_full
+
+
 def graph_step_ms(
     cfg: Any, args: argparse.Namespace, comm: Any, r: Round, device: torch.device
 ) -> tuple[float, float]:
@@ -264,18 +283,7 @@ def graph_step_ms(
     from moe_a2a.all_to_all import AllToAll
 
     with AllToAll(cfg, comm=comm, device="cuda", provider=args.provider, graph_safe=True) as a2a:
-        y_full = torch.randn(a2a.max_output_rows, MODEL["hidden"], device=device).to(torch.bfloat16)
-
-        def step() -> None:
-            d = a2a.dispatch(r.x, r.ids, r.weights)
-            a2a.combine(y_full, d)
-
-        step()
-        torch.cuda.synchronize()
-        a2a.check()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph, _y = capture_step(a2a, r, device)
         launched = median_ms(graph.replay, args.iters * 10)
         span = median_ms(graph.replay, args.iters * 10, queued=True)
         torch.cuda.synchronize()
