@@ -314,12 +314,12 @@ void CudaAllToAll::wait_host(FlagKind kind, const Seq& done, const char* what) {
 }
 
 void CudaAllToAll::wait_planned() {
-  // Our kernels may queue behind anything earlier on the stream, and the plan
-  // kernel itself may wait that long for flags (graph mode's deadline): a
-  // grace second more than that.
   if (!plan_signals_host_)
     throw std::logic_error("wait_planned: the last dispatch_recv had host_wait=false; its plan kernel "
                            "does not signal the host (synchronise the stream, then check())");
+  // Our kernels may queue behind anything earlier on the stream, and the plan
+  // kernel itself may wait that long for flags (graph mode's deadline): a
+  // grace second more than that.
   const auto deadline = deadline_after(kProxyGrace * cfg_.timeout_s + 2 * kGraceSeconds);
   if (!wait_at_least(&words_->planned.value, epoch_, deadline, [this] { check_proxy(); }))
     throw fabric::TimeoutError("rank " + std::to_string(cfg_.rank) + ": timed out waiting for the plan kernel of epoch " +

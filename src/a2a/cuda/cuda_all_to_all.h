@@ -67,8 +67,9 @@ class CudaAllToAll {
   // rows it filled.
   void check() const;
   // Eager dispatch (after dispatch_recv with host_wait): wait until the plan
-  // of the current epoch is final (its kernel wrote `planned`), then check(). Cheaper than a stream
-  // synchronisation, and the copy kernel after the plan keeps running.
+  // of the current epoch is final (its kernel wrote `planned`), then
+  // check(). Cheaper than a stream synchronisation, and the copy after the
+  // plan keeps running.
   void wait_planned();
   int32_t status() const { return words_->status; }
   int64_t output_rows() const { return words_->output_rows; }
