@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from moe_a2a.all_to_all import AllToAll, Config
-from moe_a2a.bench.a2a_cuda import MODEL, SHAPES, make_round, torch_native
+from moe_a2a.bench.a2a_cuda import MODEL, QUEUE_SLEEP_CYCLES, SHAPES, make_round, torch_native
 
 
 def host_us(fn: Callable[[], object], iters: int) -> float:
@@ -50,16 +50,13 @@ def host_us(fn: Callable[[], object], iters: int) -> float:
     return statistics.median(times[3:])
 
 
-SLEEP_CYCLES = 200_000  # about 100 us: longer than the host takes to launch dispatch send
-
-
 def send_span_us(a2a: AllToAll, r: Any, y: torch.Tensor, iters: int = 40, warmup: int = 5) -> str:
     """Dispatch send's GPU span (first kernel's start to last kernel's end), launches queued ahead."""
     spans = []
     for i in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
-        torch.cuda._sleep(SLEEP_CYCLES)
+        torch.cuda._sleep(QUEUE_SLEEP_CYCLES)  # longer than the host takes to launch dispatch send
         start.record()
         pending = a2a.dispatch(r.x, r.ids, r.weights, recv=False)
         end.record()
