@@ -7,6 +7,7 @@ the C++ core, which does the work with the GIL released.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import uuid
@@ -27,6 +28,10 @@ DEVICES = ("cpu", "cuda")
 PATHS = ("same_node", "fabric")
 
 CapacityError = _core.CapacityError
+
+# Identity of each AllToAll in this process: handles carry it, so one instance
+# never reads buffers sized from another instance's handle.
+_instance_ids = itertools.count(1)
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
@@ -92,6 +97,7 @@ class PendingDispatch:
     epoch: int
     num_tokens: int
     topk_weights: torch.Tensor
+    owner: int = field(repr=False, default=0)
 
 
 @dataclass
@@ -104,6 +110,7 @@ class Dispatched:
     epoch: int = field(repr=False, default=0)
     num_tokens: int = field(repr=False, default=0)
     topk_weights: torch.Tensor | None = field(repr=False, default=None)
+    owner: int = field(repr=False, default=0)
 
 
 @dataclass
@@ -113,6 +120,7 @@ class PendingCombine:
     epoch: int
     num_tokens: int
     topk_weights: torch.Tensor
+    owner: int = field(repr=False, default=0)
 
 
 def _describe(t: Any) -> str:
@@ -155,6 +163,7 @@ class AllToAll:
             if reason is not None:  # before any collective: every rank fails alike
                 raise RuntimeError(f"device='cuda': {reason}")
         self.cfg = cfg
+        self.id = next(_instance_ids)
         self._boot = Bootstrap(comm, ranks_per_node)
         topo = self._boot.topology
         self.rank, self.world_size = topo.rank, topo.world_size
@@ -270,9 +279,18 @@ class AllToAll:
         x, ids, weights, scale = self._validate_dispatch(x, topk_ids, topk_weights, x_scale)
         self._guard(self._backend.dispatch_send, x, scale, ids)
         self._state = "dispatch_sent"
-        return PendingDispatch(epoch=self.epoch, num_tokens=x.shape[0], topk_weights=weights)
+        return PendingDispatch(epoch=self.epoch, num_tokens=x.shape[0], topk_weights=weights, owner=self.id)
+
+    def _check_owner(self, what: str, handle: Any) -> None:
+        """Before any buffer is touched: the handle must be this instance's own."""
+        if handle.owner != self.id:
+            raise RuntimeError(
+                f"{what}: the handle belongs to AllToAll #{handle.owner}, not to this one (#{self.id}); "
+                "a handle is only valid on the instance that returned it"
+            )
 
     def _dispatch_recv(self, handle: PendingDispatch) -> Dispatched:
+        self._check_owner("dispatch", handle)
         if self._state != "dispatch_sent" or handle.epoch != self.epoch:
             raise RuntimeError(
                 f"dispatch: handle of epoch {handle.epoch} is not the dispatch in flight "
@@ -293,6 +311,7 @@ class AllToAll:
             epoch=handle.epoch,
             num_tokens=handle.num_tokens,
             topk_weights=handle.topk_weights,
+            owner=self.id,
         )
         self._last = d
         return d
@@ -307,21 +326,30 @@ class AllToAll:
         send: bool = True,
         recv: bool = True,
         handle: PendingCombine | None = None,
+        weighted: bool = True,
     ) -> torch.Tensor | PendingCombine:
-        """Return expert outputs to their tokens' ranks; `out[t] = sum_k w[t,k] * y[row of (t,k)]`."""
+        """Return expert outputs to their tokens' ranks.
+
+        Weighted (the default): `out[t] = sum_k w[t,k] * y[row of (t,k)]` with the
+        dispatch's `topk_weights`; `weighted=False`: the plain sum over k, for callers
+        that apply the routing weights themselves (as TorchTitan does, under autograd).
+        """
         self._check_usable()
         if not send and not recv:
             raise ValueError("combine: send and recv are both False; nothing to do")
         if send:
             if handle is not None:
                 raise ValueError("combine: handle= is only for the receive half (send=False)")
-            handle = self._combine_send(y, d)
+            if not isinstance(weighted, bool):
+                raise ValueError(f"combine: weighted: got {weighted!r}; expected True or False")
+            handle = self._combine_send(y, d, weighted)
         if not recv:
             return handle
         if handle is None or not isinstance(handle, PendingCombine):
             raise ValueError(
                 f"combine: the receive half needs handle= from combine(..., recv=False); got {handle!r}"
             )
+        self._check_owner("combine", handle)
         if self._state != "combine_sent" or handle.epoch != self.epoch:
             raise RuntimeError(f"combine: handle of epoch {handle.epoch} is not the combine in flight")
         out = torch.empty(
@@ -334,11 +362,12 @@ class AllToAll:
         self._state = "idle"
         return out
 
-    def _combine_send(self, y: Any, d: Any) -> PendingCombine:
+    def _combine_send(self, y: Any, d: Any, weighted: bool) -> PendingCombine:
         if not isinstance(d, Dispatched):
             raise TypeError(
                 f"combine: d: got {type(d).__name__}; expected the Dispatched returned by dispatch"
             )
+        self._check_owner("combine", d)
         if self._state != "dispatched" or d is not self._last:
             raise RuntimeError(
                 f"combine: d (epoch {d.epoch}) is not the latest dispatch of this AllToAll "
@@ -356,7 +385,8 @@ class AllToAll:
         self._guard(self._backend.combine_send, y.contiguous())
         self._state = "combine_sent"
         assert d.topk_weights is not None
-        return PendingCombine(epoch=d.epoch, num_tokens=d.num_tokens, topk_weights=d.topk_weights)
+        weights = d.topk_weights if weighted else torch.ones_like(d.topk_weights)
+        return PendingCombine(epoch=d.epoch, num_tokens=d.num_tokens, topk_weights=weights, owner=self.id)
 
     # -- validation and state ---------------------------------------------------------------------
 

@@ -1,0 +1,500 @@
+"""Differentiable dispatch and combine, for expert-parallel training.
+
+`ExpertParallel` wraps the forward `AllToAll` with what the backward needs:
+- a handle per dispatch (`RoutingHandle`) that owns its routing, so any number
+  of layers can sit between their forward and their backward;
+- gradients that travel in `grad_dtype` (bf16 or fp32) whatever the forward
+  dispatch dtype (an fp8 forward gets its own gradient instance);
+- per-row routing weights on the expert side, and their gradients back to
+  `topk_weights`, through a small fp32 side channel (`2*topk` floats a token).
+
+Backward of dispatch is an unweighted combine of the row gradients; backward of
+combine is a dispatch of the output gradient along the handle's routing, scaled
+by the per-row weights in weighted mode. fp8 quantisation has the
+straight-through gradient (the identity). docs/training.md has the details.
+
+The core keeps one dispatch in flight per instance: every dispatch is followed
+by its combine. The forward pair (dispatch, combine) and the backward pair
+(combine's backward, then dispatch's backward) of a layer each keep that order,
+because autograd runs a layer's combine backward before its dispatch backward;
+the side channel runs whole rounds inside one operation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moe_a2a.all_to_all import AllToAll, Config, Dispatched
+from moe_a2a.reference import dequantize_fp8
+
+GRAD_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class RoutingHandle:
+    """One dispatch's routing, owned by the handle: what its combine and its backward need.
+
+    The core recomputes every position from `topk_ids` (positions are pure
+    functions of the routing), so a handle can be dispatched again with new
+    rows (`ExpertParallel.dispatch(x, handle=h)`) long after later layers ran.
+    """
+
+    owner: int
+    seq: int
+    topk_ids: torch.Tensor  # [T, K], as the core takes them
+    topk_weights: torch.Tensor  # [T, K] fp32, detached
+    tokens_per_expert: torch.Tensor  # [local experts] int32
+    row_expert: torch.Tensor  # [R] local expert of each output row
+    real_rows: torch.Tensor | None  # [R] bool, False on padding rows; None when there are none
+    row_k: torch.Tensor | None = None  # [R] which k of its token a row is (0 on padding rows)
+    row_weights: torch.Tensor | None = None  # [R] fp32 (0 on padding rows)
+    x_dtype: torch.dtype = torch.bfloat16
+    _finalizer: Any = field(default=None, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.topk_ids.shape[0])
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.row_expert.shape[0])
+
+    def release(self) -> None:
+        """Give the handle's slot back now instead of when it is garbage-collected."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+@dataclass
+class Routed:
+    """What `ExpertParallel.dispatch` delivers to this rank's experts."""
+
+    expert_x: torch.Tensor  # [R, hidden] in the input's dtype (fp8 rows dequantised)
+    tokens_per_expert: torch.Tensor  # [local experts] int32
+    handle: RoutingHandle
+    row_weights: torch.Tensor | None  # [R] fp32, differentiable w.r.t. topk_weights
+
+
+class _Channel:
+    """One AllToAll, and the dispatch of it that still waits for its combine (and whose it is)."""
+
+    def __init__(self, a2a: AllToAll) -> None:
+        self.a2a = a2a
+        self.open: RoutingHandle | None = None
+        self._d: Dispatched | None = None
+        self._by_backward = False
+
+    def settle(self) -> None:
+        """Close a backward dispatch whose combine will never come (nothing upstream wanted it).
+
+        Every rank runs the same autograd graph, so every rank settles alike.
+        """
+        if self._d is not None and self._by_backward:
+            assert self.open is not None
+            self.combine(torch.zeros_like(self._d.expert_x), self.open, weighted=False)
+
+    def dispatch(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, backward: bool = False
+    ) -> Dispatched:
+        self.settle()
+        if self._d is not None:
+            seq = self.open.seq if self.open is not None else "?"
+            raise RuntimeError(
+                f"dispatch: the dispatch of handle #{seq} has not been combined yet; "
+                "every dispatch must be followed by its combine"
+            )
+        d = self.a2a.dispatch(x, ids, weights)
+        assert isinstance(d, Dispatched)
+        self._d, self._by_backward = d, backward
+        return d
+
+    def combine(self, y: torch.Tensor, h: RoutingHandle, weighted: bool) -> torch.Tensor:
+        if self._d is None or self.open is not h:
+            raise RuntimeError(
+                f"combine: handle #{h.seq} is not the dispatch in flight on this instance; "
+                "combine each dispatch before the next one"
+            )
+        d, self._d, self.open = self._d, None, None
+        out = self.a2a.combine(y, d, weighted=weighted)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def round(
+        self, x: torch.Tensor, h: RoutingHandle, back: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole dispatch + unweighted combine along h: the rows `x` delivers, and what `back` sums to."""
+        d = self.dispatch(x, h.topk_ids, h.topk_weights)
+        self.open = h
+        rows = d.expert_x
+        out = self.combine(back if back is not None else torch.zeros_like(rows), h, weighted=False)
+        return rows, out
+
+
+class ExpertParallel:
+    """Differentiable dispatch and combine for one expert-parallel group.
+
+    `cfg` is the forward's `Config`; `grad_dtype` ("bf16" or "fp32") is what
+    gradients travel in. Layers may share one `ExpertParallel` (each layer's
+    forward and backward pairs stay in order) or hold their own. At most
+    `max_live_handles` handles are alive at once: a model with L layers
+    needs L (2L with activation recomputation); more is an error, never a
+    silent overwrite.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        comm: Any = None,
+        device: str = "cpu",
+        provider: str = "auto",
+        ranks_per_node: int | None = None,
+        num_nics: int = 1,
+        grad_dtype: str = "bf16",
+        max_live_handles: int = 64,
+    ) -> None:
+        if not isinstance(cfg, Config):
+            raise TypeError(f"cfg: got {type(cfg).__name__}; expected moe_a2a.Config")
+        if grad_dtype not in GRAD_DTYPES:
+            raise ValueError(f"grad_dtype: got {grad_dtype!r}; expected one of {list(GRAD_DTYPES)}")
+        if (
+            not isinstance(max_live_handles, int)
+            or isinstance(max_live_handles, bool)
+            or max_live_handles < 1
+        ):
+            raise ValueError(f"max_live_handles: got {max_live_handles!r}; expected an integer >= 1")
+        self.cfg = cfg
+        self.grad_dtype = grad_dtype
+        self.max_live_handles = max_live_handles
+        self.id = next(_ids)
+        self._seq = itertools.count(1)
+        self._live = 0
+        opts = dict(
+            comm=comm, device=device, provider=provider, ranks_per_node=ranks_per_node, num_nics=num_nics
+        )
+        self.forward_a2a = AllToAll(cfg, **opts)
+        if cfg.dispatch_dtype == grad_dtype and cfg.combine_dtype == grad_dtype:
+            self.backward_a2a = self.forward_a2a
+        else:
+            grad_cfg = dataclasses.replace(cfg, dispatch_dtype=grad_dtype, combine_dtype=grad_dtype)
+            self.backward_a2a = AllToAll(grad_cfg, **opts)
+        # Per-token (weights | expert ids as floats): exact in fp32 for ids below 2**24.
+        side_cfg = dataclasses.replace(cfg, hidden=2 * cfg.topk, dispatch_dtype="fp32", combine_dtype="fp32")
+        self.side_a2a = AllToAll(side_cfg, **opts)
+        self._fwd = _Channel(self.forward_a2a)
+        self._bwd = self._fwd if self.backward_a2a is self.forward_a2a else _Channel(self.backward_a2a)
+        self._side = _Channel(self.side_a2a)
+        self.rank, self.world_size = self.forward_a2a.rank, self.forward_a2a.world_size
+        self.num_local_experts = self.forward_a2a.num_local_experts
+        self.device = self.forward_a2a.device
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        *,
+        handle: RoutingHandle | None = None,
+    ) -> Routed:
+        """Send rows to their experts' ranks; differentiable w.r.t. `x` and `topk_weights`.
+
+        With `handle=` (a cached handle), `x` goes along that handle's routing
+        and its weights; `topk_ids` and `topk_weights` must then be left out.
+        """
+        self._check_open()
+        if not isinstance(x, torch.Tensor) or x.dtype not in GRAD_DTYPES.values():
+            raise ValueError(f"dispatch: x: got {_describe(x)}; expected a bfloat16 or float32 tensor")
+        if handle is not None:
+            self._check_handle("dispatch", handle)
+            if topk_ids is not None or topk_weights is not None:
+                raise ValueError(
+                    "dispatch: with handle=, leave topk_ids and topk_weights out (the handle has them)"
+                )
+            ids, weights = handle.topk_ids, handle.topk_weights
+        else:
+            if not isinstance(topk_weights, torch.Tensor) or not topk_weights.dtype.is_floating_point:
+                raise ValueError(
+                    f"dispatch: topk_weights: got {_describe(topk_weights)}; expected a float tensor"
+                )
+            ids, weights = self._check_ids(topk_ids), topk_weights
+        track = torch.is_grad_enabled()
+        box: dict[str, Any] = {}
+        expert_x, row_weights = _DispatchFn.apply(self, box, x, weights, ids, handle, track)
+        h: RoutingHandle = box["handle"]
+        if not track or handle is not None:
+            row_weights = h.row_weights
+        return Routed(
+            expert_x=expert_x, tokens_per_expert=h.tokens_per_expert, handle=h, row_weights=row_weights
+        )
+
+    def combine(
+        self,
+        y: torch.Tensor,
+        routed: Routed,
+        *,
+        weighted: bool = True,
+    ) -> torch.Tensor:
+        """Return expert rows to their tokens: `out[t] = sum_k w[t,k] * y[row of (t,k)]`.
+
+        `weighted=False` sums the rows unweighted (apply `routed.row_weights` to
+        `y` yourself; autograd then owns their gradient). Differentiable w.r.t. `y`
+        and, in weighted mode, the dispatch's `topk_weights`.
+        """
+        self._check_open()
+        if not isinstance(routed, Routed):
+            raise TypeError(
+                f"combine: routed: got {type(routed).__name__}; expected the Routed from dispatch"
+            )
+        if not isinstance(weighted, bool):
+            raise ValueError(f"combine: weighted: got {weighted!r}; expected True or False")
+        h = routed.handle
+        self._check_handle("combine", h)
+        if not isinstance(y, torch.Tensor) or tuple(y.shape) != (h.num_rows, self.cfg.hidden):
+            raise ValueError(
+                f"combine: y: got {_describe(y)}; expected shape {(h.num_rows, self.cfg.hidden)}"
+            )
+        w = routed.row_weights if weighted and routed.row_weights is not None else torch.empty(0)
+        return _CombineFn.apply(self, h, y, w, weighted)
+
+    @property
+    def live_handles(self) -> int:
+        return self._live
+
+    def close(self) -> None:
+        for a2a in {id(a): a for a in (self.forward_a2a, self.backward_a2a, self.side_a2a)}.values():
+            a2a.close()
+
+    def __enter__(self) -> ExpertParallel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the work behind the autograd functions ---------------------------------------------------
+
+    def _new_handle(
+        self, ids: torch.Tensor, weights: torch.Tensor, d: Dispatched, x_dtype: torch.dtype
+    ) -> RoutingHandle:
+        if self._live >= self.max_live_handles:
+            raise RuntimeError(
+                f"dispatch: {self._live} routing handles are alive, the most max_live_handles="
+                f"{self.max_live_handles} allows; finish the backward of earlier steps (or call "
+                "handle.release()) or raise max_live_handles"
+            )
+        counts = d.tokens_per_expert.to(self.device, torch.int64)
+        pad = self.cfg.expert_padding
+        padded = (counts + pad - 1) // pad * pad
+        rows = d.expert_x.shape[0]
+        local = torch.arange(self.num_local_experts, device=self.device)
+        row_expert = torch.repeat_interleave(local, padded, output_size=rows)
+        real = None
+        if pad > 1:
+            start = torch.cumsum(padded, 0) - padded
+            real = torch.arange(rows, device=self.device) - start[row_expert] < counts[row_expert]
+        h = RoutingHandle(
+            owner=self.id,
+            seq=next(self._seq),
+            topk_ids=ids,
+            topk_weights=weights.detach().to(torch.float32).contiguous(),
+            tokens_per_expert=d.tokens_per_expert,
+            row_expert=row_expert,
+            real_rows=real,
+            x_dtype=x_dtype,
+        )
+        self._live += 1
+        h._finalizer = weakref.finalize(h, self._drop_handle)
+        return h
+
+    def _drop_handle(self) -> None:
+        self._live -= 1
+
+    def _zero_padding(self, rows: torch.Tensor, h: RoutingHandle) -> torch.Tensor:
+        """Padding rows hold whatever the buffers held: never let them into a gradient."""
+        if h.real_rows is None:
+            return rows
+        mask = h.real_rows.view(-1, *([1] * (rows.dim() - 1)))
+        return torch.where(mask, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+
+    def _forward_dispatch(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        cached: RoutingHandle | None,
+        side: bool,
+    ) -> tuple[torch.Tensor, RoutingHandle]:
+        d = self._fwd.dispatch(x, ids, weights)
+        h = self._new_handle(ids, weights, d, x.dtype)
+        self._fwd.open = h
+        if cached is not None:
+            h.row_k, h.row_weights = cached.row_k, cached.row_weights
+        elif side:
+            self._side_forward(h, weights)
+        expert_x = d.expert_x
+        if d.expert_x_scale is not None:
+            expert_x = dequantize_fp8(expert_x, d.expert_x_scale)
+        return self._zero_padding(expert_x.to(x.dtype), h), h
+
+    def _side_forward(self, h: RoutingHandle, weights: torch.Tensor) -> None:
+        """Deliver each row's routing weight and k: a whole round of the side channel."""
+        K = self.cfg.topk
+        meta = torch.cat([weights.detach().to(torch.float32), h.topk_ids.to(torch.float32)], dim=1)
+        rows, _ = self._side.round(meta.contiguous(), h)
+        expert = (h.row_expert + self.rank * self.num_local_experts).to(torch.float32)
+        match = rows[:, K:] == expert[:, None]
+        k = torch.argmax(match.to(torch.int8), dim=1)
+        w = torch.gather(rows[:, :K], 1, k[:, None]).squeeze(1)
+        real = match.any(dim=1)  # padding rows match nothing
+        h.row_k = torch.where(real, k, torch.zeros_like(k))
+        h.row_weights = torch.where(real, w, torch.zeros_like(w))
+
+    def _forward_combine(self, y: torch.Tensor, h: RoutingHandle, weighted: bool) -> torch.Tensor:
+        return self._fwd.combine(y.contiguous(), h, weighted)
+
+    def _backward_combine(self, grad_out: torch.Tensor, h: RoutingHandle) -> torch.Tensor:
+        """Combine's backward: the output gradient dispatched along h (rows of every copy)."""
+        gd = GRAD_DTYPES[self.grad_dtype]
+        d = self._bwd.dispatch(grad_out.to(gd).contiguous(), h.topk_ids, h.topk_weights, backward=True)
+        self._bwd.open = h
+        return self._zero_padding(d.expert_x.to(torch.float32), h)
+
+    def _backward_dispatch(self, grad_rows: torch.Tensor | None, h: RoutingHandle) -> torch.Tensor:
+        """Dispatch's backward: the row gradients summed back onto their tokens."""
+        gd = GRAD_DTYPES[self.grad_dtype]
+        if self._bwd.open is not h:  # combine's backward did not run (rows used without combine)
+            zeros = torch.zeros(h.num_tokens, self.cfg.hidden, dtype=gd, device=self.device)
+            self._bwd.dispatch(zeros, h.topk_ids, h.topk_weights, backward=True)
+            self._bwd.open = h
+        if grad_rows is None:
+            grad_rows = torch.zeros(h.num_rows, self.cfg.hidden, dtype=gd, device=self.device)
+        grad_rows = self._zero_padding(grad_rows.to(gd), h).contiguous()
+        return self._bwd.combine(grad_rows, h, weighted=False)
+
+    def _backward_weights(self, grad_row_weights: torch.Tensor, h: RoutingHandle) -> torch.Tensor:
+        """Per-row weight gradients back to topk_weights[t, k]: a side-channel round."""
+        K = self.cfg.topk
+        assert h.row_k is not None
+        back = torch.zeros(h.num_rows, 2 * K, dtype=torch.float32, device=self.device)
+        g = self._zero_padding(grad_row_weights.to(torch.float32), h)
+        back.scatter_(1, h.row_k[:, None], g[:, None])
+        zeros = torch.zeros(h.num_tokens, 2 * K, dtype=torch.float32, device=self.device)
+        _, out = self._side.round(zeros, h, back)
+        return out[:, :K]
+
+    # -- validation -----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.forward_a2a._setup is None:
+            raise RuntimeError("ExpertParallel is closed")
+
+    def _check_handle(self, what: str, h: Any) -> None:
+        if not isinstance(h, RoutingHandle):
+            raise TypeError(f"{what}: handle: got {type(h).__name__}; expected a RoutingHandle")
+        if h.owner != self.id:
+            raise RuntimeError(
+                f"{what}: the handle belongs to ExpertParallel #{h.owner}, not to this one (#{self.id})"
+            )
+
+    def _check_ids(self, topk_ids: Any) -> torch.Tensor:
+        """The side channel finds a row's k by its expert id: a token must not pick one expert twice."""
+        if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.dtype.is_floating_point:
+            raise ValueError(
+                f"dispatch: topk_ids: got {_describe(topk_ids)}; expected an integer [T, topk] tensor"
+            )
+        if topk_ids.shape[0] > 0 and topk_ids.shape[1] > 1:
+            s = torch.sort(topk_ids, dim=1).values
+            if bool((s[:, 1:] == s[:, :-1]).any()):
+                raise ValueError(
+                    "dispatch: topk_ids: a token picks one expert twice; expected distinct experts per token"
+                )
+        return topk_ids.to(torch.int32).contiguous()
+
+
+class _DispatchFn(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        ep: ExpertParallel,
+        box: dict,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        cached: RoutingHandle | None,
+        side: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        expert_x, h = ep._forward_dispatch(x, ids, weights, cached, side)
+        box["handle"] = h
+        ctx.ep, ctx.handle = ep, h
+        row_weights = h.row_weights if h.row_weights is not None else torch.empty(0, device=x.device)
+        if cached is not None:
+            ctx.mark_non_differentiable(row_weights)
+        return expert_x, row_weights.clone()
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_rows: torch.Tensor | None, grad_row_weights: torch.Tensor | None
+    ) -> tuple[Any, ...]:
+        ep: ExpertParallel = ctx.ep
+        h: RoutingHandle = ctx.handle
+        grad_x = ep._backward_dispatch(grad_rows, h).to(h.x_dtype)
+        grad_w = None
+        if (
+            ctx.needs_input_grad[3]
+            and grad_row_weights is not None
+            and grad_row_weights.numel() == h.num_rows
+        ):
+            grad_w = ep._backward_weights(grad_row_weights, h)
+        if not ctx.needs_input_grad[2]:
+            grad_x = None
+        return None, None, grad_x, grad_w, None, None, None
+
+
+class _CombineFn(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        ep: ExpertParallel,
+        h: RoutingHandle,
+        y: torch.Tensor,
+        row_weights: torch.Tensor,
+        weighted: bool,
+    ) -> torch.Tensor:
+        out = ep._forward_combine(y, h, weighted)
+        ctx.ep, ctx.handle, ctx.weighted = ep, h, weighted
+        ctx.y_dtype = y.dtype
+        ctx.save_for_backward(y if weighted else None)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        ep: ExpertParallel = ctx.ep
+        h: RoutingHandle = ctx.handle
+        (y,) = ctx.saved_tensors
+        rows = ep._backward_combine(grad_out, h)
+        grad_y = grad_w = None
+        if ctx.weighted:
+            if h.row_weights is None:
+                raise RuntimeError(
+                    "backward: this combine's dispatch ran with gradients disabled, so its per-row "
+                    "weights were never delivered; dispatch with torch.enable_grad() to train"
+                )
+            grad_y = rows * h.row_weights[:, None]
+            if ctx.needs_input_grad[3]:
+                grad_w = (rows * y.to(torch.float32)).sum(dim=1)
+        else:
+            grad_y = rows
+        return None, None, grad_y.to(ctx.y_dtype), grad_w, None
+
+
+def _describe(t: Any) -> str:
+    if not isinstance(t, torch.Tensor):
+        return f"a {type(t).__name__}"
+    return f"a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
