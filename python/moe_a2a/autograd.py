@@ -225,6 +225,12 @@ class ExpertParallel:
                     f"dispatch: topk_weights: got {_describe(topk_weights)}; expected a float tensor"
                 )
             ids, weights = self._check_ids(topk_ids), topk_weights
+        if self._live >= self.max_live_handles:
+            raise RuntimeError(
+                f"dispatch: {self._live} routing handles are alive, the most max_live_handles="
+                f"{self.max_live_handles} allows; finish the backward of earlier steps (or call "
+                "handle.release()) or raise max_live_handles"
+            )
         track = torch.is_grad_enabled()
         box: dict[str, Any] = {}
         expert_x, row_weights = _DispatchFn.apply(self, box, x, weights, ids, handle, track)
@@ -283,12 +289,6 @@ class ExpertParallel:
     def _new_handle(
         self, ids: torch.Tensor, weights: torch.Tensor, d: Dispatched, x_dtype: torch.dtype
     ) -> RoutingHandle:
-        if self._live >= self.max_live_handles:
-            raise RuntimeError(
-                f"dispatch: {self._live} routing handles are alive, the most max_live_handles="
-                f"{self.max_live_handles} allows; finish the backward of earlier steps (or call "
-                "handle.release()) or raise max_live_handles"
-            )
         counts = d.tokens_per_expert.to(self.device, torch.int64)
         pad = self.cfg.expert_padding
         padded = (counts + pad - 1) // pad * pad

@@ -9,33 +9,19 @@ several ranks share it, each its own process), plus CUDA graph capture on cuda.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 import torch
-from mpi4py import MPI
+from ranks import COMM, DEVICE, PROVIDER, RANK, WORLD, device_pytestmark, layouts
 
 from moe_a2a import FabricError
 from moe_a2a.all_to_all import AllToAll, CapacityError, Config
 from moe_a2a.reference import combine_reference, dispatch_reference
 
-COMM = MPI.COMM_WORLD
-RANK, WORLD = COMM.Get_rank(), COMM.Get_size()
-PROVIDER = os.environ.get("MOE_A2A_TEST_PROVIDER", "tcp")
-DEVICE = os.environ.get("MOE_A2A_TEST_DEVICE", "cpu")
-if DEVICE not in ("cpu", "cuda"):
-    raise pytest.UsageError(f"MOE_A2A_TEST_DEVICE: got {DEVICE!r}; expected cpu or cuda")
-if DEVICE == "cuda":
-    from moe_a2a.backends.cuda import cuda_available
-
-    _REASON = cuda_available()
-    pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"MOE_A2A_TEST_DEVICE=cuda: {_REASON}")
-    if _REASON is None:
-        local = COMM.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
-        torch.cuda.set_device(local % torch.cuda.device_count())
+pytestmark = device_pytestmark
 HIDDEN = 200  # not a multiple of 128: the last fp8 block is short
 EXPERTS_PER_RANK = 3 if WORLD > 1 else 8  # top-4 of 3 per rank: several picks land on one rank
 # Waits for peers. These tests check results, not latency, and on the 2-vCPU
@@ -43,16 +29,6 @@ EXPERTS_PER_RANK = 3 if WORLD > 1 else 8  # top-4 of 3 per rank: several picks l
 # failed waiting 30 s for rank 0's routing row); test_silent_peer_times_out_with_clear_error
 # checks the timeout itself, with 2 s.
 TIMEOUT_S = 120.0
-
-
-def layouts() -> list[int | None]:
-    """Node layouts that make both the same-node and the fabric path carry traffic."""
-    out: list[int | None] = [None]  # one node: shared memory only
-    if WORLD > 1:
-        out.append(1)  # every rank its own node: fabric only
-    if WORLD > 2 and WORLD % 2 == 0:
-        out.append(2)  # both at once
-    return out
 
 
 def make_a2a(rpn: int | None, **overrides: object) -> AllToAll:
