@@ -212,6 +212,17 @@ def test_hard_routings(rpn: int | None) -> None:
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("rpn", layouts())
+def test_no_private_slots(rpn: int | None) -> None:
+    """max_private_tokens=0: every copy goes to the shared section, one fabric write per peer, not two."""
+    with make_a2a(rpn, max_private_tokens=0) as a2a:
+        cfg = a2a.cfg
+        check_round(a2a, make_inputs(20, cfg))
+        check_round(a2a, make_inputs(21, cfg, tokens=[0] + [cfg.max_tokens] * (WORLD - 1)), split=True)
+        check_round(a2a, make_inputs(22, cfg, tokens=[0] * WORLD))
+
+
+@pytest.mark.mpi(min_size=1)
 @pytest.mark.timeout(240)
 def test_many_iterations_reuse_buffers() -> None:
     """200 rounds with new routing each time, alternating whole and split calls."""
