@@ -29,9 +29,13 @@ PATHS = ("same_node", "fabric")
 CapacityError = _core.CapacityError
 
 
+# The core holds sizes and row indices as 32-bit ints.
+CORE_INT_MAX = 2**31 - 1
+
+
 def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}: got {value!r}; expected an integer >= {minimum}")
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= CORE_INT_MAX:
+        raise ValueError(f"{name}: got {value!r}; expected an integer in [{minimum}, {CORE_INT_MAX}]")
 
 
 @dataclass(frozen=True)
@@ -66,8 +70,14 @@ class Config:
             _positive_int("max_private_tokens", self.max_private_tokens, minimum=0)
         if self.max_recv_tokens is not None:
             _positive_int("max_recv_tokens", self.max_recv_tokens)
-        if not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
-            raise ValueError(f"timeout_s: got {self.timeout_s!r}; expected a positive number of seconds")
+        t = self.timeout_s
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not (0 < t < math.inf):
+            raise ValueError(f"timeout_s: got {t!r}; expected a positive, finite number of seconds")
+        if self.max_tokens * self.topk > CORE_INT_MAX:  # a call's copies are numbered in 32 bits
+            raise ValueError(
+                f"max_tokens * topk: got {self.max_tokens} * {self.topk} = {self.max_tokens * self.topk}; "
+                f"expected at most {CORE_INT_MAX}"
+            )
 
     def resolved(self, world_size: int) -> tuple[int, int]:
         """(max_private_tokens, max_recv_tokens) for a world size, defaults filled in."""
@@ -82,6 +92,11 @@ class Config:
         if private is None:
             private = min(per_peer_worst, math.ceil(self.max_tokens * self.topk / world_size))
         recv = self.max_recv_tokens if self.max_recv_tokens is not None else world_size * per_peer_worst
+        if recv > CORE_INT_MAX:
+            raise ValueError(
+                f"max_recv_tokens: the default for {world_size} ranks is {recv}; expected at most "
+                f"{CORE_INT_MAX}: pass a smaller max_recv_tokens"
+            )
         return private, recv
 
 
