@@ -236,6 +236,7 @@ class AllToAll:
     @property
     def epoch(self) -> int:
         """The number of dispatches started so far."""
+        self._check_open()
         return self._backend.epoch
 
     @property
@@ -437,11 +438,15 @@ class AllToAll:
 
     def check(self) -> None:
         """Raise the outcome of the last call (CUDA graph-safe mode; synchronise the stream first)."""
+        self._check_open()
         self._guard(self._backend.check)
 
-    def _check_usable(self) -> None:
+    def _check_open(self) -> None:
         if self._setup is None:
             raise RuntimeError("AllToAll is closed")
+
+    def _check_usable(self) -> None:
+        self._check_open()
         if self._failure is not None:
             raise RuntimeError(f"AllToAll is unusable after an earlier failure: {self._failure}")
 
@@ -459,6 +464,7 @@ class AllToAll:
 
     def traffic(self) -> np.ndarray:
         """Bytes this rank sent to each peer in the last dispatch + combine: int64 [world, len(PATHS)]."""
+        self._check_open()
         out = np.zeros((self.world_size, len(PATHS)), dtype=np.int64)
         if self._last is None:
             return out

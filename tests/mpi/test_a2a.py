@@ -302,6 +302,18 @@ def test_validation_errors() -> None:
         Config(max_tokens=4, hidden=8, num_experts=8, topk=9)
 
 
+@pytest.mark.mpi(min_size=1)
+def test_closed_instance_says_so() -> None:
+    a2a = make_a2a(None)
+    check_round(a2a, make_inputs(4, a2a.cfg))
+    a2a.close()
+    a2a.close()  # a second close does nothing
+    x, ids, w = mine(make_inputs(4, a2a.cfg))
+    for use in (lambda: a2a.epoch, a2a.traffic, a2a.check, lambda: a2a.dispatch(x, ids, w)):
+        with pytest.raises(RuntimeError, match="AllToAll is closed"):
+            use()
+
+
 def make_fake_dispatched():  # type: ignore[no-untyped-def]
     from moe_a2a.all_to_all import Dispatched
 
