@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from moe_a2a import _core
+from moe_a2a.agreement import all_to_all_settings, check_agreement
 from moe_a2a.backends.common import CORE_DTYPE, Setup, num_scales
 from moe_a2a.bootstrap import Bootstrap
 from moe_a2a.fabric import Engine
@@ -173,6 +174,10 @@ class AllToAll:
         self._boot = Bootstrap(comm, ranks_per_node)
         topo = self._boot.topology
         self.rank, self.world_size = topo.rank, topo.world_size
+        # Before anything is sized from cfg: ranks that differ would fail apart, or not at all.
+        check_agreement(
+            self._boot, all_to_all_settings(cfg, device, provider, topo.local_size, num_nics, graph_safe)
+        )
         self.max_private_tokens, self.max_recv_tokens = cfg.resolved(self.world_size)
         self.num_local_experts = cfg.num_experts // self.world_size
         self._node = set(topo.node_ranks)

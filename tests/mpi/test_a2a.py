@@ -55,8 +55,9 @@ def layouts() -> list[int | None]:
     return out
 
 
-def make_a2a(rpn: int | None, **overrides: object) -> AllToAll:
-    params: dict[str, object] = dict(
+def make_params() -> dict[str, object]:
+    """The Config arguments of make_a2a, before overrides."""
+    return dict(
         max_tokens=24,
         hidden=HIDDEN,
         num_experts=EXPERTS_PER_RANK * WORLD,
@@ -66,6 +67,10 @@ def make_a2a(rpn: int | None, **overrides: object) -> AllToAll:
         expert_padding=1,
         timeout_s=TIMEOUT_S,
     )
+
+
+def make_a2a(rpn: int | None, **overrides: object) -> AllToAll:
+    params = make_params()
     params.update(overrides)
     graph_safe = bool(params.pop("graph_safe", False))
     return AllToAll(
@@ -318,6 +323,42 @@ def make_fake_dispatched():  # type: ignore[no-untyped-def]
     from moe_a2a.all_to_all import Dispatched
 
     return Dispatched(torch.zeros(0, HIDDEN), None, torch.zeros(EXPERTS_PER_RANK, dtype=torch.int32))
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("field", "rank1_value"),
+    [
+        ("num_experts", (EXPERTS_PER_RANK + 1) * WORLD),
+        ("hidden", HIDDEN + 8),
+        ("dispatch_dtype", "fp8"),
+        ("ranks_per_node", 1),
+    ],
+)
+def test_mismatched_config_fails_on_every_rank(field: str, rank1_value: object) -> None:
+    """Rank 1 builds with another value: every rank raises the same error, naming the field and ranks."""
+    if WORLD < 2:
+        pytest.skip("needs 2+ ranks")
+    if field == "ranks_per_node":
+        # Others lay out one node of all ranks; rank 1 makes every rank its own node.
+        rpn, overrides = (1 if RANK == 1 else None), {}
+        ours = COMM.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
+    else:
+        rpn, overrides = None, ({field: rank1_value} if RANK == 1 else {})
+        ours = make_params()[field]
+    started = time.monotonic()
+    with pytest.raises(ValueError) as err:
+        make_a2a(rpn, **overrides)
+    message = str(err.value)
+    assert f"{field}: {ours!r} on rank" in message, message
+    assert f"{rank1_value!r} on rank 1" in message, message
+    assert time.monotonic() - started < 30  # no timeout: it fails at construction
+    # Everyone failed alike, before any engine was made: the next instance works.
+    mismatched = COMM.allgather(message)
+    assert mismatched == [message] * WORLD
+    with make_a2a(None) as a2a:
+        check_round(a2a, make_inputs(11, a2a.cfg))
 
 
 @pytest.mark.mpi(min_size=2)
