@@ -16,6 +16,8 @@ from moe_a2a import __version__
 from moe_a2a.bootstrap import Bootstrap
 from moe_a2a.fabric import default_provider
 
+MISSING = object()  # a setting a rank did not send (another library version)
+
 
 def all_to_all_settings(
     cfg: Any, device: str, provider: str, ranks_per_node: int, num_nics: int, graph_safe: bool
@@ -37,18 +39,23 @@ def check_agreement(bootstrap: Bootstrap, settings: dict[str, Any]) -> None:
     """Collective: raise the same ValueError on every rank when any setting differs between ranks."""
     everyone = [json.loads(blob) for blob in bootstrap.allgather(json.dumps(settings).encode())]
     names = list(everyone[0]) + sorted({n for s in everyone for n in s} - set(everyone[0]))
-    differences = []
-    for name in names:
-        ranks_of: dict[str, list[int]] = {}
-        for rank, theirs in enumerate(everyone):
-            ranks_of.setdefault(repr(theirs[name]) if name in theirs else "(none)", []).append(rank)
-        if len(ranks_of) > 1:
-            differences.append(f"{name}: " + ", ".join(f"{v} on {_ranks(r)}" for v, r in ranks_of.items()))
+    found = (difference(name, [s.get(name, MISSING) for s in everyone]) for name in names)
+    differences = [d for d in found if d is not None]
     if differences:
         raise ValueError(
             "AllToAll: the ranks were given different settings (every rank must pass the same): "
             + "; ".join(differences)
         )
+
+
+def difference(name: str, values: list[Any]) -> str | None:
+    """'name: 8 on ranks 0, 2, 12 on rank 1' for values that differ (index = rank), else None."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        ranks_of.setdefault("(none)" if value is MISSING else repr(value), []).append(rank)
+    if len(ranks_of) == 1:
+        return None
+    return f"{name}: " + ", ".join(f"{v} on {_ranks(r)}" for v, r in ranks_of.items())
 
 
 def _ranks(ranks: list[int]) -> str:

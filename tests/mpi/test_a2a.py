@@ -334,6 +334,7 @@ def make_fake_dispatched():  # type: ignore[no-untyped-def]
         ("hidden", HIDDEN + 8),
         ("dispatch_dtype", "fp8"),
         ("ranks_per_node", 1),
+        ("ranks_per_node", WORLD + 1),  # not even valid: rank 1 alone used to fail, the others to wait
     ],
 )
 def test_mismatched_config_fails_on_every_rank(field: str, rank1_value: object) -> None:
@@ -341,9 +342,7 @@ def test_mismatched_config_fails_on_every_rank(field: str, rank1_value: object) 
     if WORLD < 2:
         pytest.skip("needs 2+ ranks")
     if field == "ranks_per_node":
-        # Others lay out one node of all ranks; rank 1 makes every rank its own node.
-        rpn, overrides = (1 if RANK == 1 else None), {}
-        ours = COMM.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
+        rpn, overrides, ours = (rank1_value if RANK == 1 else None), {}, None
     else:
         rpn, overrides = None, ({field: rank1_value} if RANK == 1 else {})
         ours = make_params()[field]
