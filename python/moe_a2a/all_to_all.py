@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from moe_a2a import _core
+from moe_a2a.agreement import all_to_all_settings, check_agreement
 from moe_a2a.backends.common import CORE_DTYPE, Setup, num_scales
 from moe_a2a.bootstrap import Bootstrap
 from moe_a2a.fabric import Engine
@@ -34,9 +35,13 @@ CapacityError = _core.CapacityError
 _instance_ids = itertools.count(1)
 
 
+# The core holds sizes and row indices as 32-bit ints.
+CORE_INT_MAX = 2**31 - 1
+
+
 def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}: got {value!r}; expected an integer >= {minimum}")
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= CORE_INT_MAX:
+        raise ValueError(f"{name}: got {value!r}; expected an integer in [{minimum}, {CORE_INT_MAX}]")
 
 
 @dataclass(frozen=True)
@@ -71,8 +76,14 @@ class Config:
             _positive_int("max_private_tokens", self.max_private_tokens, minimum=0)
         if self.max_recv_tokens is not None:
             _positive_int("max_recv_tokens", self.max_recv_tokens)
-        if not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
-            raise ValueError(f"timeout_s: got {self.timeout_s!r}; expected a positive number of seconds")
+        t = self.timeout_s
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not (0 < t < math.inf):
+            raise ValueError(f"timeout_s: got {t!r}; expected a positive, finite number of seconds")
+        if self.max_tokens * self.topk > CORE_INT_MAX:  # a call's copies are numbered in 32 bits
+            raise ValueError(
+                f"max_tokens * topk: got {self.max_tokens} * {self.topk} = {self.max_tokens * self.topk}; "
+                f"expected at most {CORE_INT_MAX}"
+            )
 
     def resolved(self, world_size: int) -> tuple[int, int]:
         """(max_private_tokens, max_recv_tokens) for a world size, defaults filled in."""
@@ -87,6 +98,11 @@ class Config:
         if private is None:
             private = min(per_peer_worst, math.ceil(self.max_tokens * self.topk / world_size))
         recv = self.max_recv_tokens if self.max_recv_tokens is not None else world_size * per_peer_worst
+        if recv > CORE_INT_MAX:
+            raise ValueError(
+                f"max_recv_tokens: the default for {world_size} ranks is {recv}; expected at most "
+                f"{CORE_INT_MAX}: pass a smaller max_recv_tokens"
+            )
         return private, recv
 
 
@@ -167,6 +183,10 @@ class AllToAll:
         self._boot = Bootstrap(comm, ranks_per_node)
         topo = self._boot.topology
         self.rank, self.world_size = topo.rank, topo.world_size
+        # Before anything is sized from cfg: ranks that differ would fail apart, or not at all.
+        check_agreement(
+            self._boot, all_to_all_settings(cfg, device, provider, topo.local_size, num_nics, graph_safe)
+        )
         self.max_private_tokens, self.max_recv_tokens = cfg.resolved(self.world_size)
         self.num_local_experts = cfg.num_experts // self.world_size
         self._node = set(topo.node_ranks)
@@ -230,6 +250,7 @@ class AllToAll:
     @property
     def epoch(self) -> int:
         """The number of dispatches started so far."""
+        self._check_open()
         return self._backend.epoch
 
     @property
@@ -452,11 +473,15 @@ class AllToAll:
 
     def check(self) -> None:
         """Raise the outcome of the last call (CUDA graph-safe mode; synchronise the stream first)."""
+        self._check_open()
         self._guard(self._backend.check)
 
-    def _check_usable(self) -> None:
+    def _check_open(self) -> None:
         if self._setup is None:
             raise RuntimeError("AllToAll is closed")
+
+    def _check_usable(self) -> None:
+        self._check_open()
         if self._failure is not None:
             raise RuntimeError(f"AllToAll is unusable after an earlier failure: {self._failure}")
 
@@ -474,6 +499,7 @@ class AllToAll:
 
     def traffic(self) -> np.ndarray:
         """Bytes this rank sent to each peer in the last dispatch + combine: int64 [world, len(PATHS)]."""
+        self._check_open()
         out = np.zeros((self.world_size, len(PATHS)), dtype=np.int64)
         if self._last is None:
             return out

@@ -47,14 +47,24 @@ class Bootstrap:
                 comm = MPI.COMM_WORLD
             self._comm = comm
             rank, world = comm.Get_rank(), comm.Get_size()
-            hosts = comm.allgather(_host_id())
+            placed = comm.allgather((_host_id(), ranks_per_node))
         else:
             import torch.distributed as dist
 
             self._torch_group = comm
             rank, world = dist.get_rank(comm), dist.get_world_size(comm)
-            hosts = [None] * world
-            dist.all_gather_object(hosts, _host_id(), group=comm)
+            placed = [None] * world
+            dist.all_gather_object(placed, (_host_id(), ranks_per_node), group=comm)
+        hosts = [host for host, _ in placed]
+        # Checked on every rank alike: one rank failing its own layout check would
+        # leave the others waiting for it in their next collective.
+        from moe_a2a.agreement import difference
+
+        differs = difference("ranks_per_node", [given for _, given in placed])
+        if differs is not None:
+            raise ValueError(
+                f"the ranks passed different node layouts (every rank must pass the same): {differs}"
+            )
         self.topology = _layout(rank, world, hosts, ranks_per_node)
         self.single_host = len(set(hosts)) == 1
 

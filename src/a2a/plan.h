@@ -3,6 +3,7 @@
 // the proxy) places rows with these, so they agree by construction.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -46,6 +47,14 @@ struct RoutingView {
     return n;
   }
 };
+
+// Fabric writes (DISPATCH immediates) that `copies` copies from one sender
+// take: one for the private part when any copy goes there (none when P = 0),
+// one more for the overflow past P. Sender and receiver both count with this.
+inline uint64_t private_copies(uint64_t copies, uint64_t private_slots) { return std::min(copies, private_slots); }
+inline uint64_t dispatch_writes(uint64_t copies, uint64_t private_slots) {
+  return (private_copies(copies, private_slots) > 0 ? 1 : 0) + (copies > private_slots ? 1 : 0);
+}
 
 // Everything receiver `rank` needs to place what it received.
 struct RecvPlan {

@@ -103,8 +103,8 @@ void Proxy::step(uint64_t epoch) {
   }
   for (size_t i = 0; i < remotes.size(); ++i) {
     int r = remotes[i];
-    uint64_t n = std::min(to[r], P);
-    if (n == 0) continue;
+    uint64_t n = private_copies(to[r], P);
+    if (n == 0) continue;  // nothing private (also every call when P = 0): no write, none expected
     items.push_back({static_cast<uint32_t>(i), l.send + send_off[r] * row, n * row,
                      l.private_rows + static_cast<size_t>(c.rank) * P * row});
   }
@@ -135,7 +135,7 @@ void Proxy::step(uint64_t epoch) {
     // Let the private writes already under way land, then meet everyone so
     // nobody's next call overwrites buffers that are still being read.
     for (int s : remotes)
-      if (view.to_rank(s, c.rank) > 0) engine.wait_imm(kTagDispatch, s, 1, c.timeout_s);
+      if (private_copies(view.to_rank(s, c.rank), P) > 0) engine.wait_imm(kTagDispatch, s, 1, c.timeout_s);
     node_barrier(epoch);
     ctx_.signals->overflow.set(epoch);
     ctx_.signals->dispatch_done.set(epoch);
@@ -153,8 +153,7 @@ void Proxy::step(uint64_t epoch) {
 
   // 4. Every expected remote write has landed.
   for (int s : remotes) {
-    uint64_t from = view.to_rank(s, c.rank);
-    uint64_t expected = (from > 0 ? 1 : 0) + (from > P ? 1 : 0);
+    uint64_t expected = dispatch_writes(view.to_rank(s, c.rank), P);
     if (expected > 0) engine.wait_imm(kTagDispatch, s, expected, c.timeout_s);
   }
   ctx_.signals->dispatch_done.set(epoch);

@@ -8,9 +8,9 @@
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
 
-#include <atomic>
 #include <cstring>
 #include <mutex>
+#include <random>
 #include <set>
 #include <sstream>
 
@@ -24,8 +24,16 @@ constexpr uint32_t kFabricVersion = FI_VERSION(1, 17);
 constexpr size_t kImmBytes = sizeof(uint32_t);
 constexpr size_t kCqDepth = 4096;
 // Keys we choose ourselves where the provider does not (mr_mode without
-// FI_MR_PROV_KEY); unique within the process, so within every domain.
-std::atomic<uint64_t> g_next_key{1};
+// FI_MR_PROV_KEY): random, since a key is all a process that reaches the
+// listener needs to write into the region (counting 1, 2, ... gave them away).
+uint64_t random_key(size_t key_bytes) {
+  static std::mutex mu;
+  static std::random_device device;  // the kernel's entropy (getrandom)
+  std::lock_guard<std::mutex> lock(mu);
+  uint64_t key = (static_cast<uint64_t>(device()) << 32) | device();
+  if (key_bytes > 0 && key_bytes < sizeof(key)) key &= (uint64_t{1} << (8 * key_bytes)) - 1;
+  return key;
+}
 
 std::string fi_message(int rc) { return std::string(fi_strerror(-rc)) + " (" + std::to_string(rc) + ")"; }
 
@@ -59,6 +67,7 @@ class LibfabricBackend final : public Backend {
   explicit LibfabricBackend(const BackendOptions& opts) : provider_(opts.provider), index_(opts.index) {
     info_ = find_info();
     mr_mode_ = info_->domain_attr->mr_mode;
+    mr_key_size_ = info_->domain_attr->mr_key_size;
     check(fi_fabric(info_->fabric_attr, &fabric_, nullptr), "fi_fabric");
     check(fi_domain(fabric_, info_.get(), &domain_, nullptr), "fi_domain");
     fi_cq_attr cq_attr{};
@@ -117,8 +126,10 @@ class LibfabricBackend final : public Backend {
   LocalMemory register_memory(void* ptr, size_t len) override {
     auto lock = serialise();
     fid_mr* mr = nullptr;
-    uint64_t requested_key = g_next_key.fetch_add(1);
-    int rc = fi_mr_reg(domain_, ptr, len, FI_REMOTE_WRITE | FI_WRITE, 0, requested_key, 0, &mr, nullptr);
+    // Ignored where the provider picks keys; a random one may already be taken.
+    int rc = -FI_ENOKEY;
+    for (int attempt = 0; attempt < 8 && rc == -FI_ENOKEY; ++attempt)
+      rc = fi_mr_reg(domain_, ptr, len, FI_REMOTE_WRITE | FI_WRITE, 0, random_key(mr_key_size_), 0, &mr, nullptr);
     if (rc != 0) fail("fi_mr_reg of " + std::to_string(len) + " bytes", rc);
     LocalMemory mem;
     mem.handle = mr;
@@ -280,6 +291,7 @@ class LibfabricBackend final : public Backend {
   int index_;
   InfoPtr info_;
   uint64_t mr_mode_ = 0;
+  size_t mr_key_size_ = 0;  // bytes of a key the provider accepts (0: unstated)
   fid_fabric* fabric_ = nullptr;
   fid_domain* domain_ = nullptr;
   fid_cq* cq_ = nullptr;

@@ -31,8 +31,9 @@ EXPERTS_PER_RANK = 3 if WORLD > 1 else 8  # top-4 of 3 per rank: several picks l
 TIMEOUT_S = 120.0
 
 
-def make_a2a(rpn: int | None, **overrides: object) -> AllToAll:
-    params: dict[str, object] = dict(
+def make_params() -> dict[str, object]:
+    """The Config arguments of make_a2a, before overrides."""
+    return dict(
         max_tokens=24,
         hidden=HIDDEN,
         num_experts=EXPERTS_PER_RANK * WORLD,
@@ -42,6 +43,10 @@ def make_a2a(rpn: int | None, **overrides: object) -> AllToAll:
         expert_padding=1,
         timeout_s=TIMEOUT_S,
     )
+
+
+def make_a2a(rpn: int | None, **overrides: object) -> AllToAll:
+    params = make_params()
     params.update(overrides)
     graph_safe = bool(params.pop("graph_safe", False))
     return AllToAll(
@@ -188,6 +193,17 @@ def test_hard_routings(rpn: int | None) -> None:
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("rpn", layouts())
+def test_no_private_slots(rpn: int | None) -> None:
+    """max_private_tokens=0: every copy goes to the shared section, one fabric write per peer, not two."""
+    with make_a2a(rpn, max_private_tokens=0) as a2a:
+        cfg = a2a.cfg
+        check_round(a2a, make_inputs(20, cfg))
+        check_round(a2a, make_inputs(21, cfg, tokens=[0] + [cfg.max_tokens] * (WORLD - 1)), split=True)
+        check_round(a2a, make_inputs(22, cfg, tokens=[0] * WORLD))
+
+
+@pytest.mark.mpi(min_size=1)
 @pytest.mark.timeout(240)
 def test_many_iterations_reuse_buffers() -> None:
     """200 rounds with new routing each time, alternating whole and split calls."""
@@ -267,10 +283,57 @@ def test_validation_errors() -> None:
         Config(max_tokens=4, hidden=8, num_experts=8, topk=9)
 
 
+@pytest.mark.mpi(min_size=1)
+def test_closed_instance_says_so() -> None:
+    a2a = make_a2a(None)
+    check_round(a2a, make_inputs(4, a2a.cfg))
+    a2a.close()
+    a2a.close()  # a second close does nothing
+    x, ids, w = mine(make_inputs(4, a2a.cfg))
+    for use in (lambda: a2a.epoch, a2a.traffic, a2a.check, lambda: a2a.dispatch(x, ids, w)):
+        with pytest.raises(RuntimeError, match="AllToAll is closed"):
+            use()
+
+
 def make_fake_dispatched():  # type: ignore[no-untyped-def]
     from moe_a2a.all_to_all import Dispatched
 
     return Dispatched(torch.zeros(0, HIDDEN), None, torch.zeros(EXPERTS_PER_RANK, dtype=torch.int32))
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("field", "rank1_value"),
+    [
+        ("num_experts", (EXPERTS_PER_RANK + 1) * WORLD),
+        ("hidden", HIDDEN + 8),
+        ("dispatch_dtype", "fp8"),
+        ("ranks_per_node", 1),
+        ("ranks_per_node", WORLD + 1),  # not even valid: rank 1 alone used to fail, the others to wait
+    ],
+)
+def test_mismatched_config_fails_on_every_rank(field: str, rank1_value: object) -> None:
+    """Rank 1 builds with another value: every rank raises the same error, naming the field and ranks."""
+    if WORLD < 2:
+        pytest.skip("needs 2+ ranks")
+    if field == "ranks_per_node":
+        rpn, overrides, ours = (rank1_value if RANK == 1 else None), {}, None
+    else:
+        rpn, overrides = None, ({field: rank1_value} if RANK == 1 else {})
+        ours = make_params()[field]
+    started = time.monotonic()
+    with pytest.raises(ValueError) as err:
+        make_a2a(rpn, **overrides)
+    message = str(err.value)
+    assert f"{field}: {ours!r} on rank" in message, message
+    assert f"{rank1_value!r} on rank 1" in message, message
+    assert time.monotonic() - started < 30  # no timeout: it fails at construction
+    # Everyone failed alike, before any engine was made: the next instance works.
+    mismatched = COMM.allgather(message)
+    assert mismatched == [message] * WORLD
+    with make_a2a(None) as a2a:
+        check_round(a2a, make_inputs(11, a2a.cfg))
 
 
 @pytest.mark.mpi(min_size=2)

@@ -13,6 +13,7 @@ import itertools
 import os
 import random
 import shutil
+import struct
 import subprocess
 import sys
 import time
@@ -103,6 +104,30 @@ def test_region_descriptor_round_trip_and_errors() -> None:
         engine.add_remote_region(1, desc + b"\x00")
     with pytest.raises(FabricError, match=r"peer 2 is out of range \[0, 2\)"):
         engine.add_remote_region(2, desc)
+
+
+def _region_keys(desc: bytes) -> list[int]:
+    """The NIC keys of a region descriptor (src/fabric/wire.h: magic, length, count, then base and key)."""
+    (count,) = struct.unpack_from("<I", desc, 12)
+    return [struct.unpack_from("<QQ", desc, 16 + 16 * i)[1] for i in range(count)]
+
+
+@pytest.mark.parametrize("provider", ["tcp", "shm"])
+def test_region_keys_are_not_guessable(provider: str) -> None:
+    """Where we pick the keys, they are random: a key is all it takes to write into the region."""
+    if provider not in _core.libfabric_providers():
+        pytest.skip(f"libfabric here offers no {provider} provider")
+    bufs = [bytearray(4096) for _ in range(4)]
+    engine = _core.TransferEngine(0, 2, provider)
+    keys = [
+        key
+        for buf in bufs
+        for key in _region_keys(engine.region_descriptor(engine.register_region(_address_of(buf), len(buf))))
+    ]
+    assert len(set(keys)) == len(keys), keys
+    # Counting keys (the old 1, 2, 3, ...) are small and a step apart; 64 random bits are neither.
+    assert all(key >= 1 << 20 for key in keys), keys
+    assert sorted(b - a for a, b in itertools.pairwise(sorted(keys)))[0] > 1, keys
 
 
 def test_region_descriptor_with_other_nic_count_is_rejected() -> None:

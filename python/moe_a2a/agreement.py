@@ -1,0 +1,70 @@
+"""Start-up agreement: every rank of an AllToAll must be built with the same settings.
+
+Both ends of every write size and place rows from the configuration, so ranks
+that differ corrupt memory, wait for writes that never come or try to allocate
+absurd buffers. Comparing once at construction, before anything is sized,
+turns that into one error, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from moe_a2a import __version__
+from moe_a2a.bootstrap import Bootstrap
+from moe_a2a.fabric import default_provider
+
+MISSING = object()  # a setting a rank did not send (another library version)
+
+
+def all_to_all_settings(
+    cfg: Any, device: str, provider: str, ranks_per_node: int, num_nics: int, graph_safe: bool
+) -> dict[str, Any]:
+    """What must agree between the ranks of one AllToAll; `ranks_per_node` as laid out."""
+    return {
+        **dataclasses.asdict(cfg),
+        "device": device,
+        # "auto" is resolved from each rank's environment, which may differ.
+        "provider": default_provider() if provider == "auto" else provider,
+        "ranks_per_node": ranks_per_node,
+        "num_nics": num_nics,
+        "graph_safe": graph_safe,
+        "version": __version__,
+    }
+
+
+def check_agreement(bootstrap: Bootstrap, settings: dict[str, Any]) -> None:
+    """Collective: raise the same ValueError on every rank when any setting differs between ranks."""
+    everyone = [json.loads(blob) for blob in bootstrap.allgather(json.dumps(settings).encode())]
+    names = list(everyone[0]) + sorted({n for s in everyone for n in s} - set(everyone[0]))
+    found = (difference(name, [s.get(name, MISSING) for s in everyone]) for name in names)
+    differences = [d for d in found if d is not None]
+    if differences:
+        raise ValueError(
+            "AllToAll: the ranks were given different settings (every rank must pass the same): "
+            + "; ".join(differences)
+        )
+
+
+def difference(name: str, values: list[Any]) -> str | None:
+    """'name: 8 on ranks 0, 2, 12 on rank 1' for values that differ (index = rank), else None."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        ranks_of.setdefault("(none)" if value is MISSING else repr(value), []).append(rank)
+    if len(ranks_of) == 1:
+        return None
+    return f"{name}: " + ", ".join(f"{v} on {_ranks(r)}" for v, r in ranks_of.items())
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'rank 3' or 'ranks 0, 2-5' (ascending input)."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and spans[-1][1] == r - 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return ("rank " if len(ranks) == 1 else "ranks ") + text
