@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # On a GPU machine: build moe-a2a, run the CUDA tests (kernels in one process,
 # then the multi-rank suite tests/mpi/test_a2a.py on device cuda with 1, 2, 4
-# and 8 MPI ranks sharing the GPU, with and without virtual nodes), then the
-# CUDA benchmark at 1, 2, 4 and 8 ranks. Prints a short
+# and 8 MPI ranks sharing the GPU, with and without virtual nodes; the training
+# tests, tests/mpi/test_autograd.py and test_torchtitan.py, at 1, 2 and 4 ranks),
+# then the CUDA benchmark at 1, 2, 4 and 8 ranks. Prints a short
 # summary last; full logs go to $OUT (or out/gpu).
 #
 # Needs libfabric's headers where only its runtime is installed: carry them in
-# .fabric-dev (see docs/cuda.md), and pytest-mpi as a wheel in .whl.
+# .fabric-dev (see docs/cuda.md), and pytest-mpi, torchtitan==0.3.0, spmd_types,
+# tyro, docstring-parser and typeguard as wheels in .whl.
 #
-#   tools/gpu/run_cuda_tests.sh [stages...]   stages: build kernels multirank bench (default: all)
-# MR_SIZES and BENCH_SIZES choose the world sizes (default "1 2 4 8").
+#   tools/gpu/run_cuda_tests.sh [stages...]   stages: build kernels multirank training bench (default: all)
+# MR_SIZES and BENCH_SIZES choose the world sizes (default "1 2 4 8"); TRAIN_SIZES (default "1 2 4").
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT" || exit 1
 OUT=${OUT:-$ROOT/out/gpu}
 mkdir -p "$OUT"
-STAGES=${*:-build kernels multirank bench}
+case ${1:-} in -h | --help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
+STAGES=${*:-build kernels multirank training bench}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
@@ -28,7 +31,7 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 
 has build && { nvidia-smi -L; df -h /dev/shm | tail -1; nproc; }
 
-if [[ -d .whl ]]; then  # pytest-mpi, missing on the GPU image
+if [[ -d .whl ]]; then  # pytest-mpi and TorchTitan, missing on the GPU image
   [[ -d /tmp/site ]] || $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site
 fi
@@ -54,13 +57,16 @@ if has kernels; then
   note "kernel tests: $(grep -aE "(passed|failed|error)" "$OUT/kernels.log" | tail -1)"
 fi
 
-# One multi-rank run: multirank N LABEL [VAR=VALUE...] (extra environment for the ranks).
+# One multi-rank run: multirank N LABEL [VAR=VALUE...] (extra environment for the ranks);
+# MR_TESTS names the test files (default tests/mpi/test_a2a.py).
 multirank() {
   local n=$1 label=$2 logs="$OUT/mr-n$1${2// /-}"
   shift 2
+  local tests
+  read -ra tests <<<"${MR_TESTS:-$ROOT/tests/mpi/test_a2a.py}"
   mkdir -p "$logs"
   MOE_A2A_RANK_LOGS=$logs timeout "${MR_TIMEOUT:-300}" "${MPIRUN[@]}" -n "$n" "$ROOT/tools/rank0_console.sh" \
-    env MOE_A2A_TEST_DEVICE=cuda "$@" "$PY" -m pytest -q -rs -p no:cacheprovider --with-mpi "$ROOT/tests/mpi/test_a2a.py" \
+    env MOE_A2A_TEST_DEVICE=cuda "$@" "$PY" -m pytest -q -rs -p no:cacheprovider --with-mpi "${tests[@]}" \
     --junitxml="$logs/junit.xml" >"$logs/rank0.log" 2>&1
   grep -av "^\[" "$logs/rank0.log" | tail -15
   note "multirank n=$n$label (provider $MOE_A2A_TEST_PROVIDER): $(grep -aE "(passed|failed|error)" "$logs/rank0.log" | tail -1)"
@@ -71,6 +77,12 @@ if has multirank; then
   # Ranks sharing the GPU receive eagerly in two launches; force the one-launch
   # receive (a rank alone on its GPU) across ranks too.
   for n in ${MR_FUSED_SIZES:-4}; do multirank "$n" " fused-recv" MOE_A2A_CUDA_FUSED_RECV=1; done
+fi
+
+if has training; then
+  for n in ${TRAIN_SIZES:-1 2 4}; do
+    MR_TESTS="$ROOT/tests/mpi/test_autograd.py $ROOT/tests/mpi/test_torchtitan.py" multirank "$n" " training"
+  done
 fi
 
 if has bench; then
