@@ -388,7 +388,6 @@ class AllToAll:
             raise TypeError(
                 f"combine: d: got {type(d).__name__}; expected the Dispatched returned by dispatch"
             )
-        self._check_owner("combine", d)
         if self._state != "dispatched" or d is not self._last:
             raise RuntimeError(
                 f"combine: d (epoch {d.epoch}) is not the latest dispatch of this AllToAll "

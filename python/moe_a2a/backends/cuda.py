@@ -84,7 +84,9 @@ class CudaBackend:
             0,
             self._stream(),
         )
-        self._alive = (x, ids, scale)  # until the kernels that read them have run
+        # Until the kernels that read them have run; detached, so no autograd graph
+        # (and no routing handle behind it) outlives its step.
+        self._alive = (x.detach(), ids, scale)
 
     def dispatch_recv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         rows, hidden = self.max_output_rows, self.cfg.hidden
@@ -115,7 +117,7 @@ class CudaBackend:
 
     def combine_send(self, y: torch.Tensor) -> None:
         self._impl.combine_send(y.data_ptr(), CORE_DTYPE[y.dtype], y.shape[0], self._stream())
-        self._alive = (*self._alive, y)
+        self._alive = (*self._alive, y.detach())
 
     def combine_recv(self, weights: torch.Tensor, out: torch.Tensor) -> None:
         # Eager: the host saw every flag up before the launch, so the kernel has
