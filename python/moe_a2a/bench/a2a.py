@@ -225,6 +225,14 @@ def main(args: argparse.Namespace) -> int:
     import torch
     from mpi4py import MPI
 
+    if args.train:
+        from moe_a2a.bench import train
+
+        return train.main(args)
+    if args.grad_dtype is not None:
+        raise SystemExit("bench a2a: --grad-dtype: only used with --train")
+    args.shape = args.shape or "both"
+    args.dispatch_dtype = args.dispatch_dtype or "fp8"
     if args.device == "cuda" and args.baseline is None:
         return _run_cuda(args)
     comm = MPI.COMM_WORLD
@@ -290,14 +298,16 @@ def _run_cuda(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("a2a", help="dispatch/combine latency against an MPI Alltoallv baseline")
-    p.add_argument("--shape", choices=[*SHAPES, "both"], default="both")
+    p.add_argument("--shape", choices=[*SHAPES, "both"], default=None, help="default: both")
     p.add_argument("--tokens", type=POSITIVE, help="tokens per rank (overrides the shape)")
     p.add_argument("--hidden", type=POSITIVE)
     p.add_argument("--num-experts", type=POSITIVE)
     p.add_argument("--topk", type=POSITIVE)
-    p.add_argument("--dispatch-dtype", choices=["fp8", "bf16"], default="fp8")
+    p.add_argument(
+        "--dispatch-dtype", choices=["fp8", "bf16"], default=None, help="default: fp8; bf16 with --train"
+    )
     p.add_argument("--iters", type=POSITIVE, default=20)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=int_at_least(0), default=3)
     p.add_argument("--provider", default="auto", help="libfabric provider: tcp, shm, efa, verbs or auto")
     p.add_argument("--ranks-per-node", type=POSITIVE, default=None, help="virtual nodes of this many ranks")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -307,5 +317,17 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         help="what moe-a2a is compared with (default: mpi; with --device cuda the per-phase CUDA benchmark)",
     )
-    p.add_argument("--output", help="write the figures as JSON")
+    p.add_argument("--output", help="write the figures as JSON (with --train: CSV if the name ends in .csv)")
+    p.add_argument(
+        "--train",
+        action="store_true",
+        help="forward + backward of dispatch and combine (DeepSeek-V3 training shape) against "
+        "TorchTitan's token dispatchers (moe_a2a.bench.train)",
+    )
+    p.add_argument(
+        "--grad-dtype",
+        choices=["bf16", "fp32"],
+        default=None,
+        help="with --train: what gradients travel in (default: bf16)",
+    )
     p.set_defaults(func=main)

@@ -53,15 +53,7 @@ class TorchExchange:
         backend = "nccl" if device.type == "cuda" else "gloo"
         self.name = backend.upper()
         if not dist.is_initialized():
-            # Rendezvous at rank 0's host on a port it picked, told to all through MPI.
-            host, port = comm.bcast((socket.gethostname(), _free_port()) if comm.Get_rank() == 0 else None)
-            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast
-            dist.init_process_group(
-                backend,
-                init_method=f"tcp://{host}:{port}",
-                rank=comm.Get_rank(),
-                world_size=comm.Get_size(),
-            )
+            init_process_group(comm, backend)
 
     def counts(self, send: torch.Tensor) -> torch.Tensor:
         send = send.to(self.device)
@@ -82,6 +74,23 @@ class TorchExchange:
     def close(self) -> None:
         if self.dist.is_initialized():
             self.dist.destroy_process_group()
+
+
+def init_process_group(comm: Any, backend: str) -> None:
+    """torch.distributed's default group over the MPI ranks (gloo or nccl).
+
+    Rendezvous at rank 0 on a port it picked, told to all through MPI: at
+    127.0.0.1 when every rank is on rank 0's host, else at its host name.
+    """
+    import torch.distributed as dist
+
+    hosts = comm.allgather(socket.gethostname())
+    host = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
+    port = comm.bcast(_free_port() if comm.Get_rank() == 0 else None)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast
+    dist.init_process_group(
+        backend, init_method=f"tcp://{host}:{port}", rank=comm.Get_rank(), world_size=comm.Get_size()
+    )
 
 
 def _free_port() -> int:
