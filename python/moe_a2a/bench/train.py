@@ -312,6 +312,11 @@ def run(args: argparse.Namespace, comm: Any, device: Any, shape: dict[str, int])
         skipped[ALL_TO_ALL] = skipped[LOCAL] = reason
     elif world > 1:
         skipped[LOCAL] = f"runs at one rank only (it does no exchange); this run has {world}"
+    if reason is None and not hasattr(torch.compiler, "_is_non_strict_tracing"):
+        # TorchTitan 0.3.0's all-to-all path calls it; torch 2.11 (the GPU image's) lacks it.
+        skipped[ALL_TO_ALL] = (
+            f"TorchTitan 0.3.0 calls torch.compiler._is_non_strict_tracing; torch {torch.__version__} lacks"
+        )
     with contextlib.ExitStack() as stack:
         ep = stack.enter_context(
             ExpertParallel(
@@ -328,7 +333,8 @@ def run(args: argparse.Namespace, comm: Any, device: Any, shape: dict[str, int])
             from torchtitan.models.common import token_dispatcher as titan
 
             mesh = stack.enter_context(torchtitan_group(comm, device))
-            contenders.append(torchtitan_dispatcher(titan.AllToAllTokenDispatcher, mesh, E, K))
+            if ALL_TO_ALL not in skipped:
+                contenders.append(torchtitan_dispatcher(titan.AllToAllTokenDispatcher, mesh, E, K))
             if world == 1:
                 contenders.append(torchtitan_dispatcher(titan.LocalTokenDispatcher, None, E, K))
         checks = []
