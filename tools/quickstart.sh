@@ -14,6 +14,9 @@ TORCH_VERSION=2.13.0
 APT_PACKAGES=(libfabric-dev libfabric-bin libopenmpi-dev openmpi-bin pkg-config cmake ninja-build g++ shellcheck)
 PIP_PACKAGES=(numpy mpi4py h5py matplotlib pytest pytest-mpi pytest-timeout ruff pyyaml jsonschema
               "scikit-build-core>=0.10" "nanobind>=2.0")
+# The training tests' reference: TorchTitan's own MoE and token dispatchers. TorchTitan
+# imports triton at import time; triton's wheel imports on a machine without a GPU.
+TRAIN_PACKAGES=(torchtitan==0.3.0 triton)
 
 log() { printf '\033[1m[quickstart]\033[0m %s\n' "$*" >&2; }
 
@@ -45,6 +48,11 @@ setup_python() {
   if ! "$py" -c "import mpi4py, h5py, matplotlib, pytest, pytest_mpi, pytest_timeout, yaml, jsonschema, nanobind, scikit_build_core" 2>/dev/null; then
     log "installing Python packages"
     "$py" -m pip install -q "${PIP_PACKAGES[@]}"
+  fi
+  if ! "$py" -c "import torchtitan.models.common.token_dispatcher" 2>/dev/null; then
+    log "installing TorchTitan 0.3.0 (the training tests' reference)"
+    # torch named too, so nothing TorchTitan needs replaces the pinned CPU build.
+    "$py" -m pip install -q "torch==$TORCH_VERSION" "${TRAIN_PACKAGES[@]}"
   fi
   log "building moe-a2a (C++ core, CUDA kernels where nvcc exists, Python module)"
   (cd "$ROOT" && "$py" -m pip install -q --no-build-isolation --no-deps -e .)

@@ -16,6 +16,11 @@ step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 step "ruff"
 ruff check python tests || status=1
 
+# The training tests skip where TorchTitan is absent; here it must be present and import.
+step "TorchTitan imports (the training tests' reference)"
+python -c "import torchtitan.models.common.token_dispatcher, triton; print('torchtitan and triton', triton.__version__)" \
+  || status=1
+
 step "unit tests"
 python -m pytest -q -rs -p no:cacheprovider tests/unit --junitxml="$LOGS/unit.xml" || status=1
 
