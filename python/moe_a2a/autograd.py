@@ -56,6 +56,7 @@ class RoutingHandle:
     row_k: torch.Tensor | None = None  # [R] which k of its token a row is (0 on padding rows)
     row_weights: torch.Tensor | None = None  # [R] fp32 (0 on padding rows)
     x_dtype: torch.dtype = torch.bfloat16
+    weights_grad: bool = False  # topk_weights wanted a gradient: the backward needs the side channel
     _finalizer: Any = field(default=None, repr=False)
 
     @property
@@ -83,58 +84,65 @@ class Routed:
 
 
 class _Channel:
-    """One AllToAll, and the dispatch of it that still waits for its combine (and whose it is)."""
+    """One AllToAll, in halves, and the dispatch of it that waits for its combine (and whose).
+
+    A dispatch opened with `closable=True` is one nobody may come back for (a
+    backward whose counterpart autograd skipped, a side-channel round): the next
+    dispatch closes it with a combine of zeros. Every rank runs the same autograd
+    graph, so every rank closes alike.
+    """
 
     def __init__(self, a2a: AllToAll) -> None:
         self.a2a = a2a
         self.open: RoutingHandle | None = None
+        self._pending: Any = None  # a half in flight (PendingDispatch or PendingCombine)
         self._d: Dispatched | None = None
-        self._by_backward = False
+        self._closable = False
 
-    def settle(self) -> None:
-        """Close a backward dispatch whose combine will never come (nothing upstream wanted it).
+    def is_open_for(self, h: RoutingHandle) -> bool:
+        return self._d is not None and self.open is h
 
-        Every rank runs the same autograd graph, so every rank settles alike.
-        """
-        if self._d is not None and self._by_backward:
+    def dispatch_send(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, closable: bool
+    ) -> None:
+        if self._d is not None and self._closable:
             assert self.open is not None
-            self.combine(torch.zeros_like(self._d.expert_x), self.open, weighted=False)
-
-    def dispatch(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, backward: bool = False
-    ) -> Dispatched:
-        self.settle()
-        if self._d is not None:
+            self.combine_send(torch.zeros_like(self._d.expert_x), self.open, weighted=False)
+            self.combine_recv()
+        if self._d is not None or self._pending is not None:
             seq = self.open.seq if self.open is not None else "?"
             raise RuntimeError(
                 f"dispatch: the dispatch of handle #{seq} has not been combined yet; "
                 "every dispatch must be followed by its combine"
             )
-        d = self.a2a.dispatch(x, ids, weights)
+        self._pending = self.a2a.dispatch(x, ids, weights, recv=False)
+        self._closable = closable
+
+    def dispatch_recv(self) -> Dispatched:
+        d = self.a2a.dispatch(handle=self._pending, send=False)
         assert isinstance(d, Dispatched)
-        self._d, self._by_backward = d, backward
+        self._pending, self._d = None, d
         return d
 
-    def combine(self, y: torch.Tensor, h: RoutingHandle, weighted: bool) -> torch.Tensor:
-        if self._d is None or self.open is not h:
+    def dispatch(self, x: torch.Tensor, h: RoutingHandle, closable: bool) -> Dispatched:
+        self.dispatch_send(x, h.topk_ids, h.topk_weights, closable)
+        self.open = h
+        return self.dispatch_recv()
+
+    def combine_send(self, y: torch.Tensor, h: RoutingHandle, weighted: bool) -> None:
+        if not self.is_open_for(h):
             raise RuntimeError(
                 f"combine: handle #{h.seq} is not the dispatch in flight on this instance; "
                 "combine each dispatch before the next one"
             )
-        d, self._d, self.open = self._d, None, None
-        out = self.a2a.combine(y, d, weighted=weighted)
-        assert isinstance(out, torch.Tensor)
-        return out
+        self._pending = self.a2a.combine(y, self._d, weighted=weighted, recv=False)
+        self._d = None
 
-    def round(
-        self, x: torch.Tensor, h: RoutingHandle, back: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A whole dispatch + unweighted combine along h: the rows `x` delivers, and what `back` sums to."""
-        d = self.dispatch(x, h.topk_ids, h.topk_weights)
-        self.open = h
-        rows = d.expert_x
-        out = self.combine(back if back is not None else torch.zeros_like(rows), h, weighted=False)
-        return rows, out
+    def combine_recv(self) -> torch.Tensor:
+        out = self.a2a.combine(handle=self._pending, send=False)
+        assert isinstance(out, torch.Tensor)
+        self._pending, self.open = None, None
+        return out
 
 
 class ExpertParallel:
@@ -330,64 +338,94 @@ class ExpertParallel:
         weights: torch.Tensor,
         cached: RoutingHandle | None,
         side: bool,
+        weights_grad: bool,
     ) -> tuple[torch.Tensor, RoutingHandle]:
-        d = self._fwd.dispatch(x, ids, weights)
+        """The forward dispatch; the side channel's rows travel alongside the main ones."""
+        K = self.cfg.topk
+        side = side and cached is None
+        self._fwd.dispatch_send(x, ids, weights, closable=False)
+        if side:
+            meta = torch.cat([weights.detach().to(torch.float32), ids.to(torch.float32)], dim=1)
+            self._side.dispatch_send(meta.contiguous(), ids, weights, closable=True)
+        d = self._fwd.dispatch_recv()
         h = self._new_handle(ids, weights, d, x.dtype)
+        h.weights_grad = weights_grad
         self._fwd.open = h
-        if cached is not None:
+        if side:
+            rows = self._side.dispatch_recv().expert_x
+            self._side.open = h
+            # A row's k is where its token's expert ids name this row's expert.
+            expert = (h.row_expert + self.rank * self.num_local_experts).to(torch.float32)
+            match = rows[:, K:] == expert[:, None]
+            k = torch.argmax(match.to(torch.int8), dim=1)
+            w = torch.gather(rows[:, :K], 1, k[:, None]).squeeze(1)
+            real = match.any(dim=1)  # padding rows match nothing
+            h.row_k = torch.where(real, k, torch.zeros_like(k))
+            h.row_weights = torch.where(real, w, torch.zeros_like(w))
+        elif cached is not None:
             h.row_k, h.row_weights = cached.row_k, cached.row_weights
-        elif side:
-            self._side_forward(h, weights)
         expert_x = d.expert_x
         if d.expert_x_scale is not None:
             expert_x = dequantize_fp8(expert_x, d.expert_x_scale)
         return self._zero_padding(expert_x.to(x.dtype), h), h
 
-    def _side_forward(self, h: RoutingHandle, weights: torch.Tensor) -> None:
-        """Deliver each row's routing weight and k: a whole round of the side channel."""
-        K = self.cfg.topk
-        meta = torch.cat([weights.detach().to(torch.float32), h.topk_ids.to(torch.float32)], dim=1)
-        rows, _ = self._side.round(meta.contiguous(), h)
-        expert = (h.row_expert + self.rank * self.num_local_experts).to(torch.float32)
-        match = rows[:, K:] == expert[:, None]
-        k = torch.argmax(match.to(torch.int8), dim=1)
-        w = torch.gather(rows[:, :K], 1, k[:, None]).squeeze(1)
-        real = match.any(dim=1)  # padding rows match nothing
-        h.row_k = torch.where(real, k, torch.zeros_like(k))
-        h.row_weights = torch.where(real, w, torch.zeros_like(w))
-
     def _forward_combine(self, y: torch.Tensor, h: RoutingHandle, weighted: bool) -> torch.Tensor:
-        return self._fwd.combine(y.contiguous(), h, weighted)
+        """The forward combine; it also closes the side channel's forward round."""
+        self._fwd.combine_send(y.contiguous(), h, weighted)
+        side = self._side.is_open_for(h)
+        if side:
+            assert self._side._d is not None
+            self._side.combine_send(torch.zeros_like(self._side._d.expert_x), h, weighted=False)
+        out = self._fwd.combine_recv()
+        if side:
+            self._side.combine_recv()
+        return out
 
     def _backward_combine(self, grad_out: torch.Tensor, h: RoutingHandle) -> torch.Tensor:
-        """Combine's backward: the output gradient dispatched along h (rows of every copy)."""
-        gd = GRAD_DTYPES[self.grad_dtype]
-        d = self._bwd.dispatch(grad_out.to(gd).contiguous(), h.topk_ids, h.topk_weights, backward=True)
-        self._bwd.open = h
-        return self._zero_padding(d.expert_x.to(torch.float32), h)
+        """Combine's backward: the output gradient dispatched along h (rows of every copy), in grad_dtype.
 
-    def _backward_dispatch(self, grad_rows: torch.Tensor | None, h: RoutingHandle) -> torch.Tensor:
-        """Dispatch's backward: the row gradients summed back onto their tokens."""
+        It also opens the side channel's backward round, which the dispatch's
+        backward closes with the weights' gradients.
+        """
         gd = GRAD_DTYPES[self.grad_dtype]
-        if self._bwd.open is not h:  # combine's backward did not run (rows used without combine)
+        self._bwd.dispatch_send(grad_out.to(gd).contiguous(), h.topk_ids, h.topk_weights, closable=True)
+        if h.weights_grad:
+            self._side.dispatch_send(self._side_zeros(h), h.topk_ids, h.topk_weights, closable=True)
+        d = self._bwd.dispatch_recv()
+        self._bwd.open = h
+        if h.weights_grad:
+            self._side.dispatch_recv()
+            self._side.open = h
+        return self._zero_padding(d.expert_x, h)
+
+    def _backward_dispatch(
+        self, grad_rows: torch.Tensor | None, grad_row_weights: torch.Tensor | None, h: RoutingHandle
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Dispatch's backward: the row gradients summed onto their tokens, and the weights' gradients."""
+        gd = GRAD_DTYPES[self.grad_dtype]
+        K = self.cfg.topk
+        if not self._bwd.is_open_for(h):  # combine's backward did not run (rows used without combine)
             zeros = torch.zeros(h.num_tokens, self.cfg.hidden, dtype=gd, device=self.device)
-            self._bwd.dispatch(zeros, h.topk_ids, h.topk_weights, backward=True)
-            self._bwd.open = h
+            self._bwd.dispatch(zeros, h, closable=True)
         if grad_rows is None:
             grad_rows = torch.zeros(h.num_rows, self.cfg.hidden, dtype=gd, device=self.device)
-        grad_rows = self._zero_padding(grad_rows.to(gd), h).contiguous()
-        return self._bwd.combine(grad_rows, h, weighted=False)
+        self._bwd.combine_send(self._zero_padding(grad_rows.to(gd), h).contiguous(), h, weighted=False)
+        weights = grad_row_weights is not None and grad_row_weights.numel() == h.num_rows
+        if weights:
+            assert grad_row_weights is not None and h.row_k is not None
+            if not self._side.is_open_for(h):
+                self._side.dispatch(self._side_zeros(h), h, closable=True)
+            # Row r's gradient in column k_r: summing a token's rows gives [T, K] exactly.
+            back = torch.zeros(h.num_rows, 2 * K, dtype=torch.float32, device=self.device)
+            g = self._zero_padding(grad_row_weights.to(torch.float32), h)
+            back.scatter_(1, h.row_k[:, None], g[:, None])
+            self._side.combine_send(back, h, weighted=False)
+        grad_x = self._bwd.combine_recv()
+        grad_w = self._side.combine_recv()[:, :K] if weights else None
+        return grad_x, grad_w
 
-    def _backward_weights(self, grad_row_weights: torch.Tensor, h: RoutingHandle) -> torch.Tensor:
-        """Per-row weight gradients back to topk_weights[t, k]: a side-channel round."""
-        K = self.cfg.topk
-        assert h.row_k is not None
-        back = torch.zeros(h.num_rows, 2 * K, dtype=torch.float32, device=self.device)
-        g = self._zero_padding(grad_row_weights.to(torch.float32), h)
-        back.scatter_(1, h.row_k[:, None], g[:, None])
-        zeros = torch.zeros(h.num_tokens, 2 * K, dtype=torch.float32, device=self.device)
-        _, out = self._side.round(zeros, h, back)
-        return out[:, :K]
+    def _side_zeros(self, h: RoutingHandle) -> torch.Tensor:
+        return torch.zeros(h.num_tokens, 2 * self.cfg.topk, dtype=torch.float32, device=self.device)
 
     # -- validation -----------------------------------------------------------------------------
 
@@ -430,7 +468,8 @@ class _DispatchFn(torch.autograd.Function):
         cached: RoutingHandle | None,
         side: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        expert_x, h = ep._forward_dispatch(x, ids, weights, cached, side)
+        weights_grad = side and cached is None and ctx.needs_input_grad[3]
+        expert_x, h = ep._forward_dispatch(x, ids, weights, cached, side, weights_grad)
         box["handle"] = h
         ctx.ep, ctx.handle = ep, h
         row_weights = h.row_weights if h.row_weights is not None else torch.empty(0, device=x.device)
@@ -442,18 +481,11 @@ class _DispatchFn(torch.autograd.Function):
     def backward(
         ctx: Any, grad_rows: torch.Tensor | None, grad_row_weights: torch.Tensor | None
     ) -> tuple[Any, ...]:
-        ep: ExpertParallel = ctx.ep
         h: RoutingHandle = ctx.handle
-        grad_x = ep._backward_dispatch(grad_rows, h).to(h.x_dtype)
-        grad_w = None
-        if (
-            ctx.needs_input_grad[3]
-            and grad_row_weights is not None
-            and grad_row_weights.numel() == h.num_rows
-        ):
-            grad_w = ep._backward_weights(grad_row_weights, h)
-        if not ctx.needs_input_grad[2]:
-            grad_x = None
+        if not ctx.needs_input_grad[3]:
+            grad_row_weights = None
+        grad_x, grad_w = ctx.ep._backward_dispatch(grad_rows, grad_row_weights, h)
+        grad_x = grad_x.to(h.x_dtype) if ctx.needs_input_grad[2] else None
         return None, None, grad_x, grad_w, None, None, None
 
 
@@ -478,7 +510,7 @@ class _CombineFn(torch.autograd.Function):
         ep: ExpertParallel = ctx.ep
         h: RoutingHandle = ctx.handle
         (y,) = ctx.saved_tensors
-        rows = ep._backward_combine(grad_out, h)
+        rows = ep._backward_combine(grad_out, h)  # [R, H] in grad_dtype
         grad_y = grad_w = None
         if ctx.weighted:
             if h.row_weights is None:
@@ -486,9 +518,10 @@ class _CombineFn(torch.autograd.Function):
                     "backward: this combine's dispatch ran with gradients disabled, so its per-row "
                     "weights were never delivered; dispatch with torch.enable_grad() to train"
                 )
-            grad_y = rows * h.row_weights[:, None]
+            # In grad_dtype throughout: an fp32 copy of every row would cost more than the exchange.
+            grad_y = rows * h.row_weights.to(rows.dtype)[:, None]
             if ctx.needs_input_grad[3]:
-                grad_w = (rows * y.to(torch.float32)).sum(dim=1)
+                grad_w = torch.linalg.vecdot(rows, y.to(rows.dtype)).to(torch.float32)
         else:
             grad_y = rows
         return None, None, grad_y.to(ctx.y_dtype), grad_w, None
