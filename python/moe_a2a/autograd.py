@@ -83,6 +83,26 @@ class Routed:
     row_weights: torch.Tensor | None  # [R] fp32, differentiable w.r.t. topk_weights
 
 
+@dataclass
+class PendingRouted:
+    """A dispatch whose send half is done: pass it to `ExpertParallel.dispatch(pending=...)`."""
+
+    x: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    cached: RoutingHandle | None
+    track: bool  # gradients were enabled at the send half
+
+
+@dataclass
+class PendingCombined:
+    """A combine whose send half is done: pass it to `ExpertParallel.combine(pending=...)`."""
+
+    y: torch.Tensor
+    routed: Routed
+    weighted: bool
+
+
 class _Channel:
     """One AllToAll, in halves, and the dispatch of it that waits for its combine (and whose).
 
@@ -206,18 +226,28 @@ class ExpertParallel:
 
     def dispatch(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | None = None,
         topk_ids: torch.Tensor | None = None,
         topk_weights: torch.Tensor | None = None,
         *,
         handle: RoutingHandle | None = None,
-    ) -> Routed:
+        recv: bool = True,
+        pending: PendingRouted | None = None,
+    ) -> Routed | PendingRouted:
         """Send rows to their experts' ranks; differentiable w.r.t. `x` and `topk_weights`.
 
         With `handle=` (a cached handle), `x` goes along that handle's routing
         and its weights; `topk_ids` and `topk_weights` must then be left out.
+        `recv=False` returns after the send half (`PendingRouted`), so other work
+        can run while rows travel; `dispatch(pending=p)` finishes it.
         """
         self._check_open()
+        if pending is not None:
+            if not isinstance(pending, PendingRouted) or x is not None or handle is not None:
+                raise ValueError(
+                    "dispatch: pending= takes the PendingRouted of dispatch(..., recv=False) alone"
+                )
+            return self._dispatch_recv(pending, sent=True)
         if not isinstance(x, torch.Tensor) or x.dtype not in GRAD_DTYPES.values():
             raise ValueError(f"dispatch: x: got {_describe(x)}; expected a bfloat16 or float32 tensor")
         if handle is not None:
@@ -239,11 +269,20 @@ class ExpertParallel:
                 f"{self.max_live_handles} allows; finish the backward of earlier steps (or call "
                 "handle.release()) or raise max_live_handles"
             )
-        track = torch.is_grad_enabled()
+        p = PendingRouted(x, ids, weights, handle, torch.is_grad_enabled())
+        if recv:
+            return self._dispatch_recv(p, sent=False)
+        self._forward_dispatch_send(x, ids, weights, p.track and handle is None)
+        return p
+
+    def _dispatch_recv(self, p: PendingRouted, sent: bool) -> Routed:
         box: dict[str, Any] = {}
-        expert_x, row_weights = _DispatchFn.apply(self, box, x, weights, ids, handle, track)
+        with torch.set_grad_enabled(p.track):
+            expert_x, row_weights = _DispatchFn.apply(
+                self, box, p.x, p.topk_weights, p.topk_ids, p.cached, p.track, sent
+            )
         h: RoutingHandle = box["handle"]
-        if not track or handle is not None:
+        if not p.track or p.cached is not None:
             row_weights = h.row_weights
         return Routed(
             expert_x=expert_x, tokens_per_expert=h.tokens_per_expert, handle=h, row_weights=row_weights
@@ -251,18 +290,27 @@ class ExpertParallel:
 
     def combine(
         self,
-        y: torch.Tensor,
-        routed: Routed,
+        y: torch.Tensor | None = None,
+        routed: Routed | None = None,
         *,
         weighted: bool = True,
-    ) -> torch.Tensor:
+        recv: bool = True,
+        pending: PendingCombined | None = None,
+    ) -> torch.Tensor | PendingCombined:
         """Return expert rows to their tokens: `out[t] = sum_k w[t,k] * y[row of (t,k)]`.
 
         `weighted=False` sums the rows unweighted (apply `routed.row_weights` to
         `y` yourself; autograd then owns their gradient). Differentiable w.r.t. `y`
-        and, in weighted mode, the dispatch's `topk_weights`.
+        and, in weighted mode, the dispatch's `topk_weights`. `recv=False` and
+        `combine(pending=p)` split it in halves, as for dispatch.
         """
         self._check_open()
+        if pending is not None:
+            if not isinstance(pending, PendingCombined) or y is not None or routed is not None:
+                raise ValueError(
+                    "combine: pending= takes the PendingCombined of combine(..., recv=False) alone"
+                )
+            return self._combine_apply(pending, sent=True)
         if not isinstance(routed, Routed):
             raise TypeError(
                 f"combine: routed: got {type(routed).__name__}; expected the Routed from dispatch"
@@ -275,8 +323,16 @@ class ExpertParallel:
             raise ValueError(
                 f"combine: y: got {_describe(y)}; expected shape {(h.num_rows, self.cfg.hidden)}"
             )
-        w = routed.row_weights if weighted and routed.row_weights is not None else torch.empty(0)
-        return _CombineFn.apply(self, h, y, w, weighted)
+        p = PendingCombined(y, routed, weighted)
+        if recv:
+            return self._combine_apply(p, sent=False)
+        self._forward_combine_send(y, h, weighted)
+        return p
+
+    def _combine_apply(self, p: PendingCombined, sent: bool) -> torch.Tensor:
+        r = p.routed
+        w = r.row_weights if p.weighted and r.row_weights is not None else torch.empty(0)
+        return _CombineFn.apply(self, r.handle, p.y, w, p.weighted, sent)
 
     @property
     def live_handles(self) -> int:
@@ -331,24 +387,27 @@ class ExpertParallel:
         mask = h.real_rows.view(-1, *([1] * (rows.dim() - 1)))
         return torch.where(mask, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
 
-    def _forward_dispatch(
+    def _forward_dispatch_send(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, side: bool
+    ) -> None:
+        """The forward dispatch's send half; the side channel's rows travel alongside the main ones."""
+        self._fwd.dispatch_send(x, ids, weights, closable=False)
+        if side:
+            meta = torch.cat([weights.detach().to(torch.float32), ids.to(torch.float32)], dim=1)
+            self._side.dispatch_send(meta.contiguous(), ids, weights, closable=True)
+
+    def _forward_dispatch_recv(
         self,
-        x: torch.Tensor,
+        x_dtype: torch.dtype,
         ids: torch.Tensor,
         weights: torch.Tensor,
         cached: RoutingHandle | None,
         side: bool,
         weights_grad: bool,
     ) -> tuple[torch.Tensor, RoutingHandle]:
-        """The forward dispatch; the side channel's rows travel alongside the main ones."""
         K = self.cfg.topk
-        side = side and cached is None
-        self._fwd.dispatch_send(x, ids, weights, closable=False)
-        if side:
-            meta = torch.cat([weights.detach().to(torch.float32), ids.to(torch.float32)], dim=1)
-            self._side.dispatch_send(meta.contiguous(), ids, weights, closable=True)
         d = self._fwd.dispatch_recv()
-        h = self._new_handle(ids, weights, d, x.dtype)
+        h = self._new_handle(ids, weights, d, x_dtype)
         h.weights_grad = weights_grad
         self._fwd.open = h
         if side:
@@ -367,17 +426,18 @@ class ExpertParallel:
         expert_x = d.expert_x
         if d.expert_x_scale is not None:
             expert_x = dequantize_fp8(expert_x, d.expert_x_scale)
-        return self._zero_padding(expert_x.to(x.dtype), h), h
+        return self._zero_padding(expert_x.to(x_dtype), h), h
 
-    def _forward_combine(self, y: torch.Tensor, h: RoutingHandle, weighted: bool) -> torch.Tensor:
-        """The forward combine; it also closes the side channel's forward round."""
+    def _forward_combine_send(self, y: torch.Tensor, h: RoutingHandle, weighted: bool) -> None:
+        """The forward combine's send half; it also closes the side channel's forward round."""
         self._fwd.combine_send(y.contiguous(), h, weighted)
-        side = self._side.is_open_for(h)
-        if side:
+        if self._side.is_open_for(h):
             assert self._side._d is not None
             self._side.combine_send(torch.zeros_like(self._side._d.expert_x), h, weighted=False)
+
+    def _forward_combine_recv(self, h: RoutingHandle) -> torch.Tensor:
         out = self._fwd.combine_recv()
-        if side:
+        if self._side.open is h:
             self._side.combine_recv()
         return out
 
@@ -466,10 +526,14 @@ class _DispatchFn(torch.autograd.Function):
         weights: torch.Tensor,
         ids: torch.Tensor,
         cached: RoutingHandle | None,
-        side: bool,
+        track: bool,
+        sent: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        weights_grad = side and cached is None and ctx.needs_input_grad[3]
-        expert_x, h = ep._forward_dispatch(x, ids, weights, cached, side, weights_grad)
+        side = track and cached is None
+        if not sent:
+            ep._forward_dispatch_send(x, ids, weights, side)
+        weights_grad = side and ctx.needs_input_grad[3]
+        expert_x, h = ep._forward_dispatch_recv(x.dtype, ids, weights, cached, side, weights_grad)
         box["handle"] = h
         ctx.ep, ctx.handle = ep, h
         row_weights = h.row_weights if h.row_weights is not None else torch.empty(0, device=x.device)
@@ -486,7 +550,7 @@ class _DispatchFn(torch.autograd.Function):
             grad_row_weights = None
         grad_x, grad_w = ctx.ep._backward_dispatch(grad_rows, grad_row_weights, h)
         grad_x = grad_x.to(h.x_dtype) if ctx.needs_input_grad[2] else None
-        return None, None, grad_x, grad_w, None, None, None
+        return None, None, grad_x, grad_w, None, None, None, None
 
 
 class _CombineFn(torch.autograd.Function):
@@ -498,8 +562,11 @@ class _CombineFn(torch.autograd.Function):
         y: torch.Tensor,
         row_weights: torch.Tensor,
         weighted: bool,
+        sent: bool,
     ) -> torch.Tensor:
-        out = ep._forward_combine(y, h, weighted)
+        if not sent:
+            ep._forward_combine_send(y, h, weighted)
+        out = ep._forward_combine_recv(h)
         ctx.ep, ctx.handle, ctx.weighted = ep, h, weighted
         ctx.y_dtype = y.dtype
         ctx.save_for_backward(y if weighted else None)
@@ -524,7 +591,7 @@ class _CombineFn(torch.autograd.Function):
                 grad_w = torch.linalg.vecdot(rows, y.to(rows.dtype)).to(torch.float32)
         else:
             grad_y = rows
-        return None, None, grad_y.to(ctx.y_dtype), grad_w, None
+        return None, None, grad_y.to(ctx.y_dtype), grad_w, None, None
 
 
 def _describe(t: Any) -> str:

@@ -267,3 +267,33 @@ def test_bad_input_names_the_argument(ep: ExpertParallel) -> None:
         ep.dispatch(x, same, w)
     with pytest.raises(ValueError, match="x: got a torch.int64"):
         ep.dispatch(x.long(), same, w)
+
+
+def test_split_halves_match_whole_calls(ep: ExpertParallel, case: str, seed: int) -> None:
+    """dispatch/combine in halves, with other work between them, give the same values and gradients."""
+    pb = problem(seed + 7)
+    sl = local_slice()
+
+    def run(split: bool) -> tuple[torch.Tensor, ...]:
+        x, wt, w_local = leaf(pb.xs[RANK]), leaf(pb.weights[RANK]), leaf(pb.w[sl])
+        ids = pb.ids[RANK].to(DEVICE)
+        if split:
+            pending = ep.dispatch(x, ids, wt, recv=False)
+            shared = torch.tanh(x)  # other work while rows travel
+            routed = ep.dispatch(pending=pending)
+        else:
+            routed, shared = ep.dispatch(x, ids, wt), torch.tanh(x)
+        y = experts(routed.expert_x, routed.tokens_per_expert, w_local, ep.cfg.expert_padding)
+        if split:
+            pc = ep.combine(y, routed, recv=False)
+            out = ep.combine(pending=pc)
+        else:
+            out = ep.combine(y, routed)
+        ((out.float() + shared) * pb.grad_out[RANK].to(DEVICE)).sum().backward()
+        return out.detach(), x.grad, wt.grad, w_local.grad
+
+    whole, halves = run(False), run(True)
+    for name, a, b in zip(
+        ("out", "x.grad", "topk_weights.grad", "weights' grad"), whole, halves, strict=True
+    ):
+        assert torch.equal(a, b), f"{name} differs between whole and split calls"
