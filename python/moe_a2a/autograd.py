@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from moe_a2a.all_to_all import AllToAll, Config, Dispatched
+from moe_a2a.kernels.scale_dot import scale_dot
 from moe_a2a.reference import dequantize_fp8
 
 GRAD_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -585,10 +586,9 @@ class _CombineFn(torch.autograd.Function):
                     "backward: this combine's dispatch ran with gradients disabled, so its per-row "
                     "weights were never delivered; dispatch with torch.enable_grad() to train"
                 )
-            # In grad_dtype throughout: an fp32 copy of every row would cost more than the exchange.
-            grad_y = rows * h.row_weights.to(rows.dtype)[:, None]
-            if ctx.needs_input_grad[3]:
-                grad_w = torch.linalg.vecdot(rows, y.to(rows.dtype)).to(torch.float32)
+            # In grad_dtype, one pass over the rows (an fp32 copy of every row would cost
+            # more than the exchange itself).
+            grad_y, grad_w = scale_dot(rows, h.row_weights, y if ctx.needs_input_grad[3] else None)
         else:
             grad_y = rows
         return None, None, grad_y.to(ctx.y_dtype), grad_w, None, None

@@ -1,0 +1,1 @@
+"""Small fused kernels of the training path (Triton on CUDA, torch elsewhere)."""
