@@ -173,11 +173,14 @@ class AllToAll:
         if graph_safe and device != "cuda":
             raise ValueError("graph_safe: only device='cuda' has CUDA graphs to capture")
         if device == "cuda":
+            from moe_a2a.backends.cuda import MAX_TOPK as CUDA_MAX_TOPK
             from moe_a2a.backends.cuda import cuda_available
 
             reason = cuda_available()
             if reason is not None:  # before any collective: every rank fails alike
                 raise RuntimeError(f"device='cuda': {reason}")
+            if cfg.topk > CUDA_MAX_TOPK:
+                raise ValueError(f"topk: got {cfg.topk}; device='cuda' takes at most {CUDA_MAX_TOPK}")
         self.cfg = cfg
         self.id = next(_instance_ids)
         self._boot = Bootstrap(comm, ranks_per_node)

@@ -385,3 +385,9 @@ def test_graph_capture_replays(rpn: int | None) -> None:
             ys = [expert_fn(r.expert_x, r.expert_x_scale) for r in ref]
             expected = combine_reference(ys, ref, inp.weights, cfg.combine_dtype)[RANK]
             torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernels' top-k limit")
+def test_cuda_topk_limit_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="topk: got 65; device='cuda' takes at most 64"):
+        make_a2a(None, topk=65, num_experts=65 * WORLD)

@@ -39,6 +39,10 @@ def cuda_available() -> str | None:
     return None
 
 
+# The kernels keep a token's top-k rows in shared arrays of this size (kMaxTopk, rows.cuh).
+MAX_TOPK = 64
+
+
 class CudaBackend:
     """Drives `_core.CudaAllToAll` on the current CUDA device and stream."""
 

@@ -88,6 +88,7 @@ void CudaAllToAll::allocate() {
       static_cast<size_t>(cfg_.num_experts) * sizeof(Segment),  // segments
       sizeof(int32_t),                                  // output_rows
       sizeof(uint64_t),                                 // plan_ready
+      sizeof(uint32_t),                                 // plan_ticket
       sizeof(uint64_t),                                 // epoch
   };
   size_t total = 0;
@@ -112,6 +113,7 @@ void CudaAllToAll::allocate() {
   scratch_.segments = reinterpret_cast<Segment*>(take());
   scratch_.output_rows = reinterpret_cast<int32_t*>(take());
   scratch_.plan_ready = reinterpret_cast<uint64_t*>(take());
+  scratch_.plan_ticket = reinterpret_cast<uint32_t*>(take());
   epoch_device_ = reinterpret_cast<uint64_t*>(take());
 
   void* words = nullptr;

@@ -39,7 +39,7 @@ constexpr int kCopyThreads = 256;
 // Three: the row copy holds 8 x 16 bytes a lane in flight (24 warps, 96 KB a
 // multiprocessor) in about 80 registers.
 constexpr int kCopyBlocksPerSm = 3;
-// plan_copy_kernel: the longest a block sleeps between looks at block 0's
+// plan_copy_kernel: the longest a block sleeps between looks at the planner's
 // word (the plan takes microseconds; a longer sleep would start the copy late).
 constexpr unsigned kPlanPollNs = 128;
 
@@ -268,17 +268,25 @@ __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) copy_kernel(Di
   copy_rows(p, segs);
 }
 
-// Eager calls: block 0 plans while the other blocks wait for its word in
-// device scratch, then every block copies. Blocks start in index order, so
-// block 0 is resident before any block that waits for it (the forward
-// progress that single-pass scans rely on).
-static_assert(kCopyThreads == kPlanThreads, "block 0 of plan_copy_kernel runs the plan");
+// Eager calls: the first block to start plans while the others wait for its
+// word in device scratch, then every block copies.
+static_assert(kCopyThreads == kPlanThreads, "a block of plan_copy_kernel runs the plan");
 __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) plan_copy_kernel(DispatchRecvParams p) {
-  extern __shared__ int32_t smem[];  // block 0: the plan's matrix; then every block's segment table
+  extern __shared__ int32_t smem[];  // the planner: the plan's matrix; then every block's segment table
   kernel_prologue();  // the routing before us reported its status
   const Instance& in = p.inst;
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(in.epoch);
-  if (blockIdx.x == 0) {
+  // The first block to start plans: CUDA does not promise that block 0 runs
+  // before the blocks that wait for its plan, but the first ticket's holder is
+  // running by construction.
+  __shared__ bool planner;
+  if (threadIdx.x == 0) {
+    const uint32_t ticket = atomicAdd(p.scratch.plan_ticket, 1u);
+    if (ticket == gridDim.x - 1) *p.scratch.plan_ticket = 0;  // every block has its ticket: ready for the next launch
+    planner = ticket == 0;
+  }
+  __syncthreads();
+  if (planner) {
     compute_plan(p, smem, true);
     __threadfence();  // every thread's plan before thread 0's word
     __syncthreads();

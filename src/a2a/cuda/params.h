@@ -116,7 +116,8 @@ struct Scratch {
   SenderPlan* senders = nullptr;   // [world]
   Segment* segments = nullptr;     // [num_experts] = [local_experts][world]
   int32_t* output_rows = nullptr;  // [1] padded output rows of the last dispatch_recv (device)
-  uint64_t* plan_ready = nullptr;  // [1] epoch whose plan block 0 of plan_copy_kernel finished (device)
+  uint64_t* plan_ready = nullptr;  // [1] epoch whose plan plan_copy_kernel's planning block finished (device)
+  uint32_t* plan_ticket = nullptr; // [1] plan_copy_kernel's blocks that started this launch (reset by the last)
   int32_t* output_rows_host = nullptr;  // [1] the same, in mapped host memory
   uint64_t* planned_host = nullptr;     // [1] mapped host: epoch whose plan is final (HostWords)
 };
