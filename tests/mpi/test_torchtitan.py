@@ -245,10 +245,12 @@ def test_fifty_training_steps_follow_the_reference(ep_mesh: object, seed: int) -
     if WORLD not in (1, 2, 4):
         pytest.skip(f"the loss-curve run is for 1, 2 and 4 ranks (the others take too long); world {WORLD}")
     mine, ref = ours("sigmoid", seed, ep_mesh), reference("sigmoid", seed)
-    opt_m = torch.optim.SGD(mine.parameters(), lr=0.02)
-    opt_r = torch.optim.SGD(ref.parameters(), lr=0.02)
+    opt_m = torch.optim.SGD(mine.parameters(), lr=0.005)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.005)
     losses_m, losses_r = [], []
-    xs, gs = batch(seed + 100)  # one batch, fitted: the loss must fall, the routing moves
+    # One batch, fitted: the loss must fall and the routing moves. lr 0.005 kept the
+    # reference finite for every one of 30 seeds tried at 2 and 4 ranks' batches (0.02 did not).
+    xs, gs = batch(seed + 100)
     for _ in range(50):
         total = sum(x.shape[1] for x in xs)
         opt_m.zero_grad()
