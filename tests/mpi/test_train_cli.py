@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import tempfile
-from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 from mpi4py import MPI
-from tests.mpi.test_run_cli import run
+from tests.mpi import test_run_cli as run_cli
 
 from moe_a2a import trace_tools
 from moe_a2a.layers.moe import MoELayer
@@ -31,21 +29,14 @@ EXPERTS = 24
 TWO_NODES = str(max(1, WORLD // 2))
 SMALL = ["--model", "tiny", "--num-experts", str(EXPERTS), "--tokens", "24", "--hidden", "128"]
 
+run = run_cli.run
+shared_dir = run_cli.shared_dir  # the fixture: a folder of rank 0's, the same path on every rank
+
 pytestmark = [
     pytest.mark.mpi(min_size=1),
     pytest.mark.timeout(240),
     pytest.mark.skipif(EXPERTS % WORLD != 0, reason=f"{EXPERTS} experts do not split over {WORLD} ranks"),
 ]
-
-
-@pytest.fixture
-def shared_dir() -> Iterator[str]:
-    """A temporary folder made by rank 0, the same path on every rank."""
-    folder = COMM.bcast(tempfile.mkdtemp(prefix="moe-a2a-train-") if RANK == 0 else None, root=0)
-    yield folder
-    COMM.Barrier()
-    if RANK == 0:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def losses(out: str) -> list[float]:
@@ -123,40 +114,52 @@ def test_training_lowers_the_loss(capsys: pytest.CaptureFixture[str]) -> None:
         assert len(values) == 12 and sum(values[-3:]) < 0.9 * sum(values[:3]), values
 
 
-def test_verify_fails_when_the_experts_get_no_gradient(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+def _experts_detached(original: Any) -> Any:
+    def experts(self: MoELayer, d: object) -> torch.Tensor:
+        return original(self, d).detach()
+
+    return experts
+
+
+def _weights_detached(original: Any) -> Any:
+    def route(self: MoELayer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, weights = original(self, x)
+        return ids, weights.detach()
+
+    return route
+
+
+@pytest.mark.parametrize(
+    ("method", "cut", "expected"),
+    [
+        (
+            "experts",
+            _experts_detached,
+            [
+                rf"gradient of routed_experts\.inner_experts\.{n}: None here"
+                for n in ("w1_EFD", "w2_EDF", "w3_EFD")
+            ],
+        ),
+        ("route", _weights_detached, [r"gradient of router\.gate\.weight: all zero here"]),
+    ],
+    ids=["routed-experts", "gate"],
+)
+def test_verify_fails_when_a_parameter_gets_no_gradient(
+    method: str,
+    cut: Any,
+    expected: list[str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A layer whose routed experts are cut out of autograd (the silent failure of issue 15) fails."""
-    original = MoELayer.experts
-
-    def detached(self: MoELayer, d: object) -> torch.Tensor:
-        return original(self, d).detach()  # type: ignore[arg-type]
-
-    monkeypatch.setattr(MoELayer, "experts", detached)
+    """Parameters cut out of autograd (the silent failure of issue 15) fail the run, named."""
+    monkeypatch.setattr(MoELayer, method, cut(getattr(MoELayer, method)))
     status = run(*SMALL, "--mode", "train", "--iters", "1", "--warmup", "0", "--verify")
     assert COMM.allgather(status) == [1] * WORLD
     if RANK == 0:
         out = capsys.readouterr().out
         assert "verify: FAILED" in out, out
-        for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
-            assert re.search(rf"gradient of routed_experts\.inner_experts\.{name}: None here", out), out
-
-
-def test_verify_fails_when_the_gate_gets_no_gradient(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    original = MoELayer.route
-
-    def detached(self: MoELayer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, weights = original(self, x)
-        return ids, weights.detach()
-
-    monkeypatch.setattr(MoELayer, "route", detached)
-    status = run(*SMALL, "--mode", "train", "--iters", "1", "--warmup", "0", "--verify")
-    assert COMM.allgather(status) == [1] * WORLD
-    if RANK == 0:
-        out = capsys.readouterr().out
-        assert "gradient of router.gate.weight: all zero here" in out, out
+        for pattern in expected:
+            assert re.search(pattern, out), out
 
 
 def test_verify_fails_on_a_wrong_gradient(
