@@ -28,6 +28,7 @@ RANK, WORLD = COMM.Get_rank(), COMM.Get_size()
 EXPERTS = 24
 TWO_NODES = str(max(1, WORLD // 2))
 SMALL = ["--model", "tiny", "--num-experts", str(EXPERTS), "--tokens", "24", "--hidden", "128"]
+FP32 = [f"--{what}-dtype=fp32" for what in ("dispatch", "combine", "weight", "grad")]
 
 run = run_cli.run
 shared_dir = run_cli.shared_dir  # the fixture: a folder of rank 0's, the same path on every rank
@@ -51,14 +52,7 @@ def losses(out: str) -> list[float]:
         # fp32 throughout (tight limit), padded segments, two virtual nodes, node-limited
         # routing, SGD and the expert-bias update.
         [
-            "--dispatch-dtype",
-            "fp32",
-            "--combine-dtype",
-            "fp32",
-            "--weight-dtype",
-            "fp32",
-            "--grad-dtype",
-            "fp32",
+            *FP32,
             "--expert-padding",
             "8",
             "--ranks-per-node",
@@ -166,16 +160,8 @@ def test_verify_fails_on_a_wrong_gradient(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The last rank's experts pass back 1.5x their gradient (forward unchanged): named with its error."""
-    if RANK == WORLD - 1:
-        original = MoELayer.experts
-
-        def louder(self: MoELayer, d: object) -> torch.Tensor:
-            y = original(self, d)  # type: ignore[arg-type]
-            return y + 0.5 * (y - y.detach())
-
-        monkeypatch.setattr(MoELayer, "experts", louder)
-    fp32 = ["--dispatch-dtype", "fp32", "--combine-dtype", "fp32", "--weight-dtype", "fp32"]
-    status = run(*SMALL, *fp32, "--grad-dtype", "fp32", "--mode", "train", "--iters", "1", "--verify")
+    run_cli.wrap_last_rank_experts(monkeypatch, lambda y: y + 0.5 * (y - y.detach()))
+    status = run(*SMALL, *FP32, "--mode", "train", "--iters", "1", "--verify")
     assert COMM.allgather(status) == [1] * WORLD
     if RANK == 0:
         out = capsys.readouterr().out
