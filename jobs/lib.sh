@@ -16,7 +16,7 @@
 # read by the scripts that source it, which shellcheck cannot see from here.
 # shellcheck disable=SC2034
 
-MOE_MODES=(decode prefill)
+MOE_MODES=(decode prefill train)
 MOE_MODELS=(deepseek-v3 kimi-k2 tiny)
 MOE_PROVIDERS=(tcp shm efa verbs)
 MOE_DEVICES=(cpu cuda)

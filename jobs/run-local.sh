@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run a moe-a2a MoE layer job on this host: mpirun with N ranks, a fabric preset,
-# decode or prefill. See docs/running.md.
+# decode, prefill or train. See docs/running.md.
 set -euo pipefail
 
 MOE_PROG=run-local.sh
@@ -19,7 +19,7 @@ Options:
   -n, --ranks N           MPI ranks (default 2)
   -p, --preset NAME       fabric preset (default tcp):
 $(moe_preset_help "                            ")
-  -m, --mode MODE         decode or prefill (default decode)
+  -m, --mode MODE         decode, prefill or train (default decode)
       --provider NAME     libfabric provider: ${MOE_PROVIDERS[*]} (default: the preset's)
       --model NAME        ${MOE_MODELS[*]} (default tiny)
       --iters N           measured iterations (default: the CLI's)

@@ -32,6 +32,21 @@ if TYPE_CHECKING:
     import h5py
 
 PHASES = ("dispatch_send", "dispatch_recv", "shared_expert", "experts", "combine_send", "combine_recv")
+#: Backward phases of a training step: the backward of the combine (a dispatch of the
+#: output gradient) and of the dispatch (a combine of the row gradients).
+BACKWARD_PHASES = ("combine_bwd", "dispatch_bwd")
+#: Phases of `moe-a2a run --mode train`: the forward dispatch and combine run whole
+#: (autograd owns them), then the backward phases, the all-reduce of the gradients of
+#: the replicated weights (router, shared expert) and the optimizer step.
+TRAIN_PHASES = (
+    "dispatch",
+    "shared_expert",
+    "experts",
+    "combine",
+    *BACKWARD_PHASES,
+    "grad_allreduce",
+    "optimizer",
+)
 PATHS = ("same_node", "fabric")
 SCHEMA_VERSION = 1
 
@@ -358,16 +373,22 @@ class TraceRecorder:
     byte counts accumulate.
     """
 
-    def __init__(self, num_iters: int, num_ranks: int, num_experts: int) -> None:
+    def __init__(
+        self, num_iters: int, num_ranks: int, num_experts: int, phases: tuple[str, ...] = PHASES
+    ) -> None:
         for name, value in (("num_iters", num_iters), ("num_ranks", num_ranks), ("num_experts", num_experts)):
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"TraceRecorder: {name} must be an integer >= 1, got {value!r}")
+        phases = tuple(phases)
+        if not phases or not all(isinstance(p, str) and p for p in phases) or len(set(phases)) != len(phases):
+            raise ValueError(f"TraceRecorder: phases: got {phases!r}; expected unique non-empty names")
         self.num_iters, self.num_ranks, self.num_experts = int(num_iters), int(num_ranks), int(num_experts)
-        self.start_ns = np.full((num_iters, len(PHASES)), MISSING, dtype=np.int64)
-        self.end_ns = np.full((num_iters, len(PHASES)), MISSING, dtype=np.int64)
+        self.phases = phases
+        self.start_ns = np.full((num_iters, len(phases)), MISSING, dtype=np.int64)
+        self.end_ns = np.full((num_iters, len(phases)), MISSING, dtype=np.int64)
         self.tokens_per_expert = np.zeros((num_iters, num_experts), dtype=np.int64)
         self.bytes_per_peer = np.zeros((num_iters, num_ranks, len(PATHS)), dtype=np.int64)
-        self._phase_index = {p: i for i, p in enumerate(PHASES)}
+        self._phase_index = {p: i for i, p in enumerate(phases)}
         self._path_index = {p: i for i, p in enumerate(PATHS)}
 
     def _iteration(self, iteration: int) -> int:
@@ -378,12 +399,14 @@ class TraceRecorder:
     def _phase(self, name: str) -> int:
         idx = self._phase_index.get(name)
         if idx is None:
-            raise ValueError(f"TraceRecorder: unknown phase {name!r}, expected one of {PHASES}")
+            raise ValueError(f"TraceRecorder: unknown phase {name!r}, expected one of {self.phases}")
         return idx
 
     def _store(self, it: int, idx: int, start_ns: int, end_ns: int) -> None:
         if self.start_ns[it, idx] != MISSING:
-            raise ValueError(f"TraceRecorder: phase {PHASES[idx]!r} of iteration {it} was already recorded")
+            raise ValueError(
+                f"TraceRecorder: phase {self.phases[idx]!r} of iteration {it} was already recorded"
+            )
         self.start_ns[it, idx] = start_ns
         self.end_ns[it, idx] = end_ns
 
@@ -496,6 +519,7 @@ def gather_trace(
     payload = {
         "host": socket.gethostname(),
         "shape": (recorder.num_iters, recorder.num_ranks, recorder.num_experts),
+        "phases": recorder.phases,
         "start_ns": recorder.start_ns,
         "end_ns": recorder.end_ns,
         "tokens_per_expert": recorder.tokens_per_expert,
@@ -510,6 +534,11 @@ def gather_trace(
             raise ValueError(
                 f"gather_trace: rank {r} recorded (num_iters, num_ranks, num_experts)={part['shape']}, "
                 f"rank 0 recorded {payload['shape']}"
+            )
+        if part["phases"] != payload["phases"]:
+            raise ValueError(
+                f"gather_trace: rank {r} recorded phases {part['phases']}, "
+                f"rank 0 recorded {payload['phases']}"
             )
     if hosts is None:
         hosts = [part["host"] for part in parts]
@@ -526,6 +555,7 @@ def gather_trace(
         # Each rank counts only its own experts (zeros elsewhere), so the sum is the global count.
         tokens_per_expert=np.sum([p["tokens_per_expert"] for p in parts], axis=0, dtype=np.int64),
         bytes_per_peer=np.stack([p["bytes_per_peer"] for p in parts]),
+        phases=recorder.phases,
     )
     trace.validate()
     return trace

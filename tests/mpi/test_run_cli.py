@@ -12,7 +12,7 @@ import argparse
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -168,17 +168,24 @@ def test_tiny_run_verifies_and_writes_a_trace(
         assert per_expert.max() > 2 * np.median(per_expert)
 
 
+def wrap_last_rank_experts(
+    monkeypatch: pytest.MonkeyPatch, wrap: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    """On the last rank only, MoELayer.experts returns `wrap` of what it computed."""
+    if RANK == WORLD - 1:
+        original = MoELayer.experts
+
+        def wrapped(self: MoELayer, d: object) -> torch.Tensor:
+            return wrap(original(self, d))  # type: ignore[arg-type]
+
+        monkeypatch.setattr(MoELayer, "experts", wrapped)
+
+
 def test_verify_catches_a_wrong_expert_on_one_rank(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """--verify is not vacuous: one rank's experts off by 5% fail the run on every rank."""
-    if RANK == WORLD - 1:
-        original = MoELayer.experts
-
-        def off_by_five_percent(self: MoELayer, d: object) -> torch.Tensor:
-            return original(self, d) * 1.05  # type: ignore[arg-type]
-
-        monkeypatch.setattr(MoELayer, "experts", off_by_five_percent)
+    wrap_last_rank_experts(monkeypatch, lambda y: y * 1.05)
     status = run("--model", "tiny", "--iters", "2", "--warmup", "0", "--verify", "--dispatch-dtype", "bf16")
     assert all_ranks(status) == [1] * WORLD
     if RANK == 0:

@@ -240,7 +240,7 @@ def test_provider_overrides_the_preset(fake_mpirun: Path) -> None:
         (["-n", "0"], "--ranks: got '0'; expected an integer >= 1"),
         (["--ranks", "two"], "--ranks: got 'two'; expected an integer >= 1"),
         (["--preset", "ib"], "--preset: got 'ib'; expected one of: cx7 efa shm tcp"),
-        (["--mode", "train"], "--mode: got 'train'; expected one of: decode prefill"),
+        (["--mode", "serve"], "--mode: got 'serve'; expected one of: decode prefill train"),
         (["--provider", "psm3"], "--provider: got 'psm3'; expected one of: tcp shm efa verbs"),
         (["--model", "gpt"], "--model: got 'gpt'; expected one of: deepseek-v3 kimi-k2 tiny"),
         (["--iters", "0"], "--iters: got '0'; expected an integer >= 1"),

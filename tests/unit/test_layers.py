@@ -434,7 +434,7 @@ def test_layer_over_one_rank_matches_the_reference(
     dispatch_dtype: str, combine_dtype: str, weight_dtype: torch.dtype, padding: int
 ) -> None:
     full = random_weights(SMALL, seed=17, dtype=weight_dtype)
-    layer = MoELayer(SMALL, full, expert_padding=padding)
+    layer = MoELayer(SMALL, full, expert_padding=padding).eval()
     a2a = OneRankAllToAll(8, dispatch_dtype, combine_dtype, padding)
     x = torch.randn(24, 160, generator=gen(18)).to(weight_dtype)
     out = layer.forward(x, a2a)  # the router's routing
@@ -445,7 +445,7 @@ def test_layer_over_one_rank_matches_the_reference(
         "combine send=True recv=False",
         "combine send=False recv=True",
     ]
-    ids, wts = layer.router(x)
+    ids, wts = layer.route(x)
     ref = reference_forward(x, full, ids, wts, dispatch_dtype)
     err = max_relative_error(out, ref)
     assert err <= tolerance(dispatch_dtype, combine_dtype, weight_dtype), err
@@ -454,7 +454,7 @@ def test_layer_over_one_rank_matches_the_reference(
 
 def test_layer_takes_given_routing_instead_of_its_router() -> None:
     full = random_weights(SMALL, seed=19, dtype=torch.float32)
-    layer = MoELayer(SMALL, full)
+    layer = MoELayer(SMALL, full).eval()
     g = gen(20)
     x = torch.randn(10, 160, generator=g)
     ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(10)])
@@ -475,7 +475,7 @@ def test_sharded_layers_over_four_ranks_match_the_whole_layer() -> None:
     layers = [MoELayer.from_state_dict(SMALL, sd, r, world, expert_padding=padding) for r in range(world)]
     g = gen(22)
     xs = [torch.randn(n, 160, generator=g) for n in (9, 0, 5, 13)]  # rank 1 has no tokens
-    routed = [layer.router(x) for layer, x in zip(layers, xs, strict=True)]
+    routed = [layer.route(x) for layer, x in zip(layers, xs, strict=True)]
     ids, wts = [r[0] for r in routed], [r[1] for r in routed]
     ds = a2a_reference.dispatch_reference(xs, ids, 8, "bf16", padding)
     ys = [layer.experts(d) for layer, d in zip(layers, ds, strict=True)]

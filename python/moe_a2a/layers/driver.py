@@ -7,6 +7,10 @@ between the two halves of dispatch. Rank 0 prints a progress bar for long runs a
 a summary table at the end; `--trace` writes the HDF5 trace; `--verify` checks every
 measured iteration against the whole layer computed in one process on rank 0.
 
+`--mode train` trains the layer instead (forward, backward, optimizer step over
+`moe_a2a.autograd.ExpertParallel`); `--verify` then checks the loss and every
+gradient against plain autograd over the whole layer on rank 0.
+
 torch and mpi4py are imported inside `main`, so that `moe-a2a --help` stays instant
 and argument errors are reported before MPI starts.
 """
@@ -30,7 +34,9 @@ if TYPE_CHECKING:
     from moe_a2a.layers.moe import MoELayer
     from moe_a2a.trace import RunTrace
 
-MODES = ("decode", "prefill")
+MODES = ("decode", "prefill", "train")
+OPTIMIZERS = ("adamw", "sgd")
+GRAD_DTYPES = ("bf16", "fp32")
 ROUTINGS = ("random", "skewed", "router")
 DISPATCH_DTYPES = ("fp8", "bf16", "fp32")
 COMBINE_DTYPES = ("bf16", "fp32")
@@ -60,7 +66,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--mode",
         choices=MODES,
         default="decode",
-        help="token counts of decode or prefill (default: %(default)s)",
+        help="token counts of decode or prefill, or train: forward, backward and an optimizer "
+        "step per iteration, with prefill's token count (default: %(default)s)",
     )
     # Not `choices`: an unknown preset gets one line naming it and the valid ones.
     run.add_argument("--model", required=True, metavar="PRESET", help=f"model preset: {', '.join(PRESETS)}")
@@ -84,9 +91,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     run.add_argument(
         "--routing",
         choices=ROUTINGS,
-        default="random",
         help="new routing every iteration: uniform random experts, skewed towards a few hot "
-        "experts (--skew), or the layer's router on random tokens (default: %(default)s)",
+        "experts (--skew), or the layer's router on random tokens (default: router with "
+        "--mode train, so the gate trains; random otherwise)",
     )
     run.add_argument(
         "--skew",
@@ -114,6 +121,22 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         choices=("auto", "always", "never"),
         default="auto",
         help="progress bar on rank 0's stderr; auto shows it once a run has lasted 2 s",
+    )
+
+    train = p.add_argument_group("training (--mode train)")
+    train.add_argument("--optimizer", choices=OPTIMIZERS, help="torch.optim.AdamW or SGD (default: adamw)")
+    train.add_argument("--lr", type=float, metavar="X", help="learning rate (default: 1e-3)")
+    train.add_argument(
+        "--grad-dtype",
+        choices=GRAD_DTYPES,
+        help="what gradients travel in through the all-to-all (default: bf16)",
+    )
+    train.add_argument(
+        "--load-balance-coeff",
+        type=float,
+        metavar="X",
+        help="auxiliary-loss-free load balancing: after each step, expert_bias += X * "
+        "sign(mean load - load), load counted over all ranks (default: off)",
     )
 
     dims = p.add_argument_group("model shape (default: the preset's)")
@@ -244,15 +267,42 @@ def resolve_shape(args: argparse.Namespace) -> MoEShape:
     if changes["num_groups"] is not None and args.topk_groups is None:
         changes["topk_groups"] = min(shape.topk_groups, changes["num_groups"])
     if args.tokens is not None:
-        changes[f"{args.mode}_tokens"] = args.tokens
+        changes[f"{token_mode(args.mode)}_tokens"] = args.tokens
     try:
         return shape.replace(**changes)
     except ValueError as err:
         raise UsageError(f"--model {args.model} with the given flags: {err}") from None
 
 
+def token_mode(mode: str) -> str:
+    """Whose token count a mode uses: training steps are prefill-sized."""
+    return "prefill" if mode == "train" else mode
+
+
+TRAIN_FLAGS = ("optimizer", "lr", "grad-dtype", "load-balance-coeff")
+
+
 def validate_args(args: argparse.Namespace) -> MoEShape:
-    """Check every flag that needs no MPI; returns the model shape."""
+    """Check every flag that needs no MPI; returns the model shape.
+
+    Fills in the defaults that depend on the mode (routing, and the training flags).
+    """
+    if args.routing is None:
+        args.routing = "router" if args.mode == "train" else "random"
+    if args.mode != "train":
+        for name in TRAIN_FLAGS:
+            if getattr(args, name.replace("-", "_")) is not None:
+                raise UsageError(f"--{name}: applies to --mode train, got --mode {args.mode}")
+    else:
+        args.optimizer = args.optimizer or "adamw"
+        args.grad_dtype = args.grad_dtype or "bf16"
+        args.lr = 1e-3 if args.lr is None else args.lr
+        if not args.lr > 0:
+            raise UsageError(f"--lr: got {args.lr}; expected a positive number")
+        if args.load_balance_coeff is not None and not args.load_balance_coeff > 0:
+            raise UsageError(
+                f"--load-balance-coeff: got {args.load_balance_coeff}; expected a positive number"
+            )
     shape = resolve_shape(args)
     _positive(args, "iters")
     _positive(args, "warmup", 0)
@@ -489,7 +539,7 @@ def _run(args: argparse.Namespace, shape: MoEShape, comm: Any) -> int:
     from moe_a2a.layers.reference import max_relative_error, reference_forward, tolerance
     from moe_a2a.layers.router import node_limited
     from moe_a2a.layers.weights import local_experts, random_weights
-    from moe_a2a.trace import TraceRecorder, gather_trace, write_trace
+    from moe_a2a.trace import TraceRecorder
 
     rank, world = comm.Get_rank(), comm.Get_size()
     device = args.device
@@ -542,12 +592,15 @@ def _run(args: argparse.Namespace, shape: MoEShape, comm: Any) -> int:
             shape = node_limited(shape, topology.num_nodes, args.max_nodes)
         except ValueError as err:
             raise UsageError(f"--max-nodes {args.max_nodes}: {err}") from None
-    tokens = shape.tokens(args.mode)
+    tokens = shape.tokens(token_mode(args.mode))
 
     weights = random_weights(
         shape, args.seed, local_experts(shape.num_experts, rank, world), dtype=weight_dtype, device=device
     )
-    layer = MoELayer(shape, weights, expert_padding=args.expert_padding)
+    if args.mode == "train":
+        return _train(args, shape, comm, topology, tokens, weights)
+    # Inference: no autograd graph, not even the router's.
+    layer = MoELayer(shape, weights, expert_padding=args.expert_padding).eval().requires_grad_(False)
     full = random_weights(shape, args.seed, dtype=weight_dtype) if args.verify and rank == 0 else None
     popularity = None
     if args.routing == "skewed":
@@ -557,11 +610,7 @@ def _run(args: argparse.Namespace, shape: MoEShape, comm: Any) -> int:
         a2a = _make_all_to_all(args, shape, tokens, comm, device)
     except ValueError as err:  # configuration checks, made alike on every rank before any exchange
         raise UsageError(str(err)) from None
-    provider = args.provider
-    if provider == "auto":
-        from moe_a2a.fabric import default_provider
-
-        provider = default_provider()
+    provider = _provider(args)
     recorder = TraceRecorder(args.iters, world, shape.num_experts)
     total_iters = args.warmup + args.iters
     progress = ProgressBar(
@@ -576,7 +625,7 @@ def _run(args: argparse.Namespace, shape: MoEShape, comm: Any) -> int:
             gen = _generator(args.seed, "tokens", rank, step)
             x = torch.randn(tokens, shape.hidden, generator=gen).to(device=device, dtype=weight_dtype)
             if args.routing == "router":
-                topk_ids, topk_weights = layer.router(x)
+                topk_ids, topk_weights = layer.route(x)
             else:
                 topk_ids, topk_weights = random_routing(
                     tokens, shape.num_experts, shape.topk, gen, popularity
@@ -613,6 +662,61 @@ def _run(args: argparse.Namespace, shape: MoEShape, comm: Any) -> int:
     progress.close()
     a2a.close()
 
+    footer = []
+    if args.verify:
+        footer.append(
+            f"verify: {'FAILED' if failures else 'OK'}: max relative error {worst:.3g} (limit {limit:g}) "
+            f"over {args.iters} iterations x {world} ranks"
+        )
+        footer += [f"  {f}" for f in failures[:5]]
+    return _finish(comm, recorder, args, shape, tokens, topology, provider, footer, bool(failures))
+
+
+def _finish(
+    comm: Any,
+    recorder: Any,
+    args: argparse.Namespace,
+    shape: MoEShape,
+    tokens: int,
+    topology: Any,
+    provider: str,
+    footer: list[str],
+    failed: bool,
+) -> int:
+    """Gather the trace, write it and print the summary on rank 0; the exit status on every rank.
+
+    `failed` (what rank 0's verification found) makes the status 1.
+    """
+    from moe_a2a.trace import gather_trace, write_trace
+
+    world = comm.Get_size()
+    config = _run_config(args, shape, tokens, world, topology, provider)
+    trace = gather_trace(comm, recorder, config)
+    status = 0
+    if comm.Get_rank() == 0:
+        assert trace is not None
+        if args.trace:
+            write_trace(args.trace, trace)
+        header = [_header(args, shape, tokens, world, topology, provider)]
+        if args.trace:
+            footer = [*footer, f"trace: {args.trace} (details: moe-a2a trace summary {args.trace})"]
+        print(format_summary(trace, tokens * world, header, footer), flush=True)
+        status = 1 if args.verify and failed else 0
+    return int(comm.bcast(status, root=0))
+
+
+def _provider(args: argparse.Namespace) -> str:
+    if args.provider != "auto":
+        return args.provider
+    from moe_a2a.fabric import default_provider
+
+    return default_provider()
+
+
+def _run_config(
+    args: argparse.Namespace, shape: MoEShape, tokens: int, world: int, topology: Any, provider: str
+) -> dict[str, Any]:
+    """The run's configuration, as the trace stores it."""
     config = {
         "command": "run",
         "mode": args.mode,
@@ -632,40 +736,39 @@ def _run(args: argparse.Namespace, shape: MoEShape, comm: Any) -> int:
         "skew": args.skew if args.routing == "skewed" else None,
         "seed": args.seed,
         "provider": provider,
-        "device": device,
+        "device": args.device,
         "verify": bool(args.verify),
     }
-    trace = gather_trace(comm, recorder, config)
-    status = 0
-    if rank == 0:
-        assert trace is not None
-        if args.trace:
-            write_trace(args.trace, trace)
-        header = [
-            f"{PROG}: {args.model} {args.mode}, {world} ranks on {topology.num_nodes} node(s), "
-            f"{tokens} tokens/rank, hidden {shape.hidden}, {shape.num_experts} experts top-{shape.topk}, "
-            f"dispatch {args.dispatch_dtype}, combine {args.combine_dtype}, routing {args.routing}, "
-            f"provider {provider}, {device}",
-        ]
-        footer = []
-        if args.verify:
-            verdict = "FAILED" if failures else "OK"
-            footer.append(
-                f"verify: {verdict}: max relative error {worst:.3g} (limit {limit:g}) over "
-                f"{args.iters} iterations x {world} ranks"
-            )
-            footer += [f"  {f}" for f in failures[:5]]
-            status = 1 if failures else 0
-        if args.trace:
-            footer.append(f"trace: {args.trace} (details: moe-a2a trace summary {args.trace})")
-        print(format_summary(trace, tokens * world, header, footer), flush=True)
-    return int(comm.bcast(status, root=0))
+    if args.mode == "train":
+        config.update(
+            optimizer=args.optimizer,
+            lr=args.lr,
+            grad_dtype=args.grad_dtype,
+            load_balance_coeff=args.load_balance_coeff,
+        )
+    return config
 
 
-def _make_all_to_all(args: argparse.Namespace, shape: MoEShape, tokens: int, comm: Any, device: str) -> Any:
-    from moe_a2a.all_to_all import AllToAll, Config
+def _header(
+    args: argparse.Namespace, shape: MoEShape, tokens: int, world: int, topology: Any, provider: str
+) -> str:
+    extra = ""
+    if args.mode == "train":
+        extra = f", {args.optimizer} lr {args.lr:g}, gradients {args.grad_dtype}"
+        if args.load_balance_coeff is not None:
+            extra += f", load balancing {args.load_balance_coeff:g}"
+    return (
+        f"{PROG}: {args.model} {args.mode}, {world} ranks on {topology.num_nodes} node(s), "
+        f"{tokens} tokens/rank, hidden {shape.hidden}, {shape.num_experts} experts top-{shape.topk}, "
+        f"dispatch {args.dispatch_dtype}, combine {args.combine_dtype}, routing {args.routing}, "
+        f"provider {provider}, {args.device}{extra}"
+    )
 
-    cfg = Config(
+
+def _a2a_config(args: argparse.Namespace, shape: MoEShape, tokens: int) -> Any:
+    from moe_a2a.all_to_all import Config
+
+    return Config(
         max_tokens=tokens,
         hidden=shape.hidden,
         num_experts=shape.num_experts,
@@ -676,7 +779,299 @@ def _make_all_to_all(args: argparse.Namespace, shape: MoEShape, tokens: int, com
         max_private_tokens=args.max_private_tokens,
         max_recv_tokens=args.max_recv_tokens,
     )
+
+
+def _make_all_to_all(args: argparse.Namespace, shape: MoEShape, tokens: int, comm: Any, device: str) -> Any:
+    from moe_a2a.all_to_all import AllToAll
+
+    cfg = _a2a_config(args, shape, tokens)
     return AllToAll(cfg, comm=comm, device=device, provider=args.provider, ranks_per_node=args.ranks_per_node)
+
+
+# --------------------------------------------------------------------------- train
+
+ROUTED = "routed_experts."  # parameter names of this rank's experts; the rest is replicated
+
+
+def _train(
+    args: argparse.Namespace, shape: MoEShape, comm: Any, topology: Any, tokens: int, weights: Any
+) -> int:
+    """`--mode train`: forward, backward and an optimizer step of the layer per iteration.
+
+    The loss is the mean squared error against a fixed random linear teacher of the
+    tokens (new tokens every iteration, the same teacher on every rank), so it falls
+    as the layer learns. Each rank holds its experts; the router and shared expert
+    are replicated, so their gradients are summed over ranks before the step, as data
+    parallelism over the expert-parallel group would.
+    """
+    import torch
+
+    from moe_a2a.autograd import ExpertParallel
+    from moe_a2a.layers.moe import MoELayer
+    from moe_a2a.layers.reference import grad_tolerance
+    from moe_a2a.trace import TRAIN_PHASES, TraceRecorder
+
+    rank, world = comm.Get_rank(), comm.Get_size()
+    device = args.device
+    weight_dtype = torch.bfloat16 if args.weight_dtype == "bf16" else torch.float32
+    layer = MoELayer(
+        shape, weights, expert_padding=args.expert_padding, load_balance_coeff=args.load_balance_coeff
+    ).train()
+    try:
+        ep = ExpertParallel(
+            _a2a_config(args, shape, tokens),
+            comm=comm,
+            device=device,
+            provider=args.provider,
+            ranks_per_node=args.ranks_per_node,
+            grad_dtype=args.grad_dtype,
+        )
+    except ValueError as err:  # configuration checks, made alike on every rank before any exchange
+        raise UsageError(str(err)) from None
+    replicated = [p for n, p in layer.named_parameters() if not n.startswith(ROUTED)]
+    optimizer_cls = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.SGD
+    optimizer = optimizer_cls(layer.parameters(), lr=args.lr)
+    popularity = None
+    if args.routing == "skewed":
+        popularity = skewed_popularity(shape.num_experts, args.skew, args.seed)
+    D = shape.hidden
+    teacher = (torch.randn(D, D, generator=_generator(args.seed, "teacher")) * D**-0.5).to(device)
+    provider = _provider(args)
+    recorder = TraceRecorder(args.iters, world, shape.num_experts, phases=TRAIN_PHASES)
+    total_iters = args.warmup + args.iters
+    progress = ProgressBar(
+        total_iters, rank == 0 and args.progress != "never", delay=0.0 if args.progress == "always" else 2.0
+    )
+    limit = grad_tolerance(args.dispatch_dtype, args.combine_dtype, weight_dtype, args.grad_dtype)
+    failures: list[str] = []
+    worst: dict[str, float] = {}
+    losses: list[float] = []
+    try:
+        for step in range(total_iters):
+            it = step - args.warmup
+            gen = _generator(args.seed, "tokens", rank, step)
+            x = (
+                torch.randn(tokens, D, generator=gen)
+                .to(device=device, dtype=weight_dtype)
+                .requires_grad_(True)
+            )
+            target = x.detach().float() @ teacher
+            topk_weights: torch.Tensor | None = None
+            if args.routing != "router":
+                topk_ids, topk_weights = random_routing(
+                    tokens, shape.num_experts, shape.topk, gen, popularity
+                )
+                topk_ids, topk_weights = topk_ids.to(device), topk_weights.to(device)
+            before = (
+                {n: p.detach().clone() for n, p in layer.named_parameters()}
+                if args.verify and it >= 0
+                else None
+            )
+            comm.Barrier()
+            timer = _phase_timer(recorder, it, device) if it >= 0 else None
+            phase = timer or _no_phase
+            if args.routing == "router":
+                # Recomputed every step from the current gate; differentiable w.r.t. it.
+                topk_ids, topk_weights = layer.route(x)
+            out = layer(x, ep, topk_ids, topk_weights, timer=timer)
+            if it >= 0:
+                _record_counts(recorder, it, layer, ep.forward_a2a)
+            loss = (out.float() - target).square().sum() / (world * tokens * D)
+            loss.backward()
+            with phase("grad_allreduce"):
+                _allreduce_grads(comm, replicated)
+            grads = (
+                {n: None if p.grad is None else p.grad.clone() for n, p in layer.named_parameters()}
+                if before is not None
+                else None
+            )
+            with phase("optimizer"):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if args.load_balance_coeff is not None:
+                layer.update_expert_bias(all_reduce=lambda t: _allreduce_sum(comm, t))
+            global_loss = float(comm.allreduce(float(loss.detach())))
+            losses.append(global_loss)
+            if rank == 0:
+                tag = " (warm-up)" if it < 0 else ""
+                print(f"{PROG}: step {step + 1}/{total_iters}{tag}: loss {global_loss:.6g}", flush=True)
+            if before is not None:
+                assert grads is not None
+                found = _verify_train(
+                    comm,
+                    args,
+                    shape,
+                    before,
+                    grads,
+                    x,
+                    topk_ids,
+                    None if args.routing == "router" else topk_weights,
+                    target,
+                    global_loss,
+                    limit,
+                    worst,
+                )
+                failures += [f"iteration {it}: {f}" for f in found]
+            progress.update()
+    except BaseException:
+        progress.close()  # no collective close: main() aborts the job (see _run)
+        raise
+    progress.close()
+    ep.close()
+
+    footer = [f"loss: {losses[0]:.6g} at step 1, {losses[-1]:.6g} at step {len(losses)}"]
+    if args.verify:
+        worst_s = ", ".join(f"{k} {v:.3g}" for k, v in worst.items())
+        footer.append(
+            f"verify: {'FAILED' if failures else 'OK'}: loss and gradients over {args.iters} iterations "
+            f"x {world} ranks (limit {limit:g}); max relative errors: {worst_s}"
+        )
+        footer += [f"  {f}" for f in failures[:10]]
+    return _finish(comm, recorder, args, shape, tokens, topology, provider, footer, bool(failures))
+
+
+def _no_phase(name: str) -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _allreduce_sum(comm: Any, t: torch.Tensor) -> torch.Tensor:
+    """The sum of `t` over ranks (in fp32), in t's dtype and device."""
+    import torch
+    from mpi4py import MPI
+
+    buf = t.detach().to("cpu", torch.float32).contiguous().numpy().copy()
+    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+    return torch.from_numpy(buf).to(device=t.device, dtype=t.dtype)
+
+
+def _allreduce_grads(comm: Any, params: list[Any]) -> None:
+    """Sum the replicated parameters' gradients over ranks, in one collective.
+
+    A missing gradient counts as zeros, so every rank takes part alike.
+    """
+    import torch
+
+    if not params:
+        return
+    flat = torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
+    )
+    total = _allreduce_sum(comm, flat)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = total[offset : offset + n].view_as(p).to(p.dtype)
+        offset += n
+
+
+def _verify_train(
+    comm: Any,
+    args: argparse.Namespace,
+    shape: MoEShape,
+    before: dict[str, Any],
+    grads: dict[str, Any],
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    target: torch.Tensor,
+    loss: float,
+    limit: float,
+    worst: dict[str, float],
+) -> list[str]:
+    """Check the loss and every gradient against `reference_train_step` on rank 0.
+
+    Gathers the tokens, routing, targets, the weights the forward used and the
+    gradients of every rank. Returns what failed (rank 0; empty elsewhere); `worst`
+    collects the largest error per name.
+    """
+    import torch
+
+    from moe_a2a.layers.reference import max_relative_error, reference_train_step
+    from moe_a2a.layers.weights import MoEWeights
+
+    def cpu(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.detach().cpu()
+
+    routed = [n for n in before if n.startswith(ROUTED)]
+    local = {
+        "x": cpu(x),
+        "x_grad": cpu(x.grad),
+        "ids": cpu(topk_ids),
+        "weights": cpu(topk_weights),
+        "target": cpu(target),
+        "experts": {n: cpu(before[n]) for n in routed},
+        "grads": {n: cpu(grads[n]) for n in routed},
+    }
+    parts = comm.gather(local, root=0)
+    if parts is None:
+        return []
+
+    def cat(key: str) -> torch.Tensor:
+        return torch.cat([p[key] for p in parts])
+
+    def cat_named(key: str, name: str) -> torch.Tensor | None:
+        got = [p[key][name] for p in parts]
+        if all(g is None for g in got):
+            return None
+        ref = next(g for g in got if g is not None)
+        return torch.cat([torch.zeros_like(ref) if g is None else g for g in got])
+
+    def whole(name: str) -> torch.Tensor | None:
+        return cpu(before.get(name))
+
+    inner = "routed_experts.inner_experts."
+    full = MoEWeights(
+        gate=whole("router.gate.weight"),
+        w1=cat_named("experts", inner + "w1_EFD"),
+        w2=cat_named("experts", inner + "w2_EDF"),
+        w3=cat_named("experts", inner + "w3_EFD"),
+        shared_w1=whole("shared_experts.w1.weight"),
+        shared_w2=whole("shared_experts.w2.weight"),
+        shared_w3=whole("shared_experts.w3.weight"),
+    )
+    ref_loss, ref_grads = reference_train_step(
+        cat("x"),
+        full,
+        cat("ids"),
+        cat("target"),
+        topk_weights=None if topk_weights is None else cat("weights"),
+        score_func=shape.score_func,
+        norm_topk=shape.norm_topk,
+        route_scale=shape.route_scale,
+        dispatch_dtype=args.dispatch_dtype,
+    )
+    run_grads: dict[str, torch.Tensor | None] = {n: cpu(g) for n, g in grads.items() if n not in routed}
+    run_grads.update({n: cat_named("grads", n) for n in routed})
+    x_grads = [p["x_grad"] for p in parts]
+    run_grads["x"] = None if any(g is None for g in x_grads) else torch.cat(x_grads)
+    found = []
+    loss_err = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
+    worst["loss"] = max(worst.get("loss", 0.0), loss_err)
+    if loss_err > limit:
+        found.append(
+            f"loss {loss:.6g}, reference {ref_loss:.6g}: relative error {loss_err:.3g} (limit {limit:g})"
+        )
+    for name in [*run_grads, *(n for n in ref_grads if n not in run_grads)]:
+        label = "the input x" if name == "x" else name
+        ref, got = ref_grads.get(name), run_grads.get(name)
+        ref_max = 0.0 if ref is None else float(ref.abs().max())
+        got_max = 0.0 if got is None else float(got.float().abs().max())
+        if ref_max == 0.0:
+            if got_max > 0.0:
+                found.append(f"gradient of {label}: max |grad| {got_max:.3g} where the reference has none")
+            continue
+        if got_max == 0.0:
+            what = "None" if got is None else "all zero"
+            found.append(f"gradient of {label}: {what} here, the reference's has max |grad| {ref_max:.3g}")
+            worst[name] = float("inf")
+            continue
+        err = max_relative_error(got, ref)
+        worst[name] = max(worst.get(name, 0.0), err)
+        if err > limit:
+            found.append(f"gradient of {label}: max relative error {err:.3g} (limit {limit:g})")
+    return found
 
 
 class _SyncedPhase:
@@ -710,7 +1105,7 @@ def _record_counts(recorder: Any, it: int, layer: MoELayer, a2a: Any) -> None:
 
     counts = layer.last_tokens_per_expert
     if counts is not None:
-        recorder.add_tokens(it, layer.weights.expert_offset, counts.to("cpu", torch.int64).numpy())
+        recorder.add_tokens(it, layer.expert_offset, counts.to("cpu", torch.int64).numpy())
     traffic = getattr(a2a, "traffic", None)
     if callable(traffic):
         from moe_a2a.trace import PATHS

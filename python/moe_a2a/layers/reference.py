@@ -94,3 +94,109 @@ def tolerance(dispatch_dtype: str, combine_dtype: str, weight_dtype: torch.dtype
     if dispatch_dtype == "fp32" and combine_dtype == "fp32" and weight_dtype == torch.float32:
         return 1e-4
     return 2e-2
+
+
+def reference_train_step(
+    x: torch.Tensor,
+    weights: MoEWeights,
+    topk_ids: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    topk_weights: torch.Tensor | None = None,
+    score_func: str = "softmax",
+    norm_topk: bool = True,
+    route_scale: float = 1.0,
+    dispatch_dtype: str = "fp32",
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """The training loss of the whole layer and its gradients, by plain autograd in fp32.
+
+    `loss = mean((layer(x) - target)^2)` over every token and feature. The experts
+    are the given `topk_ids`; their weights are the router's scores of those experts
+    (normalised and scaled as the router does), so the gate gets its gradient,
+    unless `topk_weights` are given (then they are constants and the gate gets none).
+    Expert inputs are rounded as dispatch rounds them, with the straight-through
+    gradient. Returns the loss and the gradients keyed by MoELayer's parameter names
+    (routed experts whole, `[E, ...]`) and `x`; a parameter that gets no gradient is
+    absent.
+    """
+    if weights.num_local_experts != weights.num_experts:
+        raise ValueError(
+            f"weights: hold {weights.num_local_experts} of {weights.num_experts} experts; "
+            "the reference needs the whole layer"
+        )
+
+    def leaf(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.detach().to(torch.float32).clone().requires_grad_(True)
+
+    params = {
+        "router.gate.weight": leaf(weights.gate),
+        "routed_experts.inner_experts.w1_EFD": leaf(weights.w1),
+        "routed_experts.inner_experts.w2_EDF": leaf(weights.w2),
+        "routed_experts.inner_experts.w3_EFD": leaf(weights.w3),
+    }
+    if weights.has_shared:
+        params.update(
+            {
+                "shared_experts.w1.weight": leaf(weights.shared_w1),
+                "shared_experts.w2.weight": leaf(weights.shared_w2),
+                "shared_experts.w3.weight": leaf(weights.shared_w3),
+            }
+        )
+    xf = leaf(x)
+    assert xf is not None
+    gate = params["router.gate.weight"]
+    if topk_weights is None:
+        logits = xf @ gate.t()
+        scores = torch.softmax(logits, dim=-1) if score_func == "softmax" else torch.sigmoid(logits)
+        w = scores.gather(1, topk_ids)
+        if norm_topk:
+            w = w / w.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        w = w * route_scale
+    else:
+        w = topk_weights.detach().float()
+    rounded = dispatched_input(xf.detach(), dispatch_dtype)
+    xr = xf + (rounded - xf.detach())  # straight-through: the rounding's gradient is the identity
+    T = x.shape[0]
+    out = torch.zeros(T, weights.hidden, dtype=torch.float32, device=x.device)
+    flat_ids = topk_ids.reshape(-1)
+    flat_tokens = torch.arange(T, device=x.device).repeat_interleave(topk_ids.shape[1])
+    flat_w = w.reshape(-1)
+    w1, w2, w3 = (params[f"routed_experts.inner_experts.{n}"] for n in ("w1_EFD", "w2_EDF", "w3_EFD"))
+    for e in torch.unique(flat_ids).tolist():
+        picks = flat_ids == e
+        tokens = flat_tokens[picks]
+        y = swiglu(xr[tokens], w1[e], w2[e], w3[e])
+        out = out.index_add(0, tokens, y * flat_w[picks].unsqueeze(1))
+    if weights.has_shared:
+        out = out + swiglu(
+            xf,
+            params["shared_experts.w1.weight"],
+            params["shared_experts.w2.weight"],
+            params["shared_experts.w3.weight"],
+        )
+    loss = (out - target.float()).square().mean()
+    loss.backward()
+    grads = {name: p.grad for name, p in params.items() if p is not None and p.grad is not None}
+    if xf.grad is not None:
+        grads["x"] = xf.grad
+    return float(loss.detach()), grads
+
+
+def grad_tolerance(
+    dispatch_dtype: str, combine_dtype: str, weight_dtype: torch.dtype, grad_dtype: str
+) -> float:
+    """Bound on `max_relative_error` of the loss and of each gradient in `--mode train`.
+
+    fp32 throughout leaves summation order (1e-3: gradients sum over many more
+    terms than outputs). Otherwise every bf16 rounding of the forward (as in
+    `tolerance`) and of the backward (output gradient, row gradients, bf16 weight
+    gradients, the sum over ranks) adds up: 5e-2 of the largest value.
+    """
+    if (
+        dispatch_dtype == "fp32"
+        and combine_dtype == "fp32"
+        and weight_dtype == torch.float32
+        and grad_dtype == "fp32"
+    ):
+        return 1e-3
+    return 5e-2

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from moe_a2a.layers.presets import SCORE_FUNCS, MoEShape
 
@@ -112,6 +113,33 @@ class Router:
             norm_topk=self.norm_topk,
             expert_bias=self.expert_bias,
         )
+
+
+class Weight(nn.Module):
+    """A bare weight under the key `weight`, as nn.Linear (bias-free) names it, without its init."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+
+
+class TopKRouter(nn.Module):
+    """The router as a module: `gate.weight [E, D]` (TorchTitan's key `router.gate.weight`).
+
+    Calling it routes `[T, D]` tokens like `route`, differentiably w.r.t. the gate
+    (through the chosen weights; the choice itself is discrete). `expert_bias` is
+    an argument, not a buffer here, because the layer holds it (as TorchTitan's MoE
+    does) and updates it outside autograd; it is required so that no caller drops
+    it by accident.
+    """
+
+    def __init__(self, shape: MoEShape, gate: torch.Tensor) -> None:
+        super().__init__()
+        self.gate = Weight(gate)
+        self.shape = shape
+
+    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return Router.from_shape(self.shape, self.gate.weight, expert_bias)(x)
 
 
 def node_limited(shape: MoEShape, num_nodes: int, max_nodes: int) -> MoEShape:

@@ -1,13 +1,13 @@
 """Weights of one MoE layer in TorchTitan's layout: random, loaded, sharded by rank.
 
-State-dict keys (TorchTitan's `MoE` module):
+State-dict keys (this library's own names; TorchTitan 0.3.0's in brackets, same layouts):
   router.gate.weight          [E, D]
-  experts.w1, experts.w3      [E, F, D]
-  experts.w2                  [E, D, F]
+  experts.w1, experts.w3      [E, F, D] (routed_experts.inner_experts.w1_EFD, w3_EFD)
+  experts.w2                  [E, D, F] (routed_experts.inner_experts.w2_EDF)
   shared_experts.w1.weight    [Fs, D]   (linear weights; absent without a shared expert)
   shared_experts.w3.weight    [Fs, D]
   shared_experts.w2.weight    [D, Fs]
-  expert_bias                 [E]       (optional: load-balancing bias of the router)
+  expert_bias                 [E]       (expert_bias_E; optional: load-balancing bias of the router)
 Rank r keeps experts [r * E/N, (r+1) * E/N), the block that the all-to-all sends it.
 """
 
@@ -26,7 +26,14 @@ EXPERT_KEYS = ("experts.w1", "experts.w2", "experts.w3")
 SHARED_KEYS = ("shared_experts.w1.weight", "shared_experts.w2.weight", "shared_experts.w3.weight")
 BIAS = "expert_bias"
 # Buffers TorchTitan keeps in the same module that the forward pass does not need.
-IGNORED_KEYS = ("tokens_per_expert",)
+IGNORED_KEYS = ("tokens_per_expert", "tokens_per_expert_E")
+# TorchTitan 0.3.0's names (torchtitan.models.common.moe.MoE) for the same tensors, same layouts.
+TORCHTITAN_KEYS = {
+    "routed_experts.inner_experts.w1_EFD": EXPERT_KEYS[0],
+    "routed_experts.inner_experts.w2_EDF": EXPERT_KEYS[1],
+    "routed_experts.inner_experts.w3_EFD": EXPERT_KEYS[2],
+    "expert_bias_E": BIAS,
+}
 
 
 @dataclass
@@ -197,15 +204,21 @@ def shard_state_dict(
     """
     layer = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
     known = {GATE, *EXPERT_KEYS, *SHARED_KEYS, BIAS, *IGNORED_KEYS}
-    unknown = sorted(set(layer) - known)
+    unknown = sorted(set(layer) - known - set(TORCHTITAN_KEYS))
     if unknown:
         raise ValueError(
-            f"state_dict: unexpected keys {unknown} under prefix {prefix!r}; expected {sorted(known)}"
+            f"state_dict: unexpected keys {[prefix + k for k in unknown]} under prefix {prefix!r}; "
+            f"expected {sorted(known)} or TorchTitan's {sorted(TORCHTITAN_KEYS)}"
         )
+    layer, given = _own_names(layer, prefix)
+
+    def name(key: str) -> str:  # a key as the caller spelled it, for messages
+        return prefix + given.get(key, key)
+
     missing = [k for k in (GATE, *EXPERT_KEYS) if k not in layer]
     if missing:
         raise ValueError(
-            f"state_dict: missing {[prefix + k for k in missing]}; found {sorted(prefix + k for k in layer)}"
+            f"state_dict: missing {[prefix + k for k in missing]}; found {sorted(name(k) for k in layer)}"
         )
     gate = layer[GATE]
     if gate.dim() != 2:
@@ -229,8 +242,8 @@ def shard_state_dict(
         got = tuple(layer[key].shape)
         if got != want:
             raise ValueError(
-                f"state_dict[{prefix + key!r}]: got shape {got}; expected {list(want)} "
-                f"(E={E}, D={D} from {prefix + GATE!r}, F={F} from {prefix + EXPERT_KEYS[0]!r})"
+                f"state_dict[{name(key)!r}]: got shape {got}; expected {list(want)} "
+                f"(E={E}, D={D} from {prefix + GATE!r}, F={F} from {name(EXPERT_KEYS[0])!r})"
             )
     if shape is not None:
         found = {
@@ -265,6 +278,22 @@ def shard_state_dict(
         shared_w3=keep(layer.get(SHARED_KEYS[2])),
         expert_bias=keep(layer.get(BIAS), cast=False),
     )
+
+
+def _own_names(layer: dict[str, torch.Tensor], prefix: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """TorchTitan's names mapped to this library's (and own name -> name given); both at once is refused."""
+    out = {k: v for k, v in layer.items() if k not in TORCHTITAN_KEYS}
+    given: dict[str, str] = {}
+    for titan, own in TORCHTITAN_KEYS.items():
+        if titan not in layer:
+            continue
+        if own in layer:
+            raise ValueError(
+                f"state_dict: got both {prefix + titan!r} and {prefix + own!r}; expected one name per tensor"
+            )
+        out[own] = layer[titan]
+        given[own] = titan
+    return out, given
 
 
 def full_layer_nbytes(shape: MoEShape, dtype: torch.dtype) -> int:
