@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moe_a2a import _core
+from moe_a2a import _core, switches
 from moe_a2a.agreement import all_to_all_settings, check_agreement
 from moe_a2a.backends.common import CORE_DTYPE, Setup, num_scales
 from moe_a2a.bootstrap import Bootstrap
@@ -181,6 +181,7 @@ class AllToAll:
                 raise RuntimeError(f"device='cuda': {reason}")
             if cfg.topk > CUDA_MAX_TOPK:
                 raise ValueError(f"topk: got {cfg.topk}; device='cuda' takes at most {CUDA_MAX_TOPK}")
+        switches.check_all()  # a mistyped switch is an error, not a silent default
         self.cfg = cfg
         self.id = next(_instance_ids)
         self._boot = Bootstrap(comm, ranks_per_node)

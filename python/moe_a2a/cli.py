@@ -17,7 +17,19 @@ def _info(args: argparse.Namespace) -> int:
     print(f"moe-a2a {__version__}")
     print("libfabric providers:", ", ".join(_core.libfabric_providers()) or "none")
     print("CUDA kernels built:", getattr(_core, "HAVE_CUDA", False))
+    _print_switches()
     return 0
+
+
+def _print_switches() -> None:
+    """Every environment switch, who reads it, and its value now (moe_a2a.switches)."""
+    from moe_a2a import switches
+
+    rows = switches.table()
+    width = max(len(r[0]) for r in rows)
+    print("environment switches (docs/running.md):")
+    for name, where, now, doc in rows:
+        print(f"  {name:<{width}}  {where:<7}  {now}  - {doc}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from moe_a2a import _core
+from moe_a2a import _core, switches
 from moe_a2a.bootstrap import Bootstrap
 
 PROVIDERS = ("tcp", "shm", "efa", "verbs")
@@ -17,9 +17,9 @@ ScatterItem = _core.ScatterItem
 
 def default_provider() -> str:
     """`MOE_A2A_PROVIDER`, else `efa` where libfabric offers it, else `tcp`."""
-    chosen = os.environ.get("MOE_A2A_PROVIDER")
+    chosen = switches.get("MOE_A2A_PROVIDER")
     if chosen:
-        return chosen
+        return str(chosen)
     offered = _core.libfabric_providers()
     return "efa" if "efa" in offered else "tcp"
 

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from moe_a2a import switches
+
 if TYPE_CHECKING:
     import h5py
 
@@ -477,6 +479,8 @@ def default_environment() -> dict[str, str]:
         "torch": _version("torch"),
         "h5py": _version("h5py"),
         "mpi4py": _version("mpi4py"),
+        # the switches that were set (moe_a2a.switches): which path the figures measured
+        "switches": json.dumps(switches.recorded(), sort_keys=True),
     }
     # Only ask MPI when the caller already initialised it: importing mpi4py.MPI here would start MPI.
     mpi = sys.modules.get("mpi4py.MPI")

@@ -59,6 +59,8 @@ def test_bench_a2a_runs_and_checks(baseline: str, tmp_path: Path, capsys: pytest
     if COMM.Get_rank() == 0:
         table = capsys.readouterr().out
         assert f"baseline: {baseline.upper()}" in table and "decode" in table
-        (result,) = json.loads(out.read_text())
+        doc = json.loads(out.read_text())
+        assert doc["benchmark"] == "a2a" and "switches" in doc and doc["moe_a2a_version"]
+        (result,) = doc["results"]
         assert result["baseline"] == baseline.upper() and result["world"] == COMM.Get_size()
         assert all(v > 0 for v in result["ours_dispatch"] + result["mpi_combine"])

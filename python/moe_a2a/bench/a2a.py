@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -251,8 +252,11 @@ def main(args: argparse.Namespace) -> int:
     if comm.Get_rank() == 0:
         print_table(results)
         if args.output:
+            from moe_a2a import __version__, switches
+
+            meta = {"benchmark": "a2a", "moe_a2a_version": __version__, "command": " ".join(sys.argv)}
             with open(args.output, "w") as f:
-                json.dump(results, f, indent=2)
+                json.dump({**meta, "switches": switches.recorded(), "results": results}, f, indent=2)
             print(f"figures written to {args.output}")
     return 0
 

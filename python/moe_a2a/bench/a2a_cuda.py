@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from moe_a2a import switches
+
 PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 MODEL = dict(hidden=7168, num_experts=256, topk=8)
 SHAPES = {"decode": 128, "prefill": 4096}
@@ -368,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             with open(args.json, "a") as f:
                 for res in results:
-                    f.write(json.dumps(res) + "\n")
+                    f.write(json.dumps({**res, "switches": switches.recorded()}) + "\n")
     return 0
 
 

@@ -320,11 +320,12 @@ def run(args: argparse.Namespace, bootstrap: Any) -> list[Row]:
 
 
 def _meta(args: argparse.Namespace, world: int) -> dict[str, Any]:
-    from moe_a2a import __version__
+    from moe_a2a import __version__, switches
 
     return {
         "benchmark": "fabric",
         "moe_a2a_version": __version__,
+        "switches": switches.recorded(),
         "command": " ".join(sys.argv),
         "provider": args.provider,
         "num_nics": args.num_nics,

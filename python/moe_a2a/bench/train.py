@@ -413,11 +413,12 @@ def print_report(result: dict[str, Any]) -> None:
 
 
 def meta(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
-    from moe_a2a import __version__
+    from moe_a2a import __version__, switches
 
     return {
         "benchmark": "a2a --train",
         "moe_a2a_version": __version__,
+        "switches": switches.recorded(),
         "command": " ".join(sys.argv),
         "iters": args.iters,
         "warmup": args.warmup,

@@ -6,6 +6,7 @@
 #include <string>
 #include <stdexcept>
 
+#include "../env.h"
 #include "../errors.h"
 #include "../wait.h"
 #include "fabric/error.h"
@@ -180,12 +181,8 @@ cudaUUID_t gpu_uuid(int device) {
 
 bool same_gpu(const cudaUUID_t& a, const cudaUUID_t& b) { return std::memcmp(&a, &b, sizeof(a)) == 0; }
 
-// MOE_A2A_CUDA_FUSED_RECV: "1" or "0" forces the choice of fused_recv_.
-int fused_recv_override() {
-  const char* env = std::getenv("MOE_A2A_CUDA_FUSED_RECV");
-  if (env == nullptr || *env == '\0') return -1;
-  return std::strcmp(env, "0") == 0 ? 0 : 1;
-}
+// MOE_A2A_CUDA_FUSED_RECV on or off forces the choice of fused_recv_ (-1: not forced).
+int fused_recv_override() { return env_switch("MOE_A2A_CUDA_FUSED_RECV"); }
 
 }  // namespace
 

@@ -7,6 +7,7 @@
 #include <mutex>
 #include <utility>
 
+#include "../env.h"
 #include "launch.h"
 
 namespace moe_a2a::a2a::cuda {
@@ -27,18 +28,17 @@ cudaError_t allow_dynamic_smem(const void* kernel, size_t bytes) {
 
 namespace {
 
-// A Hopper feature, on unless the environment variable `name` is "0"; the
-// answer is kept per device in `cached` (0 unknown, 1 no, 2 yes).
+// A Hopper feature, on unless the switch `name` is off (env.h); the answer
+// is kept per device in `cached` (0 unknown, 1 no, 2 yes).
 constexpr int kMaxDevices = 64;
 bool sm90_feature(const char* name, int (&cached)[kMaxDevices]) {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return false;
   if (cached[device] == 0) {
-    const char* env = std::getenv(name);
     int major = 0;
     const bool capable =
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
-    cached[device] = capable && !(env != nullptr && std::strcmp(env, "0") == 0) ? 2 : 1;
+    cached[device] = capable && env_switch(name) != 0 ? 2 : 1;
   }
   return cached[device] == 2;
 }

@@ -1,0 +1,161 @@
+"""Every environment switch of moe-a2a, in one typed registry.
+
+Python reads its switches through `get`; the core reads the CUDA ones itself
+(src/a2a/env.h) with the same words for on and off, and `check_all` refuses a
+value neither would understand before the core starts. `moe-a2a info` lists
+them, docs/running.md has the table, and every HDF5 trace and benchmark JSON
+records the ones that are set (`recorded`), so a figure says which path it
+measured. Launcher and job-script variables are listed too (`where="jobs"`,
+`"tests"`): they are read by the shell scripts and the test harness, not here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Switch:
+    name: str
+    kind: str  # "bool" (on/off words below), "str", or "choice"
+    default: Any
+    doc: str
+    where: str = "library"  # who reads it: library, core, jobs or tests
+    choices: tuple[str, ...] = ()
+
+    def parse(self, raw: str) -> Any:
+        """The typed value of `raw`; a ValueError names the variable, what it got and what it takes."""
+        if self.kind == "bool":
+            word = raw.strip().lower()
+            if word in _ON:
+                return True
+            if word in _OFF:
+                return False
+            expected = "one of " + ", ".join(_ON + _OFF)
+        elif self.kind == "choice":
+            if raw in self.choices:
+                return raw
+            expected = f"one of {list(self.choices)}"
+        else:
+            return raw
+        raise ValueError(f"{self.name}: got {raw!r}; expected {expected}")
+
+
+REGISTRY: dict[str, Switch] = {
+    s.name: s
+    for s in (
+        Switch(
+            "MOE_A2A_PROVIDER",
+            "choice",
+            None,
+            "libfabric provider when none is passed (default: efa where offered, else tcp)",
+            choices=("tcp", "shm", "efa", "verbs"),
+        ),
+        Switch(
+            "MOE_A2A_CUDA_PDL",
+            "bool",
+            True,
+            "programmatic dependent launch between the CUDA kernels (Hopper); off for A/B measurements",
+            where="core",
+        ),
+        Switch(
+            "MOE_A2A_CUDA_BULK",
+            "bool",
+            True,
+            "the bulk-copy dispatch packer (Hopper); off for A/B measurements",
+            where="core",
+        ),
+        Switch(
+            "MOE_A2A_CUDA_FUSED_RECV",
+            "bool",
+            None,
+            "force the one-launch eager receive on or off (default: on for a rank alone on its GPU)",
+            where="core",
+        ),
+        Switch("MOE_A2A_HOME", "str", None, "the checkout the job scripts run from", where="jobs"),
+        Switch("MOE_A2A_PYTHON", "str", None, "the Python the job scripts start", where="jobs"),
+        Switch("MOE_A2A_MPIRUN", "str", None, "the mpirun the job scripts call", where="jobs"),
+        Switch("MOE_A2A_SRUN_MPI", "str", None, "srun's --mpi plugin in the Slurm scripts", where="jobs"),
+        Switch("MOE_A2A_TCP_IFACE", "str", None, "network interface of the tcp preset", where="jobs"),
+        Switch("MOE_A2A_IB_DEVICE", "str", None, "InfiniBand device of the cx7 preset", where="jobs"),
+        Switch("MOE_A2A_IB_IFACE", "str", None, "IPoIB interface of the cx7 preset", where="jobs"),
+        Switch("MOE_A2A_TRACE_DIR", "str", None, "where the job scripts write traces", where="jobs"),
+        Switch("MOE_A2A_OUT", "str", None, "where the job scripts write their output", where="jobs"),
+        Switch(
+            "MOE_A2A_TEST_PROVIDER",
+            "choice",
+            "tcp",
+            "provider of the multi-rank tests",
+            where="tests",
+            choices=("tcp", "shm", "efa", "verbs"),
+        ),
+        Switch(
+            "MOE_A2A_TEST_DEVICE",
+            "choice",
+            "cpu",
+            "device of the multi-rank tests",
+            where="tests",
+            choices=("cpu", "cuda"),
+        ),
+        Switch("MOE_A2A_TEST_SEED", "str", None, "seed of the tests' random data", where="tests"),
+        Switch(
+            "MOE_A2A_TEST_NUM_NICS", "str", None, "NICs per rank of the tests' default engine", where="tests"
+        ),
+        Switch("MOE_A2A_TEST_LOGS", "str", None, "where tools/run_tests.sh writes its logs", where="tests"),
+        Switch(
+            "MOE_A2A_TEST_BARRIER_ROUNDS",
+            "str",
+            None,
+            "rounds of the fabric barrier soak test",
+            where="tests",
+        ),
+        Switch(
+            "MOE_A2A_TEST_DELIBERATE_FAILURE",
+            "str",
+            None,
+            "runs the test that fails on purpose (the abort-path test sets it)",
+            where="tests",
+        ),
+        Switch(
+            "MOE_A2A_RANK_LOGS", "str", None, "where tools/rank0_console.sh writes rank logs", where="tests"
+        ),
+    )
+}
+
+
+def get(name: str) -> Any:
+    """The switch's typed value from the environment, or its default."""
+    s = REGISTRY[name]
+    raw = os.environ.get(name)
+    return s.default if raw is None or raw == "" else s.parse(raw)
+
+
+def check_all() -> None:
+    """Refuse any set switch that the library or the core would misread (a ValueError naming it)."""
+    for s in REGISTRY.values():
+        if s.where in ("library", "core"):
+            get(s.name)
+
+
+def recorded() -> dict[str, str]:
+    """The library's and the core's switches that are set, as given: for traces and benchmark JSON."""
+    return {
+        s.name: os.environ[s.name]
+        for s in REGISTRY.values()
+        if s.where in ("library", "core") and os.environ.get(s.name)
+    }
+
+
+def table() -> list[tuple[str, str, str, str]]:
+    """(name, where, value now, what it does) for every switch."""
+    rows = []
+    for s in REGISTRY.values():
+        raw = os.environ.get(s.name)
+        now = raw if raw else f"(unset; default {s.default})" if s.default is not None else "(unset)"
+        rows.append((s.name, s.where, now, s.doc))
+    return rows
