@@ -156,3 +156,15 @@ def test_plot_without_matplotlib_says_what_to_install(
     assert capsys.readouterr().err.strip() == (
         "moe-a2a trace plot: error: needs matplotlib, which is not installed: pip install 'moe-a2a[plot]'"
     )
+
+
+def test_subcommand_usage_message_is_one_line_and_exit_2() -> None:
+    """A subcommand's `raise SystemExit("bench a2a: ...")` becomes one line and exit status 2."""
+    done = subprocess.run(
+        [sys.executable, "-m", "moe_a2a", "bench", "a2a", "--grad-dtype", "bf16"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert done.stderr.strip() == "moe-a2a bench a2a: --grad-dtype: only used with --train"
