@@ -28,7 +28,7 @@ $(moe_preset_help "                            ")
       --verify            check every iteration against a single-process reference
       --ranks-per-node N  group consecutive ranks into virtual nodes of N ranks, so
                           one host exercises the cross-node path too
-      --device DEVICE     cpu or cuda (default: cuda where available)
+      --device DEVICE     cpu or cuda (default: cpu, the CLI's; pass cuda on a GPU host)
       --dry-run           print the exact command and exit
   -h, --help              this help
 

@@ -13,7 +13,7 @@ VENV="$ROOT/.venv"
 TORCH_VERSION=2.13.0
 APT_PACKAGES=(libfabric-dev libfabric-bin libopenmpi-dev openmpi-bin pkg-config cmake ninja-build g++ shellcheck)
 PIP_PACKAGES=(numpy mpi4py h5py matplotlib pytest pytest-mpi pytest-timeout ruff pyyaml jsonschema
-              "scikit-build-core>=0.10" "nanobind>=2.0")
+              "scikit-build-core>=0.11" "nanobind>=2.0")
 # The training tests' reference: TorchTitan's own MoE and token dispatchers. TorchTitan
 # imports triton at import time; triton's wheel imports on a machine without a GPU.
 TRAIN_PACKAGES=(torchtitan==0.3.0 triton)

@@ -2,7 +2,7 @@
 # Fabric preset "cx7": InfiniBand or RoCE on NVIDIA ConnectX-7 (400 Gb/s per GPU)
 # through libfabric's verbs provider under ofi_rxm (the engine asks for
 # "verbs;ofi_rxm"). The engine's direct libibverbs backend (RC queue pairs,
-# DESIGN.md section 3) is not built yet; until it is, ConnectX-7 goes through
+# docs/design.md section 3) is not built yet; until it is, ConnectX-7 goes through
 # libfabric. Sourced by jobs/lib.sh (moe_load_preset).
 
 preset_describe "InfiniBand/RoCE ConnectX-7 (libfabric verbs under ofi_rxm)"

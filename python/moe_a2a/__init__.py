@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from moe_a2a._core import CapacityError, FabricError, FabricTimeoutError
 
-__version__ = "0.1.0"
+try:
+    # pyproject.toml holds the version; the installed metadata carries it here.
+    __version__ = version("moe-a2a")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = ["AllToAll", "CapacityError", "Config", "FabricError", "FabricTimeoutError", "__version__"]
 

@@ -1,6 +1,6 @@
 """AllToAll: expert-parallel dispatch and combine on torch tensors.
 
-The contract is DESIGN.md section 5; positions and numerics are in
+The contract is docs/design.md section 6; positions and numerics are in
 docs/protocol.md. This module validates inputs, owns the tensors and drives
 the C++ core, which does the work with the GIL released.
 """

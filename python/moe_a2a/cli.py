@@ -3,12 +3,65 @@
 Each subcommand lives in its own module, which registers its parser through
 `add_parser(subparsers)` and sets `func`; heavy imports stay inside those
 modules so `moe-a2a --help` is instant.
+
+Under mpirun every rank parses the same arguments: usage errors are printed by
+rank 0 alone, as one line, with exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import NoReturn
+
+USAGE_ERROR = 2
+
+
+def _launcher_rank() -> int:
+    """This process's rank from the launcher's environment, before MPI starts (0 if unknown)."""
+    from moe_a2a.layers.driver import _env_rank
+
+    return _env_rank()
+
+
+def usage_error(prog: str, message: str) -> NoReturn:
+    """One line from rank 0, exit status 2 on every rank: each rank found the same error."""
+    if _launcher_rank() == 0:
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(USAGE_ERROR)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse without silent abbreviations (`--iter` is an error, not `--iters`).
+
+    Sub-parsers are made with the parent's class, so every subcommand inherits this.
+    """
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def error(self, message: str) -> NoReturn:
+        if _launcher_rank() == 0:
+            self.print_usage(sys.stderr)
+        usage_error(self.prog, message)
+
+
+def _gpu_line() -> str:
+    from moe_a2a import _core
+
+    if not getattr(_core, "HAVE_CUDA", False):
+        return "no: moe_a2a._core was built without the CUDA kernels (no nvcc at build time)"
+    from moe_a2a.backends.cuda import cuda_available
+
+    reason = cuda_available()
+    if reason is not None:
+        return f"no: {reason}"
+    import torch
+
+    names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+    return f"yes: {torch.cuda.device_count()} x {', '.join(names)} (torch {torch.__version__})"
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -16,7 +69,8 @@ def _info(args: argparse.Namespace) -> int:
 
     print(f"moe-a2a {__version__}")
     print("libfabric providers:", ", ".join(_core.libfabric_providers()) or "none")
-    print("CUDA kernels built:", getattr(_core, "HAVE_CUDA", False))
+    print("CUDA kernels built:", "yes" if getattr(_core, "HAVE_CUDA", False) else "no")
+    print("GPU usable (device='cuda'):", _gpu_line())
     _print_switches()
     return 0
 
@@ -32,8 +86,33 @@ def _print_switches() -> None:
         print(f"  {name:<{width}}  {where:<7}  {now}  - {doc}")
 
 
+def _check_provider(args: argparse.Namespace) -> None:
+    """Refuse, before MPI starts, a provider libfabric does not offer here at all.
+
+    Without this every rank would fail alike inside its run, each with a
+    traceback, and the job would end in MPI_Abort.
+    """
+    provider = getattr(args, "provider", None)
+    if not provider or provider == "auto":
+        return
+    from moe_a2a import _core
+
+    offered = _core.libfabric_providers()
+    # libfabric names layered providers "core;utility" (e.g. "tcp;ofi_rxm").
+    if any(provider in (name, name.split(";")[0]) for name in offered):
+        return
+    usage_error(
+        f"moe-a2a {args.command}" + (f" {args.bench}" if getattr(args, "bench", None) else ""),
+        f"--provider: got {provider!r}, which libfabric does not offer on this machine; "
+        f"expected auto or one of: {', '.join(sorted({n.split(';')[0] for n in offered})) or 'none'}",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moe-a2a", description=__doc__.splitlines()[0])
+    from moe_a2a import __version__
+
+    parser = Parser(prog="moe-a2a", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     from moe_a2a.layers import driver
@@ -59,7 +138,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    _check_provider(args)
+    if args.command == "run" and getattr(args, "trace", None):
+        # `run` refuses a trace whose folder is missing; make it, as `trace plot -o` does.
+        # Every rank may get here: exist_ok makes that harmless.
+        os.makedirs(os.path.dirname(os.path.abspath(args.trace)), exist_ok=True)
+    try:
+        return int(args.func(args) or 0)
+    except SystemExit as exc:
+        if not isinstance(exc.code, str):
+            raise
+        # `raise SystemExit("bench a2a: ...")`: a usage error every rank finds alike.
+        if _launcher_rank() == 0:
+            print(f"moe-a2a {exc.code}", file=sys.stderr, flush=True)
+        return USAGE_ERROR
+    except BrokenPipeError:
+        # The reader went away (`moe-a2a trace compare ... | head`): stop quietly, and
+        # point stdout at /dev/null so the interpreter's final flush does not complain.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell tool killed by the pipe reports
 
 
 if __name__ == "__main__":

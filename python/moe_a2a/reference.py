@@ -1,6 +1,6 @@
 """Dispatch and combine for every rank at once, in one process, with torch.
 
-The ground truth for the tests: it follows the contract of DESIGN section 5 and
+The ground truth for the tests: it follows the contract of docs/design.md section 6 and
 the numerics of docs/protocol.md (fp8 block quantisation, expert-major padded
 layout, fp32 accumulation of the combine in k order), but none of the buffer
 mechanics.

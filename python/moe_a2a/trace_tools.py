@@ -1,7 +1,8 @@
 """`moe-a2a trace summary|plot|compare`: read HDF5 run traces (docs/trace-format.md).
 
 numpy, h5py and matplotlib are imported inside the commands so that building
-the `moe-a2a` parser stays instant.
+the `moe-a2a` parser stays instant. matplotlib is optional (`pip install
+'moe-a2a[plot]'`): only `plot` needs it.
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Stand-alone entry point: `python -m moe_a2a.trace_tools summary FILE`."""
-    parser = argparse.ArgumentParser(prog="moe-a2a")
+    from moe_a2a.cli import Parser
+
+    parser = Parser(prog="moe-a2a")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["trace", *(sys.argv[1:] if argv is None else argv)])
     return int(args.func(args) or 0)
@@ -91,6 +94,8 @@ def _guard(name: str, body: Callable[[], int]) -> int:
     """Run a command; user errors become one line on stderr and exit status 1, not a traceback."""
     try:
         return body()
+    except BrokenPipeError:
+        raise  # the reader of stdout left (`| head`): moe_a2a.cli ends quietly
     except (OSError, ValueError) as exc:  # FileNotFoundError and TraceFormatError included
         print(f"moe-a2a trace {name}: error: {exc}", file=sys.stderr)
         return 1
@@ -467,6 +472,13 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     def body() -> int:
         from moe_a2a.trace import read_trace
 
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            # An optional extra: a library user's image need not carry plotting.
+            raise ValueError(
+                "needs matplotlib, which is not installed: pip install 'moe-a2a[plot]'"
+            ) from None
         for path in plot(read_trace(args.file), args.output, args.iteration, args.warmup, args.file):
             print(path)
         return 0

@@ -584,8 +584,54 @@ def test_environment_lists_the_promised_packages(env: dict[str, Any]) -> None:
                 roots.setdefault(node.name, []).append(node)
     for name in PROMISED_ROOTS:
         assert name in roots, f"spack.yaml: no root spec for {name}"
-    fabrics = next(a for a in roots["libfabric"][0].attributes if a.startswith("fabrics="))
-    assert set(fabrics.split("=", 1)[1].split(",")) >= {"efa", "tcp", "shm", "verbs", "rxm"}
+    # Over all MOE_A2A_FABRIC choices; each choice's own fabrics: test_fabric_is_a_switch_of_the_environment.
+    fabrics = {
+        f
+        for node in roots["libfabric"]
+        for a in node.attributes
+        if a.startswith("fabrics=")
+        for f in a.split("=", 1)[1].split(",")
+    }
+    assert fabrics >= {"efa", "tcp", "shm", "verbs", "rxm"}, fabrics
+
+
+def _chosen(env: dict[str, Any], name: str, environ: dict[str, str]) -> list[list[str]]:
+    """The lists definition `name` gets under `environ` (`when` evaluated with eval(), as Spack does)."""
+    return [
+        d[name]
+        for d in env["spack"]["definitions"]
+        if name in d and eval(d.get("when", "True"), {"env": environ, "re": re})
+    ]
+
+
+@pytest.mark.parametrize(
+    ("value", "variants", "libfabric", "rdma_core"),
+    [
+        (None, {"~efa", "~verbs"}, {"rxm", "shm", "tcp"}, False),
+        ("cpu", {"~efa", "~verbs"}, {"rxm", "shm", "tcp"}, False),
+        ("efa", {"+efa", "~verbs"}, {"efa", "rxm", "shm", "tcp"}, False),
+        ("cx7", {"~efa", "+verbs"}, {"rxm", "shm", "tcp", "verbs"}, True),
+    ],
+)
+def test_fabric_is_a_switch_of_the_environment(
+    env: dict[str, Any], value: str | None, variants: set[str], libfabric: set[str], rdma_core: bool
+) -> None:
+    """MOE_A2A_FABRIC picks EFA, CX7 or CPU without editing spack.yaml; unset is CPU (no RDMA libraries)."""
+    environ = {} if value is None else {"MOE_A2A_FABRIC": value}
+    fabric, libs = _chosen(env, "fabric", environ), _chosen(env, "fabric_libs", environ)
+    assert len(fabric) == 1 and len(libs) == 1, (value, fabric, libs)
+    assert set(parse_spec(fabric[0][0])[0].attributes) == variants
+    nodes = [parse_spec(text)[0] for text in libs[0]]
+    (lf,) = [n for n in nodes if n.name == "libfabric"]
+    fabrics = next(a for a in lf.attributes if a.startswith("fabrics="))
+    assert set(fabrics.split("=", 1)[1].split(",")) == libfabric
+    assert any(n.name == "rdma-core" for n in nodes) == rdma_core
+    assert not _chosen(env, "fabric", {"MOE_A2A_FABRIC": "no-such-fabric"})
+    matrix = next(s["matrix"] for s in env["spack"]["specs"] if isinstance(s, dict))
+    assert ["$fabric"] in matrix and "$fabric_libs" in env["spack"]["specs"]
+    # moe-a2a's own row names no fabric: the definition is the one place.
+    moe_row = next(row for row in matrix if row[0].startswith("moe-a2a"))
+    assert moe_row == ["moe-a2a"], moe_row
 
 
 def test_cuda_is_a_switch_of_the_environment(env: dict[str, Any]) -> None:
@@ -738,11 +784,25 @@ def test_recipe_build_system_and_variants(recipe: tuple[type, list[Directive], t
     assert issubclass(cls, stub.PythonPackage), "scikit-build-core projects install through pip"
     assert issubclass(cls, stub.CudaPackage), "the cuda variant (and cuda_arch) come from CudaPackage"
     variants = {d.args[0]: d.kwargs for d in record if d.kind == "variant"}
-    assert variants.keys() >= {"efa", "verbs"}, variants
+    assert variants.keys() >= {"efa", "verbs", "plot"}, variants
+    # A site without that NIC must not get the provider, or rdma-core, by default.
     for name in ("efa", "verbs"):
-        assert variants[name].get("default") is True, f"variant {name}: expected default=True"
-        assert variants[name].get("description"), f"variant {name}: needs a description"
+        assert variants[name].get("default") is False, f"variant {name}: expected default=False"
+    for name, kwargs in variants.items():
+        assert kwargs.get("description"), f"variant {name}: needs a description"
     assert any(d.kind == "conflicts" and d.args[0] == "cuda_arch=none" for d in record)
+
+
+def test_recipe_metadata(recipe: tuple[type, list[Directive], types.ModuleType]) -> None:
+    """homepage and git name this checkout (the project has no public address); a `main` version."""
+    cls, record, _ = recipe
+    assert cls.homepage == f"file://{ROOT}/README.md" and (ROOT / "README.md").is_file()
+    assert cls.git == f"file://{ROOT}" and (ROOT / ".git").exists()
+    versions = {d.args[0]: d.kwargs for d in record if d.kind == "version"}
+    assert versions.get("main") == {"branch": "main"}, versions
+    licenses = [d.args[0] for d in record if d.kind == "license"]
+    assert licenses == [tomllib.loads(PYPROJECT.read_text())["project"]["license"]], licenses
+    assert (ROOT / "LICENSE").is_file()
 
 
 def test_recipe_dependencies(recipe: tuple[type, list[Directive], types.ModuleType]) -> None:
@@ -798,6 +858,12 @@ def test_recipe_version_floors_follow_pyproject(
         name: (floors.get(name), version) for name, version in wanted.items() if floors.get(name) != version
     }
     assert not mismatched, f"recipe floor vs pyproject.toml: {mismatched}"
+    # The [plot] extra is the recipe's +plot variant.
+    (plot,) = pyproject["project"]["optional-dependencies"]["plot"]
+    match = re.fullmatch(r"([A-Za-z0-9_.-]+)\s*>=\s*([0-9.]+)", plot)
+    assert match, plot
+    conditional = {(n.name, d.condition): _floor(n) for n, d in _depends(record)}
+    assert conditional.get((f"py-{match.group(1)}", "+plot")) == match.group(2), conditional
 
 
 class _FakeSpec:
@@ -839,5 +905,6 @@ def test_recipe_passes_cmake_options_of_cmakelists(
 def test_docs_describe_the_recipe(recipe: tuple[type, list[Directive], types.ModuleType]) -> None:
     _, record, _ = recipe
     doc = SPACK_DOC.read_text()
-    for name in [d.args[0] for d in record if d.kind == "variant"] + ["cuda", "cuda_arch", "MOE_A2A_CUDA"]:
+    switches = ["cuda", "cuda_arch", "MOE_A2A_CUDA", "MOE_A2A_FABRIC"]
+    for name in [d.args[0] for d in record if d.kind == "variant"] + switches:
         assert f"`{name}" in doc or f"+{name}" in doc, f"docs/spack.md does not mention {name}"

@@ -139,7 +139,7 @@ def _kernel_name(name: str) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="decode")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("mode", choices=["host", "span", "ncu", "timeline"])

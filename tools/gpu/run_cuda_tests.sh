@@ -15,9 +15,16 @@
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT" || exit 1
+# Help before anything is made or run.
+case ${1:-} in -h | --help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
+for stage in "$@"; do
+  case $stage in
+    build | kernels | multirank | training | bench) ;;
+    *) echo "run_cuda_tests.sh: unknown stage '$stage'; expected any of: build kernels multirank training bench (see --help)" >&2; exit 2 ;;
+  esac
+done
 OUT=${OUT:-$ROOT/out/gpu}
 mkdir -p "$OUT"
-case ${1:-} in -h | --help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 STAGES=${*:-build kernels multirank training bench}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}

@@ -383,7 +383,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _standalone(argv: list[str] | None = None) -> int:
     """`python -m moe_a2a.bench.fabric [flags]`, for use without the `moe-a2a` command."""
-    parser = argparse.ArgumentParser(prog="python -m moe_a2a.bench.fabric")
+    parser = argparse.ArgumentParser(prog="python -m moe_a2a.bench.fabric", allow_abbrev=False)
     add_parser(parser.add_subparsers(dest="bench", required=True))
     args = parser.parse_args(["fabric", *(sys.argv[1:] if argv is None else argv)])
     return main(args)

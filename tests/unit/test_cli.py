@@ -1,0 +1,170 @@
+"""The `moe-a2a` command at its top level: version, no abbreviations, one-line usage errors, pipes.
+
+These run without MPI: each rank of an mpirun job parses the same arguments, so a
+usage error is checked here in one process with the launcher's rank variable set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from moe_a2a import __version__, cli
+from moe_a2a.trace import write_trace
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _make_trace() -> object:
+    sys.path.insert(0, str(Path(__file__).parent))
+    try:
+        from test_trace import make_trace
+    finally:
+        sys.path.pop(0)
+    return make_trace()
+
+
+def _parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    """The parser and every sub-parser under it."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                yield from _parsers(child)
+
+
+def _main(argv: list[str], rank: str, monkeypatch: pytest.MonkeyPatch) -> int:
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", rank)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    return int(exc.value.code)
+
+
+def test_version_is_pyproject_version(capsys: pytest.CaptureFixture[str]) -> None:
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert __version__ == version
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"moe-a2a {version}"
+
+
+def test_python_dash_m_runs_the_cli() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "moe_a2a", "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"moe-a2a {__version__}"
+
+
+def test_no_parser_abbreviates() -> None:
+    parsers = list(_parsers(cli.build_parser()))
+    names = {p.prog for p in parsers}
+    assert {"moe-a2a run", "moe-a2a bench a2a", "moe-a2a bench fabric", "moe-a2a trace plot"} <= names
+    assert [p.prog for p in parsers if p.allow_abbrev] == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "bad"),
+    [
+        (["run", "--model", "tiny", "--iter", "3"], "--iter 3"),
+        (["bench", "a2a", "--warm", "1"], "--warm 1"),
+        (["trace", "summary", "x.h5", "--js"], "--js"),
+    ],
+)
+def test_abbreviated_flag_is_an_error(
+    argv: list[str], bad: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _main(argv, "0", monkeypatch) == 2
+    assert f"error: unrecognized arguments: {bad}" in capsys.readouterr().err
+
+
+def test_usage_error_one_line_from_rank_0(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "a2a", "--warmup", "-5"]
+    assert _main(argv, "0", monkeypatch) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert errors == ["moe-a2a bench a2a: error: argument --warmup: got '-5'; expected an integer >= 0"]
+    assert "Traceback" not in err
+    # The other ranks found the same error: they stay silent and exit alike.
+    assert _main(argv, "1", monkeypatch) == 2
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("argv", [["run", "--model", "tiny"], ["bench", "fabric"], ["bench", "a2a"]])
+def test_unavailable_provider_is_a_usage_error(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _main([*argv, "--provider", "no-such-provider"], "0", monkeypatch) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"moe-a2a {' '.join(argv[:2] if argv[0] == 'bench' else argv[:1])}: error: ")
+    assert "--provider: got 'no-such-provider'" in err and "expected auto or one of: " in err
+    assert "\n" not in err
+    assert _main([*argv, "--provider", "no-such-provider"], "3", monkeypatch) == 2
+    assert capsys.readouterr().err == ""
+
+
+@pytest.fixture
+def trace_file_dir(tmp_path: Path) -> Path:
+    write_trace(tmp_path / "run.h5", _make_trace())
+    return tmp_path
+
+
+def test_info_says_whether_a_gpu_is_usable(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["info"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    gpu = [line for line in lines if line.startswith("GPU usable (device='cuda'): ")]
+    assert len(gpu) == 1 and gpu[0].split(": ", 1)[1].split(":")[0] in ("yes", "no"), lines
+
+
+def test_trace_compare_into_a_closed_pipe_is_quiet(trace_file_dir: Path) -> None:
+    """`moe-a2a trace compare A B | head`: no "Broken pipe" once the reader has gone."""
+    trace = str(trace_file_dir / "run.h5")
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line is written
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "moe_a2a", "trace", "compare", trace, trace],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write)
+    assert done.stderr == "" and done.returncode == 141, (done.returncode, done.stderr)
+
+
+def test_plot_without_matplotlib_says_what_to_install(
+    trace_file_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    assert cli.main(["trace", "plot", str(trace_file_dir / "run.h5"), "-o", str(trace_file_dir / "p")]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "moe-a2a trace plot: error: needs matplotlib, which is not installed: pip install 'moe-a2a[plot]'"
+    )
+
+
+def test_subcommand_usage_message_is_one_line_and_exit_2() -> None:
+    """A subcommand's `raise SystemExit("bench a2a: ...")` becomes one line and exit status 2."""
+    done = subprocess.run(
+        [sys.executable, "-m", "moe_a2a", "bench", "a2a", "--grad-dtype", "bf16"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert done.stderr.strip() == "moe-a2a bench a2a: --grad-dtype: only used with --train"
