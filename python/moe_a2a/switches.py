@@ -25,7 +25,7 @@ class Switch:
     kind: str  # "bool" (on/off words below), "str", or "choice"
     default: Any
     doc: str
-    where: str = "library"  # who reads it: library, core, jobs or tests
+    where: str = "library"  # who reads it: library, core, jobs, tests or build
     choices: tuple[str, ...] = ()
 
     def parse(self, raw: str) -> Any:
@@ -76,6 +76,14 @@ REGISTRY: dict[str, Switch] = {
             None,
             "force the one-launch eager receive on or off (default: on for a rank alone on its GPU)",
             where="core",
+        ),
+        Switch(
+            "MOE_A2A_FABRIC",
+            "choice",
+            "cpu",
+            "the fabric spack.yaml builds for",
+            where="build",
+            choices=("cpu", "efa", "cx7"),
         ),
         Switch("MOE_A2A_HOME", "str", None, "the checkout the job scripts run from", where="jobs"),
         Switch("MOE_A2A_PYTHON", "str", None, "the Python the job scripts start", where="jobs"),
