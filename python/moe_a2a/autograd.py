@@ -419,7 +419,11 @@ class ExpertParallel:
             match = rows[:, K:] == expert[:, None]
             k = torch.argmax(match.to(torch.int8), dim=1)
             w = torch.gather(rows[:, :K], 1, k[:, None]).squeeze(1)
-            real = match.any(dim=1)  # padding rows match nothing
+            # Padding rows hold leftover bytes, which can be an earlier call's ids and
+            # weights: only the plan says which rows are real.
+            real = match.any(dim=1)
+            if h.real_rows is not None:
+                real &= h.real_rows
             h.row_k = torch.where(real, k, torch.zeros_like(k))
             h.row_weights = torch.where(real, w, torch.zeros_like(w))
         elif cached is not None:

@@ -297,3 +297,28 @@ def test_split_halves_match_whole_calls(ep: ExpertParallel, case: str, seed: int
         ("out", "x.grad", "topk_weights.grad", "weights' grad"), whole, halves, strict=True
     ):
         assert torch.equal(a, b), f"{name} differs between whole and split calls"
+
+
+@pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "unweighted"])
+def test_leftover_bytes_in_padding_rows_never_count(
+    ep: ExpertParallel, case: str, seed: int, weighted: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Padding rows of the side channel can hold an earlier call's ids (seen as NaN weight gradients)."""
+    pad = CASES[case][2]
+    if pad == 1:
+        pytest.skip("needs expert_padding > 1")
+    side = ep._side
+    receive = side.dispatch_recv
+
+    def poisoned():  # every padding row names its segment's expert, with a NaN weight
+        d = receive()
+        start = 0
+        for i, n in enumerate(d.tokens_per_expert.tolist()):
+            padded = (n + pad - 1) // pad * pad
+            d.expert_x[start + n : start + padded, :TOPK] = float("nan")
+            d.expert_x[start + n : start + padded, TOPK:] = float(RANK * (EXPERTS // WORLD) + i)
+            start += padded
+        return d
+
+    monkeypatch.setattr(side, "dispatch_recv", poisoned)
+    run_both(ep, case, seed + 8, weighted)
