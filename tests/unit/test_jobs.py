@@ -80,7 +80,8 @@ def fake_mpirun(tmp_path: Path) -> Path:
         "#!/usr/bin/env bash\n"
         'if [[ "${1:-}" == --version ]]; then echo "mpirun (Open MPI) 4.1.4"; exit 0; fi\n'
         'printf "%s\\n" "$0" "$@" > "$(dirname "$0")/argv"\n'
-        'env | grep -E "^(FI_|MOE_A2A_PROVIDER|MOE_A2A_NUM_NICS|MOE_A2A_NICS|NCCL_|RDMAV_)" | sort > "$(dirname "$0")/env"\n'
+        'env | grep -E "^(FI_|MOE_A2A_PROVIDER|MOE_A2A_NUM_NICS|MOE_A2A_NICS|NCCL_|RDMAV_)" '
+        '| sort > "$(dirname "$0")/env"\n'
     )
     script.chmod(0o755)
     return script
