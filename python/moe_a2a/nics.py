@@ -184,9 +184,7 @@ def select(
             raise NicError(f"num_nics: got {num_nics}; the named NICs are only {names}")
         return Selection(names[:num_nics], "named")
     if num_nics > len(domains):
-        raise NicError(
-            f"num_nics: got {num_nics}; {of} offers {len(domains)} device(s): {offered}"
-        )
+        raise NicError(f"num_nics: got {num_nics}; {of} offers {len(domains)} device(s): {offered}")
     devices = describe(domains, root)
     if gpu is not None:
         there = gpu_path(gpu, root)
