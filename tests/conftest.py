@@ -338,14 +338,22 @@ def make_engine(bootstrap: Any, provider: str) -> Iterator[Callable[..., Any]]:
     At the end of the module every rank meets in a barrier before the engines
     go, so no peer is still writing into a region being deregistered.
     """
-    from moe_a2a.fabric import Engine
+    from moe_a2a import _core
+    from moe_a2a.fabric import Engine, prepare_environment
 
     engines: dict[tuple[int, int], Any] = {}
+    prepare_environment(bootstrap, provider)
+    domains = _core.libfabric_domains(provider)
 
     def make(num_nics: int = 1, split_threshold: int = 1 << 20) -> Any:
         key = (num_nics, split_threshold)
+        # This machine offers one device per provider (lo, shm): the multi-NIC
+        # tests open several endpoints on it, by naming it once per NIC.
+        nics = None if num_nics <= len(domains) else [domains[0]] * num_nics
         if key not in engines:
-            engines[key] = Engine(bootstrap, provider, num_nics=num_nics, split_threshold=split_threshold)
+            engines[key] = Engine(
+                bootstrap, provider, num_nics=num_nics, split_threshold=split_threshold, nics=nics
+            )
         return engines[key]
 
     yield make

@@ -24,6 +24,10 @@ python -c "import torchtitan.models.common.token_dispatcher, triton; print('torc
 step "unit tests"
 python -m pytest -q -rs -p no:cacheprovider tests/unit --junitxml="$LOGS/unit.xml" || status=1
 
+# Emulated hosts in network namespaces (tools/testbed.py); they skip, saying why, where namespaces are not allowed.
+step "testbed tests (ranks on emulated hosts, two NICs each)"
+python -m pytest -q -rs -p no:cacheprovider tests/testbed --junitxml="$LOGS/testbed.xml" || status=1
+
 step "CUDA tests (they run where a GPU is; here they print why they are skipped)"
 python -m pytest -q -rs -p no:cacheprovider tests/cuda --junitxml="$LOGS/cuda.xml" || status=1
 

@@ -23,3 +23,8 @@ preset_default FI_VERBS_IFACE "${MOE_A2A_IB_IFACE:-}"
 # NCCL_IB_HCA: the same devices for NCCL, should torch.distributed run NCCL in the
 # same job (a torch process group for bootstrap or a baseline all_to_all).
 preset_default NCCL_IB_HCA "${MOE_A2A_IB_DEVICE:-mlx5}"
+
+# MOE_A2A_NUM_NICS=1: one ConnectX-7 per GPU, the one on its PCIe switch
+# (moe_a2a.nics); MOE_A2A_NICS names them instead ("mlx5_0;mlx5_1;...").
+preset_default MOE_A2A_NUM_NICS 1
+preset_default MOE_A2A_NICS ""

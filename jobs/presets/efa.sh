@@ -22,3 +22,9 @@ preset_default FI_EFA_USE_DEVICE_RDMA 1
 # bounce buffers (FI_EFA_USE_HUGE_PAGE), which this engine does not rely on.
 preset_default FI_EFA_FORK_SAFE 1
 preset_default RDMAV_FORK_SAFE 1
+
+# MOE_A2A_NUM_NICS=2: p5en has two EFA per GPU; each rank opens the two on its
+# GPU's PCIe switch (moe_a2a.nics). MOE_A2A_NICS names them instead, e.g.
+# "rdmap79s0-rdm,rdmap80s0-rdm;..." (one group per local rank).
+preset_default MOE_A2A_NUM_NICS 2
+preset_default MOE_A2A_NICS ""

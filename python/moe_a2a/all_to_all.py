@@ -11,6 +11,7 @@ import itertools
 import math
 import os
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ from moe_a2a.agreement import all_to_all_settings, check_agreement
 from moe_a2a.backends.common import CORE_DTYPE, Setup, num_scales
 from moe_a2a.bootstrap import Bootstrap
 from moe_a2a.fabric import Engine
+from moe_a2a.nics import current_gpu_address, num_nics_default
 
 DISPATCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
 COMBINE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -163,8 +165,9 @@ class AllToAll:
         device: str = "cpu",
         provider: str = "auto",
         ranks_per_node: int | None = None,
-        num_nics: int = 1,
+        num_nics: int | None = None,
         graph_safe: bool = False,
+        nics: Sequence[str] | str | None = None,
     ) -> None:
         if not isinstance(cfg, Config):
             raise TypeError(f"cfg: got {type(cfg).__name__}; expected moe_a2a.Config")
@@ -182,6 +185,7 @@ class AllToAll:
             if cfg.topk > CUDA_MAX_TOPK:
                 raise ValueError(f"topk: got {cfg.topk}; device='cuda' takes at most {CUDA_MAX_TOPK}")
         switches.check_all()  # a mistyped switch is an error, not a silent default
+        num_nics = num_nics_default(num_nics)  # MOE_A2A_NUM_NICS (job presets) where not given
         self.cfg = cfg
         self.id = next(_instance_ids)
         self._boot = Bootstrap(comm, ranks_per_node)
@@ -196,7 +200,13 @@ class AllToAll:
         self._node = set(topo.node_ranks)
         self._core_cfg = self._core_config(topo.local_size)
 
-        engine = Engine(self._boot, None if provider == "auto" else provider, num_nics=num_nics)
+        engine = Engine(
+            self._boot,
+            None if provider == "auto" else provider,
+            num_nics=num_nics,
+            nics=nics,
+            gpu=current_gpu_address() if device == "cuda" else None,
+        )
         workspace = self._open_workspace()
         region = engine.core.register_region(workspace.ptr, workspace.size)
         remotes = engine.exchange_region(region)

@@ -71,6 +71,7 @@ def _info(args: argparse.Namespace) -> int:
     print("libfabric providers:", ", ".join(_core.libfabric_providers()) or "none")
     print("CUDA kernels built:", "yes" if getattr(_core, "HAVE_CUDA", False) else "no")
     print("GPU usable (device='cuda'):", _gpu_line())
+    _info_nics(args)
     _print_switches()
     return 0
 
@@ -84,6 +85,35 @@ def _print_switches() -> None:
     print("environment switches (docs/running.md):")
     for name, where, now, doc in rows:
         print(f"  {name:<{width}}  {where:<7}  {now}  - {doc}")
+
+
+def _info_nics(args: argparse.Namespace) -> None:
+    """Each provider's devices (libfabric domains) and the ones a rank would open."""
+    import os
+
+    from moe_a2a import _core, nics
+
+    num = nics.num_nics_default(args.num_nics)
+    explicit = nics.explicit_from_env(args.local_rank)
+    gpus = nics.gpus(args.sysfs)
+    print(f"NICs (libfabric domains), and the {num} a rank opens (--num-nics, MOE_A2A_NUM_NICS):")
+    from moe_a2a.fabric import PROVIDERS
+
+    for name in [args.provider] if args.provider else PROVIDERS:
+        domains = _core.libfabric_domains(name)
+        if not domains:
+            continue
+        print(f"  {name}: {', '.join(domains)}")
+        ranks: list[tuple[str, int | None]] = [("CPU rank", None)]
+        ranks += [(f"GPU {g} ({a})", g) for g, a in enumerate(gpus)]
+        for label, gpu in ranks:
+            try:
+                sel = nics.select(domains, num, explicit=explicit, gpu=gpu, root=args.sysfs, provider=name)
+                print(f"    {label}: {', '.join(sel.names)} ({sel.how})")
+            except nics.NicError as e:
+                print(f"    {label}: {e}")
+    if os.environ.get(nics.ENV):
+        print(f"  (named by {nics.ENV}={os.environ[nics.ENV]!r}, local rank {args.local_rank})")
 
 
 def _check_provider(args: argparse.Namespace) -> None:
@@ -132,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     trace_tools.add_parser(sub)
 
     info = sub.add_parser("info", help="what this build and machine offer")
+    info.add_argument("--provider", help="only this provider (default: every provider offered)")
+    info.add_argument(
+        "--num-nics", type=int, default=None, help="NICs per rank (default MOE_A2A_NUM_NICS, else 1)"
+    )
+    info.add_argument("--local-rank", type=int, default=0, help="which group of MOE_A2A_NICS to show")
+    info.add_argument("--sysfs", default="/sys", help="sysfs root to read the topology from")
     info.set_defaults(func=_info)
     return parser
 

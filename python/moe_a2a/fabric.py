@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from moe_a2a import _core, switches
+from moe_a2a import nics as _nics
 from moe_a2a.bootstrap import Bootstrap
 
 PROVIDERS = ("tcp", "shm", "efa", "verbs")
@@ -38,18 +39,35 @@ class Engine:
         self,
         bootstrap: Bootstrap,
         provider: str | None = None,
-        num_nics: int = 1,
+        num_nics: int | None = None,
         split_threshold: int = 1 << 20,
+        nics: Sequence[str] | str | None = None,
+        gpu: int | str | None = None,
     ) -> None:
+        """`nics`: domain names for this rank (a list, or a `MOE_A2A_NICS` string); default
+        `MOE_A2A_NICS`, else the `num_nics` nearest devices (to `gpu`, an index or PCI
+        address, where given; else to this process's NUMA node). See `moe_a2a.nics`."""
         provider = provider or default_provider()
         if not isinstance(provider, str) or not provider:
             raise ValueError(f"provider: got {provider!r}; expected one of {PROVIDERS} or a libfabric name")
+        num_nics = _nics.num_nics_default(num_nics)
         if not isinstance(num_nics, int) or num_nics < 1:
             raise ValueError(f"num_nics: got {num_nics!r}; expected a positive integer")
         prepare_environment(bootstrap, provider)
         self.bootstrap = bootstrap
+        local_rank = bootstrap.topology.local_rank
+        explicit = _nics.parse_spec(nics, local_rank) if isinstance(nics, str) else nics
+        if explicit is None:
+            explicit = _nics.explicit_from_env(local_rank)
+        domains = _core.libfabric_domains(provider)
+        # No domains: the provider is absent, which the engine reports with the providers there are.
+        self.nics = (
+            _nics.select(domains, num_nics, explicit=explicit, gpu=gpu, provider=provider)
+            if domains
+            else _nics.Selection([], "none")
+        )
         self.core = _core.TransferEngine(
-            bootstrap.rank, bootstrap.world_size, provider, num_nics, split_threshold
+            bootstrap.rank, bootstrap.world_size, provider, num_nics, split_threshold, self.nics.names
         )
         self.core.connect(bootstrap.allgather(self.core.address()))
 

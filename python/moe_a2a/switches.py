@@ -22,7 +22,7 @@ _OFF = ("0", "false", "no", "off")
 @dataclass(frozen=True)
 class Switch:
     name: str
-    kind: str  # "bool" (on/off words below), "str", or "choice"
+    kind: str  # "bool" (on/off words below), "int" (a positive integer), "str", or "choice"
     default: Any
     doc: str
     where: str = "library"  # who reads it: library, core, jobs, tests or build
@@ -37,6 +37,10 @@ class Switch:
             if word in _OFF:
                 return False
             expected = "one of " + ", ".join(_ON + _OFF)
+        elif self.kind == "int":
+            if raw.strip().isdigit() and int(raw) >= 1:
+                return int(raw)
+            expected = "a positive integer"
         elif self.kind == "choice":
             if raw in self.choices:
                 return raw
@@ -56,6 +60,13 @@ REGISTRY: dict[str, Switch] = {
             "libfabric provider when none is passed (default: efa where offered, else tcp)",
             choices=("tcp", "shm", "efa", "verbs"),
         ),
+        Switch(
+            "MOE_A2A_NICS",
+            "str",
+            None,
+            "NICs (libfabric domains) by name: 'a,b' for every rank, 'a,b;c,d' one group per local rank",
+        ),
+        Switch("MOE_A2A_NUM_NICS", "int", 1, "NICs per rank where num_nics is not given (presets set it)"),
         Switch(
             "MOE_A2A_CUDA_PDL",
             "bool",

@@ -29,6 +29,8 @@ void bind_fabric(nb::module_& m) {
   using release = nb::call_guard<nb::gil_scoped_release>;
 
   m.def("libfabric_providers", &libfabric_providers, "Provider names libfabric offers on this machine.");
+  m.def("libfabric_domains", &libfabric_domains, nb::arg("provider"),
+        "Domain (device) names a provider offers for the engine's endpoints, in libfabric's order.");
   m.def("make_imm", &make_imm, nb::arg("tag"), nb::arg("peer"));
   m.def(
       "split_write",
@@ -75,11 +77,11 @@ void bind_fabric(nb::module_& m) {
       .def(
           "__init__",
           [](TransferEngine* e, int rank, int world, const std::string& provider, int num_nics,
-             uint64_t split_threshold) {
-            new (e) TransferEngine(rank, world, EngineOptions{provider, num_nics, split_threshold});
+             uint64_t split_threshold, const std::vector<std::string>& domains) {
+            new (e) TransferEngine(rank, world, EngineOptions{provider, num_nics, split_threshold, domains});
           },
           nb::arg("rank"), nb::arg("world"), nb::arg("provider") = "tcp", nb::arg("num_nics") = 1,
-          nb::arg("split_threshold") = 1ull << 20)
+          nb::arg("split_threshold") = 1ull << 20, nb::arg("domains") = std::vector<std::string>{})
       .def_prop_ro("rank", &TransferEngine::rank)
       .def_prop_ro("world", &TransferEngine::world)
       .def_prop_ro("num_nics", &TransferEngine::num_nics)

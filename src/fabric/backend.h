@@ -75,6 +75,9 @@ class Backend {
 struct BackendOptions {
   std::string provider;  // "tcp", "shm", "efa", "verbs", or a libfabric name
   int index = 0;         // which NIC of this rank (for error messages)
+  // The libfabric domain (device) to open, e.g. "eth0" for tcp or
+  // "rdmap79s0-rdm" for efa; empty: the first one the provider lists.
+  std::string domain;
 };
 
 std::unique_ptr<Backend> open_libfabric(const BackendOptions& opts);
@@ -82,5 +85,9 @@ std::unique_ptr<Backend> open_libfabric(const BackendOptions& opts);
 // Provider names that fi_getinfo offers on this machine (for error messages
 // and `moe-a2a info`).
 std::vector<std::string> libfabric_providers();
+
+// Domain names (devices) that `provider` offers for this backend's endpoints,
+// in the order fi_getinfo lists them, each once.
+std::vector<std::string> libfabric_domains(const std::string& provider);
 
 }  // namespace moe_a2a::fabric

@@ -27,7 +27,11 @@ TransferEngine::TransferEngine(int rank, int world, const EngineOptions& opts) :
     throw FabricError("rank " + std::to_string(rank) + " is outside [0, " + std::to_string(world) + ")");
   if (opts.num_nics < 1 || opts.num_nics > kMaxNics)
     throw FabricError("num_nics is " + std::to_string(opts.num_nics) + "; expected 1 to " + std::to_string(kMaxNics));
-  for (int i = 0; i < opts.num_nics; ++i) backends_.push_back(open_libfabric({opts.provider, i}));
+  if (!opts.domains.empty() && static_cast<int>(opts.domains.size()) != opts.num_nics)
+    throw FabricError("domains: got " + std::to_string(opts.domains.size()) + " names; expected one per NIC (" +
+                      std::to_string(opts.num_nics) + ") or none");
+  for (int i = 0; i < opts.num_nics; ++i)
+    backends_.push_back(open_libfabric({opts.provider, i, opts.domains.empty() ? "" : opts.domains[i]}));
   worker_ = std::make_unique<Worker>(&backends_, &imms_);
 }
 

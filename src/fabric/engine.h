@@ -22,6 +22,9 @@ struct EngineOptions {
   int num_nics = 1;
   // Writes of at least this many bytes are split across all NICs.
   uint64_t split_threshold = 1ull << 20;
+  // One libfabric domain name per NIC (size num_nics), or empty: every NIC
+  // opens the provider's first domain.
+  std::vector<std::string> domains;
 };
 
 // One destination of a scatter: `peer` indexes the group.

@@ -8,6 +8,7 @@
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
 
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <random>
@@ -64,7 +65,8 @@ void close_fid(T*& obj) {
 
 class LibfabricBackend final : public Backend {
  public:
-  explicit LibfabricBackend(const BackendOptions& opts) : provider_(opts.provider), index_(opts.index) {
+  explicit LibfabricBackend(const BackendOptions& opts)
+      : provider_(opts.provider), index_(opts.index), domain_name_(opts.domain) {
     info_ = find_info();
     mr_mode_ = info_->domain_attr->mr_mode;
     mr_key_size_ = info_->domain_attr->mr_key_size;
@@ -273,10 +275,22 @@ class LibfabricBackend final : public Backend {
                         fi_message(rc) + "); providers offered here: " + offered);
     }
     InfoPtr all(found);
-    // Prefer IPv4 for tcp so that every rank picks the same fabric.
-    fi_info* pick = found;
+    // Only the named domain's entries, so that each NIC of a rank opens its
+    // own device; matched here rather than in the hints so that a name that
+    // does not exist can be reported with the names that do.
+    fi_info* first = nullptr;
+    std::string offered;
     for (fi_info* i = found; i != nullptr; i = i->next) {
-      if (i->addr_format == FI_SOCKADDR_IN) {
+      std::string name = i->domain_attr->name != nullptr ? i->domain_attr->name : "";
+      if (first == nullptr && (domain_name_.empty() || name == domain_name_)) first = i;
+      if (offered.find("'" + name + "'") == std::string::npos) offered += (offered.empty() ? "'" : ", '") + name + "'";
+    }
+    if (first == nullptr)
+      throw FabricError(where() + ": no domain named '" + domain_name_ + "'; domains offered: " + offered);
+    // Prefer IPv4 for tcp so that every rank picks the same fabric.
+    fi_info* pick = first;
+    for (fi_info* i = first; i != nullptr; i = i->next) {
+      if (i->addr_format == FI_SOCKADDR_IN && (domain_name_.empty() || domain_name_ == i->domain_attr->name)) {
         pick = i;
         break;
       }
@@ -289,6 +303,7 @@ class LibfabricBackend final : public Backend {
 
   std::string provider_;
   int index_;
+  std::string domain_name_;  // empty: the provider's first
   InfoPtr info_;
   uint64_t mr_mode_ = 0;
   size_t mr_key_size_ = 0;  // bytes of a key the provider accepts (0: unstated)
@@ -316,6 +331,24 @@ std::vector<std::string> libfabric_providers() {
     fi_freeinfo(found);
   }
   return {names.begin(), names.end()};
+}
+
+std::vector<std::string> libfabric_domains(const std::string& provider) {
+  InfoPtr hints(fi_allocinfo());
+  hints->ep_attr->type = FI_EP_RDM;
+  hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE;
+  hints->mode = FI_CONTEXT | FI_CONTEXT2;
+  hints->fabric_attr->prov_name = strdup(libfabric_name(provider).c_str());
+  fi_info* found = nullptr;
+  std::vector<std::string> names;
+  if (fi_getinfo(kFabricVersion, nullptr, nullptr, 0, hints.get(), &found) == 0) {
+    for (fi_info* i = found; i != nullptr; i = i->next) {
+      std::string name = i->domain_attr->name != nullptr ? i->domain_attr->name : "";
+      if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(name);
+    }
+    fi_freeinfo(found);
+  }
+  return names;
 }
 
 }  // namespace moe_a2a::fabric

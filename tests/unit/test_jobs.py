@@ -80,7 +80,8 @@ def fake_mpirun(tmp_path: Path) -> Path:
         "#!/usr/bin/env bash\n"
         'if [[ "${1:-}" == --version ]]; then echo "mpirun (Open MPI) 4.1.4"; exit 0; fi\n'
         'printf "%s\\n" "$0" "$@" > "$(dirname "$0")/argv"\n'
-        'env | grep -E "^(FI_|MOE_A2A_PROVIDER|NCCL_|RDMAV_)" | sort > "$(dirname "$0")/env"\n'
+        'env | grep -E "^(FI_|MOE_A2A_PROVIDER|MOE_A2A_NUM_NICS|MOE_A2A_NICS|NCCL_|RDMAV_)" '
+        '| sort > "$(dirname "$0")/env"\n'
     )
     script.chmod(0o755)
     return script
@@ -196,11 +197,12 @@ def test_real_run_executes_exactly_the_dry_run_command(fake_mpirun: Path, tmp_pa
         (
             "efa",
             ["FI_PROVIDER=efa", "MOE_A2A_PROVIDER=efa"]
-            + ["FI_EFA_USE_DEVICE_RDMA=1", "FI_EFA_FORK_SAFE=1", "RDMAV_FORK_SAFE=1"],
+            + ["FI_EFA_USE_DEVICE_RDMA=1", "FI_EFA_FORK_SAFE=1", "RDMAV_FORK_SAFE=1", "MOE_A2A_NUM_NICS=2"],
         ),
         (
             "cx7",
-            ["FI_PROVIDER=verbs", "MOE_A2A_PROVIDER=verbs", "FI_VERBS_DEVICE_NAME=mlx5", "NCCL_IB_HCA=mlx5"],
+            ["FI_PROVIDER=verbs", "MOE_A2A_PROVIDER=verbs", "FI_VERBS_DEVICE_NAME=mlx5", "NCCL_IB_HCA=mlx5"]
+            + ["MOE_A2A_NUM_NICS=1"],
         ),
     ],
 )
@@ -289,7 +291,7 @@ def test_slurm_dry_run_prints_the_srun_command(mode: str, tmp_path: Path) -> Non
     argv = _dry(SBATCH[mode], "--preset", "efa", SLURM_SUBMIT_DIR=str(tmp_path), **P5EN)
     assert argv == [
         "env", "FI_PROVIDER=efa", "MOE_A2A_PROVIDER=efa", "FI_EFA_USE_DEVICE_RDMA=1",
-        "FI_EFA_FORK_SAFE=1", "RDMAV_FORK_SAFE=1",
+        "FI_EFA_FORK_SAFE=1", "RDMAV_FORK_SAFE=1", "MOE_A2A_NUM_NICS=2",
         "srun", "--export=ALL", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks=16", "--ntasks-per-node=8",
         "--cpus-per-task=24", "--cpu-bind=cores", "--distribution=block:block",
         "--gpus-per-node=8", "--gpu-bind=none",

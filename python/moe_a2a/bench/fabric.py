@@ -101,6 +101,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--num-nics", type=int_at_least(1), default=1, help="NICs per rank (default 1)")
     parser.add_argument(
+        "--nics",
+        default=None,
+        help="domain names per rank, as MOE_A2A_NICS ('a,b' or 'a,b;c,d' per local rank); default: nearest",
+    )
+    parser.add_argument(
         "--split-threshold",
         type=parse_size,
         default=MIB,
@@ -246,7 +251,9 @@ def run(args: argparse.Namespace, bootstrap: Any) -> list[Row]:
         raise BenchArgumentError(
             f"--provider: got {provider!r}; expected one that libfabric offers here: {', '.join(offered)}"
         )
-    engine = Engine(bootstrap, provider, num_nics=args.num_nics, split_threshold=args.split_threshold)
+    engine = Engine(
+        bootstrap, provider, num_nics=args.num_nics, split_threshold=args.split_threshold, nics=args.nics
+    )
     core = engine.core
     largest = max(args.sizes)
     # Slot p of `src` goes to peer p; slot s of `recv` comes from peer s. MPI gets its own buffers.

@@ -1,0 +1,137 @@
+"""Ranks on emulated hosts (tools/testbed.py): NIC choice, rate over two NICs, a2a against the reference.
+
+Needs root and network namespaces; skips with the reason elsewhere. Run:
+    python -m pytest -q -rs tests/testbed
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+import testbed  # noqa: E402
+
+RANK = str(Path(__file__).with_name("rank.py"))
+RATE_MBIT = 30
+RATE_BYTES = 4 << 20  # per peer: with two peers, about 2.2 s through one 30 mbit NIC
+RUN_S = 240
+
+_why = testbed.unavailable()
+pytestmark = pytest.mark.skipif(_why is not None, reason=f"testbed: {_why}")
+
+
+def run_ranks(bed: testbed.Testbed, tmp: Path, scenario: str, names: str, **args: object) -> list[dict]:
+    """One rank per host; returns each rank's JSON report (rank order); fails with the ranks' output."""
+    world = bed.hosts
+    procs, logs = [], []
+    for h in range(world):
+        log = open(tmp / f"{scenario}-{h}.log", "w")  # noqa: SIM115 (closed below, after the ranks end)
+        logs.append(log)
+        argv = [sys.executable, RANK, scenario, str(tmp / f"{scenario}-{h}.json")]
+        argv += [f"{k}={v}" for k, v in args.items()]
+        env = bed.rank_env(h, world, {"MOE_A2A_NICS": names})
+        procs.append(bed.popen(h, argv, env, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        codes = [p.wait(timeout=RUN_S) for p in procs]
+    except subprocess.TimeoutExpired:
+        codes = [None] * world
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    if codes != [0] * world:
+        text = "\n".join(
+            f"--- rank {h}\n" + (tmp / f"{scenario}-{h}.log").read_text()[-3000:] for h in range(world)
+        )
+        pytest.fail(f"{scenario}: exit codes {codes} (None: timed out after {RUN_S} s)\n{text}")
+    return [json.loads((tmp / f"{scenario}-{h}.json").read_text()) for h in range(world)]
+
+
+@pytest.fixture(scope="module")
+def bed3() -> Iterator[testbed.Testbed]:
+    """Three hosts, no rate limit."""
+    with testbed.Testbed(3) as bed:
+        yield bed
+
+
+@pytest.fixture(scope="module")
+def bed3_limited() -> Iterator[testbed.Testbed]:
+    """Three hosts whose NICs each send at RATE_MBIT."""
+    with testbed.Testbed(3, rate=f"{RATE_MBIT}mbit") as bed:
+        yield bed
+
+
+def _tx(bed: testbed.Testbed, host: int) -> dict[str, int]:
+    return {name: c["tx"] for name, c in bed.counters(host).items()}
+
+
+@pytest.mark.parametrize(
+    ("nics", "used", "unused"), [("va2", ["va2"], ["va1"]), ("va1,va2", ["va1", "va2"], [])]
+)
+def test_traffic_leaves_through_the_named_nics(
+    bed3: testbed.Testbed, tmp_path: Path, nics: str, used: list[str], unused: list[str]
+) -> None:
+    size = 2 << 20
+    before = _tx(bed3, 0)
+    reports = run_ranks(bed3, tmp_path, "send", nics, bytes=size, nics=len(used), split=1 << 30)
+    after = _tx(bed3, 0)
+    sent = {n: after[n] - before[n] for n in ("va1", "va2", "vm")}
+    assert reports[0]["nics"] == used
+    # peers are sharded over the NICs: with two, each carries one peer's write
+    per_nic = size * 2 // len(used)
+    for n in used:
+        assert sent[n] >= per_nic, f"{n} sent {sent[n]} bytes; expected at least {per_nic}: {sent}"
+    for n in unused:
+        assert sent[n] < 64 << 10, f"{n} sent {sent[n]} bytes though only {used} were named: {sent}"
+
+
+def test_write_split_across_nics_lands_whole(bed3: testbed.Testbed, tmp_path: Path) -> None:
+    before = _tx(bed3, 0)
+    # every write above 64 KiB is split over both NICs; the receivers check every byte
+    run_ranks(bed3, tmp_path, "send", "va1,va2", bytes=3 << 20, nics=2, split=64 << 10)
+    after = _tx(bed3, 0)
+    for n in ("va1", "va2"):
+        assert after[n] - before[n] >= (3 << 20) * 2 // 2 * 0.9, f"{n}: {after[n] - before[n]} bytes"
+
+
+def test_two_rate_limited_nics_move_twice_one(bed3_limited: testbed.Testbed, tmp_path: Path) -> None:
+    one = run_ranks(bed3_limited, tmp_path, "send", "va1", bytes=RATE_BYTES, nics=1, split=1 << 30)[0]
+    two = run_ranks(bed3_limited, tmp_path, "send", "va1,va2", bytes=RATE_BYTES, nics=2, split=1 << 30)[0]
+    rate = {k: r["bytes"] * 8 / r["seconds"] / 1e6 for k, r in (("one", one), ("two", two))}
+    print(f"\ntestbed: tbf {RATE_MBIT} mbit per NIC, {one['bytes']} bytes from host 0 to 2 peers: "
+          f"one NIC {rate['one']:.1f} mbit/s ({one['seconds']:.2f} s), "
+          f"two NICs {rate['two']:.1f} mbit/s ({two['seconds']:.2f} s), "
+          f"ratio {rate['two'] / rate['one']:.2f}")  # fmt: skip
+    assert 0.7 * RATE_MBIT < rate["one"] <= 1.05 * RATE_MBIT, rate
+    assert 1.6 < rate["two"] / rate["one"] < 2.3, rate
+
+
+def test_dispatch_combine_across_hosts_equals_reference(bed3: testbed.Testbed, tmp_path: Path) -> None:
+    reports = run_ranks(bed3, tmp_path, "a2a", "va1,va2", nics=2, rounds=2)
+    assert [r["rounds"] for r in reports] == [2, 2, 2]
+
+
+def test_cleanup_removes_stale_namespaces() -> None:
+    prefix = f"{testbed.PREFIX}stale{os.getpid()}-"
+    subprocess.run(["ip", "netns", "add", f"{prefix}x"], check=True)
+    assert testbed.cleanup_stale(prefix) == [f"{prefix}x"]
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert prefix not in listed
+
+
+def test_failure_inside_still_tears_down() -> None:
+    prefix = f"{testbed.PREFIX}fail{os.getpid()}-"
+    with pytest.raises(RuntimeError, match="boom"), testbed.Testbed(1, prefix=prefix):
+        raise RuntimeError("boom")
+    assert prefix not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
