@@ -222,6 +222,7 @@ void TransferEngine::wait_imm(uint32_t tag, int peer, uint64_t count, double tim
   check_peer(peer, "wait_imm");
   uint32_t imm = make_imm(tag, peer);
   uint64_t seen = 0;
+  if (imms_.peek(imm) < count) worker_->nudge();
   if (imms_.wait(imm, count, to_ns(timeout_s), [this] { check(); }, &seen)) return;
   throw TimeoutError(where() + ": timed out after " + std::to_string(timeout_s) + " s waiting for " +
                      std::to_string(count) + " arrival(s) of " + describe_imm(imm) + "; " + std::to_string(seen) +
