@@ -1,4 +1,4 @@
-"""Issue 17 across ranks: idle CPU.
+"""Issue 17 across ranks: idle CPU, one engine per process.
 
 Run like the other multi-rank tests (tests/conftest.py), with MOE_A2A_TEST_PROVIDER
 tcp or shm; every rank runs the same tests in the same order.
@@ -10,8 +10,12 @@ import os
 import time
 
 import pytest
+import torch
 from ranks import COMM, DEVICE, RANK, device_pytestmark, layouts
-from test_a2a import check_round, make_a2a, make_inputs
+from test_a2a import check_round, make_a2a, make_inputs, mine
+
+from moe_a2a import fabric
+from moe_a2a.reference import dispatch_reference
 
 pytestmark = device_pytestmark
 IDLE_LIMIT = 0.05  # CPU-s per s of an idle rank (the issue's bound)
@@ -23,6 +27,10 @@ def cpu_seconds() -> float:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+
+def shm_endpoint_files() -> list[str]:
+    """libfabric shm endpoint files of this process (`<pid>:<n>:<m>`)."""
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"{os.getpid()}:")]
 
 
 @pytest.mark.mpi(min_size=1)
@@ -48,3 +56,68 @@ def test_idle_rank_uses_little_cpu(rpn: int | None, seed: int) -> None:
     finally:
         COMM.Barrier()
         a2a.close()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_one_node_opens_no_endpoint(seed: int) -> None:
+    """Every peer on this node: no engine, so no shm endpoint file that a killed rank could leak."""
+    a2a = make_a2a(None)
+    try:
+        assert a2a._setup is not None and a2a._setup.engine is None
+        assert shm_endpoint_files() == []
+        check_round(a2a, make_inputs(seed, a2a.cfg))
+    finally:
+        a2a.close()
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(240)
+def test_instances_share_one_engine(seed: int) -> None:
+    """Instances over the fabric lease one engine; their traffic stays apart, even overlapped."""
+    assert not fabric._shared, "an engine outlived its last instance"
+    first = make_a2a(1)
+    fds, threads = _fds(), _threads()
+    more = [make_a2a(1) for _ in range(3)]
+    every = [first, *more]
+    try:
+        engines = {id(a._setup.engine) for a in every}
+        assert len(engines) == 1, "each instance opened its own engine"
+        assert len({a._lease.slot for a in every}) == len(every)
+        # An engine was 10 fds and 2 threads on tcp; a shared one adds a proxy thread
+        # per instance and, on shm, the fds of its workspace mappings at most.
+        assert _fds() - fds <= 2 * len(more), f"fds grew from {fds} to {_fds()}"
+        assert _threads() - threads <= len(more), f"threads grew from {threads} to {_threads()}"
+        # Overlapped halves: a dispatch of each instance in flight at once, then the
+        # other order, so each instance's arrivals must be counted apart.
+        inputs = [make_inputs(seed + i, a.cfg) for i, a in enumerate(every)]
+        pending = [a.dispatch(*mine(inp), recv=False) for a, inp in zip(every, inputs, strict=True)]
+        for a, inp, p in reversed(list(zip(every, inputs, pending, strict=True))):
+            d = a.dispatch(handle=p, send=False)
+            ours = dispatch_reference(inp.xs, inp.ids, a.cfg.num_experts, a.cfg.dispatch_dtype, 1)[RANK]
+            assert torch.equal(d.tokens_per_expert.cpu(), ours.tokens_per_expert)
+            assert torch.equal(d.expert_x.cpu().view(torch.uint8), ours.expert_x.view(torch.uint8))
+            a.combine(d.expert_x.to(torch.bfloat16), d)
+        for i, a in enumerate(every):
+            check_round(a, make_inputs(seed + 10 + i, a.cfg), split=True)
+        # Closing one leaves the others working; its slot is reused by the next.
+        COMM.Barrier()
+        closed_slot = more[0]._lease.slot
+        more[0].close()
+        again = make_a2a(1)
+        every[1] = again
+        assert again._lease.slot == closed_slot and id(again._setup.engine) in engines
+        for i, a in enumerate(every):
+            check_round(a, make_inputs(seed + 20 + i, a.cfg))
+    finally:
+        COMM.Barrier()
+        for a in every:
+            a.close()
+    assert not fabric._shared, "the engine did not close with its last instance"

@@ -53,8 +53,9 @@ class CudaBackend:
         self.graph_safe = graph_safe
         self.device = torch.device("cuda", torch.cuda.current_device())
         self._setup = setup
+        engine = setup.engine.core if setup.engine is not None else None  # None: no remote peer
         self._impl = _core.CudaAllToAll(
-            setup.workspace, setup.engine.core, setup.region, setup.group, setup.remote_peers
+            setup.workspace, engine, setup.region, setup.group, setup.remote_peers
         )
         handles = setup.bootstrap.allgather(self._impl.ipc_handle())
         self._impl.open_node([h if r in setup.node else b"" for r, h in enumerate(handles)])
