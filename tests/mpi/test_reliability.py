@@ -1,4 +1,4 @@
-"""Issue 17 across ranks: idle CPU, one engine per process.
+"""Issue 17, items 6, 7 and 9 across ranks: idle CPU, one engine per process, zero padding rows.
 
 Run like the other multi-rank tests (tests/conftest.py), with MOE_A2A_TEST_PROVIDER
 tcp or shm; every rank runs the same tests in the same order.
@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 from ranks import COMM, DEVICE, RANK, device_pytestmark, layouts
-from test_a2a import check_round, make_a2a, make_inputs, mine
+from test_a2a import check_round, expert_fn, make_a2a, make_inputs, mine
 
 from moe_a2a import fabric
 from moe_a2a.reference import dispatch_reference
@@ -121,3 +121,34 @@ def test_instances_share_one_engine(seed: int) -> None:
         for a in every:
             a.close()
     assert not fabric._shared, "the engine did not close with its last instance"
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("rpn", layouts())
+@pytest.mark.parametrize("dispatch_dtype", ["bf16", "fp8"])
+def test_padding_rows_are_zero(rpn: int | None, dispatch_dtype: str, seed: int) -> None:
+    """Rows between an expert's tokens and its padded end are zeros, also expert_x_scale's."""
+    a2a = make_a2a(rpn, dispatch_dtype=dispatch_dtype, expert_padding=8)
+    try:
+        padding_rows = 0
+        for r in range(4):
+            # Freed memory full of NaN, so an output left unwritten shows it.
+            junk = torch.full((4096, a2a.cfg.hidden), float("nan"))
+            del junk
+            inp = make_inputs(seed + r, a2a.cfg)
+            check_round(a2a, inp)
+            d = a2a.dispatch(*mine(inp))
+            ref = dispatch_reference(inp.xs, inp.ids, a2a.cfg.num_experts, dispatch_dtype, 8)[RANK]
+            pad = ref.origin[:, 0] < 0
+            padding_rows += int(pad.sum())
+            rows = d.expert_x.cpu()[pad]
+            assert torch.equal(rows.view(torch.uint8), torch.zeros_like(rows.view(torch.uint8))), (
+                f"round {r}: padding rows of expert_x are not zero"
+            )
+            if dispatch_dtype == "fp8":
+                scale = d.expert_x_scale.cpu()[pad]
+                assert torch.equal(scale, torch.zeros_like(scale)), f"round {r}: expert_x_scale padding"
+            a2a.combine(expert_fn(d.expert_x, d.expert_x_scale), d)
+        assert padding_rows > 0, "the inputs produced no padding rows to check"
+    finally:
+        a2a.close()
