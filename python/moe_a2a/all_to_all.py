@@ -22,7 +22,7 @@ from moe_a2a import _core, switches
 from moe_a2a.agreement import all_to_all_settings, check_agreement
 from moe_a2a.backends.common import CORE_DTYPE, Setup, num_scales
 from moe_a2a.bootstrap import Bootstrap
-from moe_a2a.fabric import Engine
+from moe_a2a.fabric import lease_engine
 from moe_a2a.nics import current_gpu_address, num_nics_default
 
 DISPATCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
@@ -200,24 +200,25 @@ class AllToAll:
         self._node = set(topo.node_ranks)
         self._core_cfg = self._core_config(topo.local_size)
 
-        engine = Engine(
-            self._boot,
-            None if provider == "auto" else provider,
-            num_nics=num_nics,
-            nics=nics,
-            gpu=current_gpu_address() if device == "cuda" else None,
-        )
-        workspace = self._open_workspace()
-        region = engine.core.register_region(workspace.ptr, workspace.size)
-        remotes = engine.exchange_region(region)
         remote_peers = [r for r in range(self.world_size) if r not in self._node]
+        # No engine (no endpoint, thread or /dev/shm file) where every peer shares our node.
+        chosen = None if provider == "auto" else provider
+        gpu = current_gpu_address() if device == "cuda" else None
+        self._lease = lease_engine(self._boot, chosen, num_nics, nics=nics, gpu=gpu) if remote_peers else None
+        self._core_cfg.instance = self._lease.slot if self._lease else 0
+        engine = self._lease.engine if self._lease else None
+        workspace = self._open_workspace()
+        region = group = 0
+        if engine is not None:
+            region = engine.core.register_region(workspace.ptr, workspace.size)
+            group = engine.group(remote_peers, engine.exchange_region(region))
         setup = Setup(
             cfg=cfg,
             core_cfg=self._core_cfg,
             workspace=workspace,
             engine=engine,
             region=region,
-            group=engine.group(remote_peers, remotes),
+            group=group,
             remote_peers=remote_peers,
             node=self._node,
             bootstrap=self._boot,
@@ -546,6 +547,8 @@ class AllToAll:
         self._backend.close()
         setup, self._setup = self._setup, None
         setup.engine = None
+        if self._lease is not None:
+            self._lease.close(setup.region, setup.group)
         setup.workspace = None
 
     def __enter__(self) -> AllToAll:

@@ -1,4 +1,4 @@
-"""The `moe-a2a` command: run, bench, trace, info.
+"""The `moe-a2a` command: run, bench, trace, cleanup, info.
 
 Each subcommand lives in its own module, which registers its parser through
 `add_parser(subparsers)` and sets `func`; heavy imports stay inside those
@@ -160,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     from moe_a2a import trace_tools
 
     trace_tools.add_parser(sub)
+
+    from moe_a2a import cleanup
+
+    cleanup.add_parser(sub)
 
     info = sub.add_parser("info", help="what this build and machine offer")
     info.add_argument("--provider", help="only this provider (default: every provider offered)")

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import pickle
+import socket
+import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -96,3 +100,84 @@ class Engine:
     def group(self, peers: Sequence[int], remotes: Sequence[int | None]) -> int:
         """A peer group whose writes land in each peer's `remotes[peer]` region."""
         return self.core.create_group(list(peers), [remotes[p] for p in peers])
+
+
+# -- one engine per process, provider and set of ranks ------------------------------------------
+#
+# An engine costs tens of MB, two threads and a set of connections; every AllToAll
+# of a model (one per layer, more in training) used to open its own. Instances
+# now lease a shared one: each registers its own region and group on it, and
+# its immediate tags carry its slot (A2AConfig.instance), so instances on one
+# engine never count each other's arrivals. The engine closes with its last lease.
+
+_MAX_SLOTS = int(_core.A2AConfig.max_instances)
+_shared: dict[tuple[Any, ...], _SharedEngine] = {}
+_shared_lock = threading.Lock()
+
+
+class _SharedEngine:
+    def __init__(self, engine: Engine, token: bytes) -> None:
+        self.engine = engine
+        self.token = token  # the same on every rank: proof that all ranks hold this engine
+        self.slots: set[int] = set()
+
+
+class EngineLease:
+    """One instance's use of a shared engine: its tag slot, released with `close`."""
+
+    def __init__(self, key: tuple[Any, ...], shared: _SharedEngine, slot: int) -> None:
+        self._key, self._shared, self.slot = key, shared, slot
+        self.engine: Engine | None = shared.engine
+
+    def close(self, region: int | None, group: int | None) -> None:
+        """Release this instance's region and group; the engine closes with its last lease."""
+        if self.engine is None:
+            return
+        if region is not None and group is not None:
+            self.engine.core.release(region, group)
+        self.engine = None
+        with _shared_lock:
+            self._shared.slots.discard(self.slot)
+            if not self._shared.slots and _shared.get(self._key) is self._shared:
+                del _shared[self._key]
+        self._shared = None  # type: ignore[assignment]
+
+
+def lease_engine(
+    bootstrap: Bootstrap,
+    provider: str | None,
+    num_nics: int = 1,
+    nics: Sequence[str] | str | None = None,
+    gpu: int | str | None = None,
+) -> EngineLease:
+    """The process's engine for this provider, NICs and ranks (collective: every rank calls it)."""
+    provider = provider or default_provider()
+    members = bootstrap.allgather(pickle.dumps((socket.gethostname(), os.getpid())))
+    named = nics if nics is None or isinstance(nics, str) else tuple(nics)
+    key = (provider, num_nics, named, gpu, tuple(members))
+    with _shared_lock:
+        held = _shared.get(key)
+        if held is not None and held.engine.core.error:
+            held = None  # a fabric error is sticky: new instances get a fresh engine
+        mine = (held.token, sorted(held.slots)) if held is not None else (b"", [])
+    # Shared only where every rank holds the same engine: a rank that closed its
+    # last instance meanwhile has none, and then all open a new one together.
+    offers = [pickle.loads(b) for b in bootstrap.allgather(pickle.dumps(mine))]
+    tokens = {token for token, _ in offers}
+    if held is not None and len(tokens) == 1 and b"" not in tokens:
+        busy = set().union(*(set(slots) for _, slots in offers))
+        free = next((s for s in range(_MAX_SLOTS) if s not in busy), None)
+        if free is None:
+            raise RuntimeError(
+                f"AllToAll: {_MAX_SLOTS} instances already share the {provider} engine "
+                f"(the most its immediate tags can tell apart); close some first"
+            )
+        shared = held
+    else:
+        engine = Engine(bootstrap, provider, num_nics=num_nics, nics=nics, gpu=gpu)
+        shared = _SharedEngine(engine, bootstrap.allgather(os.urandom(16))[0])
+        free = 0
+    with _shared_lock:
+        shared.slots.add(free)
+        _shared[key] = shared
+    return EngineLease(key, shared, free)

@@ -15,6 +15,9 @@ constexpr int kFp8Block = 128;       // elements per fp32 scale
 constexpr float kFp8Max = 448.0f;    // largest finite e4m3fn value
 constexpr size_t kRowAlign = 16;     // token rows start on 16 bytes
 constexpr size_t kSectionAlign = 64; // workspace sections start on a cache line
+// Immediate tags are 16 bits: 3 for the kind of write, 13 for the instance.
+constexpr int kTagKindBits = 3;
+constexpr int kMaxInstances = 1 << (16 - kTagKindBits);
 
 inline size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
@@ -36,6 +39,10 @@ struct A2AConfig {
   int max_private_tokens = 0;
   int max_recv_tokens = 0;
   double timeout_s = 60.0;
+  // Index of this instance among those sharing one transfer engine, the same
+  // on every rank: the high bits of each immediate tag (signals.h), so the
+  // arrivals of instances on one engine are counted apart.
+  int instance = 0;
 
   int num_local_experts() const { return num_experts / world; }
   int node_of(int r) const { return r / ranks_per_node; }
@@ -59,6 +66,8 @@ struct A2AConfig {
     if (expert_padding < 1) bad("expert_padding must be >= 1");
     if (max_private_tokens < 0 || max_recv_tokens < 1) bad("max_private_tokens >= 0 and max_recv_tokens >= 1 expected");
     if (combine_dtype == DType::kFp8) bad("combine_dtype must be bf16 or fp32");
+    if (instance < 0 || instance >= kMaxInstances)
+      bad("instance " + std::to_string(instance) + " outside [0, " + std::to_string(kMaxInstances) + ")");
   }
 };
 

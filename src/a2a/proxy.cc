@@ -68,13 +68,13 @@ void Proxy::node_barrier(uint64_t epoch) {
   for (int r = 0; r < c.world; ++r)
     if (c.same_node(r)) flag_at(ctx_.node_workspaces[r], ctx_.layout, c.rank, kFlagBarrier)->store(epoch, std::memory_order_release);
   wait_node_flags(kFlagBarrier, epoch, "barrier");
-  if (!ctx_.remote_peers.empty()) ctx_.engine->barrier(ctx_.group, kTagBarrier, c.timeout_s);
+  if (!ctx_.remote_peers.empty()) ctx_.engine->barrier(ctx_.group, tag(kTagBarrier), c.timeout_s);
 }
 
 void Proxy::step(uint64_t epoch) {
   const A2AConfig& c = ctx_.config;
   const Layout& l = ctx_.layout;
-  fabric::TransferEngine& engine = *ctx_.engine;
+  fabric::TransferEngine* engine = ctx_.engine;  // used only with remote peers
   const auto& remotes = ctx_.remote_peers;
   const uint64_t P = c.max_private_tokens;
   const size_t row = l.dispatch_row;
@@ -87,9 +87,13 @@ void Proxy::step(uint64_t epoch) {
 
   // 1. Our routing row, to every remote peer at once.
   std::vector<ScatterItem> items;
+  // No engine is opened when every peer shares our node (nothing to move).
+  auto scatter = [&](uint32_t t) {
+    if (!remotes.empty()) engine->scatter(ctx_.group, ctx_.region, items.data(), items.size(), t);
+  };
   const size_t my_row = l.routing_row(c.rank, c.num_experts);
   for (size_t i = 0; i < remotes.size(); ++i) items.push_back({static_cast<uint32_t>(i), my_row, routing_bytes, my_row});
-  engine.scatter(ctx_.group, ctx_.region, items.data(), items.size(), kTagRoute);
+  scatter(tag(kTagRoute));
 
   // 2. The private part of every remote peer's tokens, without waiting for
   //    anyone's routing.
@@ -108,11 +112,11 @@ void Proxy::step(uint64_t epoch) {
     items.push_back({static_cast<uint32_t>(i), l.send + send_off[r] * row, n * row,
                      l.private_rows + static_cast<size_t>(c.rank) * P * row});
   }
-  engine.scatter(ctx_.group, ctx_.region, items.data(), items.size(), kTagDispatch);
+  scatter(tag(kTagDispatch));
 
   // 3. Everyone's routing rows; then the plan, the capacity check and the
   //    overflow writes into each peer's shared section.
-  for (int s : remotes) engine.wait_imm(kTagRoute, s, 1, c.timeout_s);
+  for (int s : remotes) engine->wait_imm(tag(kTagRoute), s, 1, c.timeout_s);
   wait_node_flags(kFlagRoute, epoch, "routing row");
   routing_.assign(live, live + static_cast<size_t>(c.world) * c.num_experts);
   RoutingView view{routing_.data(), c.world, c.num_experts, c.num_local_experts()};
@@ -135,7 +139,7 @@ void Proxy::step(uint64_t epoch) {
     // Let the private writes already under way land, then meet everyone so
     // nobody's next call overwrites buffers that are still being read.
     for (int s : remotes)
-      if (private_copies(view.to_rank(s, c.rank), P) > 0) engine.wait_imm(kTagDispatch, s, 1, c.timeout_s);
+      if (private_copies(view.to_rank(s, c.rank), P) > 0) engine->wait_imm(tag(kTagDispatch), s, 1, c.timeout_s);
     node_barrier(epoch);
     ctx_.signals->overflow.set(epoch);
     ctx_.signals->dispatch_done.set(epoch);
@@ -149,12 +153,12 @@ void Proxy::step(uint64_t epoch) {
     items.push_back({static_cast<uint32_t>(i), l.send + (send_off[r] + P) * row, (to[r] - P) * row,
                      l.shared_rows + dst_row * row});
   }
-  engine.scatter(ctx_.group, ctx_.region, items.data(), items.size(), kTagDispatch);
+  scatter(tag(kTagDispatch));
 
   // 4. Every expected remote write has landed.
   for (int s : remotes) {
     uint64_t expected = dispatch_writes(view.to_rank(s, c.rank), P);
-    if (expected > 0) engine.wait_imm(kTagDispatch, s, expected, c.timeout_s);
+    if (expected > 0) engine->wait_imm(tag(kTagDispatch), s, expected, c.timeout_s);
   }
   ctx_.signals->dispatch_done.set(epoch);
 
@@ -174,8 +178,8 @@ void Proxy::step(uint64_t epoch) {
     items.push_back({static_cast<uint32_t>(i), l.combine_send + recv_base[s] * crow, view.to_rank(s, c.rank) * crow,
                      l.combine_recv + view.send_offset(s, c.rank) * crow});
   }
-  engine.scatter(ctx_.group, ctx_.region, items.data(), items.size(), kTagCombine);
-  for (int s : remotes) engine.wait_imm(kTagCombine, s, 1, c.timeout_s);
+  scatter(tag(kTagCombine));
+  for (int s : remotes) engine->wait_imm(tag(kTagCombine), s, 1, c.timeout_s);
   ctx_.signals->combine_done.set(epoch);
 }
 

@@ -21,7 +21,7 @@ namespace moe_a2a::a2a {
 struct ProxyContext {
   A2AConfig config;
   Layout layout;
-  fabric::TransferEngine* engine = nullptr;
+  fabric::TransferEngine* engine = nullptr;  // null when no peer is remote
   uint32_t region = 0;  // our workspace, registered with the engine
   uint32_t group = 0;   // every remote peer, bound to its workspace
   uint8_t* workspace = nullptr;
@@ -65,6 +65,7 @@ class Proxy {
   void step(uint64_t epoch);
   void node_barrier(uint64_t epoch);
   void wait_node_flags(FlagKind kind, uint64_t epoch, const char* what);
+  uint32_t tag(Tag kind) const { return wire_tag(ctx_.config.instance, kind); }
 
   ProxyContext ctx_;
   std::atomic<bool> stop_{false};

@@ -6,6 +6,8 @@
 #include <atomic>
 #include <cstdint>
 
+#include "config.h"
+
 namespace moe_a2a::a2a {
 
 struct alignas(64) Seq {
@@ -28,5 +30,11 @@ struct ProxySignals {
 
 // Immediate tags of the protocol's writes (docs/protocol.md, "Signals").
 enum Tag : uint32_t { kTagRoute = 1, kTagDispatch = 2, kTagCombine = 3, kTagBarrier = 4 };
+
+// The tag on the wire: the kind in the low bits, the instance above it
+// (config.h), so instances that share an engine never count each other's writes.
+inline uint32_t wire_tag(int instance, Tag kind) {
+  return (static_cast<uint32_t>(instance) << kTagKindBits) | kind;
+}
 
 }  // namespace moe_a2a::a2a

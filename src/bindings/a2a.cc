@@ -89,6 +89,8 @@ void bind_a2a(nb::module_& m) {
       .def_rw("max_private_tokens", &A2AConfig::max_private_tokens)
       .def_rw("max_recv_tokens", &A2AConfig::max_recv_tokens)
       .def_rw("timeout_s", &A2AConfig::timeout_s)
+      .def_rw("instance", &A2AConfig::instance)
+      .def_prop_ro_static("max_instances", [](nb::handle) { return kMaxInstances; })
       .def_prop_ro("dispatch_row_bytes", &A2AConfig::dispatch_row_bytes)
       .def_prop_ro("combine_row_bytes", &A2AConfig::combine_row_bytes)
       .def_prop_ro("workspace_bytes", [](const A2AConfig& c) { return Layout::of(c).total; })
@@ -104,7 +106,7 @@ void bind_a2a(nb::module_& m) {
 
   nb::class_<cpu::CpuAllToAll>(m, "CpuAllToAll")
       .def(nb::init<Workspace*, moe_a2a::fabric::TransferEngine*, uint32_t, uint32_t, const std::vector<int>&>(),
-           nb::arg("workspace"), nb::arg("engine"), nb::arg("region"), nb::arg("group"), nb::arg("remote_peers"),
+           nb::arg("workspace"), nb::arg("engine").none(), nb::arg("region"), nb::arg("group"), nb::arg("remote_peers"),
            nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>())
       .def(
           "dispatch_send",

@@ -60,7 +60,7 @@ void bind_cuda(nb::module_& m) {
   m.attr("HAVE_CUDA") = true;
   nb::class_<CudaAllToAll>(m, "CudaAllToAll")
       .def(nb::init<Workspace*, moe_a2a::fabric::TransferEngine*, uint32_t, uint32_t, const std::vector<int>&>(),
-           nb::arg("workspace"), nb::arg("engine"), nb::arg("region"), nb::arg("group"), nb::arg("remote_peers"),
+           nb::arg("workspace"), nb::arg("engine").none(), nb::arg("region"), nb::arg("group"), nb::arg("remote_peers"),
            nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>())
       .def(nb::init<const A2AConfig&>(), nb::arg("config"),
            "A rank without fabric or proxy, for tests that run several ranks in one process.")

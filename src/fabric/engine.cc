@@ -38,7 +38,8 @@ TransferEngine::TransferEngine(int rank, int world, const EngineOptions& opts) :
 TransferEngine::~TransferEngine() {
   worker_.reset();  // stop polling before the registrations go
   for (auto& r : regions_)
-    for (size_t i = 0; i < r.nics.size(); ++i) backends_[i]->deregister_memory(r.nics[i]);
+    if (r.live)
+      for (size_t i = 0; i < r.nics.size(); ++i) backends_[i]->deregister_memory(r.nics[i]);
 }
 
 std::string TransferEngine::where() const {
@@ -74,11 +75,13 @@ uint32_t TransferEngine::register_region(void* ptr, uint64_t length) {
                       ", length=" + std::to_string(length) + ")");
   Region r{static_cast<uint8_t*>(ptr), length, {}};
   for (auto& b : backends_) r.nics.push_back(b->register_memory(ptr, length));
+  std::unique_lock lock(tables_mu_);
   regions_.push_back(std::move(r));
   return static_cast<uint32_t>(regions_.size() - 1);
 }
 
 Bytes TransferEngine::region_descriptor(uint32_t id) const {
+  std::shared_lock lock(tables_mu_);
   const Region& r = region(id);
   RegionBlob blob{r.length, {}};
   for (const auto& m : r.nics) blob.nics.push_back(m.remote);
@@ -99,6 +102,7 @@ uint32_t TransferEngine::create_group(const std::vector<int>& peers, const std::
   if (peers.size() != remote_regions.size())
     throw FabricError(where() + ": create_group got " + std::to_string(peers.size()) + " peers and " +
                       std::to_string(remote_regions.size()) + " remote regions; expected one region per peer");
+  std::unique_lock lock(tables_mu_);
   std::vector<GroupEntry> group;
   for (size_t i = 0; i < peers.size(); ++i) {
     check_peer(peers[i], "create_group");
@@ -109,28 +113,53 @@ uint32_t TransferEngine::create_group(const std::vector<int>& peers, const std::
     group.push_back({peers[i], remote_regions[i]});
   }
   groups_.push_back(std::move(group));
+  group_live_.push_back(true);
   return static_cast<uint32_t>(groups_.size() - 1);
 }
 
-size_t TransferEngine::group_size(uint32_t group) const {
-  if (group >= groups_.size()) throw FabricError(where() + ": unknown group " + std::to_string(group));
+void TransferEngine::release(uint32_t region_id, uint32_t group) {
+  std::unique_lock lock(tables_mu_);
+  group_size_locked(group);  // a clear error for an unknown or released group
+  Region& r = const_cast<Region&>(region(region_id));
+  for (size_t i = 0; i < r.nics.size(); ++i) backends_[i]->deregister_memory(r.nics[i]);
+  r.live = false;
+  for (const auto& e : groups_[group]) remotes_[e.remote].live = false;
+  groups_[group].clear();
+  group_live_[group] = false;
+}
+
+size_t TransferEngine::group_size_locked(uint32_t group) const {
+  if (group >= groups_.size() || !group_live_[group])
+    throw FabricError(where() + ": unknown group " + std::to_string(group) +
+                      (group < groups_.size() ? " (released)" : ""));
   return groups_[group].size();
 }
 
+size_t TransferEngine::group_size(uint32_t group) const {
+  std::shared_lock lock(tables_mu_);
+  return group_size_locked(group);
+}
+
 int TransferEngine::group_peer(uint32_t group, uint32_t index) const {
-  if (index >= group_size(group))
+  std::shared_lock lock(tables_mu_);
+  if (index >= group_size_locked(group))
     throw FabricError(where() + ": peer index " + std::to_string(index) + " is out of range for group " +
                       std::to_string(group) + " of " + std::to_string(groups_[group].size()) + " peers");
   return groups_[group][index].peer;
 }
 
+// Callers hold tables_mu_.
 const TransferEngine::Region& TransferEngine::region(uint32_t id) const {
-  if (id >= regions_.size()) throw FabricError(where() + ": unknown local region " + std::to_string(id));
+  if (id >= regions_.size() || !regions_[id].live)
+    throw FabricError(where() + ": unknown local region " + std::to_string(id) +
+                      (id < regions_.size() ? " (released)" : ""));
   return regions_[id];
 }
 
 const TransferEngine::RemoteRegion& TransferEngine::remote(uint32_t id) const {
-  if (id >= remotes_.size()) throw FabricError(where() + ": unknown remote region " + std::to_string(id));
+  if (id >= remotes_.size() || !remotes_[id].live)
+    throw FabricError(where() + ": unknown remote region " + std::to_string(id) +
+                      (id < remotes_.size() ? " (released)" : ""));
   return remotes_[id];
 }
 
@@ -186,6 +215,7 @@ void TransferEngine::write(uint32_t region_id, uint64_t src_offset, uint64_t len
                            uint64_t dst_offset, std::optional<uint32_t> tag) {
   check();
   std::vector<Job> jobs;
+  std::shared_lock lock(tables_mu_);
   add_job(&jobs, OpKind::kWrite, region(region_id), src_offset, length, remote(remote_id), dst_offset, tag);
   worker_->submit(std::move(jobs));
 }
@@ -193,8 +223,9 @@ void TransferEngine::write(uint32_t region_id, uint64_t src_offset, uint64_t len
 void TransferEngine::scatter(uint32_t group, uint32_t region_id, const ScatterItem* items, size_t count,
                              std::optional<uint32_t> tag) {
   check();
+  std::shared_lock lock(tables_mu_);
   const Region& src = region(region_id);
-  size_t n = group_size(group);
+  size_t n = group_size_locked(group);
   std::vector<Job> jobs;
   jobs.reserve(count);
   for (size_t i = 0; i < count; ++i) {
@@ -210,22 +241,35 @@ void TransferEngine::scatter(uint32_t group, uint32_t region_id, const ScatterIt
 
 void TransferEngine::barrier(uint32_t group, uint32_t tag, double timeout_s) {
   check();
-  group_size(group);  // a clear error for an unknown group
-  if (regions_.empty()) throw FabricError(where() + ": barrier needs one registered region");
   // Writes before the barrier must be placed before peers pass it, also on
   // unordered transports: untagged writes complete only once delivered.
   wait_tx(timeout_s);
   std::vector<Job> jobs;
-  for (const auto& e : groups_[group])
-    add_job(&jobs, OpKind::kBarrier, regions_[0], 0, 0, remote(e.remote), 0, tag);
+  std::vector<int> peers;
+  {
+    std::shared_lock lock(tables_mu_);
+    group_size_locked(group);     // a clear error for an unknown group
+    const Region* src = nullptr;  // zero-byte writes: any live region will do
+    for (const auto& r : regions_)
+      if (r.live) {
+        src = &r;
+        break;
+      }
+    if (src == nullptr) throw FabricError(where() + ": barrier needs one registered region");
+    for (const auto& e : groups_[group]) {
+      add_job(&jobs, OpKind::kBarrier, *src, 0, 0, remote(e.remote), 0, tag);
+      peers.push_back(e.peer);
+    }
+  }
   worker_->submit(std::move(jobs));
-  for (const auto& e : groups_[group]) wait_imm(tag, e.peer, 1, timeout_s);
+  for (int peer : peers) wait_imm(tag, peer, 1, timeout_s);
 }
 
 void TransferEngine::wait_imm(uint32_t tag, int peer, uint64_t count, double timeout_s) {
   check_peer(peer, "wait_imm");
   uint32_t imm = make_imm(tag, peer);
   uint64_t seen = 0;
+  if (imms_.peek(imm) < count) worker_->nudge();
   if (imms_.wait(imm, count, to_ns(timeout_s), [this] { check(); }, &seen)) return;
   throw TimeoutError(where() + ": timed out after " + std::to_string(timeout_s) + " s waiting for " +
                      std::to_string(count) + " arrival(s) of " + describe_imm(imm) + "; " + std::to_string(seen) +

@@ -1,4 +1,6 @@
-// TransferEngine: one per rank. It owns a backend per NIC and the worker
+// TransferEngine: one per rank and provider, shared by every AllToAll of the
+// process (each registers its own region and group, and releases them when it
+// closes; their immediate tags differ, see a2a/signals.h). It owns a backend per NIC and the worker
 // thread, knows every peer's address, the regions registered here and the
 // remote regions peers described to us, and offers the few operations the
 // dispatch/combine protocol needs: write, scatter, barrier and waits on
@@ -7,7 +9,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <deque>
 #include <optional>
+#include <shared_mutex>
 #include <string>
 #include <vector>
 
@@ -55,6 +59,10 @@ class TransferEngine {
   // A group binds each peer to the remote region its writes land in; the
   // addresses and keys are resolved here, once.
   uint32_t create_group(const std::vector<int>& peers, const std::vector<uint32_t>& remote_regions);
+  // Deregisters a local region and drops a group (and the remote regions it
+  // binds): what one user of a shared engine releases when it closes. Ids are
+  // not reused.
+  void release(uint32_t region, uint32_t group);
   size_t group_size(uint32_t group) const;
   int group_peer(uint32_t group, uint32_t index) const;
 
@@ -82,17 +90,20 @@ class TransferEngine {
     uint8_t* ptr = nullptr;
     uint64_t length = 0;
     std::vector<LocalMemory> nics;
+    bool live = true;
   };
   struct RemoteRegion {
     int peer = 0;
     uint64_t length = 0;
     std::vector<RemoteKey> nics;
+    bool live = true;
   };
   struct GroupEntry {
     int peer;
     uint32_t remote;
   };
 
+  size_t group_size_locked(uint32_t group) const;
   const Region& region(uint32_t id) const;
   const RemoteRegion& remote(uint32_t id) const;
   void check_peer(int peer, const char* what) const;
@@ -105,9 +116,14 @@ class TransferEngine {
   EngineOptions opts_;
   std::vector<std::unique_ptr<Backend>> backends_;
   bool connected_ = false;
-  std::vector<Region> regions_;
-  std::vector<RemoteRegion> remotes_;
-  std::vector<std::vector<GroupEntry>> groups_;
+  // Tables of several users (their proxies post writes while another
+  // instance registers): a deque keeps references stable as they grow, the
+  // lock orders additions and releases against lookups.
+  mutable std::shared_mutex tables_mu_;
+  std::deque<Region> regions_;
+  std::deque<RemoteRegion> remotes_;
+  std::deque<std::vector<GroupEntry>> groups_;
+  std::deque<bool> group_live_;
   ImmCounters imms_;
   std::unique_ptr<Worker> worker_;
 };

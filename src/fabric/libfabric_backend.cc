@@ -75,9 +75,11 @@ class LibfabricBackend final : public Backend {
     fi_cq_attr cq_attr{};
     cq_attr.format = FI_CQ_FORMAT_DATA;
     cq_attr.size = kCqDepth;
-    // A wait object lets an idle worker block until something arrives;
-    // providers without one are polled.
-    cq_attr.wait_obj = FI_WAIT_UNSPEC;
+    // A file descriptor lets an idle worker sleep in the kernel until something
+    // arrives. Only that: FI_WAIT_UNSPEC lets shm pick FI_WAIT_YIELD, whose
+    // fi_cq_sread spins in sched_yield (a full core per idle rank). Providers
+    // without FI_WAIT_FD are polled, the worker sleeping between polls.
+    cq_attr.wait_obj = FI_WAIT_FD;
     if (!thread_safe_ || fi_cq_open(domain_, &cq_attr, &cq_, nullptr) != 0) {
       cq_attr.wait_obj = FI_WAIT_NONE;
       check(fi_cq_open(domain_, &cq_attr, &cq_, nullptr), "fi_cq_open");

@@ -46,6 +46,15 @@ void Worker::submit(std::vector<Job>&& jobs) {
   if (blocked_.load()) (*backends_)[0]->wake();
 }
 
+void Worker::nudge() {
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    nudged_ = true;
+  }
+  queue_cv_.notify_one();
+  if (blocked_.load()) (*backends_)[0]->wake();
+}
+
 std::string Worker::error() const {
   std::lock_guard<std::mutex> lock(error_mu_);
   return error_;
@@ -169,15 +178,17 @@ bool Worker::poll_all() {
   return progress;
 }
 
-void Worker::idle_wait(int block_ms) {
+void Worker::idle_wait(bool expecting) {
   Backend& nic = *(*backends_)[0];
+  const int block_ms = expecting ? idle_.busy_block_ms : idle_.block_ms;
   if (backends_->size() == 1 && nic.can_wait()) {
-    // Block on the NIC: an arrival or a new job (submit() wakes us) ends it.
+    // Block on the NIC: an arrival, a new job or a nudge (both wake us) ends it.
     blocked_.store(true);
     bool queued;
     {
       std::lock_guard<std::mutex> lock(queue_mu_);
-      queued = stop_.load() || !queue_.empty();
+      queued = stop_.load() || !queue_.empty() || nudged_;
+      nudged_ = false;
     }
     if (!queued) {
       Completion done[kPollBatch];
@@ -190,9 +201,12 @@ void Worker::idle_wait(int block_ms) {
     blocked_.store(false);
     return;
   }
+  // Polled NICs: short slices while something is expected (arrivals are
+  // picked up within one), long ones when idle. A new job or a nudge wakes us.
   std::unique_lock<std::mutex> lock(queue_mu_);
-  // A new job wakes us at once; arrivals are picked up within one slice.
-  queue_cv_.wait_for(lock, std::min(idle_.sleep, std::chrono::microseconds(block_ms * 1000)), [this] { return stop_.load() || !queue_.empty(); });
+  auto slice = expecting ? idle_.sleep : std::chrono::microseconds(block_ms * 1000);
+  queue_cv_.wait_for(lock, slice, [this] { return stop_.load() || !queue_.empty() || nudged_; });
+  nudged_ = false;
 }
 
 void Worker::run() {
@@ -218,7 +232,7 @@ void Worker::run() {
     // arrivals, only briefly: not every provider wakes a blocked reader for
     // its own progress.
     const bool expecting = !pending_.empty() || !inflight_.empty() || imms_->waiters() > 0;
-    idle_wait(expecting ? idle_.busy_block_ms : idle_.block_ms);
+    idle_wait(expecting);
   }
 }
 

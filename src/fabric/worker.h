@@ -44,8 +44,11 @@ struct IdlePolicy {
   int spin_polls = 256;
   int yield_polls = 1024;
   std::chrono::microseconds sleep{50};  // where the NIC cannot block
-  int block_ms = 5;                     // longest blocking wait on the NIC when idle
-  int busy_block_ms = 1;                // ... while bytes are in flight or a caller waits
+  // Longest sleep (blocking on the NIC, or between polls where it cannot
+  // block) with nothing in flight and no caller waiting. submit() and nudge()
+  // end it early; arrivals nobody waits for yet are picked up within it.
+  int block_ms = 5;
+  int busy_block_ms = 1;  // longest blocking wait on the NIC while bytes are in flight or a caller waits
 };
 
 class Worker {
@@ -56,6 +59,9 @@ class Worker {
   Worker& operator=(const Worker&) = delete;
 
   void submit(std::vector<Job>&& jobs);
+  // Ends an idle sleep at once: a caller is about to wait for arrivals, which
+  // providers with manual progress deliver only while the worker polls.
+  void nudge();
   uint64_t submitted() const { return submitted_.load(); }
   uint64_t completed() const { return completed_.load(); }
   // Empty while healthy; the first failure's message otherwise (sticky).
@@ -82,7 +88,7 @@ class Worker {
   bool post_pending();
   bool poll_all();
   bool handle(int nic, const Completion* done, int n);
-  void idle_wait(int block_ms);
+  void idle_wait(bool expecting);
   void enqueue_piece(uint64_t job, OpKind op, const NicWrite& w, bool final_piece);
   void fail(const std::string& message);
   void piece_done(uint64_t id);
@@ -96,6 +102,7 @@ class Worker {
   std::vector<Job> queue_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> blocked_{false};  // the worker sits in a NIC's wait_poll
+  bool nudged_ = false;               // under queue_mu_: nudge() since the last idle sleep
 
   // Owned by the worker thread.
   std::deque<std::pair<uint64_t, NicWrite>> pending_;

@@ -30,7 +30,7 @@ class Setup:
     cfg: Any  # moe_a2a.all_to_all.Config
     core_cfg: Any  # _core.A2AConfig
     workspace: Any  # _core.Workspace
-    engine: Any  # moe_a2a.fabric.Engine
+    engine: Any  # moe_a2a.fabric.Engine, shared by the instances of the process; None without remote peers
     region: int
     group: int
     remote_peers: list[int]

@@ -18,8 +18,9 @@ class CpuBackend:
 
     def __init__(self, setup: Setup) -> None:
         self.cfg = setup.cfg
+        engine = setup.engine.core if setup.engine is not None else None  # None: no remote peer
         self._impl = _core.CpuAllToAll(
-            setup.workspace, setup.engine.core, setup.region, setup.group, setup.remote_peers
+            setup.workspace, engine, setup.region, setup.group, setup.remote_peers
         )
 
     @property

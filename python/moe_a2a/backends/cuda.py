@@ -13,8 +13,9 @@ returns, in stream order before anything the caller enqueues next.
 Combine's receive half waits for its peers on the host, where timeouts and
 proxy failures are raised, and returns without synchronising: the result is
 ready in stream order. With `graph_safe=True` nothing synchronises: dispatch
-returns buffers of `max_output_rows` rows (rows past the received ones and
-padding rows hold no meaning, `tokens_per_expert` says which are filled),
+returns buffers of `max_output_rows` rows (`tokens_per_expert` says which are
+filled; with `expert_padding > 1` padding rows and the rows past the last
+segment are zeros),
 `combine` takes `y` of that shape, and a whole step can be captured in a CUDA
 graph; errors are then raised by `AllToAll.check()`.
 """
@@ -43,6 +44,30 @@ def cuda_available() -> str | None:
 MAX_TOPK = 64
 
 
+def _zero_unfilled_rows(
+    expert_x: torch.Tensor, scale: torch.Tensor | None, counts: torch.Tensor, padding: int
+) -> None:
+    """Zero every row that holds no token (padding, and in graph-safe mode the rows past the last segment).
+
+    Torch ops on the current stream, after the receive kernels: the mask comes
+    from `counts` on the device, so there is no host synchronisation and the ops
+    can be captured in a CUDA graph. Filled on a byte view, since fp8 has no
+    masked_fill and a multiply would keep NaN.
+    """
+    rows = expert_x.shape[0]
+    n = counts.to(torch.int64)
+    padded = (n + padding - 1) // padding * padding
+    ends = torch.cumsum(padded, 0)
+    row = torch.arange(rows, device=expert_x.device)
+    seg = torch.searchsorted(ends, row, right=True)  # the expert segment of each row
+    inside = seg < n.numel()
+    seg = seg.clamp(max=n.numel() - 1)
+    empty = ~(inside & (row - (ends[seg] - padded[seg]) < n[seg]))
+    expert_x.view(torch.uint8).masked_fill_(empty[:, None], 0)
+    if scale is not None:
+        scale.masked_fill_(empty[:, None], 0.0)
+
+
 class CudaBackend:
     """Drives `_core.CudaAllToAll` on the current CUDA device and stream."""
 
@@ -57,8 +82,9 @@ class CudaBackend:
         self.graph_safe = graph_safe
         self.device = torch.device("cuda", torch.cuda.current_device())
         self._setup = setup
+        engine = setup.engine.core if setup.engine is not None else None  # None: no remote peer
         self._impl = _core.CudaAllToAll(
-            setup.workspace, setup.engine.core, setup.region, setup.group, setup.remote_peers
+            setup.workspace, engine, setup.region, setup.group, setup.remote_peers
         )
         handles = setup.bootstrap.allgather(self._impl.ipc_handle())
         self._impl.open_node([h if r in setup.node else b"" for r, h in enumerate(handles)])
@@ -110,6 +136,8 @@ class CudaBackend:
             not self.graph_safe,
             self._stream(),
         )
+        if self.cfg.expert_padding > 1:
+            _zero_unfilled_rows(expert_x, scale, counts, self.cfg.expert_padding)
         if not self.graph_safe:
             # Not a stream synchronisation: the plan kernel raises a host word once the
             # output rows and the status are final, and the copy kernel goes on meanwhile.

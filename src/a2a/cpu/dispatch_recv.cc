@@ -38,6 +38,16 @@ void unpack_dispatch(const DispatchRecvParams& p) {
       filled[i] += n;
     }
   }
+  // Padding rows are zeros, not the output buffer's leftover bytes: a grouped
+  // GEMM over padded segments reads them, and NaN patterns there would reach
+  // the weight gradients.
+  for (int i = 0; i < L; ++i) {
+    uint64_t begin = plan.expert_start[i] + filled[i];
+    uint64_t end = i + 1 < L ? plan.expert_start[i + 1] : plan.output_rows;
+    if (end <= begin) continue;
+    std::memset(static_cast<uint8_t*>(p.out_x) + begin * payload, 0, (end - begin) * payload);
+    if (scale_bytes > 0) std::memset(p.out_scale + begin * c.num_scales(), 0, (end - begin) * scale_bytes);
+  }
 }
 
 }  // namespace moe_a2a::a2a::cpu

@@ -1,0 +1,61 @@
+"""`moe-a2a cleanup`: the /dev/shm files of a killed rank are removed, those of live processes kept."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from moe_a2a import _core, cli
+from moe_a2a.cleanup import SHM_DIR, dead_files, remove_dead_files
+
+# A process with an open shm endpoint (world of one), killed before it can close it.
+CHILD = """
+from moe_a2a import _core
+e = _core.TransferEngine(0, 1, "shm")
+print("ready", flush=True)
+import time
+time.sleep(120)
+"""
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait(timeout=30)
+    return p.pid
+
+
+@pytest.mark.skipif("shm" not in _core.libfabric_providers(), reason="libfabric offers no shm provider here")
+@pytest.mark.timeout(120)
+def test_killed_rank_files_are_removed() -> None:
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        mine = [n for n in os.listdir(SHM_DIR) if n.startswith(f"{child.pid}:")]
+        assert mine, "the shm endpoint made no /dev/shm file"
+        assert dead_files(pids=[child.pid]) == []  # alive: left alone
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+        left = sorted(f.path for f in dead_files(pids=[child.pid]))
+        assert left == sorted(os.path.join(SHM_DIR, n) for n in mine), "SIGKILL leaks no more: fix the docs"
+        assert cli.main(["cleanup", "--pid", str(child.pid)]) == 0
+        assert [n for n in os.listdir(SHM_DIR) if n.startswith(f"{child.pid}:")] == []
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=30)
+
+
+def test_only_dead_processes_files_go(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    dead, live = _dead_pid(), os.getpid()
+    names = [f"{dead}:0:0", f"{dead}:3:1", f"moe-a2a-{dead}-0123456789ab-r1", f"{live}:0:0",
+             f"moe-a2a-{live}-0123456789ab-r0", "vader_segment.vm.0.1", f"{dead}.txt"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"x" * 8)
+    removed = remove_dead_files(str(tmp_path))
+    assert sorted(os.path.basename(f.path) for f in removed) == sorted(names[:3])
+    assert sorted(os.listdir(tmp_path)) == sorted(names[3:])
+    assert remove_dead_files(str(tmp_path)) == []
