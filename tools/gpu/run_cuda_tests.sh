@@ -65,12 +65,12 @@ if has kernels; then
 fi
 
 # One multi-rank run: multirank N LABEL [VAR=VALUE...] (extra environment for the ranks);
-# MR_TESTS names the test files (default tests/mpi/test_a2a.py).
+# MR_TESTS names the test files (default tests/mpi/test_a2a.py and test_reliability.py).
 multirank() {
   local n=$1 label=$2 logs="$OUT/mr-n$1${2// /-}"
   shift 2
   local tests
-  read -ra tests <<<"${MR_TESTS:-$ROOT/tests/mpi/test_a2a.py}"
+  read -ra tests <<<"${MR_TESTS:-$ROOT/tests/mpi/test_a2a.py $ROOT/tests/mpi/test_reliability.py}"
   mkdir -p "$logs"
   MOE_A2A_RANK_LOGS=$logs timeout "${MR_TIMEOUT:-300}" "${MPIRUN[@]}" -n "$n" "$ROOT/tools/rank0_console.sh" \
     env MOE_A2A_TEST_DEVICE=cuda "$@" "$PY" -m pytest -q -rs -p no:cacheprovider --with-mpi "${tests[@]}" \
