@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,9 +185,10 @@ class ExpertParallel:
         device: str = "cpu",
         provider: str = "auto",
         ranks_per_node: int | None = None,
-        num_nics: int = 1,
+        num_nics: int | None = None,
         grad_dtype: str = "bf16",
         max_live_handles: int = 64,
+        nics: Sequence[str] | str | None = None,
     ) -> None:
         if not isinstance(cfg, Config):
             raise TypeError(f"cfg: got {type(cfg).__name__}; expected moe_a2a.Config")
@@ -204,8 +206,14 @@ class ExpertParallel:
         self.id = next(_ids)
         self._seq = itertools.count(1)
         self._live = 0
+        # The instances share one engine per process (moe_a2a.fabric.lease_engine).
         opts = dict(
-            comm=comm, device=device, provider=provider, ranks_per_node=ranks_per_node, num_nics=num_nics
+            comm=comm,
+            device=device,
+            provider=provider,
+            ranks_per_node=ranks_per_node,
+            num_nics=num_nics,
+            nics=nics,
         )
         self.forward_a2a = AllToAll(cfg, **opts)
         if cfg.dispatch_dtype == grad_dtype and cfg.combine_dtype == grad_dtype:

@@ -45,7 +45,7 @@ class MoeA2ATokenDispatcher(BaseEPTokenDispatcher):
         grad_dtype: str = "bf16"  # what gradients travel in, whatever dispatch_dtype is
         provider: str = "auto"
         ranks_per_node: int | None = None
-        num_nics: int = 1
+        num_nics: int | None = None  # default: MOE_A2A_NUM_NICS (the job presets), else 1
         max_recv_tokens: int | None = None  # default: the worst case (every copy to one rank)
         timeout_s: float = 60.0
 
