@@ -29,7 +29,7 @@ def test_bench_a2a_runs_and_checks(baseline: str, tmp_path: Path, capsys: pytest
     out = Path(COMM.bcast(str(tmp_path / "a2a.json")))
     args = parse(
         [
-            "--shape",
+            "--mode",
             "decode",
             "--tokens",
             "8",

@@ -53,7 +53,7 @@ def test_argparse_refuses_bad_values(
     [
         (["--num-experts", "10"], 4, "--num-experts: got 10"),
         (["--num-experts", "4", "--topk", "5"], 2, "--topk: got 5"),
-        (["--shape", "decode"], 1, "--shape: got 'decode'"),
+        (["--mode", "decode"], 1, "--mode: got 'decode'"),
         (["--baseline", "gloo"], 2, "--baseline: got 'gloo'"),
     ],
 )

@@ -1,7 +1,7 @@
 """`moe-a2a bench a2a`: dispatch and combine latency against an MPI baseline.
 
 Run under mpirun, for example
-    mpirun -n 4 --oversubscribe moe-a2a bench a2a --shape decode --ranks-per-node 1
+    mpirun -n 4 --oversubscribe moe-a2a bench a2a --mode decode --ranks-per-node 1
 
 Both sides move the same tokens in the same run, iteration by iteration:
 - moe-a2a: `AllToAll.dispatch` (fp8 quantisation included) and `AllToAll.combine`;
@@ -232,7 +232,7 @@ def main(args: argparse.Namespace) -> int:
         return train.main(args)
     if args.grad_dtype is not None:
         raise SystemExit("bench a2a: --grad-dtype: only used with --train")
-    args.shape = args.shape or "both"
+    args.mode = args.mode or "both"
     args.dispatch_dtype = args.dispatch_dtype or "fp8"
     if args.device == "cuda" and args.baseline is None:
         return _run_cuda(args)
@@ -245,7 +245,7 @@ def main(args: argparse.Namespace) -> int:
         device = torch.device("cpu")
     args.baseline = args.baseline or "mpi"
     exchange = make_exchange(args, comm, device)
-    shapes = list(SHAPES) if args.shape == "both" else [args.shape]
+    shapes = list(SHAPES) if args.mode == "both" else [args.mode]
     results = [run_shape(name, args, comm, exchange, device) for name in shapes]
     if hasattr(exchange, "close"):
         exchange.close()
@@ -288,7 +288,7 @@ def _run_cuda(args: argparse.Namespace) -> int:
     from moe_a2a.bench import a2a_cuda
 
     cuda_args = argparse.Namespace(
-        shapes=list(SHAPES) if args.shape == "both" else [args.shape],
+        shapes=list(SHAPES) if args.mode == "both" else [args.mode],
         iters=args.iters,
         warmup=args.warmup,
         rounds=4,
@@ -302,7 +302,12 @@ def _run_cuda(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("a2a", help="dispatch/combine latency against an MPI Alltoallv baseline")
-    p.add_argument("--shape", choices=[*SHAPES, "both"], default=None, help="default: both")
+    p.add_argument(
+        "--mode",
+        choices=[*SHAPES, "both"],
+        default=None,
+        help="decode, prefill or both (default: both); the name `run --mode` uses",
+    )
     p.add_argument("--tokens", type=POSITIVE, help="tokens per rank (overrides the shape)")
     p.add_argument("--hidden", type=POSITIVE)
     p.add_argument("--num-experts", type=POSITIVE)

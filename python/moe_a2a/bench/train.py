@@ -61,9 +61,9 @@ class TrainArgumentError(ValueError):
 
 def check_args(args: argparse.Namespace, world: int) -> dict[str, int]:
     """Validate the flags of `bench a2a --train` for `world` ranks; return the shape."""
-    if args.shape is not None:
+    if args.mode is not None:
         raise TrainArgumentError(
-            f"--shape: got {args.shape!r}; --train runs the DeepSeek-V3 training shape "
+            f"--mode: got {args.mode!r}; --train runs the DeepSeek-V3 training shape "
             "(shrink it with --tokens, --hidden, --num-experts, --topk)"
         )
     if args.baseline is not None:

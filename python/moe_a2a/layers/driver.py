@@ -70,7 +70,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "step per iteration, with prefill's token count (default: %(default)s)",
     )
     # Not `choices`: an unknown preset gets one line naming it and the valid ones.
-    run.add_argument("--model", required=True, metavar="PRESET", help=f"model preset: {', '.join(PRESETS)}")
+    run.add_argument(
+        "--model",
+        default="tiny",
+        metavar="PRESET",
+        help=f"model preset: {', '.join(PRESETS)} (default: %(default)s, as jobs/run-local.sh)",
+    )
     run.add_argument(
         "--iters", type=int, default=20, metavar="N", help="measured iterations (default: %(default)s)"
     )
