@@ -48,6 +48,10 @@ from typing import Any
 
 import pytest
 
+# Tests check fabric errors as exceptions; under mpirun the library would end the
+# job on one instead (abort_on_error). tests/unit/test_abort_on_error.py turns it back on.
+os.environ.setdefault("MOE_A2A_ABORT_ON_ERROR", "0")
+
 _seed: int | None = None  # the job's seed, fixed in pytest_configure
 _host_peers: list[tuple[int, int]] = []  # (rank, pid) of the other ranks on this host
 _stacks_file: Any = None  # where this rank dumps its stacks when a peer asks (SIGUSR1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import sys
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ DEVICES = ("cpu", "cuda")
 PATHS = ("same_node", "fabric")
 
 CapacityError = _core.CapacityError
+FabricError = _core.FabricError
 
 # Identity of each AllToAll in this process: handles carry it, so one instance
 # never reads buffers sized from another instance's handle.
@@ -168,7 +170,10 @@ class AllToAll:
         num_nics: int | None = None,
         graph_safe: bool = False,
         nics: Sequence[str] | str | None = None,
+        abort_on_error: bool | None = None,
     ) -> None:
+        if abort_on_error is not None and not isinstance(abort_on_error, bool):
+            raise ValueError(f"abort_on_error: got {abort_on_error!r}; expected True, False or None")
         if not isinstance(cfg, Config):
             raise TypeError(f"cfg: got {type(cfg).__name__}; expected moe_a2a.Config")
         if device not in DEVICES:
@@ -191,6 +196,10 @@ class AllToAll:
         self._boot = Bootstrap(comm, ranks_per_node)
         topo = self._boot.topology
         self.rank, self.world_size = topo.rank, topo.world_size
+        # A survivor that only raised would wait in MPI_Finalize for peers that wait for it.
+        if abort_on_error is None:
+            abort_on_error = switches.get("MOE_A2A_ABORT_ON_ERROR")
+        self.abort_on_error = self._boot.launched_by_mpi if abort_on_error is None else bool(abort_on_error)
         # Before anything is sized from cfg: ranks that differ would fail apart, or not at all.
         check_agreement(
             self._boot, all_to_all_settings(cfg, device, provider, topo.local_size, num_nics, graph_safe)
@@ -507,6 +516,13 @@ class AllToAll:
             raise
         except Exception as exc:
             self._failure = str(exc)
+            if self.abort_on_error and isinstance(exc, FabricError):
+                sys.stderr.write(
+                    f"moe-a2a: rank {self.rank}: {exc}\nmoe-a2a: rank {self.rank}: ending the job "
+                    "(abort_on_error; MOE_A2A_ABORT_ON_ERROR=0 raises instead)\n"
+                )
+                sys.stderr.flush()
+                self._boot.abort(1)
             raise
 
     # -- statistics and teardown ------------------------------------------------------------------

@@ -94,6 +94,12 @@ class Bootstrap:
 
             dist.barrier(group=self._torch_group)
 
+    @property
+    def launched_by_mpi(self) -> bool:
+        """An mpi4py communicator under an MPI launcher (mpirun, srun), which MPI_Abort ends whole."""
+        launcher = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_PROCID")
+        return self._comm is not None and any(v in os.environ for v in launcher)
+
     def abort(self, code: int = 1) -> None:
         """End every rank of the job (used when one rank fails)."""
         if self._comm is not None:

@@ -68,6 +68,12 @@ REGISTRY: dict[str, Switch] = {
         ),
         Switch("MOE_A2A_NUM_NICS", "int", 1, "NICs per rank where num_nics is not given (presets set it)"),
         Switch(
+            "MOE_A2A_ABORT_ON_ERROR",
+            "bool",
+            None,
+            "end the whole job on a fatal fabric error (default: on under mpirun or srun)",
+        ),
+        Switch(
             "MOE_A2A_CUDA_PDL",
             "bool",
             True,
