@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from moe_a2a.all_to_all import AllToAll, Config, Dispatched
+from moe_a2a.all_to_all import AllToAll, Config, Dispatched, _describe
 from moe_a2a.kernels.scale_dot import scale_dot
 from moe_a2a.reference import dequantize_fp8
 
@@ -389,13 +389,6 @@ class ExpertParallel:
     def _drop_handle(self) -> None:
         self._live -= 1
 
-    def _zero_padding(self, rows: torch.Tensor, h: RoutingHandle) -> torch.Tensor:
-        """Padding rows hold whatever the buffers held: never let them into a gradient."""
-        if h.real_rows is None:
-            return rows
-        mask = h.real_rows.view(-1, *([1] * (rows.dim() - 1)))
-        return torch.where(mask, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
-
     def _forward_dispatch_send(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, side: bool
     ) -> None:
@@ -439,7 +432,7 @@ class ExpertParallel:
         expert_x = d.expert_x
         if d.expert_x_scale is not None:
             expert_x = dequantize_fp8(expert_x, d.expert_x_scale)
-        return self._zero_padding(expert_x.to(x_dtype), h), h
+        return expert_x.to(x_dtype), h
 
     def _forward_combine_send(self, y: torch.Tensor, h: RoutingHandle, weighted: bool) -> None:
         """The forward combine's send half; it also closes the side channel's forward round."""
@@ -469,7 +462,7 @@ class ExpertParallel:
         if h.weights_grad:
             self._side.dispatch_recv()
             self._side.open = h
-        return self._zero_padding(d.expert_x, h)
+        return d.expert_x
 
     def _backward_dispatch(
         self, grad_rows: torch.Tensor | None, grad_row_weights: torch.Tensor | None, h: RoutingHandle
@@ -482,7 +475,7 @@ class ExpertParallel:
             self._bwd.dispatch(zeros, h, closable=True)
         if grad_rows is None:
             grad_rows = torch.zeros(h.num_rows, self.cfg.hidden, dtype=gd, device=self.device)
-        self._bwd.combine_send(self._zero_padding(grad_rows.to(gd), h).contiguous(), h, weighted=False)
+        self._bwd.combine_send(grad_rows.to(gd).contiguous(), h, weighted=False)
         weights = grad_row_weights is not None and grad_row_weights.numel() == h.num_rows
         if weights:
             assert grad_row_weights is not None and h.row_k is not None
@@ -490,7 +483,7 @@ class ExpertParallel:
                 self._side.dispatch(self._side_zeros(h), h, closable=True)
             # Row r's gradient in column k_r: summing a token's rows gives [T, K] exactly.
             back = torch.zeros(h.num_rows, 2 * K, dtype=torch.float32, device=self.device)
-            g = self._zero_padding(grad_row_weights.to(torch.float32), h)
+            g = grad_row_weights.to(torch.float32)
             back.scatter_(1, h.row_k[:, None], g[:, None])
             self._side.combine_send(back, h, weighted=False)
         grad_x = self._bwd.combine_recv()
@@ -604,9 +597,3 @@ class _CombineFn(torch.autograd.Function):
         else:
             grad_y = rows
         return None, None, grad_y.to(ctx.y_dtype), grad_w, None, None
-
-
-def _describe(t: Any) -> str:
-    if not isinstance(t, torch.Tensor):
-        return f"a {type(t).__name__}"
-    return f"a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
