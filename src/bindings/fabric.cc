@@ -34,14 +34,15 @@ void bind_fabric(nb::module_& m) {
   m.def("make_imm", &make_imm, nb::arg("tag"), nb::arg("peer"));
   m.def(
       "split_write",
-      [](int peer, uint64_t length, int num_nics, uint64_t threshold) {
+      [](int slot, uint64_t length, int num_nics, uint64_t threshold) {
         std::vector<std::tuple<int, uint64_t, uint64_t>> out;
-        for (const auto& p : split_write(peer, length, num_nics, threshold)) out.emplace_back(p.nic, p.offset, p.length);
+        for (const auto& p : split_write(slot, length, num_nics, threshold)) out.emplace_back(p.nic, p.offset, p.length);
         return out;
       },
-      nb::arg("peer"), nb::arg("length"), nb::arg("num_nics"), nb::arg("threshold"),
+      nb::arg("slot"), nb::arg("length"), nb::arg("num_nics"), nb::arg("threshold"),
       "Pieces (nic, offset, length) of one write.");
-  m.def("nic_for_peer", &nic_for_peer, nb::arg("peer"), nb::arg("num_nics"));
+  m.def("nic_for_peer", &nic_for_peer, nb::arg("slot"), nb::arg("num_nics"));
+  m.def("peer_slot", &peer_slot, nb::arg("rank"), nb::arg("peer"), nb::arg("world"));
   m.def(
       "encode_address",
       [](const std::string& provider, const std::vector<nb::bytes>& nics) {

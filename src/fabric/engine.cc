@@ -203,7 +203,7 @@ void TransferEngine::add_job(std::vector<Job>* jobs, OpKind op, const Region& sr
     w.write.delivery_complete = !final_piece || !tag.has_value();
     return w;
   };
-  std::vector<Piece> pieces = split_write(dst.peer, length, num_nics(), opts_.split_threshold);
+  std::vector<Piece> pieces = split_write(peer_slot(rank_, dst.peer, world_), length, num_nics(), opts_.split_threshold);
   Job job;
   job.op = op;
   for (size_t i = 0; i + 1 < pieces.size(); ++i) job.lead.push_back(piece(pieces[i], false));

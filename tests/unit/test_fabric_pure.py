@@ -245,6 +245,23 @@ def test_nic_for_peer_shards_peers_round_robin() -> None:
         assert max(counts) - min(counts) <= 1
 
 
+def test_peer_slots_spread_every_ranks_peers_over_its_nics() -> None:
+    # Egress: each rank's peers; ingress: the writes that reach each rank, on the NIC
+    # index the sender chose (a write lands on the receiver's NIC of the same index).
+    for world, nics in itertools.product(range(2, 17), (1, 2, 3, 4)):
+        def nic(src: int, dst: int, world: int = world, nics: int = nics) -> int:
+            return _core.nic_for_peer(_core.peer_slot(src, dst, world), nics)
+
+        for rank in range(world):
+            out = [nic(rank, p) for p in range(world) if p != rank]
+            inc = [nic(s, rank) for s in range(world) if s != rank]
+            for load in (out, inc):
+                counts = [load.count(n) for n in range(nics)]
+                assert max(counts) - min(counts) <= 1, (world, nics, rank, out, inc)
+    # The case the testbed found: 3 ranks, 2 NICs; rank 1's peers 0 and 2 shared NIC 0
+    assert sorted(_core.nic_for_peer(_core.peer_slot(1, p, 3), 2) for p in (0, 2)) == [0, 1]
+
+
 def test_nic_for_peer_agrees_with_unsplit_writes() -> None:
     for peer, nics in itertools.product(range(10), (1, 2, 4)):
         assert _split(peer, 100, nics, 1 << 20) == [(_core.nic_for_peer(peer, nics), 0, 100)]
