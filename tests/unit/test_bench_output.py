@@ -153,6 +153,24 @@ def test_bench_a2a_cuda_rows_and_table() -> None:
     assert cells(lines[0]) == [h for _, h in a2a_cuda.COLUMNS]
     assert "baseline/moe-a2a" in cells(lines[0]) and cells(lines[2])[5] == "25"
     assert cells(lines[-1])[-4:] == ["2000.0", "4.00", "250.0", "200.0"]
+    res.update(ranks_per_node=1, fill_gbs=3000.0)
+    args = argparse.Namespace(provider="shm", iters=10, warmup=3, rounds=4, shapes=["decode"])
+    config = a2a_cuda.format_config(a2a_cuda.settings_of(args, 1, [res])).splitlines()
+    assert config[0] == "moe-a2a bench a2a --device cuda"
+    assert "decode 128 tokens/rank, hidden 7168, 256 experts, top-8" in config[6]
+    assert [line.split(":")[0].strip() for line in config[1:]] == [
+        *(
+            "ranks",
+            "provider",
+            "device",
+            "baseline",
+            "payloads",
+            "sizes",
+            "iterations",
+            "ceilings",
+            "switches",
+        )
+    ]
 
 
 def test_bench_fabric_columns_use_the_same_words() -> None:

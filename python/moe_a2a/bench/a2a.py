@@ -249,7 +249,7 @@ def format_config(s: dict[str, Any]) -> str:
             "ranks": f"{s['world']} ({s['ranks_per_node']} per node)",
             "provider": s["provider"],
             "device": s["device"],
-            "baseline": f"{s['baseline']} ({BASELINE_WHAT[s['baseline']]})",
+            "baseline": f"{s['baseline']}: {BASELINE_WHAT[s['baseline']]}",
             "payloads": f"dispatch {s['dispatch_dtype']}, combine {s['combine_dtype']}",
             "sizes": shapes,
             "iterations": f"{s['iters']} timed after {s['warmup']} warm-up",
@@ -258,10 +258,11 @@ def format_config(s: dict[str, Any]) -> str:
     )
 
 
+# What each baseline is (moe_a2a/bench/baseline.py), for the configuration block.
 BASELINE_WHAT = {
-    "MPI": "MPI Alltoallv, moe_a2a.bench.baseline",
-    "GLOO": "torch.distributed all_to_all_single on gloo",
-    "NCCL": "torch.distributed all_to_all_single on NCCL",
+    "MPI": "Alltoallv of the counts, then of rows that carry their expert ids",
+    "GLOO": "torch.distributed all_to_all_single on gloo, the same exchange",
+    "NCCL": "torch.distributed all_to_all_single on NCCL, the same exchange",
 }
 NOTE = (
     f"{report.RATIO_NOTE}; each phase is the slowest rank's, after a barrier; "
@@ -372,7 +373,7 @@ def add_parser(subparsers: Any) -> None:
         choices=[*SHAPES, "both"],
         default=None,
         help="decode (128 tokens/rank) or prefill (1024), DeepSeek-V3's hidden 7168, 256 experts, top-8; "
-        "the name `run --mode` uses (default: both; with --train the training shape)",
+        "the name `run --mode` uses (default: both; --train runs its training shape instead)",
     )
     p.add_argument("--tokens", type=POSITIVE, help="tokens per rank (default: the shape's)")
     p.add_argument("--hidden", type=POSITIVE, help="hidden size (default: the shape's, 7168)")
@@ -413,6 +414,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--output",
         type=report.output_path,
+        metavar="PATH",
         default=None,
         help="also write the figures to PATH: .csv (one row per line) or .json (rows with the version, "
         "command and settings) (default: none)",

@@ -448,6 +448,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output",
         type=report.output_path,
+        metavar="PATH",
         default=None,
         help="write the rows to PATH: .csv or .json with the version, command and settings (default: none)",
     )

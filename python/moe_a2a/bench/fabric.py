@@ -129,6 +129,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--output",
         type=report.output_path,
+        metavar="PATH",
         default=None,
         help="also write the figures to PATH: .csv (one row per size) or .json (rows with the version, "
         "command and settings) (default: none)",
