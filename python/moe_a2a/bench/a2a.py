@@ -16,6 +16,10 @@ first iteration both combine outputs are compared.
 
 `--device cuda` without `--baseline` runs the per-phase CUDA benchmark
 (`moe_a2a.bench.a2a_cuda`: bandwidth against the copy ceiling, torch-native).
+
+Rank 0 draws a progress bar on stderr while it runs, then prints what ran (the
+configuration block) and one table (`COLUMNS`, in moe_a2a.report's style and
+words); `--output` writes the same rows as CSV or JSON.
 """
 
 from __future__ import annotations
@@ -225,6 +229,18 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return report.columns_table(COLUMNS, rows, default=".0f")
 
 
+# What each baseline is (moe_a2a/bench/baseline.py), for the configuration block.
+BASELINE_WHAT = {
+    "MPI": "Alltoallv of the counts, then of rows that carry their expert ids",
+    "GLOO": "torch.distributed all_to_all_single on gloo, the same exchange",
+    "NCCL": "torch.distributed all_to_all_single on NCCL, the same exchange",
+}
+NOTE = (
+    f"{report.RATIO_NOTE}; each phase is the slowest rank's, after a barrier; "
+    "total = dispatch + combine of each iteration"
+)
+
+
 def settings_of(args: argparse.Namespace, world: int, ranks_per_node: int, exchange: Any) -> dict[str, Any]:
     """The run's configuration, for the block above the table and the JSON."""
     return dict(
@@ -256,18 +272,6 @@ def format_config(s: dict[str, Any]) -> str:
             "switches": report.switches_set(),
         },
     )
-
-
-# What each baseline is (moe_a2a/bench/baseline.py), for the configuration block.
-BASELINE_WHAT = {
-    "MPI": "Alltoallv of the counts, then of rows that carry their expert ids",
-    "GLOO": "torch.distributed all_to_all_single on gloo, the same exchange",
-    "NCCL": "torch.distributed all_to_all_single on NCCL, the same exchange",
-}
-NOTE = (
-    f"{report.RATIO_NOTE}; each phase is the slowest rank's, after a barrier; "
-    "total = dispatch + combine of each iteration"
-)
 
 
 def _provider_name(provider: str) -> str:
