@@ -79,12 +79,10 @@ def _info(args: argparse.Namespace) -> int:
 def _print_switches() -> None:
     """Every environment switch, who reads it, and its value now (moe_a2a.switches)."""
     from moe_a2a import switches
+    from moe_a2a.report import table
 
-    rows = switches.table()
-    width = max(len(r[0]) for r in rows)
     print("environment switches (docs/running.md):")
-    for name, where, now, doc in rows:
-        print(f"  {name:<{width}}  {where:<7}  {now}  - {doc}")
+    print(table(["switch", "read by", "value now", "what it does"], switches.table()))
 
 
 def _info_nics(args: argparse.Namespace) -> None:

@@ -565,20 +565,6 @@ def gather_trace(
     return trace
 
 
-def percentiles_us(
-    values_ns: np.ndarray, qs: tuple[float, ...] = (50, 90, 99)
-) -> dict[str, float | int | None]:
-    """n, p<q>, mean and max in microseconds of the finite values; None when there are none."""
-    v = np.asarray(values_ns, dtype=np.float64).ravel()
-    v = v[np.isfinite(v)] / 1e3
-    out: dict[str, float | int | None] = {"n": int(v.size)}
-    for q in qs:
-        out[f"p{q:g}"] = float(np.percentile(v, q)) if v.size else None
-    out["mean"] = float(v.mean()) if v.size else None
-    out["max"] = float(v.max()) if v.size else None
-    return out
-
-
 def median_iteration(trace: RunTrace) -> int:
     """The iteration whose span (earliest start to latest end over all ranks) is the median one."""
     _, end = trace.aligned_ns()

@@ -135,7 +135,7 @@ def skip_iterations(trace: RunTrace, n: int, path: str = "trace") -> RunTrace:
 
 def summarize(trace: RunTrace) -> dict[str, Any]:
     """Percentiles per phase (and `total`) in microseconds, overall and per rank; JSON-ready."""
-    from moe_a2a.trace import percentiles_us
+    from moe_a2a.report import percentiles_us
 
     durations = trace.durations_ns()  # [ranks, iters, phases]
     total = trace.total_ns()  # [ranks, iters]
@@ -162,25 +162,6 @@ def summarize(trace: RunTrace) -> dict[str, Any]:
     }
 
 
-def _fmt(value: float | None, spec: str = ".1f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
-    """Columns padded to their widest cell; the first `left` columns left-aligned, the rest right-aligned."""
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]
-
-    def line(cells: Sequence[str]) -> str:
-        parts = [
-            str(c).ljust(w) if i < left else str(c).rjust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        ]
-        return "  ".join(parts).rstrip()
-
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line(headers), rule, *(line(r) for r in rows)])
-
-
 def _config_line(config: dict[str, Any]) -> str:
     scalars = [f"{k}={v}" for k, v in config.items() if isinstance(v, (str, int, float, bool)) or v is None]
     return "config: " + (" ".join(scalars) if scalars else "(none)")
@@ -188,6 +169,8 @@ def _config_line(config: dict[str, Any]) -> str:
 
 def format_summary(summary: dict[str, Any], path: str) -> str:
     """The summary as text: a header, the overall table, then one block per rank."""
+    from moe_a2a.report import table
+
     q = [f"p{x}" for x in QUANTILES]
     nhosts = len(set(summary["hosts"]))
     out = [
@@ -202,16 +185,16 @@ def format_summary(summary: dict[str, Any], path: str) -> str:
     rows = []
     for p in summary["phases"]:
         s = summary["overall"][p]
-        rows.append([p, str(s["n"]), *(_fmt(s[k]) for k in q), _fmt(s["max"])])
-    out.append(format_table(["phase", "n", *q, "max"], rows))
+        rows.append([p, s["n"], *(s[k] for k in q), s["max"]])
+    out.append(table(["phase", "n", *(f"{k} (us)" for k in q), "max (us)"], rows))
     out += ["", "per rank"]
     rows = []
     for entry in summary["per_rank"]:
         for i, p in enumerate(summary["phases"]):
             s = entry["phases"][p]
-            lead = [str(entry["rank"]), entry["host"]] if i == 0 else ["", ""]
-            rows.append([*lead, p, str(s["n"]), *(_fmt(s[k]) for k in q)])
-    out.append(format_table(["rank", "host", "phase", "n", *q], rows, left=3))
+            lead = [entry["rank"], entry["host"]] if i == 0 else [None, None]
+            rows.append([*lead, p, s["n"], *(s[k] for k in q)])
+    out.append(table(["rank", "host", "phase", "n", *(f"{k} (us)" for k in q)], rows))
     return "\n".join(out)
 
 
@@ -230,12 +213,10 @@ def _cmd_summary(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- compare
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or a == 0 else b / a
-
-
 def compare(a: RunTrace, b: RunTrace) -> dict[str, Any]:
-    """p50 and p99 of every phase of A and B (overall), with ratios B/A; JSON-ready."""
+    """p50 and p99 of every phase of A (the baseline) and B (overall), with ratios A/B; JSON-ready."""
+    from moe_a2a.report import ratio
+
     sa, sb = summarize(a)["overall"], summarize(b)["overall"]
     names = [*a.phases, *(p for p in b.phases if p not in a.phases)]
     names = [p for p in names if p != TOTAL] + [TOTAL]
@@ -245,7 +226,7 @@ def compare(a: RunTrace, b: RunTrace) -> dict[str, Any]:
         row: dict[str, Any] = {}
         for k in ("p50", "p99"):
             row[f"a_{k}"], row[f"b_{k}"] = pa.get(k), pb.get(k)
-            row[f"ratio_{k}"] = _ratio(pa.get(k), pb.get(k))
+            row[f"ratio_{k}"] = ratio(pa.get(k), pb.get(k))  # A/B: above 1, B is faster
         rows[p] = row
     keys = sorted(set(a.config) | set(b.config))
     differ = {k: [a.config.get(k), b.config.get(k)] for k in keys if a.config.get(k) != b.config.get(k)}
@@ -253,23 +234,19 @@ def compare(a: RunTrace, b: RunTrace) -> dict[str, Any]:
 
 
 def format_compare(result: dict[str, Any], path_a: str, path_b: str) -> str:
-    """The comparison as an aligned table."""
-    out = [f"A: {path_a}", f"B: {path_b}"]
+    """The comparison as a table, A the baseline: the ratio reads as `run` and `bench` ratios do."""
+    from moe_a2a.report import table
+
+    out = [f"A (baseline): {path_a}", f"B: {path_b}"]
     for k, (va, vb) in result["config_differences"].items():
         out.append(f"config {k}: A={va} B={vb}")
-    out += ["durations in microseconds, all ranks and iterations; ratio = B/A (< 1: B is faster)", ""]
-    rows = []
-    for p, r in result["phases"].items():
-        rows.append(
-            [
-                p,
-                *(_fmt(r[k]) for k in ("a_p50", "b_p50")),
-                _fmt(r["ratio_p50"], ".2f"),
-                *(_fmt(r[k]) for k in ("a_p99", "b_p99")),
-                _fmt(r["ratio_p99"], ".2f"),
-            ]
-        )
-    out.append(format_table(["phase", "A p50", "B p50", "B/A", "A p99", "B p99", "B/A"], rows))
+    out.append("durations in microseconds, all ranks and iterations")
+    out.append("")
+    keys = ("a_p50", "b_p50", "ratio_p50", "a_p99", "b_p99", "ratio_p99")
+    rows = [[p, *(r[k] for k in keys)] for p, r in result["phases"].items()]
+    head = ["phase", "A p50 (us)", "B p50 (us)", "A/B p50", "A p99 (us)", "B p99 (us)", "A/B p99"]
+    out.append(table(head, rows, [".1f", ".1f", ".1f", ".2f", ".1f", ".1f", ".2f"]))
+    out.append("(A/B = A's time / B's time: above 1, B is faster)")
     return "\n".join(out)
 
 

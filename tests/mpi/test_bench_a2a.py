@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 from pathlib import Path
@@ -22,45 +23,64 @@ def parse(extra: list[str]) -> argparse.Namespace:
     return parser.parse_args(["a2a", *extra])
 
 
+def tiny(baseline: str, output: Path, *more: str) -> list[str]:
+    return [
+        *("--mode", "decode", "--tokens", "8", "--hidden", "256", "--num-experts", str(4 * COMM.Get_size())),
+        *("--topk", "2", "--iters", "2", "--warmup", "1", "--baseline", baseline, "--provider", PROVIDER),
+        *("--ranks-per-node", "1", "--output", str(output), *more),
+    ]
+
+
+def cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("baseline", ["mpi", "gloo"])
 def test_bench_a2a_runs_and_checks(baseline: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = Path(COMM.bcast(str(tmp_path / "a2a.json")))
-    args = parse(
-        [
-            "--mode",
-            "decode",
-            "--tokens",
-            "8",
-            "--hidden",
-            "256",
-            "--num-experts",
-            str(4 * COMM.Get_size()),
-            "--topk",
-            "2",
-            "--iters",
-            "2",
-            "--warmup",
-            "1",
-            "--baseline",
-            baseline,
-            "--provider",
-            PROVIDER,
-            "--ranks-per-node",
-            "1",
-            "--output",
-            str(out),
-        ]
-    )
     # run_shape compares both combine outputs on the first iteration and raises on a mismatch.
-    assert a2a.main(args) == 0
+    assert a2a.main(parse(tiny(baseline, out, "--progress", "always"))) == 0
     COMM.Barrier()
-    if COMM.Get_rank() == 0:
-        table = capsys.readouterr().out
-        assert f"baseline: {baseline.upper()}" in table and "decode" in table
-        doc = json.loads(out.read_text())
-        assert doc["benchmark"] == "a2a" and "switches" in doc and doc["moe_a2a_version"]
-        (result,) = doc["results"]
-        assert result["baseline"] == baseline.upper() and result["world"] == COMM.Get_size()
-        assert all(v > 0 for v in result["ours_dispatch"] + result["mpi_combine"])
+    captured = capsys.readouterr()
+    # The bar is rank 0's, on stderr; no other rank draws one, and none goes to stdout.
+    assert ("decode:" in captured.err) == (COMM.Get_rank() == 0), captured.err
+    assert "it/s" not in captured.out
+    if COMM.Get_rank() != 0:
+        return
+    lines = captured.out.splitlines()
+    # The configuration, then the table.
+    assert lines[0] == "moe-a2a bench a2a"
+    head = next(i for i, line in enumerate(lines) if line.startswith("| shape"))
+    config = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:head] if line.strip())}
+    assert config["ranks"] == f"{COMM.Get_size()} (1 per node)" and config["provider"] == PROVIDER
+    assert config["device"] == "cpu" and config["baseline"].startswith(baseline.upper())
+    assert config["payloads"] == "dispatch fp8, combine bf16" and config["switches"]
+    assert config["sizes"] == f"decode 8 tokens/rank, hidden 256, {4 * COMM.Get_size()} experts, top-2"
+    assert cells(lines[head]) == [h for _, h in a2a.COLUMNS]
+    assert [cells(line)[2] for line in lines[head + 2 : head + 5]] == ["dispatch", "combine", "total"]
+    assert "baseline/moe-a2a = baseline p50 / moe-a2a p50: above 1, moe-a2a is faster" in captured.out
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "a2a" and "switches" in doc and doc["moe_a2a_version"] and doc["command"]
+    assert doc["settings"]["world"] == COMM.Get_size() and doc["settings"]["baseline"] == baseline.upper()
+    assert [r["phase"] for r in doc["rows"]] == ["dispatch", "combine", "total"]
+    for r in doc["rows"]:
+        assert 0 < r["moe_a2a_p50_us"] <= r["moe_a2a_p99_us"] and 0 < r["baseline_p50_us"]
+        assert r["ratio"] == pytest.approx(r["baseline_p50_us"] / r["moe_a2a_p50_us"])
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(240)
+def test_bench_a2a_writes_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = Path(COMM.bcast(str(tmp_path / "a2a.csv")))
+    assert a2a.main(parse(tiny("mpi", out, "--progress", "never"))) == 0
+    COMM.Barrier()
+    assert capsys.readouterr().err == ""  # --progress never: no bar on any rank
+    if COMM.Get_rank() != 0:
+        return
+    with out.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["phase"] for r in rows] == ["dispatch", "combine", "total"]
+    assert {"shape", "tokens", "moe_a2a_p50_us", "baseline_p99_us", "ratio"} <= set(rows[0])
+    assert all(float(r["moe_a2a_p50_us"]) > 0 for r in rows)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from moe_a2a.bench import a2a
+from moe_a2a.bench import a2a, train
 
 COMM = MPI.COMM_WORLD
 PROVIDER = os.environ.get("MOE_A2A_TEST_PROVIDER", "tcp")
@@ -70,20 +70,34 @@ def test_bench_train_runs_and_agrees(dtype: str, tmp_path: Path, capsys: pytest.
         print(f"TorchTitan baselines: skipped {result['skipped']}; checking the rows that ran")
     rows = result["rows"]
     phases = ("fwd", "fwd+bwd")
-    assert [(r["contender"], r["phase"]) for r in rows] == [(c, p) for c in expected for p in phases]
+    # One row per phase and baseline that ran; moe-a2a's alone where none did.
+    assert [(r["phase"], r["baseline"]) for r in rows] == [
+        (p, b) for p in phases for b in (expected[1:] or [None])
+    ]
+    settings = result["settings"]
+    assert (
+        settings["world"] == world
+        and settings["dispatch_dtype"] == dtype
+        and settings["grad_dtype"] == "bf16"
+    )
     for r in rows:
-        assert r["world"] == world and r["dispatch_dtype"] == dtype and r["grad_dtype"] == "bf16"
-        assert 0 < r["p50_us"] <= r["p90_us"] <= r["p99_us"]
-        assert r["ratio_vs_ours"] > 0
-    assert all(r["ratio_vs_ours"] == 1.0 for r in rows if r["contender"] == "moe-a2a")
+        assert 0 < r["moe_a2a_p50_us"] <= r["moe_a2a_p90_us"] <= r["moe_a2a_p99_us"]
+        if r["baseline"] is not None:
+            assert r["ratio"] == pytest.approx(r["baseline_p50_us"] / r["moe_a2a_p50_us"])
+        else:
+            assert r["baseline_p50_us"] is None and r["ratio"] is None
     assert [a["baseline"] for a in result["agreement"]] == expected[1:]
     assert all(a["ok"] for a in result["agreement"])
-    assert result["max_recv_tokens"] >= 1 and result["iters"] == 2
+    assert result["max_recv_tokens"] >= 1 and settings["iters"] == 2
     if world > 1:
         assert "LocalTokenDispatcher" in result["skipped"]
-    for name in expected:
-        assert f"{name} " in text
-    assert "vs moe-a2a = contender median / moe-a2a median" in text
+    lines = text.splitlines()
+    assert lines[0] == "moe-a2a bench a2a --train"
+    head = next(line for line in lines if line.startswith("| phase"))
+    assert [c.strip() for c in head.strip("|").split("|")] == [h for _, h in train.COLUMNS]
+    for name in expected[1:]:
+        assert f"| {name} " in text
+    assert "baseline/moe-a2a = baseline p50 / moe-a2a p50: above 1, moe-a2a is faster" in text
     for name in expected[1:]:
         assert f"agreement with {name}: ok" in text
 
@@ -97,8 +111,8 @@ def test_bench_train_csv(tmp_path: Path) -> None:
     if COMM.Get_rank() == 0:
         with out.open() as f:
             rows = list(csv.DictReader(f))
-        assert rows[0]["contender"] == "moe-a2a" and rows[0]["phase"] == "fwd"
-        assert {"p50_us", "ratio_vs_ours", "tokens", "provider"} <= set(rows[0])
+        assert rows[0]["phase"] == "fwd"
+        assert {"baseline", "moe_a2a_p50_us", "baseline_p50_us", "ratio"} <= set(rows[0])
 
 
 @pytest.mark.mpi(min_size=2)

@@ -85,7 +85,7 @@ def test_train_verifies_and_traces_the_backward(
     assert "verify: OK" in out, out
     assert len(losses(out)) == 4, out
     for phase in ("dispatch", "experts", "combine", "combine_bwd", "dispatch_bwd", "optimizer"):
-        assert re.search(rf"^{phase}\s", out, re.M), out
+        assert re.search(rf"^\| {phase} ", out, re.M), out  # a row of the summary table
     trace = read_trace(path)
     assert trace.phases == TRAIN_PHASES and trace.config["mode"] == "train"
     recorded = trace.recorded()

@@ -366,13 +366,18 @@ def test_bench_summary_takes_the_slowest_rank() -> None:
     fabric = np.array([[1e-6, 2e-6, 3e-6, 4e-6], [4e-6, 1e-6, 1e-6, 1e-6]])
     mpi = np.full((2, 4), 10e-6)
     row = summarize(1000, 3, fabric, mpi)  # slowest per iteration: 4, 2, 3, 4 us
-    assert row.fabric_median_us == pytest.approx(3.5)
-    assert row.mpi_median_us == pytest.approx(10.0)
-    assert row.ratio == pytest.approx(10 / 3.5)
-    assert row.fabric_gbps == pytest.approx(2 * 1000 / 3.5e-6 / 1e9)
+    assert row.moe_a2a_p50_us == pytest.approx(3.5)
+    assert row.baseline_p50_us == pytest.approx(10.0)
+    assert row.ratio == pytest.approx(10 / 3.5)  # baseline / moe-a2a: above 1, moe-a2a is faster
+    assert row.moe_a2a_gbps == pytest.approx(2 * 1000 / 3.5e-6 / 1e9)
     table = format_table([row]).splitlines()
     assert len(table) == 3 and table[0].count("|") == table[1].count("|") == table[2].count("|") == 9
-    assert table[2].startswith("| 1000 B | 3.5 |")
+    head = [c.strip() for c in table[0].strip("|").split("|")]
+    assert head == [
+        "size per peer", "moe-a2a p50 (us)", "moe-a2a p90 (us)", "baseline p50 (us)", "baseline p90 (us)",
+        "baseline/moe-a2a", "moe-a2a GB/s", "baseline GB/s",
+    ]
+    assert [c.strip() for c in table[2].strip("|").split("|")][:2] == ["1000 B", "3.5"]
 
 
 # ---------------------------------------------------------------- MPI test infrastructure

@@ -56,7 +56,7 @@ PROMISED_ROOTS = (
 #: Dependencies of the recipe that docs/spack.md promises.
 PROMISED_DEPENDENCIES = (
     "cmake", "python", "py-scikit-build-core", "py-nanobind", "pkgconfig", "libfabric", "rdma-core",
-    "mpi", "py-mpi4py", "py-numpy", "py-torch", "py-h5py", "py-matplotlib", "cuda",
+    "mpi", "py-mpi4py", "py-numpy", "py-torch", "py-h5py", "py-tabulate", "py-tqdm", "py-matplotlib", "cuda",
 )
 # fmt: on
 

@@ -404,10 +404,10 @@ def test_summary_text(trace_file: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert run_cli(["summary", str(trace_file)]) == 0
     out = capsys.readouterr().out
     assert "microseconds" in out
-    header = next(line for line in out.splitlines() if line.startswith("phase"))
-    assert header.split() == ["phase", "n", "p50", "p90", "p99", "max"]
+    header = next(line for line in out.splitlines() if line.startswith("| phase"))
+    assert cells(header) == ["phase", "n", "p50 (us)", "p90 (us)", "p99 (us)", "max (us)"]
     for p in (*PHASES, "total"):
-        assert any(line.startswith(p) for line in out.splitlines()), p
+        assert any(line.startswith(f"| {p} ") for line in out.splitlines()), p
     assert "per rank" in out and "node1" in out
 
 
@@ -430,13 +430,24 @@ def test_compare_ratios(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     write_trace(tmp_path / "b.h5", b)
     assert run_cli(["compare", str(tmp_path / "a.h5"), str(tmp_path / "b.h5"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    for p in PHASES:
-        assert data["phases"][p]["ratio_p50"] == pytest.approx(2.0), p
-        assert data["phases"][p]["ratio_p99"] == pytest.approx(2.0), p
+    for p in PHASES:  # A is the baseline: A/B, below 1 as B is slower
+        assert data["phases"][p]["ratio_p50"] == pytest.approx(0.5), p
+        assert data["phases"][p]["ratio_p99"] == pytest.approx(0.5), p
     assert data["config_differences"] == {"mode": ["decode", "prefill"]}
     assert run_cli(["compare", str(tmp_path / "a.h5"), str(tmp_path / "b.h5")]) == 0
     out = capsys.readouterr().out
-    assert "B/A" in out and "2.00" in out and "config mode: A=decode B=prefill" in out
+    header = next(line for line in out.splitlines() if line.startswith("| phase"))
+    assert cells(header) == [
+        *("phase", "A p50 (us)", "B p50 (us)", "A/B p50", "A p99 (us)", "B p99 (us)", "A/B p99")
+    ]
+    experts = next(cells(line) for line in out.splitlines() if line.startswith("| experts "))
+    assert experts[3] == experts[6] == "0.50" and "config mode: A=decode B=prefill" in out
+    assert "A/B = A's time / B's time: above 1, B is faster" in out
+
+
+def cells(line: str) -> list[str]:
+    """The cells of one line of a github-style table."""
+    return [c.strip() for c in line.strip().strip("|").split("|")]
 
 
 def _assert_png(path: Path) -> None:

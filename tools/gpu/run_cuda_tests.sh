@@ -99,7 +99,8 @@ if has bench; then
     timeout "${BENCH_TIMEOUT:-240}" "${MPIRUN[@]}" -n "$n" "$PY" -m moe_a2a.bench.a2a_cuda --shapes decode prefill --iters 10 \
       --provider "$MOE_A2A_TEST_PROVIDER" --json "$OUT/bench.jsonl" ${BENCH_ARGS:-} >"$OUT/bench-n$n.log" 2>&1
     note "bench n=$n: exit $?"
-    grep -v "^\[" "$OUT/bench-n$n.log" | tail -14
+    # The configuration block, the table and its note (about 26 lines for two shapes).
+    grep -v "^\[" "$OUT/bench-n$n.log" | tail -30
   done
 fi
 

@@ -16,19 +16,22 @@ first iteration both combine outputs are compared.
 
 `--device cuda` without `--baseline` runs the per-phase CUDA benchmark
 (`moe_a2a.bench.a2a_cuda`: bandwidth against the copy ceiling, torch-native).
+
+Rank 0 draws a progress bar on stderr while it runs, then prints what ran (the
+configuration block) and one table (`COLUMNS`, in moe_a2a.report's style and
+words); `--output` writes the same rows as CSV or JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from moe_a2a import report
 from moe_a2a.bench.args import int_at_least
 
 if TYPE_CHECKING:
@@ -42,7 +45,7 @@ SHAPES = {
     # Prefill, scaled to what two CPU cores and 24 GiB hold for 4 ranks (flags change it).
     "prefill": dict(tokens=1024, hidden=7168, num_experts=256, topk=8),
 }
-PERCENTILES = (50, 90, 99)
+PHASES = ("dispatch", "combine", "total")
 
 
 @dataclass
@@ -62,10 +65,6 @@ def make_round(seed: int, rank: int, tokens: int, hidden: int, experts: int, top
     ids = torch.argsort(torch.rand(tokens, experts, generator=g), dim=1)[:, :topk].contiguous()
     weights = torch.rand(tokens, topk, generator=g)
     return Round(x, ids, weights)
-
-
-def percentiles_us(samples_ns: np.ndarray) -> list[float]:
-    return [float(np.percentile(samples_ns, p)) / 1e3 for p in PERCENTILES]
 
 
 def timed(comm: Any, fn: Any, device: Any = None) -> tuple[Any, float]:
@@ -134,15 +133,21 @@ def make_exchange(args: argparse.Namespace, comm: Any, device: Any) -> Any:
     return TorchExchange(comm, device)
 
 
-def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, device: Any) -> dict[str, Any]:
+def shape_of(name: str, args: argparse.Namespace) -> dict[str, int]:
+    """The sizes a shape runs: the preset's, with --tokens, --hidden, --num-experts, --topk applied."""
+    shape = dict(SHAPES[name])
+    for key in shape:
+        if getattr(args, key) is not None:
+            shape[key] = getattr(args, key)
+    return shape
 
+
+def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, device: Any) -> dict[str, Any]:
+    """Time one shape; every rank gets the slowest rank's samples (ns) per side and phase."""
     from moe_a2a.all_to_all import AllToAll, Config
     from moe_a2a.bench.baseline import Baseline
 
-    shape = dict(SHAPES[name])
-    for key in ("tokens", "hidden", "num_experts", "topk"):
-        if getattr(args, key) is not None:
-            shape[key] = getattr(args, key)
+    shape = shape_of(name, args)
     rank, world = comm.Get_rank(), comm.Get_size()
     tokens, topk = shape["tokens"], shape["topk"]
     cfg = Config(
@@ -157,12 +162,14 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, dev
         timeout_s=120.0,
     )
     baseline = Baseline(exchange, world, cfg.num_experts, cfg.dispatch_dtype)
-    times: dict[str, list[float]] = {
-        k: [] for k in ("ours_dispatch", "ours_combine", "mpi_dispatch", "mpi_combine")
-    }
-    with AllToAll(
-        cfg, comm=comm, device=device.type, provider=args.provider, ranks_per_node=args.ranks_per_node
-    ) as a2a:
+    times: dict[str, list[float]] = {f"{side}_{p}": [] for side in ("ours", "base") for p in PHASES[:2]}
+    bar = report.progress(args.warmup + args.iters, name, rank=rank, mode=args.progress)
+    with (
+        bar,
+        AllToAll(
+            cfg, comm=comm, device=device.type, provider=args.provider, ranks_per_node=args.ranks_per_node
+        ) as a2a,
+    ):
         for it in range(args.warmup + args.iters):
             r = make_round(it, rank, tokens, cfg.hidden, cfg.num_experts, topk)
             r = Round(r.x.to(device), r.ids.to(device), r.weights.to(device))
@@ -177,49 +184,106 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, dev
             if it == 0:
                 check_agree(out, ref, cfg.dispatch_dtype == "fp8" and device.type == "cuda")
             if it >= args.warmup:
-                times["ours_dispatch"].append(t_d)
-                times["ours_combine"].append(t_c)
-                times["mpi_dispatch"].append(b_d)
-                times["mpi_combine"].append(b_c)
-        topo = a2a._boot.topology
-    result = dict(
-        shape=name,
+                for key, t in zip(times, (t_d, t_c, b_d, b_c), strict=True):
+                    times[key].append(t)
+            bar.update()
+        ranks_per_node = a2a._boot.topology.local_size
+    return dict(shape=name, ranks_per_node=ranks_per_node, **shape, samples_ns=times)
+
+
+def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per phase of a shape: moe-a2a's and the baseline's percentiles (us) and their ratio.
+
+    `total` is each iteration's dispatch + combine, so its percentiles are of those sums.
+    """
+    t = {k: np.asarray(v) for k, v in result["samples_ns"].items()}
+    rows = []
+    for phase in PHASES:
+        if phase == "total":
+            ours, base = t["ours_dispatch"] + t["ours_combine"], t["base_dispatch"] + t["base_combine"]
+        else:
+            ours, base = t[f"ours_{phase}"], t[f"base_{phase}"]
+        o, b = report.percentiles_us(ours), report.percentiles_us(base)
+        row: dict[str, Any] = {"shape": result["shape"], "tokens": result["tokens"], "phase": phase}
+        row.update({f"moe_a2a_p{q}_us": o[f"p{q}"] for q in report.PERCENTILES})
+        row.update({f"baseline_p{q}_us": b[f"p{q}"] for q in report.PERCENTILES})
+        row["ratio"] = report.ratio(b["p50"], o["p50"])
+        rows.append(row)
+    return rows
+
+
+# (row key, column header) of the printed table; the CSV and JSON have every key of the rows.
+COLUMNS = (
+    ("shape", "shape"),
+    ("tokens", "tokens/rank"),
+    ("phase", "phase"),
+    ("moe_a2a_p50_us", "moe-a2a p50 (us)"),
+    ("moe_a2a_p99_us", "moe-a2a p99 (us)"),
+    ("baseline_p50_us", "baseline p50 (us)"),
+    ("baseline_p99_us", "baseline p99 (us)"),
+    ("ratio", report.RATIO),
+)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    return report.columns_table(COLUMNS, rows, default=".0f")
+
+
+# What each baseline is (moe_a2a/bench/baseline.py), for the configuration block.
+BASELINE_WHAT = {
+    "MPI": "Alltoallv of the counts, then of rows that carry their expert ids",
+    "GLOO": "torch.distributed all_to_all_single on gloo, the same exchange",
+    "NCCL": "torch.distributed all_to_all_single on NCCL, the same exchange",
+}
+NOTE = (
+    f"{report.RATIO_NOTE}; each phase is the slowest rank's, after a barrier; "
+    "total = dispatch + combine of each iteration"
+)
+
+
+def settings_of(args: argparse.Namespace, world: int, ranks_per_node: int, exchange: Any) -> dict[str, Any]:
+    """The run's configuration, for the block above the table and the JSON."""
+    return dict(
         world=world,
-        ranks_per_node=topo.local_size,
-        provider=args.provider,
-        device=device.type,
+        ranks_per_node=ranks_per_node,
+        provider=_provider_name(args.provider),
+        device=args.device,
         baseline=exchange.name,
-        **shape,
+        dispatch_dtype=args.dispatch_dtype,
+        combine_dtype="bf16",
+        iters=args.iters,
+        warmup=args.warmup,
+        shapes={name: shape_of(name, args) for name in _shapes(args)},
     )
-    for key, samples in times.items():
-        result[key] = percentiles_us(np.array(samples))
-    return result
 
 
-def print_table(results: list[dict[str, Any]]) -> None:
-    head = (
-        f"{'shape':8} {'ranks':>5} {'rpn':>3} {'phase':8} "
-        f"{'moe-a2a p50/p90/p99 (us)':>28} {'baseline p50/p90/p99 (us)':>28} {'base/ours':>11}"
+def format_config(s: dict[str, Any]) -> str:
+    shapes = "; ".join(f"{name} {report.sizes_text(**v)}" for name, v in s["shapes"].items())
+    return report.config_block(
+        "moe-a2a bench a2a",
+        {
+            "ranks": f"{s['world']} ({s['ranks_per_node']} per node)",
+            "provider": s["provider"],
+            "device": s["device"],
+            "baseline": f"{s['baseline']}: {BASELINE_WHAT[s['baseline']]}",
+            "payloads": f"dispatch {s['dispatch_dtype']}, combine {s['combine_dtype']}",
+            "sizes": shapes,
+            "iterations": f"{s['iters']} timed after {s['warmup']} warm-up",
+            "switches": report.switches_set(),
+        },
     )
-    print(head)
-    print("-" * len(head))
-    for r in results:
-        for phase in ("dispatch", "combine", "total"):
-            if phase == "total":
-                ours = [a + b for a, b in zip(r["ours_dispatch"], r["ours_combine"], strict=True)]
-                mpi = [a + b for a, b in zip(r["mpi_dispatch"], r["mpi_combine"], strict=True)]
-            else:
-                ours, mpi = r[f"ours_{phase}"], r[f"mpi_{phase}"]
-            fmt = "/".join(f"{v:.0f}" for v in ours)
-            fmt_m = "/".join(f"{v:.0f}" for v in mpi)
-            print(
-                f"{r['shape']:8} {r['world']:>5} {r['ranks_per_node']:>3} {phase:8} "
-                f"{fmt:>28} {fmt_m:>28} {mpi[0] / ours[0]:>10.2f}x"
-            )
-    print(
-        f"(baseline: {results[0]['baseline']}; total sums the percentiles of the two phases; "
-        "rpn = ranks per node)"
-    )
+
+
+def _provider_name(provider: str) -> str:
+    if provider != "auto":
+        return provider
+    from moe_a2a.fabric import default_provider
+
+    return f"{default_provider()} (auto)"
+
+
+def _shapes(args: argparse.Namespace) -> list[str]:
+    return list(SHAPES) if args.mode == "both" else [args.mode]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -245,18 +309,15 @@ def main(args: argparse.Namespace) -> int:
         device = torch.device("cpu")
     args.baseline = args.baseline or "mpi"
     exchange = make_exchange(args, comm, device)
-    shapes = list(SHAPES) if args.mode == "both" else [args.mode]
-    results = [run_shape(name, args, comm, exchange, device) for name in shapes]
+    results = [run_shape(name, args, comm, exchange, device) for name in _shapes(args)]
     if hasattr(exchange, "close"):
         exchange.close()
     if comm.Get_rank() == 0:
-        print_table(results)
+        settings = settings_of(args, comm.Get_size(), results[0]["ranks_per_node"], exchange)
+        rows = [row for result in results for row in rows_of(result)]
+        print(format_config(settings), "", format_table(rows), f"({NOTE})", sep="\n")
         if args.output:
-            from moe_a2a import __version__, switches
-
-            meta = {"benchmark": "a2a", "moe_a2a_version": __version__, "command": " ".join(sys.argv)}
-            with open(args.output, "w") as f:
-                json.dump({**meta, "switches": switches.recorded(), "results": results}, f, indent=2)
+            report.write_output(args.output, rows, {**report.run_meta("a2a", settings), "note": NOTE})
             print(f"figures written to {args.output}")
     return 0
 
@@ -294,44 +355,80 @@ def _run_cuda(args: argparse.Namespace) -> int:
         rounds=4,
         provider=args.provider,
         ranks_per_node=args.ranks_per_node,
-        json=args.output,
+        json=None,
+        output=args.output,
         profile=False,
+        progress=args.progress,
     )
     return a2a_cuda.run(cuda_args)
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("a2a", help="dispatch/combine latency against an MPI Alltoallv baseline")
+    p = subparsers.add_parser(
+        "a2a",
+        help="dispatch/combine latency against an MPI Alltoallv baseline (run under mpirun)",
+        description="Time moe-a2a's dispatch and combine against a baseline that moves the same tokens "
+        "(MPI Alltoallv by default), iteration by iteration, and print the configuration and a table "
+        "of percentiles on rank 0. Run under mpirun.",
+        epilog="example: mpirun -n 4 moe-a2a bench a2a --mode decode --ranks-per-node 1 --provider tcp",
+    )
     p.add_argument(
         "--mode",
         choices=[*SHAPES, "both"],
         default=None,
-        help="decode, prefill or both (default: both); the name `run --mode` uses",
+        help="decode (128 tokens/rank) or prefill (1024), DeepSeek-V3's hidden 7168, 256 experts, top-8; "
+        "the name `run --mode` uses (default: both; --train runs its training shape instead)",
     )
-    p.add_argument("--tokens", type=POSITIVE, help="tokens per rank (overrides the shape)")
-    p.add_argument("--hidden", type=POSITIVE)
-    p.add_argument("--num-experts", type=POSITIVE)
-    p.add_argument("--topk", type=POSITIVE)
+    p.add_argument("--tokens", type=POSITIVE, help="tokens per rank (default: the shape's)")
+    p.add_argument("--hidden", type=POSITIVE, help="hidden size (default: the shape's, 7168)")
+    p.add_argument("--num-experts", type=POSITIVE, help="routed experts (default: the shape's, 256)")
+    p.add_argument("--topk", type=POSITIVE, help="experts per token (default: the shape's, 8)")
     p.add_argument(
-        "--dispatch-dtype", choices=["fp8", "bf16"], default=None, help="default: fp8; bf16 with --train"
+        "--dispatch-dtype",
+        choices=["fp8", "bf16"],
+        default=None,
+        help="dispatch payload (default: fp8; bf16 with --train)",
     )
-    p.add_argument("--iters", type=POSITIVE, default=20)
-    p.add_argument("--warmup", type=int_at_least(0), default=3)
-    p.add_argument("--provider", default="auto", help="libfabric provider: tcp, shm, efa, verbs or auto")
-    p.add_argument("--ranks-per-node", type=POSITIVE, default=None, help="virtual nodes of this many ranks")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--iters", type=POSITIVE, default=20, help="timed iterations (default: %(default)s)")
+    p.add_argument(
+        "--warmup", type=int_at_least(0), default=3, help="untimed iterations first (default: %(default)s)"
+    )
+    p.add_argument(
+        "--provider",
+        default="auto",
+        help="libfabric provider: tcp, shm, efa, verbs or auto (default: %(default)s: "
+        "$MOE_A2A_PROVIDER, else efa where offered, else tcp)",
+    )
+    p.add_argument(
+        "--ranks-per-node",
+        type=POSITIVE,
+        default=None,
+        help="virtual nodes of this many ranks, so one host runs the cross-node path "
+        "(default: the real hosts)",
+    )
+    p.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda"], help="where tensors live (default: %(default)s)"
+    )
     p.add_argument(
         "--baseline",
         choices=["mpi", "nccl", "gloo"],
         default=None,
         help="what moe-a2a is compared with (default: mpi; with --device cuda the per-phase CUDA benchmark)",
     )
-    p.add_argument("--output", help="write the figures as JSON (with --train: CSV if the name ends in .csv)")
+    p.add_argument(
+        "--output",
+        type=report.output_path,
+        metavar="PATH",
+        default=None,
+        help="also write the figures to PATH: .csv (one row per line) or .json (rows with the version, "
+        "command and settings) (default: none)",
+    )
+    report.add_progress_argument(p)
     p.add_argument(
         "--train",
         action="store_true",
         help="forward + backward of dispatch and combine (DeepSeek-V3 training shape) against "
-        "TorchTitan's token dispatchers (moe_a2a.bench.train)",
+        "TorchTitan's token dispatchers (moe_a2a.bench.train) (default: off)",
     )
     p.add_argument(
         "--grad-dtype",

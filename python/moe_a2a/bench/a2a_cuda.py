@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from moe_a2a import switches
+from moe_a2a import report, switches
+from moe_a2a.bench.args import int_at_least
 
 PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 MODEL = dict(hidden=7168, num_experts=256, topk=8)
@@ -176,6 +177,8 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, copy_gbs: float) -
         y_full = torch.randn(a2a.max_output_rows, MODEL["hidden"], device=device).to(torch.bfloat16)
         times: dict[str, list[float]] = {p: [] for p in PHASES}
         received = []
+        # Two passes: the phases apart, then the whole step against torch-native.
+        bar = report.progress(2 * (args.warmup + args.iters), name, rank=rank, mode=args.progress)
         for it in range(args.warmup + args.iters):
             r = rounds[it % len(rounds)]
             pending, t0 = timed(comm, lambda r=r: a2a.dispatch(r.x, r.ids, r.weights, recv=False))
@@ -186,6 +189,7 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, copy_gbs: float) -
                 for phase, t in zip(PHASES, (t0, t1, t2, t3), strict=True):
                     times[phase].append(t)
                 received.append(d.expert_x.shape[0])
+            bar.update()
         row_bytes = (a2a._core_cfg.dispatch_row_bytes, a2a._core_cfg.combine_row_bytes)
         mine = phase_bytes(tokens, int(statistics.median(received)), *row_bytes)
         for phase in PHASES:
@@ -209,6 +213,8 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, copy_gbs: float) -
                 spans.append(timed(comm, lambda it=it: step(rounds[it % len(rounds)]))[1])
             for _ in range(start, min(start + block, args.warmup + args.iters)):
                 native.append(timed(comm, lambda: (native_dispatch(), native_combine()))[1])
+                bar.update()
+        bar.close()
         result["step_ms"] = statistics.median(spans[args.warmup :])
         result["torch_native_ms"] = statistics.median(native[args.warmup :])
         if args.profile:
@@ -237,8 +243,8 @@ KERNEL_PHASE = {
 }
 
 
-def profile_kernels(a2a: Any, r: Round, y_full: torch.Tensor, name: str, report: bool) -> dict[str, float]:
-    """Average GPU time (us) of each kernel over a few eager steps; every rank steps, `report` prints."""
+def profile_kernels(a2a: Any, r: Round, y_full: torch.Tensor, name: str, report_: bool) -> dict[str, float]:
+    """Average GPU time (us) of each kernel over a few eager steps; every rank steps, `report_` prints."""
     from torch.profiler import ProfilerActivity, profile
 
     steps = 5
@@ -252,10 +258,9 @@ def profile_kernels(a2a: Any, r: Round, y_full: torch.Tensor, name: str, report:
         found = re.search(r"(\w+_kernel)", e.key)
         if e.device_time_total > 0 and "moe_a2a" in e.key and found:
             kernels[found.group(1)] = kernels.get(found.group(1), 0.0) + e.device_time_total / steps
-    if report:
-        print(f"-- kernels of one {name} step (rank 0, average of {steps}):")
-        for kernel, us in sorted(kernels.items(), key=lambda kv: -kv[1]):
-            print(f"   {kernel:18} {us:9.1f} us")
+    if report_:
+        print(f"kernels of one {name} step (rank 0, average of {steps}):")
+        print(report.table(["kernel", "GPU time (us)"], sorted(kernels.items(), key=lambda kv: -kv[1])))
     return kernels
 
 
@@ -299,56 +304,158 @@ def _op(name: str) -> Any:
     return getattr(MPI, name)
 
 
-def print_table(results: list[dict[str, Any]]) -> None:
-    print(f"{'shape':8} {'ranks':>5} {'phase':14} {'time us':>9} {'GB/s':>7} {'% copy':>7}")
+def _us(ms: float | None) -> float | None:
+    return None if ms is None else ms * 1e3
+
+
+def rows_of(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per shape and phase, then the whole step against torch-native (the baseline); us."""
+    rows = []
     for res in results:
-        head = f"{res['shape']:8} {res['world']:>5}"
+        lead = {"shape": res["shape"], "tokens": res["tokens"]}
         for phase in PHASES:
             p = res[phase]
-            pct = 100 * p["gbs"] / res["copy_gbs"]
-            print(f"{head} {phase:14} {p['ms'] * 1e3:9.1f} {p['gbs']:7.0f} {pct:6.0f}%")
-        floor_us = res["step_bytes"] / (res["copy_gbs"] * 1e9) * 1e6
-        native_us, step_us = res["torch_native_ms"] * 1e3, res["step_ms"] * 1e3
-        line = (
-            f"{head} {'step':14} {step_us:9.1f}   (phases apart {res['phases_ms'] * 1e3:.1f}) "
-            f"torch-native {native_us:.1f} us ({native_us / step_us:.1f}x), "
-            f"bytes/copy-bandwidth floor {floor_us:.1f} us"
-        )
-        if "graph_step_ms" in res:
-            g, span = res["graph_step_ms"] * 1e3, res["graph_span_ms"] * 1e3
-            line += (
-                f", graph replay {g:.1f} us from the call ({g / floor_us:.2f}x floor), "
-                f"GPU span {span:.1f} us ({span / floor_us:.2f}x floor)"
+            rows.append(
+                {
+                    **lead,
+                    "phase": phase,
+                    "moe_a2a_us": p["ms"] * 1e3,
+                    "moe_a2a_gbs": p["gbs"],
+                    "pct_of_copy": 100 * p["gbs"] / res["copy_gbs"],
+                }
             )
-        print(line)
-    # Alone on the GPU only: with ranks sharing it, one rank's kernels run beside the
-    # others', and its bytes over its kernels' time would say little.
+        step_us, native_us = res["step_ms"] * 1e3, res["torch_native_ms"] * 1e3
+        rows.append(
+            {
+                **lead,
+                "phase": "step",
+                "moe_a2a_us": step_us,
+                "phases_apart_us": res["phases_ms"] * 1e3,
+                "baseline_us": native_us,
+                "ratio": report.ratio(native_us, step_us),
+                "copy_floor_us": res["step_bytes"] / (res["copy_gbs"] * 1e9) * 1e6,
+                "graph_replay_us": _us(res.get("graph_step_ms")),  # one rank, decode only
+                "graph_span_us": _us(res.get("graph_span_ms")),
+            }
+        )
+    return rows
+
+
+# (row key, column header) of the printed table; the CSV and JSON have every key of the rows.
+COLUMNS = (
+    ("shape", "shape"),
+    ("tokens", "tokens/rank"),
+    ("phase", "phase"),
+    ("moe_a2a_us", "moe-a2a (us)"),
+    ("moe_a2a_gbs", "moe-a2a GB/s"),
+    ("pct_of_copy", "% of copy"),
+    ("baseline_us", "baseline (us)"),
+    ("ratio", report.RATIO),
+    ("copy_floor_us", "copy floor (us)"),
+    ("graph_replay_us", "graph replay (us)"),
+)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    return report.columns_table(COLUMNS, rows, {"moe_a2a_gbs": ".0f", "pct_of_copy": ".0f"})
+
+
+NOTE = (
+    "(phases: from a barrier until the last rank's stream is idle, median; GB/s: bytes all ranks read "
+    "and wrote over that time; step: dispatch then combine in one span; baseline: the same data "
+    f"movement in torch operations; {report.RATIO_NOTE}; copy floor: the step's bytes at the "
+    "device-to-device copy bandwidth; graph replay: one rank, the step in a CUDA graph, from the call)"
+)
+
+
+def format_kernels(results: list[dict[str, Any]]) -> str:
+    """Rank 0's kernels per phase, alone on the GPU only (sharing it, its kernels run beside others')."""
+    rows = []
     for res in (r for r in results if "kernel_us" in r and r["world"] == 1):
-        print(f"{res['shape']:8} {res['world']:>5} rank 0's kernels per phase (GPU time):")
         for phase in PHASES:
             us = sum(t for k, t in res["kernel_us"].items() if KERNEL_PHASE.get(k) == phase)
             gbs = res["rank_bytes"][phase] / (us * 1e-6) / 1e9 if us > 0 else 0.0
-            line = f"{'':14} {phase:14} {us:9.1f} {gbs:7.0f} {100 * gbs / res['copy_gbs']:6.0f}%"
-            print(line)
+            rows.append([res["shape"], phase, us, gbs, 100 * gbs / res["copy_gbs"]])
         unassigned = sorted(k for k in res["kernel_us"] if k not in KERNEL_PHASE)
         if unassigned:  # a new kernel: add it to KERNEL_PHASE
-            print(f"{'':14} kernels of no phase (not counted above): {', '.join(unassigned)}")
-    if results:
-        print(
-            f"device-to-device copy: {results[0]['copy_gbs']:.0f} GB/s (read + write); "
-            f"fill: {results[0]['fill_gbs']:.0f} GB/s (write only)"
-        )
+            rows.append([res["shape"], "no phase: " + ", ".join(unassigned), None, None, None])
+    if not rows:
+        return ""
+    head = ["shape", "phase", "kernels GPU time (us)", "GB/s", "% of copy"]
+    return "rank 0's kernels per phase:\n" + report.table(head, rows, [".1f", ".1f", ".1f", ".0f", ".0f"])
+
+
+def settings_of(args: argparse.Namespace, world: int, results: list[dict[str, Any]]) -> dict[str, Any]:
+    return dict(
+        world=world,
+        ranks_per_node=results[0]["ranks_per_node"] if results else None,
+        provider=args.provider,
+        device="cuda",
+        baseline="torch-native",
+        dispatch_dtype="fp8",
+        combine_dtype="bf16",
+        iters=args.iters,
+        warmup=args.warmup,
+        rounds=args.rounds,
+        shapes={name: {"tokens": SHAPES[name], **MODEL} for name in args.shapes},
+        copy_gbs=results[0]["copy_gbs"] if results else None,
+        fill_gbs=results[0]["fill_gbs"] if results else None,
+    )
+
+
+def format_config(s: dict[str, Any]) -> str:
+    sizes = "; ".join(f"{n} {report.sizes_text(**v)}" for n, v in s["shapes"].items())
+    return report.config_block(
+        "moe-a2a bench a2a --device cuda",
+        {
+            "ranks": f"{s['world']} ({s['ranks_per_node']} per node)",
+            "provider": s["provider"],
+            "device": f"cuda ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else "cuda",
+            "baseline": "torch-native (quantise, sort by expert, index_select; index_add_)",
+            "payloads": f"dispatch {s['dispatch_dtype']}, combine {s['combine_dtype']}",
+            "sizes": sizes,
+            "iterations": f"{s['iters']} timed after {s['warmup']} warm-up, {s['rounds']} input sets",
+            "ceilings": f"device-to-device copy {s['copy_gbs']:.0f} GB/s (read + write), "
+            f"fill {s['fill_gbs']:.0f} GB/s (write only)",
+            "switches": report.switches_set(),
+        },
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["decode", "prefill"])
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=4, help="distinct input sets, cycled")
-    parser.add_argument("--provider", default="auto")
-    parser.add_argument("--ranks-per-node", type=int, default=None, help="virtual nodes (fabric path)")
-    parser.add_argument("--json", default=None, help="append the results to this file (rank 0)")
-    parser.add_argument("--profile", action="store_true", help="print each kernel's GPU time (rank 0)")
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        choices=sorted(SHAPES),
+        default=["decode", "prefill"],
+        help="decode (128 tokens/rank), prefill (4096) (default: decode prefill)",
+    )
+    parser.add_argument("--iters", type=int_at_least(1), default=20, help="timed iterations (default: 20)")
+    parser.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed iterations (default: 3)")
+    parser.add_argument(
+        "--rounds", type=int_at_least(1), default=4, help="distinct input sets, cycled (default: 4)"
+    )
+    parser.add_argument("--provider", default="auto", help="libfabric provider (default: auto)")
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int_at_least(1),
+        default=None,
+        help="virtual nodes of this many ranks (fabric path) (default: the real hosts)",
+    )
+    parser.add_argument(
+        "--json", default=None, help="append one JSON line per shape to this file (rank 0) (default: none)"
+    )
+    parser.add_argument(
+        "--output",
+        type=report.output_path,
+        metavar="PATH",
+        default=None,
+        help="write the rows to PATH: .csv or .json with the version, command and settings (default: none)",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="print each kernel's GPU time (rank 0) (default: off)"
+    )
+    report.add_progress_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -366,11 +473,19 @@ def run(args: argparse.Namespace) -> int:
     for res in results:
         res["fill_gbs"] = fill_gbs
     if comm.Get_rank() == 0:
-        print_table(results)
+        settings = settings_of(args, comm.Get_size(), results)
+        rows = rows_of(results)
+        print(format_config(settings), "", format_table(rows), NOTE, sep="\n")
+        kernels = format_kernels(results)
+        if kernels:
+            print(kernels)
         if args.json:
             with open(args.json, "a") as f:
                 for res in results:
                     f.write(json.dumps({**res, "switches": switches.recorded()}) + "\n")
+        if args.output:
+            report.write_output(args.output, rows, report.run_meta("a2a --device cuda", settings))
+            print(f"figures written to {args.output}")
     return 0
 
 

@@ -17,21 +17,17 @@ load. Before timing, one exchange of each kind is checked byte for byte.
 from __future__ import annotations
 
 import argparse
-import csv
-import json
-import os
-import platform
 import re
 import sys
 import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from moe_a2a import report
 from moe_a2a.bench.args import int_at_least, positive_seconds
 
 KIB = 1024
@@ -99,42 +95,46 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="libfabric provider: tcp, shm, efa, verbs (default: $MOE_A2A_PROVIDER, else efa where "
         "offered, else tcp)",
     )
-    parser.add_argument("--num-nics", type=int_at_least(1), default=1, help="NICs per rank (default 1)")
+    parser.add_argument("--num-nics", type=int_at_least(1), default=1, help="NICs per rank (default: 1)")
     parser.add_argument(
         "--nics",
         default=None,
-        help="domain names per rank, as MOE_A2A_NICS ('a,b' or 'a,b;c,d' per local rank); default: nearest",
+        help="domain names per rank, as MOE_A2A_NICS ('a,b' or 'a,b;c,d' per local rank) "
+        "(default: the nearest)",
     )
     parser.add_argument(
         "--split-threshold",
         type=parse_size,
         default=MIB,
-        help="writes of at least this many bytes are split across the NICs (default 1M)",
+        help="writes of at least this many bytes are split across the NICs (default: 1M)",
     )
     parser.add_argument(
         "--sizes",
         type=parse_sizes,
         default=DEFAULT_SIZES,
-        help="bytes per peer, comma-separated; K and M mean KiB and MiB (default 1K,4K,16K,64K,256K,1M,4M)",
+        help="bytes per peer, comma-separated; K and M mean KiB and MiB (default: 1K,4K,16K,64K,256K,1M,4M)",
     )
     parser.add_argument(
-        "--iters", type=int_at_least(1), default=100, help="timed exchanges per size (default 100)"
+        "--iters", type=int_at_least(1), default=100, help="timed exchanges per size (default: 100)"
     )
     parser.add_argument(
-        "--warmup", type=int_at_least(0), default=10, help="untimed exchanges per size first (default 10)"
+        "--warmup", type=int_at_least(0), default=10, help="untimed exchanges per size first (default: 10)"
     )
     parser.add_argument(
-        "--timeout", type=positive_seconds, default=60.0, help="seconds any one wait may take (default 60)"
+        "--timeout", type=positive_seconds, default=60.0, help="seconds any one wait may take (default: 60)"
     )
     parser.add_argument(
-        "--seed", type=int_at_least(0), default=0, help="seed of the checked data (default 0)"
+        "--seed", type=int_at_least(0), default=0, help="seed of the checked data (default: 0)"
     )
     parser.add_argument(
         "--output",
-        type=Path,
+        type=report.output_path,
+        metavar="PATH",
         default=None,
-        help="write the figures to PATH: CSV if it ends in .csv, else JSON with the run's settings",
+        help="also write the figures to PATH: .csv (one row per size) or .json (rows with the version, "
+        "command and settings) (default: none)",
     )
+    report.add_progress_argument(parser)
     parser.set_defaults(func=main)
     return parser
 
@@ -144,16 +144,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 @dataclass(frozen=True)
 class Row:
-    """Figures for one message size; times are per exchange, the slowest rank's."""
+    """Figures for one message size; times are per exchange, the slowest rank's (baseline: MPI Alltoallv)."""
 
     size: int  # bytes per peer
-    fabric_median_us: float
-    fabric_p90_us: float
-    mpi_median_us: float
-    mpi_p90_us: float
-    ratio: float  # MPI median / moe-a2a median: above 1, moe-a2a is faster
-    fabric_gbps: float  # bytes each rank sends per exchange / median time, in GB/s (1e9 B/s)
-    mpi_gbps: float
+    moe_a2a_p50_us: float
+    moe_a2a_p90_us: float
+    baseline_p50_us: float
+    baseline_p90_us: float
+    ratio: float  # baseline p50 / moe-a2a p50: above 1, moe-a2a is faster
+    moe_a2a_gbps: float  # bytes each rank sends per exchange / p50 time, in GB/s (1e9 B/s)
+    baseline_gbps: float
 
 
 def format_size(size: int) -> str:
@@ -163,50 +163,43 @@ def format_size(size: int) -> str:
     return f"{size} B"
 
 
+# (Row field, column header) of the printed table.
+COLUMNS = (
+    ("size", "size per peer"),
+    ("moe_a2a_p50_us", "moe-a2a p50 (us)"),
+    ("moe_a2a_p90_us", "moe-a2a p90 (us)"),
+    ("baseline_p50_us", "baseline p50 (us)"),
+    ("baseline_p90_us", "baseline p90 (us)"),
+    ("ratio", report.RATIO),
+    ("moe_a2a_gbps", "moe-a2a GB/s"),
+    ("baseline_gbps", "baseline GB/s"),
+)
+NOTE = (
+    f"{report.RATIO_NOTE}; time per exchange = the slowest rank's, after a barrier; "
+    "GB/s = (ranks - 1) x size / p50"
+)
+
+
 def format_table(rows: Sequence[Row]) -> str:
-    """A Markdown table (as pasted into docs/benchmarks.md)."""
-    head = (
-        "| size per peer | moe-a2a median us | moe-a2a p90 us | MPI median us | MPI p90 us "
-        "| ratio MPI/moe-a2a | moe-a2a GB/s | MPI GB/s |"
-    )
-    lines = [head, "|" + "---:|" * head.count(" | ") + "---:|"]
-    for r in rows:
-        lines.append(
-            f"| {format_size(r.size)} | {r.fabric_median_us:.1f} | {r.fabric_p90_us:.1f} "
-            f"| {r.mpi_median_us:.1f} | {r.mpi_p90_us:.1f} | {r.ratio:.2f} "
-            f"| {r.fabric_gbps:.3f} | {r.mpi_gbps:.3f} |"
-        )
-    return "\n".join(lines)
-
-
-def write_output(path: Path, rows: Sequence[Row], meta: dict[str, Any]) -> None:
-    """CSV (one row per size) when `path` ends in .csv, else JSON with the run's settings."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix.lower() == ".csv":
-        with path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0]).keys()) if rows else ["size"])
-            writer.writeheader()
-            for r in rows:
-                writer.writerow(asdict(r))
-    else:
-        path.write_text(json.dumps({**meta, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
+    """The table, in the one style of moe-a2a (Markdown, as pasted into docs/benchmarks.md)."""
+    cells = [{**asdict(r), "size": format_size(r.size)} for r in rows]
+    return report.columns_table(COLUMNS, cells, {"moe_a2a_gbps": ".3f", "baseline_gbps": ".3f"})
 
 
 def summarize(size: int, world: int, fabric_s: np.ndarray, mpi_s: np.ndarray) -> Row:
     """`*_s[rank, iteration]` in seconds -> one Row (slowest rank per iteration)."""
-    fabric = fabric_s.max(axis=0) * 1e6
-    mpi = mpi_s.max(axis=0) * 1e6
-    f_med, m_med = float(np.median(fabric)), float(np.median(mpi))
+    ours = report.percentiles_us(fabric_s.max(axis=0) * 1e9, (50, 90))
+    base = report.percentiles_us(mpi_s.max(axis=0) * 1e9, (50, 90))
     sent = (world - 1) * size
     return Row(
         size=size,
-        fabric_median_us=f_med,
-        fabric_p90_us=float(np.percentile(fabric, 90)),
-        mpi_median_us=m_med,
-        mpi_p90_us=float(np.percentile(mpi, 90)),
-        ratio=m_med / f_med,
-        fabric_gbps=sent / (f_med * 1e-6) / 1e9,
-        mpi_gbps=sent / (m_med * 1e-6) / 1e9,
+        moe_a2a_p50_us=ours["p50"],
+        moe_a2a_p90_us=ours["p90"],
+        baseline_p50_us=base["p50"],
+        baseline_p90_us=base["p90"],
+        ratio=base["p50"] / ours["p50"],
+        moe_a2a_gbps=sent / (ours["p50"] * 1e-6) / 1e9,
+        baseline_gbps=sent / (base["p50"] * 1e-6) / 1e9,
     )
 
 
@@ -269,7 +262,11 @@ def run(args: argparse.Namespace, bootstrap: Any) -> list[Row]:
     timeout = args.timeout
 
     rows: list[Row] = []
+    bar = report.progress(
+        len(args.sizes) * (args.warmup + args.iters), "fabric", rank=rank, mode=args.progress
+    )
     for size in args.sizes:
+        bar.set_description(format_size(size))
         items = [ScatterItem(i, p * size, size, rank * size) for i, p in enumerate(peers)]
         counts = [0 if p == rank else size for p in range(world)]
         displs = [p * size for p in range(world)]
@@ -309,42 +306,46 @@ def run(args: argparse.Namespace, bootstrap: Any) -> list[Row]:
             if it >= args.warmup:
                 fabric_s[it - args.warmup] = t1 - t0
                 mpi_s[it - args.warmup] = t3 - t2
+            bar.update()
         all_fabric = comm.gather(fabric_s, root=0)
         all_mpi = comm.gather(mpi_s, root=0)
         if rank == 0:
-            row = summarize(size, world, np.stack(all_fabric), np.stack(all_mpi))
-            rows.append(row)
-            print(
-                f"  {format_size(size):>8}: moe-a2a {row.fabric_median_us:9.1f} us, "
-                f"MPI {row.mpi_median_us:9.1f} us",
-                file=sys.stderr,
-                flush=True,
-            )
+            rows.append(summarize(size, world, np.stack(all_fabric), np.stack(all_mpi)))
+    bar.close()
     if core.error:
         raise RuntimeError(f"rank {rank}: transfer engine error after the run: {core.error}")
     comm.Barrier()  # nobody drops the engine while a peer may still write into it
     return rows
 
 
-def _meta(args: argparse.Namespace, world: int) -> dict[str, Any]:
-    from moe_a2a import __version__, switches
+def settings_of(args: argparse.Namespace, world: int) -> dict[str, Any]:
+    return dict(
+        provider=args.provider,
+        world_size=world,
+        num_nics=args.num_nics,
+        nics=args.nics,
+        split_threshold=args.split_threshold,
+        sizes=args.sizes,
+        iters=args.iters,
+        warmup=args.warmup,
+        baseline="MPI Alltoallv",
+    )
 
-    return {
-        "benchmark": "fabric",
-        "moe_a2a_version": __version__,
-        "switches": switches.recorded(),
-        "command": " ".join(sys.argv),
-        "provider": args.provider,
-        "num_nics": args.num_nics,
-        "split_threshold": args.split_threshold,
-        "world_size": world,
-        "iters": args.iters,
-        "warmup": args.warmup,
-        "host": platform.node(),
-        "cpus": os.cpu_count(),
-        "time_per_exchange": "slowest rank, after an MPI barrier",
-        "gbps": "bytes each rank sends per exchange ((world-1)*size) / median time, 1e9 B/s",
-    }
+
+def format_config(s: dict[str, Any]) -> str:
+    return report.config_block(
+        "moe-a2a bench fabric",
+        {
+            "ranks": s["world_size"],
+            "provider": s["provider"],
+            "NICs per rank": s["num_nics"] if not s["nics"] else f"{s['num_nics']} ({s['nics']})",
+            "split threshold": format_size(s["split_threshold"]),
+            "baseline": f"{s['baseline']} on numpy buffers, the same counts",
+            "sizes": ", ".join(format_size(x) for x in s["sizes"]) + " per peer",
+            "iterations": f"{s['iters']} timed after {s['warmup']} warm-up, per size",
+            "switches": report.switches_set(),
+        },
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -356,13 +357,6 @@ def main(args: argparse.Namespace) -> int:
     rank, world = bootstrap.rank, bootstrap.world_size
     args.provider = args.provider or default_provider()
     try:
-        if rank == 0:
-            print(
-                f"moe-a2a bench fabric: provider {args.provider}, {world} ranks, "
-                f"{args.num_nics} NIC(s) per rank, {args.iters} iterations after {args.warmup} warm-up",
-                file=sys.stderr,
-                flush=True,
-            )
         rows = run(args, bootstrap)
     except BenchArgumentError as e:  # raised alike on every rank: no abort needed
         if rank == 0:
@@ -376,14 +370,11 @@ def main(args: argparse.Namespace) -> int:
             bootstrap.abort(1)
         raise
     if rank == 0:
-        meta = _meta(args, world)
-        print(
-            f"\nprovider {meta['provider']}, {world} ranks, {args.num_nics} NIC(s) per rank, "
-            f"{args.iters} iterations; time per exchange = slowest rank; GB/s = (ranks-1) x size / median"
-        )
-        print(format_table(rows))
+        settings = settings_of(args, world)
+        print(format_config(settings), "", format_table(rows), f"({NOTE})", sep="\n")
         if args.output is not None:
-            write_output(args.output, rows, meta)
+            meta = {**report.run_meta("fabric", settings), "note": NOTE}
+            report.write_output(args.output, [asdict(r) for r in rows], meta)
             print(f"figures written to {args.output}")
     return 0
 

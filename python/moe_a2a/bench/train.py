@@ -33,23 +33,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import platform
 import resource
 import sys
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from moe_a2a.bench.a2a import PERCENTILES, _max_op, percentiles_us, timed
+from moe_a2a import report
+from moe_a2a.bench.a2a import _max_op, timed
 
 # DeepSeek-V3 training: 4096 tokens per rank, hidden 7168, 256 experts, top-8.
 TRAIN_SHAPE = dict(tokens=4096, hidden=7168, num_experts=256, topk=8)
-OURS = "moe-a2a"
+OURS = report.OURS
 ALL_TO_ALL = "AllToAllTokenDispatcher"
 LOCAL = "LocalTokenDispatcher"
 PHASES = ("fwd", "fwd+bwd")
@@ -245,28 +243,6 @@ def gather_agreement(comm: Any, checks: list[dict[str, Any]]) -> list[dict[str, 
 # ---------------------------------------------------------------- the run
 
 
-@dataclass
-class Row:
-    """One contender and phase; ratio = this row's median / moe-a2a's (above 1: moe-a2a is faster)."""
-
-    contender: str
-    phase: str
-    p50_us: float
-    p90_us: float
-    p99_us: float
-    ratio_vs_ours: float
-    world: int
-    ranks_per_node: int
-    provider: str
-    device: str
-    dispatch_dtype: str
-    grad_dtype: str
-    tokens: int
-    hidden: int
-    num_experts: int
-    topk: int
-
-
 def step(comm: Any, device: Any, c: Contender, b: Batch, grad_out: Any, keep: bool) -> dict[str, Any]:
     """One measured step of one contender; its out and gradients, the times kept if `keep`."""
     x = b.x.detach().requires_grad_()
@@ -338,8 +314,10 @@ def run(args: argparse.Namespace, comm: Any, device: Any, shape: dict[str, int])
             if world == 1:
                 contenders.append(torchtitan_dispatcher(titan.LocalTokenDispatcher, None, E, K))
         checks = []
+        bar = report.progress(len(batches), "train", rank=rank, mode=args.progress)
         for it, b in enumerate(batches):
             results = [step(comm, device, c, b, grad_out, it >= args.warmup) for c in contenders]
+            bar.update()
             if it == 0:
                 fp8 = args.dispatch_dtype == "fp8"
                 checks = [
@@ -347,20 +325,23 @@ def run(args: argparse.Namespace, comm: Any, device: Any, shape: dict[str, int])
                     for c, r in zip(contenders[1:], results[1:], strict=True)
                 ]
             del results
+        bar.close()
         ranks_per_node = ep.forward_a2a._boot.topology.local_size
     rss_mib = comm.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, op=_max_op())
-    context = dict(
+    settings = dict(
         world=world,
         ranks_per_node=ranks_per_node,
         provider=args.provider,
         device=device.type,
         dispatch_dtype=args.dispatch_dtype,
         grad_dtype=args.grad_dtype,
+        iters=args.iters,
+        warmup=args.warmup,
         **shape,
     )
-    rows = summarize(contenders, context)
     return dict(
-        rows=rows,
+        settings=settings,
+        rows=summarize(contenders),
         agreement=gather_agreement(comm, checks),
         skipped=skipped,
         max_recv_tokens=cfg.max_recv_tokens,
@@ -368,40 +349,66 @@ def run(args: argparse.Namespace, comm: Any, device: Any, shape: dict[str, int])
     )
 
 
-def summarize(contenders: list[Contender], context: dict[str, Any]) -> list[Row]:
+def summarize(contenders: list[Contender]) -> list[dict[str, Any]]:
+    """One row per phase and baseline: moe-a2a's and the baseline's percentiles (us), their ratio.
+
+    fwd+bwd is each iteration's fwd + bwd. Without a baseline that ran, moe-a2a's row stands alone.
+    """
     samples = {}
     for c in contenders:
         fwd, bwd = np.array(c.fwd_ns), np.array(c.bwd_ns)
-        samples[c.name] = {"fwd": fwd, "fwd+bwd": fwd + bwd}
+        samples[c.name] = {"fwd": report.percentiles_us(fwd), "fwd+bwd": report.percentiles_us(fwd + bwd)}
     rows = []
-    for c in contenders:
-        for phase in PHASES:
-            p = percentiles_us(samples[c.name][phase])
-            ours_p50 = percentiles_us(samples[OURS][phase])[0]
-            rows.append(Row(c.name, phase, *p, ratio_vs_ours=p[0] / ours_p50, **context))
+    for phase in PHASES:
+        ours = samples[OURS][phase]
+        for base in [c.name for c in contenders[1:]] or [None]:
+            theirs = samples[base][phase] if base else {}
+            row: dict[str, Any] = {"phase": phase, "baseline": base}
+            row.update({f"moe_a2a_p{q}_us": ours[f"p{q}"] for q in report.PERCENTILES})
+            row.update({f"baseline_p{q}_us": theirs.get(f"p{q}") for q in report.PERCENTILES})
+            row["ratio"] = report.ratio(theirs.get("p50"), ours["p50"])
+            rows.append(row)
     return rows
 
 
+# (row key, column header) of the printed table; the CSV and JSON have every key of the rows.
+COLUMNS = (
+    ("phase", "phase"),
+    ("baseline", "baseline"),
+    ("moe_a2a_p50_us", "moe-a2a p50 (us)"),
+    ("moe_a2a_p99_us", "moe-a2a p99 (us)"),
+    ("baseline_p50_us", "baseline p50 (us)"),
+    ("baseline_p99_us", "baseline p99 (us)"),
+    ("ratio", report.RATIO),
+)
+NOTE = (
+    f"{report.RATIO_NOTE}; each phase is the slowest rank's after a barrier; "
+    "fwd+bwd = fwd + bwd of each iteration"
+)
+
+
+def format_config(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    return report.config_block(
+        "moe-a2a bench a2a --train",
+        {
+            "ranks": f"{s['world']} ({s['ranks_per_node']} per node)",
+            "provider": s["provider"],
+            "device": s["device"],
+            "baseline": f"TorchTitan 0.3.0 token dispatchers ({'gloo' if s['device'] == 'cpu' else 'NCCL'})",
+            "payloads": f"forward {s['dispatch_dtype']}, gradients {s['grad_dtype']}",
+            "sizes": f"{report.sizes_text(s['tokens'], s['hidden'], s['num_experts'], s['topk'])}; "
+            f"max_recv_tokens {result['max_recv_tokens']}",
+            "iterations": f"{s['iters']} timed after {s['warmup']} warm-up",
+            "peak RSS": f"{result['peak_rss_mib_per_rank']} MiB/rank",
+            "switches": report.switches_set(),
+        },
+    )
+
+
 def print_report(result: dict[str, Any]) -> None:
-    rows: list[Row] = result["rows"]
-    r0 = rows[0]
-    print(
-        f"bench a2a --train: {r0.world} ranks, {r0.ranks_per_node} per node, provider {r0.provider}, "
-        f"device {r0.device}; {r0.tokens} tokens per rank, hidden {r0.hidden}, {r0.num_experts} experts, "
-        f"top-{r0.topk}; forward {r0.dispatch_dtype}, gradients {r0.grad_dtype}; "
-        f"max_recv_tokens {result['max_recv_tokens']}; peak RSS {result['peak_rss_mib_per_rank']} MiB/rank"
-    )
-    pct = "/".join(f"p{p}" for p in PERCENTILES)
-    head = f"{'contender':24} {'phase':8} {pct + ' (us)':>32} {'vs moe-a2a':>11}"
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        fmt = f"{r.p50_us:.0f}/{r.p90_us:.0f}/{r.p99_us:.0f}"
-        print(f"{r.contender:24} {r.phase:8} {fmt:>32} {r.ratio_vs_ours:>10.2f}x")
-    print(
-        "(vs moe-a2a = contender median / moe-a2a median: above 1 means moe-a2a is faster; "
-        "each phase is the slowest rank's after a barrier; fwd+bwd sums each iteration's two)"
-    )
+    table = report.columns_table(COLUMNS, result["rows"], default=".0f")
+    print(format_config(result), "", table, f"({NOTE})", sep="\n")
     for name, why in result["skipped"].items():
         print(f"{name}: skipped: {why}")
     for a in result["agreement"]:
@@ -412,20 +419,10 @@ def print_report(result: dict[str, Any]) -> None:
         print(f"agreement with {a['baseline']}: {'ok' if a['ok'] else 'FAILED'}: {diffs}")
 
 
-def meta(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
-    from moe_a2a import __version__, switches
-
+def meta(result: dict[str, Any]) -> dict[str, Any]:
     return {
-        "benchmark": "a2a --train",
-        "moe_a2a_version": __version__,
-        "switches": switches.recorded(),
-        "command": " ".join(sys.argv),
-        "iters": args.iters,
-        "warmup": args.warmup,
-        "host": platform.node(),
-        "cpus": os.cpu_count(),
-        "time": "slowest rank per phase, after an MPI barrier; fwd+bwd = fwd + bwd of each iteration",
-        "ratio_vs_ours": "contender median / moe-a2a median (above 1: moe-a2a is faster)",
+        **report.run_meta("a2a --train", result["settings"]),
+        "note": NOTE,
         **{k: result[k] for k in ("agreement", "skipped", "max_recv_tokens", "peak_rss_mib_per_rank")},
     }
 
@@ -435,7 +432,6 @@ def main(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     from moe_a2a.bench.a2a import _local_rank, _share_cores
-    from moe_a2a.bench.fabric import write_output
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
@@ -471,7 +467,7 @@ def main(args: argparse.Namespace) -> int:
     if rank == 0:
         print_report(result)
         if args.output:
-            write_output(Path(args.output), result["rows"], meta(args, result))
+            report.write_output(args.output, result["rows"], meta(result))
             print(f"figures written to {args.output}")
     bad = [a["baseline"] for a in result["agreement"] if not a["ok"]]
     if bad:

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import math
 import os
 import sys
-import time
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
 
+from moe_a2a import report
 from moe_a2a.layers.presets import PRESETS, SCORE_FUNCS, MoEShape, get_preset
 
 if TYPE_CHECKING:
@@ -121,12 +120,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="--verify refuses when the whole layer's weights exceed this on rank 0 (default: %(default)s)",
     )
     run.add_argument("--trace", metavar="PATH", help="write an HDF5 trace of the run (from rank 0)")
-    run.add_argument(
-        "--progress",
-        choices=("auto", "always", "never"),
-        default="auto",
-        help="progress bar on rank 0's stderr; auto shows it once a run has lasted 2 s",
-    )
+    report.add_progress_argument(run)
 
     train = p.add_argument_group("training (--mode train)")
     train.add_argument("--optimizer", choices=OPTIMIZERS, help="torch.optim.AdamW or SGD (default: adamw)")
@@ -389,72 +383,10 @@ def skewed_popularity(num_experts: int, skew: float, seed: int) -> torch.Tensor:
     return popularity.float()
 
 
-# --------------------------------------------------------------------------- progress
-
-
-class ProgressBar:
-    """A one-line text progress bar that shows up only once a run has lasted `delay` seconds.
-
-    On a terminal it redraws in place (at most ten times a second); elsewhere (batch
-    logs, mpirun forwarding) it prints a line at most every `log_every` seconds.
-    """
-
-    def __init__(
-        self,
-        total: int,
-        enabled: bool,
-        stream: TextIO | None = None,
-        width: int = 30,
-        delay: float = 2.0,
-        log_every: float = 10.0,
-    ) -> None:
-        self.total, self.enabled, self.width = total, enabled, width
-        self.stream = stream or sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.delay, self.interval = delay, (0.1 if self.tty else log_every)
-        self.done = 0
-        self._start = time.monotonic()
-        self._drawn: float | None = None  # when last drawn; None: never
-
-    def line(self) -> str:
-        filled = self.width * self.done // max(self.total, 1)
-        elapsed = time.monotonic() - self._start
-        rate = self.done / elapsed if elapsed > 0 else 0.0
-        eta = (self.total - self.done) / rate if rate > 0 else math.inf
-        eta_s = f"{eta:.0f}s" if math.isfinite(eta) else "?"
-        return (
-            f"{PROG}: [{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} "
-            f"{rate:.1f} it/s, {eta_s} left"
-        )
-
-    def _draw(self, now: float) -> None:
-        self._drawn = now
-        self.stream.write(("\r" if self.tty else "") + self.line() + ("" if self.tty else "\n"))
-        self.stream.flush()
-
-    def update(self, n: int = 1) -> None:
-        self.done += n
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if now - self._start < self.delay:
-            return  # short runs stay quiet
-        if self._drawn is None or now - self._drawn >= self.interval:
-            self._draw(now)
-
-    def close(self) -> None:
-        """Draw the final state and end the line, if the bar was ever shown."""
-        if self.enabled and self._drawn is not None:
-            self._draw(time.monotonic())
-            if self.tty:
-                self.stream.write("\n")
-                self.stream.flush()
-
-
 # --------------------------------------------------------------------------- summary
 
 
-def summary_rows(trace: RunTrace, tokens_per_iter: int) -> tuple[list[list[str]], float | None]:
+def summary_rows(trace: RunTrace, tokens_per_iter: int) -> tuple[list[list[Any]], float | None]:
     """Rows of the summary table and tokens/s.
 
     Each phase's time in an iteration is its longest over ranks (the layer waits for
@@ -464,15 +396,14 @@ def summary_rows(trace: RunTrace, tokens_per_iter: int) -> tuple[list[list[str]]
     """
     import numpy as np
 
-    from moe_a2a.trace import percentiles_us
+    from moe_a2a.report import percentiles_us
 
     durations = trace.durations_ns()  # [ranks, iters, phases]
-    rows: list[list[str]] = []
+    rows: list[list[Any]] = []
 
     def row(name: str, per_iter: np.ndarray) -> dict[str, Any]:
         stats = percentiles_us(per_iter, (50, 99))
-        cells = [name, *("-" if stats[k] is None else f"{stats[k]:.1f}" for k in ("p50", "p99", "mean"))]
-        rows.append(cells)
+        rows.append([name, *(stats[k] for k in ("p50", "p99", "mean"))])
         return stats
 
     for i, name in enumerate(trace.phases):
@@ -487,13 +418,14 @@ def summary_rows(trace: RunTrace, tokens_per_iter: int) -> tuple[list[list[str]]
 
 def format_summary(trace: RunTrace, tokens_per_iter: int, header: list[str], footer: list[str]) -> str:
     """The table printed at the end of a run."""
-    from moe_a2a.trace_tools import format_table
+    from moe_a2a.report import table
 
     rows, tokens_per_s = summary_rows(trace, tokens_per_iter)
     lines = [
         *header,
+        "",
         f"{trace.num_iters} measured iterations; per phase: max over ranks, then over iterations (us)",
-        format_table(["phase", "p50", "p99", "mean"], rows),
+        table(["phase", "moe-a2a p50 (us)", "moe-a2a p99 (us)", "moe-a2a mean (us)"], rows),
     ]
     if tokens_per_s is not None:
         lines.append(
@@ -618,9 +550,7 @@ def _run(args: argparse.Namespace, shape: MoEShape, comm: Any) -> int:
     provider = _provider(args)
     recorder = TraceRecorder(args.iters, world, shape.num_experts)
     total_iters = args.warmup + args.iters
-    progress = ProgressBar(
-        total_iters, rank == 0 and args.progress != "never", delay=0.0 if args.progress == "always" else 2.0
-    )
+    progress = report.progress(total_iters, f"{PROG} {args.mode}", rank=rank, mode=args.progress)
     worst = 0.0
     limit = tolerance(args.dispatch_dtype, args.combine_dtype, weight_dtype)
     failures: list[str] = []
@@ -757,17 +687,23 @@ def _run_config(
 def _header(
     args: argparse.Namespace, shape: MoEShape, tokens: int, world: int, topology: Any, provider: str
 ) -> str:
-    extra = ""
+    """The configuration block above the summary table (the same style as `bench`'s)."""
+    settings = {
+        "model": f"{args.model} {args.mode}",
+        "ranks": f"{world} on {topology.num_nodes} node(s) of {topology.local_size}",
+        "provider": provider,
+        "device": args.device,
+        "sizes": report.sizes_text(tokens, shape.hidden, shape.num_experts, shape.topk),
+        "payloads": f"dispatch {args.dispatch_dtype}, combine {args.combine_dtype}",
+        "routing": args.routing,
+        "iterations": f"{args.iters} measured after {args.warmup} warm-up",
+    }
     if args.mode == "train":
-        extra = f", {args.optimizer} lr {args.lr:g}, gradients {args.grad_dtype}"
+        settings["training"] = f"{args.optimizer} lr {args.lr:g}, gradients {args.grad_dtype}"
         if args.load_balance_coeff is not None:
-            extra += f", load balancing {args.load_balance_coeff:g}"
-    return (
-        f"{PROG}: {args.model} {args.mode}, {world} ranks on {topology.num_nodes} node(s), "
-        f"{tokens} tokens/rank, hidden {shape.hidden}, {shape.num_experts} experts top-{shape.topk}, "
-        f"dispatch {args.dispatch_dtype}, combine {args.combine_dtype}, routing {args.routing}, "
-        f"provider {provider}, {args.device}{extra}"
-    )
+            settings["training"] += f", load balancing {args.load_balance_coeff:g}"
+    settings["switches"] = report.switches_set()
+    return report.config_block(PROG, settings)
 
 
 def _a2a_config(args: argparse.Namespace, shape: MoEShape, tokens: int) -> Any:
@@ -844,9 +780,7 @@ def _train(
     provider = _provider(args)
     recorder = TraceRecorder(args.iters, world, shape.num_experts, phases=TRAIN_PHASES)
     total_iters = args.warmup + args.iters
-    progress = ProgressBar(
-        total_iters, rank == 0 and args.progress != "never", delay=0.0 if args.progress == "always" else 2.0
-    )
+    progress = report.progress(total_iters, f"{PROG} {args.mode}", rank=rank, mode=args.progress)
     limit = grad_tolerance(args.dispatch_dtype, args.combine_dtype, weight_dtype, args.grad_dtype)
     failures: list[str] = []
     worst: dict[str, float] = {}
@@ -899,7 +833,10 @@ def _train(
             losses.append(global_loss)
             if rank == 0:
                 tag = " (warm-up)" if it < 0 else ""
-                print(f"{PROG}: step {step + 1}/{total_iters}{tag}: loss {global_loss:.6g}", flush=True)
+                # tqdm.write: the line goes above the bar instead of through it.
+                progress.write(
+                    f"{PROG}: step {step + 1}/{total_iters}{tag}: loss {global_loss:.6g}", sys.stdout
+                )
             if before is not None:
                 assert grads is not None
                 found = _verify_train(

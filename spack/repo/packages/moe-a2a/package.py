@@ -92,6 +92,8 @@ class MoeA2a(PythonPackage, CudaPackage):
     depends_on("py-numpy@1.24:", type="run")
     depends_on("py-torch@2.4:", type="run")
     depends_on("py-h5py@3.8:", type="run")
+    depends_on("py-tabulate@0.9:", type="run")
+    depends_on("py-tqdm@4.64:", type="run")
     depends_on("py-matplotlib@3.7:", type="run", when="+plot")
 
     def config_settings(self, spec, prefix):

@@ -1,0 +1,185 @@
+"""What the benchmarks print and write, without MPI: help with defaults, the agreed columns, --output names.
+
+The runs themselves (config block, progress on rank 0 only, CSV and JSON files) are
+tested under mpirun in tests/mpi/test_bench_a2a.py and test_bench_train.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+
+from moe_a2a import cli, report
+from moe_a2a.bench import a2a, a2a_cuda, fabric, train
+
+# Columns every moe-a2a-against-a-baseline table has, in this order, after its labels.
+COMPARED = [
+    "moe-a2a p50 (us)",
+    "moe-a2a p99 (us)",
+    "baseline p50 (us)",
+    "baseline p99 (us)",
+    "baseline/moe-a2a",
+]
+
+
+def cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _subparser(parser: argparse.ArgumentParser, *names: str) -> argparse.ArgumentParser:
+    for name in names:
+        (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[name]
+    return parser
+
+
+def _standalone_cuda_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    a2a_cuda.add_arguments(parser)
+    return parser
+
+
+@pytest.mark.parametrize(
+    "parser",
+    [
+        pytest.param(lambda: _subparser(cli.build_parser(), "bench", "a2a"), id="bench a2a"),
+        pytest.param(lambda: _subparser(cli.build_parser(), "bench", "fabric"), id="bench fabric"),
+        pytest.param(_standalone_cuda_parser, id="a2a_cuda"),
+    ],
+)
+def test_every_benchmark_flag_says_its_default(parser: object) -> None:
+    p = parser()  # type: ignore[operator]
+    flags = [a for a in p._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+    assert flags
+    missing = [a.option_strings[0] for a in flags if "default" not in (a.help or "")]
+    assert missing == []
+    help_text = p.format_help()
+    assert "(default: 20)" in help_text or "(default: 100)" in help_text
+
+
+def test_bench_output_of_another_kind_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    for argv in (["bench", "a2a", "--output", "x.txt"], ["bench", "fabric", "--output", "x.txt"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(argv)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --output: got 'x.txt'; expected a file name ending in .csv" in err, err
+
+
+def _samples(ours: float, base: float) -> list[float]:
+    return [ours * 1e3 * (1 + i / 10) for i in range(10)], [base * 1e3 * (1 + i / 10) for i in range(10)]
+
+
+def test_bench_a2a_rows_and_table() -> None:
+    (od, bd), (oc, bc) = _samples(10, 30), _samples(20, 20)
+    result = dict(
+        shape="decode",
+        tokens=128,
+        samples_ns={"ours_dispatch": od, "ours_combine": oc, "base_dispatch": bd, "base_combine": bc},
+    )
+    rows = a2a.rows_of(result)
+    assert [r["phase"] for r in rows] == ["dispatch", "combine", "total"]
+    dispatch, combine, total = rows
+    assert dispatch["moe_a2a_p50_us"] == pytest.approx(np.percentile(od, 50) / 1e3)
+    assert dispatch["ratio"] == pytest.approx(3.0) and combine["ratio"] == pytest.approx(1.0)
+    # total: percentiles of each iteration's dispatch + combine, not sums of percentiles
+    assert total["moe_a2a_p99_us"] == pytest.approx(np.percentile(np.add(od, oc), 99) / 1e3)
+    lines = a2a.format_table(rows).splitlines()
+    assert cells(lines[0]) == ["shape", "tokens/rank", "phase", *COMPARED]
+    assert cells(lines[2])[:3] == ["decode", "128", "dispatch"] and cells(lines[2])[-1] == "3.00"
+
+
+def test_bench_a2a_config_block_names_sizes_and_baseline() -> None:
+    s = dict(
+        world=4,
+        ranks_per_node=1,
+        provider="tcp",
+        device="cpu",
+        baseline="MPI",
+        dispatch_dtype="fp8",
+        combine_dtype="bf16",
+        iters=20,
+        warmup=3,
+        shapes={"decode": dict(tokens=128, hidden=7168, num_experts=256, topk=8)},
+    )
+    lines = a2a.format_config(s).splitlines()
+    assert lines[0] == "moe-a2a bench a2a"
+    keys = [line.split(":")[0].strip() for line in lines[1:]]
+    assert keys == ["ranks", "provider", "device", "baseline", "payloads", "sizes", "iterations", "switches"]
+    assert "decode 128 tokens/rank, hidden 7168, 256 experts, top-8" in lines[6]
+
+
+def test_bench_train_rows_pair_moe_a2a_with_each_baseline() -> None:
+    ours = train.Contender(train.OURS, lambda *a: None, fwd_ns=[1e3, 2e3], bwd_ns=[3e3, 3e3])
+    titan = train.Contender(train.ALL_TO_ALL, lambda *a: None, fwd_ns=[4e3, 8e3], bwd_ns=[6e3, 6e3])
+    rows = train.summarize([ours, titan])
+    assert [(r["phase"], r["baseline"]) for r in rows] == [
+        ("fwd", train.ALL_TO_ALL),
+        ("fwd+bwd", train.ALL_TO_ALL),
+    ]
+    assert rows[0]["ratio"] == pytest.approx(4.0) and rows[1]["ratio"] == pytest.approx(12.0 / 4.5)
+    alone = train.summarize([ours])
+    assert [r["baseline"] for r in alone] == [None, None] and alone[0]["ratio"] is None
+    header = report.columns_table(train.COLUMNS, rows).splitlines()[0]
+    assert cells(header) == ["phase", "baseline", *COMPARED]
+
+
+def test_bench_a2a_cuda_rows_and_table() -> None:
+    phase = {"ms": 0.1, "gbs": 1000.0}
+    res = dict(
+        shape="decode",
+        tokens=128,
+        world=1,
+        copy_gbs=4000.0,
+        step_ms=0.5,
+        torch_native_ms=2.0,
+        phases_ms=0.4,
+        step_bytes=10**9,
+        graph_step_ms=0.2,
+        graph_span_ms=0.1,
+        **{p: dict(phase) for p in a2a_cuda.PHASES},
+    )
+    rows = a2a_cuda.rows_of([res])
+    assert [r["phase"] for r in rows] == [*a2a_cuda.PHASES, "step"]
+    step = rows[-1]
+    assert step["ratio"] == pytest.approx(4.0) and step["graph_replay_us"] == pytest.approx(200.0)
+    assert rows[0]["pct_of_copy"] == pytest.approx(25.0)
+    lines = a2a_cuda.format_table(rows).splitlines()
+    assert cells(lines[0]) == [h for _, h in a2a_cuda.COLUMNS]
+    assert "baseline/moe-a2a" in cells(lines[0]) and cells(lines[2])[5] == "25"
+    assert cells(lines[-1])[-4:] == ["2000.0", "4.00", "250.0", "200.0"]
+    res.update(ranks_per_node=1, fill_gbs=3000.0)
+    args = argparse.Namespace(provider="shm", iters=10, warmup=3, rounds=4, shapes=["decode"])
+    config = a2a_cuda.format_config(a2a_cuda.settings_of(args, 1, [res])).splitlines()
+    assert config[0] == "moe-a2a bench a2a --device cuda"
+    assert "decode 128 tokens/rank, hidden 7168, 256 experts, top-8" in config[6]
+    assert [line.split(":")[0].strip() for line in config[1:]] == [
+        *(
+            "ranks",
+            "provider",
+            "device",
+            "baseline",
+            "payloads",
+            "sizes",
+            "iterations",
+            "ceilings",
+            "switches",
+        )
+    ]
+
+
+def test_bench_fabric_columns_use_the_same_words() -> None:
+    row = fabric.Row(1024, 10.0, 12.0, 30.0, 33.0, 3.0, 0.1, 0.03)
+    header = cells(fabric.format_table([row]).splitlines()[0])
+    assert header[1:6] == [
+        "moe-a2a p50 (us)",
+        "moe-a2a p90 (us)",
+        "baseline p50 (us)",
+        "baseline p90 (us)",
+        "baseline/moe-a2a",
+    ]
