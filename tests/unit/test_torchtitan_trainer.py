@@ -64,7 +64,9 @@ def torchrun(
         "--checkpoint.enable", "--checkpoint.last-save-model-only",
         "--metrics.disable-color-printing", "--dump-folder", str(out), *args,
     ]  # fmt: skip
-    environ = {k: v for k, v in os.environ.items() if k != "MOE_A2A_TORCHTITAN_BACKEND"} | (env or {})
+    # CPU only, also on a GPU machine (where NCCL would refuse two ranks on one GPU).
+    environ = {k: v for k, v in os.environ.items() if k != "MOE_A2A_TORCHTITAN_BACKEND"}
+    environ |= {"CUDA_VISIBLE_DEVICES": ""} | (env or {})
     p = subprocess.run(
         cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=out.parent, env=environ
     )

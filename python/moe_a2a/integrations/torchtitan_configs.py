@@ -2,12 +2,14 @@
 
 TorchTitan's `--module` takes a module path and `--config` one of its functions, so
 
-    -m torchtitan.train --module moe_a2a.integrations.torchtitan_configs --config deepseek_v3_debugmodel
+    torchrun ... -m moe_a2a.integrations.torchtitan_train \
+        --module moe_a2a.integrations.torchtitan_configs --config deepseek_v3_debugmodel
 
 trains TorchTitan's DeepSeek-V3 debug model with `MoeA2ATokenDispatcher` in every MoE
 layer. `use_moe_a2a` does the same to any `Trainer.Config` (your own config function
-can call it); `on_cpu` makes a config run on the CPU with gloo; `write_tiny_assets`
-writes a tokenizer and a text dataset for the debug configs (see docs/training.md).
+can call it); `on_gloo` and `on_cpu` make a config train over gloo and on the CPU;
+`write_tiny_assets` writes a tokenizer and a text dataset for the debug configs (see
+docs/training.md).
 """
 
 from __future__ import annotations
@@ -64,11 +66,9 @@ def _sum_reductions(parallelize: Callable[..., Any]) -> Callable[..., Any]:
     return parallelize_for_gloo
 
 
-def on_cpu(config: Trainer.Config) -> Trainer.Config:
-    """Make `config` train on the CPU with gloo (in place), under `moe_a2a.integrations.torchtitan_train`.
+def on_gloo(config: Trainer.Config) -> Trainer.Config:
+    """Make `config` train over a gloo process group (in place): the CPU, or ranks sharing a GPU.
 
-    - Attention: SDPA, causal over the whole sequence. FlexAttention, TorchTitan's
-      default, has no backward on the CPU; so SDPA does not mask document boundaries.
     - FSDP reduces with plain sums: TorchTitan asks for a divide factor of 1, which
       FSDP turns into PREMUL_SUM, which gloo refuses.
     - SPMD backend "partial_dtensor": with TorchTitan 0.3.0's default ("spmd_types")
@@ -76,20 +76,34 @@ def on_cpu(config: Trainer.Config) -> Trainer.Config:
       DTensors on the full SPMD mesh"), and its AllToAllTokenDispatcher exchanges
       uneven splits through `all_to_all` on tensor lists there, which gloo refuses.
     """
-    spec = config.model_spec
-    if spec is None:
-        raise ValueError("on_cpu: config.model_spec is not set")
-    for layer in spec.model.layers:
+    if config.model_spec is None:
+        raise ValueError("on_gloo: config.model_spec is not set")
+    config.model_spec.parallelize_fn = _sum_reductions(config.model_spec.parallelize_fn)
+    config.parallelism.spmd_backend = "partial_dtensor"
+    return config
+
+
+def on_cpu(config: Trainer.Config) -> Trainer.Config:
+    """`on_gloo`, and attention that trains on the CPU (in place); run it under torchtitan_train.
+
+    Attention becomes SDPA, causal over the whole sequence: FlexAttention, TorchTitan's
+    default, has no backward on the CPU. So SDPA does not mask document boundaries.
+    """
+    on_gloo(config)
+    for layer in config.model_spec.model.layers:
         if getattr(layer, "attention", None) is not None:
             layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    spec.parallelize_fn = _sum_reductions(spec.parallelize_fn)
-    config.parallelism.spmd_backend = "partial_dtensor"
     return config
 
 
 def deepseek_v3_debugmodel() -> Trainer.Config:
     """TorchTitan's DeepSeek-V3 debug model (6 layers, 8 experts, top-3) with moe-a2a's dispatcher."""
     return use_moe_a2a(titan_debugmodel())
+
+
+def deepseek_v3_debugmodel_gloo() -> Trainer.Config:
+    """The same over gloo: several ranks on one GPU (with MOE_A2A_TORCHTITAN_BACKEND=gloo)."""
+    return on_gloo(deepseek_v3_debugmodel())
 
 
 def deepseek_v3_debugmodel_cpu() -> Trainer.Config:
