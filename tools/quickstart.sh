@@ -16,7 +16,9 @@ PIP_PACKAGES=(numpy mpi4py h5py tabulate tqdm matplotlib pytest pytest-mpi pytes
               "scikit-build-core>=0.11" "nanobind>=2.0")
 # The training tests' reference: TorchTitan's own MoE and token dispatchers. TorchTitan
 # imports triton at import time; triton's wheel imports on a machine without a GPU.
-TRAIN_PACKAGES=(torchtitan==0.3.0 triton)
+# tokenizers and datasets (TorchTitan's own dependencies, named because the trainer test
+# builds its tokenizer and reads its text with them).
+TRAIN_PACKAGES=(torchtitan==0.3.0 triton tokenizers datasets)
 
 log() { printf '\033[1m[quickstart]\033[0m %s\n' "$*" >&2; }
 
@@ -49,7 +51,7 @@ setup_python() {
     log "installing Python packages"
     "$py" -m pip install -q "${PIP_PACKAGES[@]}"
   fi
-  if ! "$py" -c "import torchtitan.models.common.token_dispatcher" 2>/dev/null; then
+  if ! "$py" -c "import torchtitan.models.common.token_dispatcher, tokenizers, datasets" 2>/dev/null; then
     log "installing TorchTitan 0.3.0 (the training tests' reference)"
     # torch named too, so nothing TorchTitan needs replaces the pinned CPU build.
     "$py" -m pip install -q "torch==$TORCH_VERSION" "${TRAIN_PACKAGES[@]}"

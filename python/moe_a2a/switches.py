@@ -95,6 +95,14 @@ REGISTRY: dict[str, Switch] = {
             where="core",
         ),
         Switch(
+            "MOE_A2A_TORCHTITAN_BACKEND",
+            "choice",
+            None,
+            "torch.distributed backend moe_a2a.integrations.torchtitan_train starts before TorchTitan "
+            "(gloo lets ranks share one GPU; default: TorchTitan's own choice)",
+            choices=("gloo", "nccl"),
+        ),
+        Switch(
             "MOE_A2A_FABRIC",
             "choice",
             "cpu",

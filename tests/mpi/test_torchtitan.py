@@ -97,13 +97,18 @@ def local_experts() -> slice:
     return slice(RANK * per, (RANK + 1) * per)
 
 
-def ours(router: str, seed: int, mesh: object, dispatch_dtype: str = "fp32") -> torch.nn.Module:
-    """The same module on this rank: moe-a2a's dispatcher, only the local experts' weights."""
+def ours(
+    router: str, seed: int, mesh: object, dispatch_dtype: str = "fp32", sized: bool = True
+) -> torch.nn.Module:
+    """The same module on this rank: moe-a2a's dispatcher, only the local experts' weights.
+
+    `sized=False` leaves hidden_dim and num_max_tokens_per_rank to the first dispatch.
+    """
     disp = MoeA2ATokenDispatcher.Config(
         num_experts=EXPERTS,
         top_k=TOPK,
-        hidden_dim=DIM,
-        num_max_tokens_per_rank=MAX_TOKENS,
+        hidden_dim=DIM if sized else None,
+        num_max_tokens_per_rank=MAX_TOKENS if sized else None,
         dispatch_dtype=dispatch_dtype,
         combine_dtype="fp32",
         grad_dtype="fp32",
@@ -226,6 +231,21 @@ def test_no_parameter_loses_its_gradient(ep_mesh: object, seed: int) -> None:
     inner = mine.routed_experts.inner_experts
     got = COMM.allreduce(float(inner.w1_EFD.grad.abs().sum()) if inner.w1_EFD.grad is not None else 0.0)
     assert got > 0, "routed experts got no gradient on any rank"
+
+
+def test_unsized_dispatcher_is_sized_by_the_first_batch(ep_mesh: object, seed: int) -> None:
+    """No hidden_dim or num_max_tokens_per_rank (as torchtitan_configs.use_moe_a2a leaves it)."""
+    mine, ref = ours("softmax", seed, ep_mesh, sized=False), reference("softmax", seed)
+    xs, _ = batch(seed + 3)
+    lo = sum(x.shape[1] for x in xs[:RANK])
+    with torch.no_grad():
+        want = ref(torch.cat(xs, dim=1).to(DEVICE))[:, lo : lo + xs[RANK].shape[1]]
+        got = mine(xs[RANK].to(DEVICE))
+    assert max_err(got, want) <= 2e-2
+    most = max(x.shape[1] for x in xs)
+    # a batch larger than the first on every rank: the same error everywhere, naming the field
+    with pytest.raises(ValueError, match="num_max_tokens_per_rank"), torch.no_grad():
+        mine(torch.randn(1, most + 1, DIM, device=DEVICE))
 
 
 def test_fp8_dispatch_hands_titan_usable_rows(ep_mesh: object, seed: int) -> None:

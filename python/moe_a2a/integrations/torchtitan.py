@@ -10,6 +10,7 @@ scores and sums each token's rows; both are differentiable through
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from moe_a2a.autograd import GRAD_DTYPES, ExpertParallel, Routed
 # One ExpertParallel per (process group, shape, device): the layers of a model share it
 # (each layer's forward and backward pairs stay in order, see moe_a2a.autograd).
 _shared: dict[tuple[Any, ...], ExpertParallel] = {}
+log = logging.getLogger(__name__)
 
 
 def close_shared() -> None:
@@ -36,8 +38,10 @@ class MoeA2ATokenDispatcher(BaseEPTokenDispatcher):
 
     @dataclass(kw_only=True, slots=True)
     class Config(BaseEPTokenDispatcher.Config):
-        # The model's hidden size and the most tokens one rank dispatches per call:
-        # moe-a2a sizes its buffers from them (TorchTitan's builder fills both, as for DeepEP).
+        # The model's hidden size and the most tokens one rank dispatches per call: moe-a2a
+        # sizes its buffers from them. TorchTitan's builder fills these only for its own
+        # DeepEP-style configs; left None, both are taken from the first dispatch (the
+        # largest batch of any rank), so CLI changes of batch size or seq_len need no edit.
         hidden_dim: int | None = None
         num_max_tokens_per_rank: int | None = None
         dispatch_dtype: str = "bf16"  # bf16, fp32 or fp8 (rows are dequantised for the experts)
@@ -75,14 +79,26 @@ class MoeA2ATokenDispatcher(BaseEPTokenDispatcher):
         c = self.config
         if self.ep_mesh is None:
             return  # EP degree 1: local reordering only, as TorchTitan's own dispatchers do
-        for name in ("hidden_dim", "num_max_tokens_per_rank"):
-            if getattr(c, name) is None:
-                raise ValueError(
-                    f"MoeA2ATokenDispatcher.Config.{name} is not set; moe-a2a sizes its buffers from it"
-                )
+        if c.hidden_dim is None or c.num_max_tokens_per_rank is None:
+            return  # sized at the first dispatch (_open_from)
+        self._open(c.hidden_dim, c.num_max_tokens_per_rank)
+
+    def _open_from(self, x_TD: torch.Tensor) -> None:
+        """Size from the first batch: the most tokens of any EP rank (collective, as dispatch is)."""
+        import torch.distributed as dist
+
+        assert self.ep_mesh is not None
+        most = torch.tensor([x_TD.shape[0]], dtype=torch.int64, device=x_TD.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.ep_mesh.get_group())
+        c = self.config
+        self._open(c.hidden_dim or x_TD.shape[-1], c.num_max_tokens_per_rank or max(1, int(most.item())))
+
+    def _open(self, hidden_dim: int, max_tokens: int) -> None:
+        c = self.config
+        assert self.ep_mesh is not None
         cfg = Config(
-            max_tokens=c.num_max_tokens_per_rank,
-            hidden=c.hidden_dim,
+            max_tokens=max_tokens,
+            hidden=hidden_dim,
             num_experts=c.num_experts,
             topk=c.top_k,
             dispatch_dtype=c.dispatch_dtype,
@@ -103,6 +119,18 @@ class MoeA2ATokenDispatcher(BaseEPTokenDispatcher):
                 num_nics=c.num_nics,
                 grad_dtype=c.grad_dtype,
             )
+            ep = _shared[key]
+            log.info(
+                "moe-a2a: expert parallelism over %d ranks on %s: %d experts here, up to %d tokens of "
+                "hidden %d per rank, %s dispatch, %s gradients",
+                ep.world_size,
+                device,
+                ep.num_local_experts,
+                max_tokens,
+                hidden_dim,
+                c.dispatch_dtype,
+                c.grad_dtype,
+            )
         self.ep = _shared[key]
 
     def dispatch(
@@ -118,7 +146,14 @@ class MoeA2ATokenDispatcher(BaseEPTokenDispatcher):
                 return LocalTokenDispatcher.dispatch(
                     self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
                 )
-            raise RuntimeError("MoeA2ATokenDispatcher: wire_meshes(ep_mesh=...) has not run")
+            self._open_from(x_TD)
+            assert self.ep is not None
+        if x_TD.shape[0] > self.ep.cfg.max_tokens:
+            raise ValueError(
+                f"MoeA2ATokenDispatcher.dispatch: got {x_TD.shape[0]} tokens; expected at most "
+                f"{self.ep.cfg.max_tokens} (num_max_tokens_per_rank, or the first batch's size where "
+                "it is not set: set it to the largest local_batch_size * seq_len)"
+            )
         routed = self.ep.dispatch(x_TD, topk_expert_ids_TK, topk_scores_TK)
         counts = routed.tokens_per_expert.to(x_TD.device)
         return routed.expert_x, counts, routed

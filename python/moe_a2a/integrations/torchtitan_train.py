@@ -1,0 +1,105 @@
+"""Run TorchTitan's own trainer (`torchtitan.train.main`) where it cannot start by itself.
+
+    torchrun --nproc-per-node 2 -m moe_a2a.integrations.torchtitan_train \\
+        --module moe_a2a.integrations.torchtitan_configs --config deepseek_v3_debugmodel_cpu ...
+
+Every argument goes to TorchTitan unchanged. Before TorchTitan is imported this sets
+only what TorchTitan 0.3.0 cannot find on its own (see docs/training.md):
+
+- **The device on a machine without an accelerator.** TorchTitan binds
+  `device_type = _get_available_device_type() or "cuda"` at import and has no flag
+  for the CPU. Here, where no accelerator is found, it is "cpu" instead, with
+  `torch.cpu` completed by the few calls TorchTitan's memory monitor makes
+  (`CpuDevice`). TorchTitan then initialises gloo, its backend for "cpu". Where
+  an accelerator is found nothing changes.
+- **`torch.distributed.set_timeout`**, which TorchTitan calls after the first step
+  and which torch 2.13 and 2.11 lack; it is torch's own `_set_pg_timeout`.
+- **The process group, where `MOE_A2A_TORCHTITAN_BACKEND` names a backend.**
+  TorchTitan picks NCCL for CUDA, and NCCL refuses two ranks on one GPU; with
+  `gloo` this starts the group first, and TorchTitan then uses it as it finds it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+from datetime import timedelta
+
+import torch
+
+from moe_a2a import switches
+
+# TorchTitan's own default (comm.init_timeout_seconds); it sets the train timeout after step 1.
+INIT_TIMEOUT = timedelta(seconds=300)
+
+
+class _Properties:
+    """What TorchTitan reads of a device's properties: its memory."""
+
+    def __init__(self) -> None:
+        self.total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        self.name = "cpu"
+
+
+def cpu_device_module() -> types.ModuleType:
+    """`torch.cpu` plus the calls TorchTitan's device-memory monitor makes (no CPU memory stats: -1)."""
+    mod = types.ModuleType("moe_a2a_cpu_device")
+    mod.__dict__.update({k: v for k, v in vars(torch.cpu).items() if not k.startswith("__")})
+    mod.get_device_name = lambda device=None: "cpu"
+    mod.get_device_properties = lambda device=None: _Properties()
+    mod.memory_stats = lambda device=None: {}
+    mod.reset_peak_memory_stats = lambda device=None: None
+    mod.empty_cache = lambda: None
+    # TorchTitan passes it to barrier(device_ids=[...]), which takes integers.
+    mod.current_device = lambda: 0
+    return mod
+
+
+def prepare() -> str:
+    """Set what TorchTitan needs before its modules bind it; return the device type it will use."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if not hasattr(dist, "set_timeout"):
+        dist.set_timeout = distributed_c10d._set_pg_timeout  # type: ignore[attr-defined]
+    already = [m for m in sys.modules if m.startswith("torchtitan.") and m != "torchtitan.tools.utils"]
+    if already:
+        raise RuntimeError(
+            f"moe_a2a.integrations.torchtitan_train: TorchTitan modules were imported before it ran "
+            f"({', '.join(sorted(already)[:3])}...); they bound TorchTitan's device already"
+        )
+    import torchtitan.tools.utils as titan_utils
+
+    if torch._utils._get_available_device_type() is None:
+        titan_utils.device_type, titan_utils.device_module = "cpu", cpu_device_module()
+    backend = switches.get("MOE_A2A_TORCHTITAN_BACKEND")
+    if backend is not None and not dist.is_initialized():
+        dist.init_process_group(backend, timeout=INIT_TIMEOUT)
+    return str(titan_utils.device_type)
+
+
+def unbound(device_type: str) -> list[str]:
+    """TorchTitan modules that bound another device type than `device_type` (none, if prepare() ran first)."""
+    return sorted(
+        name
+        for name, mod in list(sys.modules.items())
+        if name.startswith("torchtitan") and getattr(mod, "device_type", device_type) != device_type
+    )
+
+
+def main() -> None:
+    device_type = prepare()
+    from torchtitan.train import main as titan_main
+
+    stale = unbound(device_type)
+    if stale:
+        raise RuntimeError(
+            f"moe_a2a.integrations.torchtitan_train: {', '.join(stale)} bound a device type other than "
+            f"{device_type!r}; this TorchTitan binds its device elsewhere than torchtitan.tools.utils"
+        )
+    titan_main()
+
+
+if __name__ == "__main__":
+    main()
