@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <chrono>
 #include <cstring>
 #include <string>
@@ -24,6 +25,7 @@ namespace moe_a2a::a2a {
 
 struct PeerWatch {
   static constexpr std::chrono::milliseconds kInterval{20};
+  static constexpr std::chrono::milliseconds kPidInterval{100};
 
   A2AConfig cfg;
   Layout layout;
@@ -35,6 +37,7 @@ struct PeerWatch {
   // used our tag slot before us); only later ones are news.
   std::vector<uint64_t> seen_aborts;
   std::chrono::steady_clock::time_point next{};
+  std::chrono::steady_clock::time_point next_pids{};
 
   PeerWatch() = default;
   PeerWatch(const A2AConfig& c, const Layout& l, uint8_t* ws, fabric::TransferEngine* e, std::vector<int> remotes,
@@ -64,15 +67,32 @@ struct PeerWatch {
       if (rec->state.load(std::memory_order_acquire) != 0) announced(s, rec);
       seen_aborts[i] = engine->imm_count(abort_tag(), s);  // a stale one: its bytes went to an old region
     }
+    if (now < next_pids && !force) return;
+    next_pids = now + kPidInterval;
     for (int s = 0; s < static_cast<int>(pids.size()); ++s) {
       if (s == cfg.rank || pids[s] <= 0) continue;
-      if (kill(pids[s], 0) != 0 && errno == ESRCH)
+      if (gone(pids[s]))
         throw fabric::FabricError("rank " + std::to_string(cfg.rank) + ": peer " + std::to_string(s) + " (pid " +
                                   std::to_string(pids[s]) + " on this host) is gone: it exited or was killed");
     }
   }
 
  private:
+  // No such process, or a zombie that its parent has not reaped yet (a
+  // launcher that polls its children every few seconds).
+  static bool gone(int pid) {
+    if (kill(pid, 0) != 0) return errno == ESRCH;
+    char path[64], buf[256];
+    snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+    FILE* f = fopen(path, "r");
+    if (f == nullptr) return false;
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char* state = strrchr(buf, ')');  // the name may hold spaces and parentheses
+    return state != nullptr && state[1] == ' ' && (state[2] == 'Z' || state[2] == 'X');
+  }
+
   [[noreturn]] void announced(int s, const AbortRecord* rec) const {
     std::string text(rec->text, strnlen(rec->text, sizeof(rec->text)));
     throw PeerFailedError("rank " + std::to_string(cfg.rank) + ": peer " + std::to_string(s) +
