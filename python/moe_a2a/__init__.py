@@ -5,7 +5,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from moe_a2a._core import CapacityError, FabricError, FabricTimeoutError
+from moe_a2a._core import CapacityError, FabricError, FabricTimeoutError, PeerFailedError
 
 try:
     # pyproject.toml holds the version; the installed metadata carries it here.
@@ -13,7 +13,15 @@ try:
 except PackageNotFoundError:  # imported from a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["AllToAll", "CapacityError", "Config", "FabricError", "FabricTimeoutError", "__version__"]
+__all__ = [
+    "AllToAll",
+    "CapacityError",
+    "Config",
+    "FabricError",
+    "FabricTimeoutError",
+    "PeerFailedError",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:

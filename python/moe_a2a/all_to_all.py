@@ -7,14 +7,15 @@ the C++ core, which does the work with the GIL released.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -23,7 +24,7 @@ from moe_a2a import _core, switches
 from moe_a2a.agreement import all_to_all_settings, check_agreement
 from moe_a2a.backends.common import CORE_DTYPE, Setup, num_scales
 from moe_a2a.bootstrap import Bootstrap
-from moe_a2a.fabric import lease_engine
+from moe_a2a.fabric import hint_universe_size, lease_engine
 from moe_a2a.nics import current_gpu_address, num_nics_default
 
 DISPATCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
@@ -33,11 +34,14 @@ PATHS = ("same_node", "fabric")
 
 CapacityError = _core.CapacityError
 FabricError = _core.FabricError
+PeerFailedError = _core.PeerFailedError
 
 # Identity of each AllToAll in this process: handles carry it, so one instance
 # never reads buffers sized from another instance's handle.
 _instance_ids = itertools.count(1)
 
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 # The core holds sizes and row indices as 32-bit ints.
 CORE_INT_MAX = 2**31 - 1
@@ -143,6 +147,27 @@ class PendingCombine:
     owner: int = field(repr=False, default=0)
 
 
+def _counted(what: str) -> Callable[[F], F]:
+    """An API call: counted, and any failure but a capacity error stops the instance on every rank."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def call(self: AllToAll, *args: Any, **kwargs: Any) -> Any:
+            self._check_usable()
+            self._calls += 1
+            try:
+                return fn(self, *args, **kwargs)
+            except CapacityError:
+                raise  # every rank raised it for the same call: the next one starts clean
+            except Exception as exc:
+                self._fail(what, exc)
+                raise
+
+        return call  # type: ignore[return-value]
+
+    return wrap
+
+
 def _describe(t: Any) -> str:
     """How an argument looks, for error messages."""
     if not isinstance(t, torch.Tensor):
@@ -193,9 +218,21 @@ class AllToAll:
         num_nics = num_nics_default(num_nics)  # MOE_A2A_NUM_NICS (job presets) where not given
         self.cfg = cfg
         self.id = next(_instance_ids)
+        self._args: dict[str, Any] = {
+            "cfg": cfg,
+            "comm": comm,
+            "device": device,
+            "provider": provider,
+            "ranks_per_node": ranks_per_node,
+            "num_nics": num_nics,
+            "graph_safe": graph_safe,
+            "nics": nics,
+            "abort_on_error": abort_on_error,
+        }
         self._boot = Bootstrap(comm, ranks_per_node)
         topo = self._boot.topology
         self.rank, self.world_size = topo.rank, topo.world_size
+        hint_universe_size(self.world_size)  # before anything starts libfabric in this process
         # A survivor that only raised would wait in MPI_Finalize for peers that wait for it.
         if abort_on_error is None:
             abort_on_error = switches.get("MOE_A2A_ABORT_ON_ERROR")
@@ -231,6 +268,7 @@ class AllToAll:
             remote_peers=remote_peers,
             node=self._node,
             bootstrap=self._boot,
+            pids=self._boot.local_pids(),
         )
         self._setup: Setup | None = setup
         if device == "cuda":
@@ -244,6 +282,7 @@ class AllToAll:
         self.device = self._backend.device
         self.graph_safe = graph_safe
         self._state = "idle"
+        self._calls = 0  # API calls so far, rejected ones included: failures name theirs
         self._failure: str | None = None
         self._last: Dispatched | None = None
         self._boot.barrier()  # every proxy runs and every peer is mapped before anyone writes
@@ -284,6 +323,7 @@ class AllToAll:
 
     # -- dispatch -------------------------------------------------------------------------------
 
+    @_counted("dispatch")
     def dispatch(
         self,
         x: torch.Tensor | None = None,
@@ -300,7 +340,6 @@ class AllToAll:
         `send=True, recv=False` returns a `PendingDispatch` while bytes are in flight;
         `dispatch(handle=pending, send=False)` finishes it.
         """
-        self._check_usable()
         if not send and not recv:
             raise ValueError("dispatch: send and recv are both False; nothing to do")
         if send:
@@ -322,7 +361,7 @@ class AllToAll:
                 "every dispatch must be followed by combine before the next dispatch"
             )
         x, ids, weights, scale = self._validate_dispatch(x, topk_ids, topk_weights, x_scale)
-        self._guard(self._backend.dispatch_send, x, scale, ids)
+        self._backend.dispatch_send(x, scale, ids)
         self._state = "dispatch_sent"
         return PendingDispatch(epoch=self.epoch, num_tokens=x.shape[0], topk_weights=weights, owner=self.id)
 
@@ -342,9 +381,7 @@ class AllToAll:
                 f"(state {self._state}, epoch {self.epoch})"
             )
         try:
-            expert_x, scale, counts = self._guard(
-                self._backend.dispatch_recv, DISPATCH_DTYPES[self.cfg.dispatch_dtype]
-            )
+            expert_x, scale, counts = self._backend.dispatch_recv(DISPATCH_DTYPES[self.cfg.dispatch_dtype])
         except CapacityError:
             self._state = "idle"  # every rank failed this call alike; the next one starts clean
             raise
@@ -363,6 +400,7 @@ class AllToAll:
 
     # -- combine --------------------------------------------------------------------------------
 
+    @_counted("combine")
     def combine(
         self,
         y: torch.Tensor | None = None,
@@ -379,7 +417,6 @@ class AllToAll:
         dispatch's `topk_weights`; `weighted=False`: the plain sum over k, for callers
         that apply the routing weights themselves (as TorchTitan does, under autograd).
         """
-        self._check_usable()
         if not send and not recv:
             raise ValueError("combine: send and recv are both False; nothing to do")
         if send:
@@ -403,7 +440,7 @@ class AllToAll:
             dtype=COMBINE_DTYPES[self.cfg.combine_dtype],
             device=self.device,
         )
-        self._guard(self._backend.combine_recv, handle.topk_weights, out)
+        self._backend.combine_recv(handle.topk_weights, out)
         self._state = "idle"
         return out
 
@@ -426,7 +463,7 @@ class AllToAll:
             raise ValueError(f"combine: y: got dtype {y.dtype}; expected torch.bfloat16 or torch.float32")
         if y.device != self.device:
             raise ValueError(f"combine: y is on {y.device}; expected {self.device}")
-        self._guard(self._backend.combine_send, y.contiguous())
+        self._backend.combine_send(y.contiguous())
         self._state = "combine_sent"
         assert d.topk_weights is not None
         weights = d.topk_weights if weighted else torch.ones_like(d.topk_weights)
@@ -494,10 +531,10 @@ class AllToAll:
         weights = topk_weights.to(torch.float32).contiguous()
         return x.contiguous(), ids.contiguous(), weights, x_scale
 
+    @_counted("check")
     def check(self) -> None:
         """Raise the outcome of the last call (CUDA graph-safe mode; synchronise the stream first)."""
-        self._check_open()
-        self._guard(self._backend.check)
+        self._backend.check()
 
     def _check_open(self) -> None:
         if self._setup is None:
@@ -506,24 +543,31 @@ class AllToAll:
     def _check_usable(self) -> None:
         self._check_open()
         if self._failure is not None:
-            raise RuntimeError(f"AllToAll is unusable after an earlier failure: {self._failure}")
+            raise RuntimeError(
+                f"AllToAll is unusable after an earlier failure: {self._failure}. Every rank's "
+                "instance stops after a failure on any rank (its calls could no longer be paired); "
+                "close it and create a new AllToAll on every rank: a2a = a2a.reopen()"
+            )
 
-    def _guard(self, fn: Any, *args: Any) -> Any:
-        """Run a core call; any failure but a capacity error leaves the instance unusable."""
-        try:
-            return fn(*args)
-        except CapacityError:
-            raise
-        except Exception as exc:
-            self._failure = str(exc)
-            if self.abort_on_error and isinstance(exc, FabricError):
-                sys.stderr.write(
-                    f"moe-a2a: rank {self.rank}: {exc}\nmoe-a2a: rank {self.rank}: ending the job "
-                    "(abort_on_error; MOE_A2A_ABORT_ON_ERROR=0 raises instead)\n"
-                )
-                sys.stderr.flush()
-                self._boot.abort(1)
-            raise
+    def _fail(self, what: str, exc: Exception) -> None:
+        """Stop this instance after a failed call, and tell the peers, whose calls cannot pair with ours."""
+        epoch = self._backend.epoch
+        if isinstance(exc, PeerFailedError):
+            self._failure = f"call {self._calls} ({what}, epoch {epoch}) on rank {self.rank} stopped: {exc}"
+        else:
+            self._failure = f"call {self._calls} ({what}, epoch {epoch}) failed on rank {self.rank}: " + (
+                f"{type(exc).__name__}: {exc}"
+            )
+            announce = getattr(self._backend, "announce_failure", None)  # the CUDA backend has none yet
+            if announce is not None:
+                announce(self._failure)
+        if self.abort_on_error and isinstance(exc, FabricError):
+            sys.stderr.write(
+                f"moe-a2a: rank {self.rank}: {exc}\nmoe-a2a: rank {self.rank}: ending the job "
+                "(abort_on_error; MOE_A2A_ABORT_ON_ERROR=0 raises instead)\n"
+            )
+            sys.stderr.flush()
+            self._boot.abort(1)
 
     # -- statistics and teardown ------------------------------------------------------------------
 
@@ -566,6 +610,15 @@ class AllToAll:
         if self._lease is not None:
             self._lease.close(setup.region, setup.group)
         setup.workspace = None
+
+    def reopen(self) -> AllToAll:
+        """Close this instance and return a new one built with the same arguments.
+
+        Collective, like the constructor: after a failure every rank's calls raise,
+        and every rank calls `a2a = a2a.reopen()` (or closes and constructs anew).
+        """
+        self.close()
+        return AllToAll(**self._args)
 
     def __enter__(self) -> AllToAll:
         return self

@@ -9,6 +9,7 @@ names).
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -100,6 +101,14 @@ class Bootstrap:
         launcher = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_PROCID")
         return self._comm is not None and any(v in os.environ for v in launcher)
 
+    def local_pids(self) -> list[int]:
+        """Collective: each rank's pid where it runs on this host and in our pid namespace, else 0."""
+        me = (_host_id(), _boot_id(), _pid_namespace())
+        everyone = [pickle.loads(b) for b in self.allgather(pickle.dumps((*me, os.getpid())))]
+        if not all(me):  # unknown boot or namespace: no pid is known to be ours to check
+            return [0] * len(everyone)
+        return [pid if tuple(where) == me else 0 for *where, pid in everyone]
+
     def abort(self, code: int = 1) -> None:
         """End every rank of the job (used when one rank fails)."""
         if self._comm is not None:
@@ -113,6 +122,23 @@ def _is_mpi_comm(comm: Any) -> bool:
 
 def _host_id() -> str:
     return socket.gethostname()
+
+
+def _boot_id() -> str:
+    """This kernel's boot, so that two hosts (or containers) of one name are never taken for one."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _pid_namespace() -> int:
+    """A pid means the same process only within one pid namespace."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _layout(rank: int, world: int, hosts: list[str], ranks_per_node: int | None) -> Topology:

@@ -29,11 +29,23 @@ def default_provider() -> str:
     return "efa" if "efa" in offered else "tcp"
 
 
+def hint_universe_size(world_size: int) -> None:
+    """Size libfabric's per-peer queues for this job, before libfabric starts in this process.
+
+    tcp (ofi_rxm) sizes a completion ring for FI_UNIVERSE_SIZE peers (256 by
+    default): tens of MB whose pages were touched one after another, call after
+    call, for the first ~10^5 calls (the slow RSS growth of issue 17, item 8).
+    A value the user set is kept; read once, so later engines share it.
+    """
+    os.environ.setdefault("FI_UNIVERSE_SIZE", str(max(world_size, 2)))
+
+
 def prepare_environment(bootstrap: Bootstrap, provider: str) -> None:
     """Provider settings that must be in place before libfabric starts."""
     if provider == "tcp" and bootstrap.single_host:
         # Without it, tcp binds the first network interface, which may not route to ourselves.
         os.environ.setdefault("FI_TCP_IFACE", "lo")
+    hint_universe_size(bootstrap.world_size)
 
 
 class Engine:

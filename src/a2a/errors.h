@@ -11,4 +11,11 @@ class CapacityError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A peer announced that it failed (a bad argument, a timeout, any error): this
+// instance cannot pair its calls with that peer's any more.
+class PeerFailedError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 }  // namespace moe_a2a::a2a

@@ -15,6 +15,14 @@ namespace moe_a2a::a2a {
 // receiver's workspace. Each flag has a cache line of its own.
 enum FlagKind : int { kFlagRoute = 0, kFlagDispatch = 1, kFlagCombine = 2, kFlagBarrier = 3, kNumFlagKinds = 4 };
 constexpr size_t kFlagStride = 64;
+// A failing rank's note to its peers (peer_watch.h): sender s writes record s
+// of each peer's workspace, the text first and `state` last.
+constexpr size_t kAbortStride = 512;
+struct AbortRecord {
+  std::atomic<uint64_t> state;  // 0: nothing; otherwise the sender has failed
+  char text[kAbortStride - sizeof(uint64_t)];
+};
+static_assert(sizeof(AbortRecord) == kAbortStride);
 
 struct Layout {
   size_t flags = 0;
@@ -24,6 +32,7 @@ struct Layout {
   size_t send = 0;
   size_t combine_send = 0;
   size_t combine_recv = 0;
+  size_t aborts = 0;
   size_t total = 0;
   size_t dispatch_row = 0;
   size_t combine_row = 0;
@@ -46,15 +55,21 @@ struct Layout {
     l.send = section(max_copies * l.dispatch_row);
     l.combine_send = section(static_cast<size_t>(c.max_recv_tokens) * l.combine_row);
     l.combine_recv = section(max_copies * l.combine_row);
+    l.aborts = section(world * kAbortStride);
     l.total = at;
     return l;
   }
 
   size_t flag(int sender, FlagKind kind) const { return flags + (static_cast<size_t>(sender) * kNumFlagKinds + kind) * kFlagStride; }
+  size_t abort_record(int sender) const { return aborts + static_cast<size_t>(sender) * kAbortStride; }
   size_t routing_row(int sender, int num_experts) const {
     return routing + static_cast<size_t>(sender) * num_experts * sizeof(uint32_t);
   }
 };
+
+inline AbortRecord* abort_at(uint8_t* workspace, const Layout& l, int sender) {
+  return reinterpret_cast<AbortRecord*>(workspace + l.abort_record(sender));
+}
 
 inline std::atomic<uint64_t>* flag_at(uint8_t* workspace, const Layout& l, int sender, FlagKind kind) {
   return reinterpret_cast<std::atomic<uint64_t>*>(workspace + l.flag(sender, kind));

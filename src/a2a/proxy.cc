@@ -1,5 +1,6 @@
 #include "proxy.h"
 
+#include <algorithm>
 #include <exception>
 
 #include "fabric/error.h"
@@ -10,11 +11,68 @@ namespace moe_a2a::a2a {
 
 using fabric::ScatterItem;
 
-Proxy::Proxy(ProxyContext ctx) : ctx_(std::move(ctx)), thread_([this] { run(); }) {}
+namespace {
+// Thrown by a wait when the proxy is being stopped (close after a failure).
+struct Stopped {};
+// Longest blocking wait for the compute side's next flag: the idle proxy's
+// only wake-ups (32 idle instances used 0.09 CPU-s/s polling every 1 ms).
+constexpr std::chrono::milliseconds kIdleBlock{100};
+}  // namespace
+
+Proxy::Proxy(ProxyContext ctx) : ctx_(std::move(ctx)) {
+  watch_ = PeerWatch(ctx_.config, ctx_.layout, ctx_.workspace, ctx_.engine, ctx_.remote_peers, ctx_.pids);
+  // Arrivals a failed instance of this tag slot left behind would pair with our first call.
+  if (ctx_.engine != nullptr)
+    for (Tag kind : {kTagRoute, kTagDispatch, kTagCombine, kTagBarrier}) ctx_.engine->forget_imm(tag(kind));
+  thread_ = std::thread([this] { run(); });
+}
 
 Proxy::~Proxy() {
   stop_.store(true);
+  wake();
   thread_.join();
+}
+
+void Proxy::wake() {
+  {
+    std::lock_guard<std::mutex> lock(wake_mu_);
+    woken_ = true;
+  }
+  wake_cv_.notify_one();
+}
+
+bool Proxy::peer_failed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peer_failed_;
+}
+
+void Proxy::on_idle() {
+  if (stop_.load(std::memory_order_relaxed)) throw Stopped{};
+  watch_.check();
+}
+
+void Proxy::wait_imm(Tag kind, int peer, uint64_t count) {
+  ctx_.engine->wait_imm(tag(kind), peer, count, ctx_.config.timeout_s, [this] { on_idle(); });
+}
+
+void Proxy::announce_failure(const std::string& text) {
+  const A2AConfig& c = ctx_.config;
+  const Layout& l = ctx_.layout;
+  write_abort_record(ctx_.workspace, l, c.rank, text);  // the source of the remote writes
+  for (int r = 0; r < c.world; ++r)
+    if (r != c.rank && c.same_node(r)) write_abort_record(ctx_.node_workspaces[r], l, c.rank, text);
+  if (ctx_.remote_peers.empty()) return;
+  std::vector<ScatterItem> items;
+  size_t at = l.abort_record(c.rank);
+  for (size_t i = 0; i < ctx_.remote_peers.size(); ++i)
+    items.push_back({static_cast<uint32_t>(i), at, kAbortStride, at});
+  try {
+    ctx_.engine->scatter(ctx_.group, ctx_.region, items.data(), items.size(), tag(kTagAbort));
+    // Sent before we return: a close right after would otherwise drop them with the engine.
+    ctx_.engine->wait_tx(std::min(1.0, ctx_.config.timeout_s));
+  } catch (const std::exception&) {
+    // The engine has failed: peers see their own errors, or time out.
+  }
 }
 
 std::string Proxy::error() const {
@@ -31,6 +89,13 @@ bool Proxy::wait_signal(const Seq& seq, uint64_t epoch) {
   Backoff backoff;
   while (seq.get() < epoch) {
     if (stop_.load(std::memory_order_relaxed)) return false;
+    if (ctx_.caller_wakes && backoff.round >= Backoff::kShortSleeps) {
+      // Idle for a while: sleep until the compute side raises a flag and wakes us.
+      std::unique_lock<std::mutex> lock(wake_mu_);
+      wake_cv_.wait_for(lock, kIdleBlock, [&] { return woken_ || stop_.load() || seq.get() >= epoch; });
+      woken_ = false;
+      continue;
+    }
     backoff.pause();
   }
   return true;
@@ -41,9 +106,12 @@ void Proxy::run() {
     try {
       if (!wait_signal(ctx_.signals->route_ready, epoch)) return;
       step(epoch);
+    } catch (const Stopped&) {
+      return;
     } catch (const std::exception& e) {
       std::lock_guard<std::mutex> lock(mu_);
       error_ = e.what();
+      peer_failed_ = dynamic_cast<const PeerFailedError*>(&e) != nullptr;
       ctx_.signals->failed.set(epoch);
       return;
     }
@@ -56,7 +124,7 @@ void Proxy::wait_node_flags(FlagKind kind, uint64_t epoch, const char* what) {
   for (int s = 0; s < c.world; ++s) {
     if (!c.same_node(s)) continue;
     auto* flag = flag_at(ctx_.workspace, ctx_.layout, s, kind);
-    if (!wait_at_least(flag, epoch, deadline, [] {}))
+    if (!wait_at_least(flag, epoch, deadline, [this] { on_idle(); }))
       throw fabric::TimeoutError("rank " + std::to_string(c.rank) + ": timed out after " +
                                  std::to_string(c.timeout_s) + " s waiting for the " + what + " of same-node peer " +
                                  std::to_string(s) + " (epoch " + std::to_string(epoch) + ")");
@@ -68,7 +136,7 @@ void Proxy::node_barrier(uint64_t epoch) {
   for (int r = 0; r < c.world; ++r)
     if (c.same_node(r)) flag_at(ctx_.node_workspaces[r], ctx_.layout, c.rank, kFlagBarrier)->store(epoch, std::memory_order_release);
   wait_node_flags(kFlagBarrier, epoch, "barrier");
-  if (!ctx_.remote_peers.empty()) ctx_.engine->barrier(ctx_.group, tag(kTagBarrier), c.timeout_s);
+  if (!ctx_.remote_peers.empty()) ctx_.engine->barrier(ctx_.group, tag(kTagBarrier), c.timeout_s, [this] { on_idle(); });
 }
 
 void Proxy::step(uint64_t epoch) {
@@ -116,7 +184,7 @@ void Proxy::step(uint64_t epoch) {
 
   // 3. Everyone's routing rows; then the plan, the capacity check and the
   //    overflow writes into each peer's shared section.
-  for (int s : remotes) engine->wait_imm(tag(kTagRoute), s, 1, c.timeout_s);
+  for (int s : remotes) wait_imm(kTagRoute, s, 1);
   wait_node_flags(kFlagRoute, epoch, "routing row");
   routing_.assign(live, live + static_cast<size_t>(c.world) * c.num_experts);
   RoutingView view{routing_.data(), c.world, c.num_experts, c.num_local_experts()};
@@ -139,7 +207,7 @@ void Proxy::step(uint64_t epoch) {
     // Let the private writes already under way land, then meet everyone so
     // nobody's next call overwrites buffers that are still being read.
     for (int s : remotes)
-      if (private_copies(view.to_rank(s, c.rank), P) > 0) engine->wait_imm(tag(kTagDispatch), s, 1, c.timeout_s);
+      if (private_copies(view.to_rank(s, c.rank), P) > 0) wait_imm(kTagDispatch, s, 1);
     node_barrier(epoch);
     ctx_.signals->overflow.set(epoch);
     ctx_.signals->dispatch_done.set(epoch);
@@ -158,7 +226,7 @@ void Proxy::step(uint64_t epoch) {
   // 4. Every expected remote write has landed.
   for (int s : remotes) {
     uint64_t expected = dispatch_writes(view.to_rank(s, c.rank), P);
-    if (expected > 0) engine->wait_imm(tag(kTagDispatch), s, expected, c.timeout_s);
+    if (expected > 0) wait_imm(kTagDispatch, s, expected);
   }
   ctx_.signals->dispatch_done.set(epoch);
 
@@ -179,7 +247,7 @@ void Proxy::step(uint64_t epoch) {
                      l.combine_recv + view.send_offset(s, c.rank) * crow});
   }
   scatter(tag(kTagCombine));
-  for (int s : remotes) engine->wait_imm(tag(kTagCombine), s, 1, c.timeout_s);
+  for (int s : remotes) wait_imm(kTagCombine, s, 1);
   ctx_.signals->combine_done.set(epoch);
 }
 

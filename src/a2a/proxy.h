@@ -5,6 +5,8 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -13,6 +15,7 @@
 #include "config.h"
 #include "fabric/engine.h"
 #include "layout.h"
+#include "peer_watch.h"
 #include "signals.h"
 #include "workspace.h"
 
@@ -28,12 +31,18 @@ struct ProxyContext {
   std::vector<uint8_t*> node_workspaces;  // index = rank; nullptr for remote ranks
   std::vector<int> remote_peers;          // ranks, in group order
   ProxySignals* signals = nullptr;
+  std::vector<int> pids;  // index = rank: pid of each peer on this host, else 0 (peer_watch.h)
+  // The compute side calls Proxy::wake() after raising each of its flags, so
+  // an idle proxy may block instead of polling (the CPU backend; kernels that
+  // raise flags from the GPU cannot wake a thread).
+  bool caller_wakes = false;
 };
 
 // The context of a rank's proxy: its workspace (and the node's mappings), the
 // engine with our registered workspace region and the group of remote peers.
 inline ProxyContext proxy_context(const Workspace& ws, fabric::TransferEngine* engine, uint32_t region,
-                                  uint32_t group, const std::vector<int>& remote_peers, ProxySignals* signals) {
+                                  uint32_t group, const std::vector<int>& remote_peers, ProxySignals* signals,
+                                  const std::vector<int>& pids = {}) {
   ProxyContext ctx;
   ctx.config = ws.config();
   ctx.layout = ws.layout();
@@ -44,6 +53,7 @@ inline ProxyContext proxy_context(const Workspace& ws, fabric::TransferEngine* e
   ctx.node_workspaces = ws.node();
   ctx.remote_peers = remote_peers;
   ctx.signals = signals;
+  ctx.pids = pids;
   return ctx;
 }
 
@@ -58,6 +68,13 @@ class Proxy {
   // last overflowing epoch otherwise.
   std::string error() const;
   std::string overflow_message() const;
+  // True when the first error was a peer's announced failure (PeerFailedError).
+  bool peer_failed() const;
+  // Ends a blocking wait for the compute side's next flag (caller_wakes).
+  void wake();
+  // Tells every peer that this rank failed (`text` says how): they stop at once
+  // instead of at their timeout. Best effort: a broken fabric reaches no one.
+  void announce_failure(const std::string& text);
 
  private:
   void run();
@@ -65,12 +82,19 @@ class Proxy {
   void step(uint64_t epoch);
   void node_barrier(uint64_t epoch);
   void wait_node_flags(FlagKind kind, uint64_t epoch, const char* what);
+  void wait_imm(Tag kind, int peer, uint64_t count);
+  void on_idle();  // in every wait on peers: stop requested, or a peer failed
   uint32_t tag(Tag kind) const { return wire_tag(ctx_.config.instance, kind); }
 
   ProxyContext ctx_;
   std::atomic<bool> stop_{false};
+  std::mutex wake_mu_;
+  std::condition_variable wake_cv_;
+  bool woken_ = false;
+  PeerWatch watch_;
   mutable std::mutex mu_;
   std::string error_;
+  bool peer_failed_ = false;
   std::string overflow_;
   std::vector<uint32_t> routing_;  // snapshot of the routing matrix of the current epoch
   std::thread thread_;

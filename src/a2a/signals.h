@@ -29,7 +29,7 @@ struct ProxySignals {
 };
 
 // Immediate tags of the protocol's writes (docs/protocol.md, "Signals").
-enum Tag : uint32_t { kTagRoute = 1, kTagDispatch = 2, kTagCombine = 3, kTagBarrier = 4 };
+enum Tag : uint32_t { kTagRoute = 1, kTagDispatch = 2, kTagCombine = 3, kTagBarrier = 4, kTagAbort = 5 };
 
 // The tag on the wire: the kind in the low bits, the instance above it
 // (config.h), so instances that share an engine never count each other's writes.

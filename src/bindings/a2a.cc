@@ -28,6 +28,7 @@ T* ptr(uintptr_t p) {
 void bind_a2a(nb::module_& m) {
   using release = nb::call_guard<nb::gil_scoped_release>;
   nb::exception<CapacityError>(m, "CapacityError", PyExc_RuntimeError);
+  nb::exception<PeerFailedError>(m, "PeerFailedError", PyExc_RuntimeError);
 
   // The CPU number formats, exposed so tests can hold them against torch.
   m.def(
@@ -105,9 +106,11 @@ void bind_a2a(nb::module_& m) {
       .def("unlink", &Workspace::unlink);
 
   nb::class_<cpu::CpuAllToAll>(m, "CpuAllToAll")
-      .def(nb::init<Workspace*, moe_a2a::fabric::TransferEngine*, uint32_t, uint32_t, const std::vector<int>&>(),
+      .def(nb::init<Workspace*, moe_a2a::fabric::TransferEngine*, uint32_t, uint32_t, const std::vector<int>&,
+                    const std::vector<int>&>(),
            nb::arg("workspace"), nb::arg("engine").none(), nb::arg("region"), nb::arg("group"), nb::arg("remote_peers"),
-           nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>())
+           nb::arg("pids"), nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>())
+      .def("announce_failure", &cpu::CpuAllToAll::announce_failure, nb::arg("text"), release())
       .def(
           "dispatch_send",
           [](cpu::CpuAllToAll& a, uintptr_t x, DType x_dtype, uintptr_t x_scale, uintptr_t topk_ids, int num_tokens) {

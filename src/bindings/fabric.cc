@@ -120,8 +120,15 @@ void bind_fabric(nb::module_& m) {
             e.scatter(group, region, items.data(), items.size(), tag);
           },
           nb::arg("group"), nb::arg("region"), nb::arg("items"), nb::arg("tag") = nb::none())
-      .def("barrier", &TransferEngine::barrier, nb::arg("group"), nb::arg("tag"), nb::arg("timeout_s"), release())
-      .def("wait_imm", &TransferEngine::wait_imm, nb::arg("tag"), nb::arg("peer"), nb::arg("count"),
+      .def(
+          "barrier", [](TransferEngine& e, uint32_t group, uint32_t tag, double timeout_s) { e.barrier(group, tag, timeout_s); },
+          nb::arg("group"), nb::arg("tag"), nb::arg("timeout_s"), release())
+      .def(
+          "wait_imm",
+          [](TransferEngine& e, uint32_t tag, int peer, uint64_t count, double timeout_s) {
+            e.wait_imm(tag, peer, count, timeout_s);
+          },
+          nb::arg("tag"), nb::arg("peer"), nb::arg("count"),
            nb::arg("timeout_s"), release())
       .def("imm_count", &TransferEngine::imm_count, nb::arg("tag"), nb::arg("peer"))
       .def_prop_ro("tx_submitted", &TransferEngine::tx_submitted)

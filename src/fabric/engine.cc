@@ -239,7 +239,7 @@ void TransferEngine::scatter(uint32_t group, uint32_t region_id, const ScatterIt
   worker_->submit(std::move(jobs));
 }
 
-void TransferEngine::barrier(uint32_t group, uint32_t tag, double timeout_s) {
+void TransferEngine::barrier(uint32_t group, uint32_t tag, double timeout_s, const std::function<void()>& on_idle) {
   check();
   // Writes before the barrier must be placed before peers pass it, also on
   // unordered transports: untagged writes complete only once delivered.
@@ -262,21 +262,30 @@ void TransferEngine::barrier(uint32_t group, uint32_t tag, double timeout_s) {
     }
   }
   worker_->submit(std::move(jobs));
-  for (int peer : peers) wait_imm(tag, peer, 1, timeout_s);
+  for (int peer : peers) wait_imm(tag, peer, 1, timeout_s, on_idle);
 }
 
-void TransferEngine::wait_imm(uint32_t tag, int peer, uint64_t count, double timeout_s) {
+void TransferEngine::wait_imm(uint32_t tag, int peer, uint64_t count, double timeout_s,
+                              const std::function<void()>& on_idle) {
   check_peer(peer, "wait_imm");
   uint32_t imm = make_imm(tag, peer);
   uint64_t seen = 0;
   if (imms_.peek(imm) < count) worker_->nudge();
-  if (imms_.wait(imm, count, to_ns(timeout_s), [this] { check(); }, &seen)) return;
+  auto checks = [&] {
+    check();
+    if (on_idle) on_idle();
+  };
+  if (imms_.wait(imm, count, to_ns(timeout_s), checks, &seen)) return;
   throw TimeoutError(where() + ": timed out after " + std::to_string(timeout_s) + " s waiting for " +
                      std::to_string(count) + " arrival(s) of " + describe_imm(imm) + "; " + std::to_string(seen) +
                      " arrived. Is peer " + std::to_string(peer) + " alive and in the same step?");
 }
 
 uint64_t TransferEngine::imm_count(uint32_t tag, int peer) const { return imms_.peek(make_imm(tag, peer)); }
+
+void TransferEngine::forget_imm(uint32_t tag) {
+  imms_.erase_if([tag](uint32_t imm) { return imm_tag(imm) == tag; });
+}
 
 void TransferEngine::wait_tx(double timeout_s) {
   bool done = worker_->wait_idle(to_ns(timeout_s));

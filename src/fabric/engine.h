@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <deque>
+#include <functional>
 #include <optional>
 #include <shared_mutex>
 #include <string>
@@ -72,11 +73,15 @@ class TransferEngine {
   void scatter(uint32_t group, uint32_t region, const ScatterItem* items, size_t count, std::optional<uint32_t> tag);
   // A zero-byte write with `tag` to every peer of the group, then a wait for
   // the same from each of them.
-  void barrier(uint32_t group, uint32_t tag, double timeout_s);
+  void barrier(uint32_t group, uint32_t tag, double timeout_s, const std::function<void()>& on_idle = {});
 
   // Waits for `count` arrivals of `tag` from `peer` and consumes them.
-  void wait_imm(uint32_t tag, int peer, uint64_t count, double timeout_s);
+  // `on_idle` runs every few milliseconds while waiting; it may throw to end
+  // the wait (a peer that announced a failure, or died).
+  void wait_imm(uint32_t tag, int peer, uint64_t count, double timeout_s, const std::function<void()>& on_idle = {});
   uint64_t imm_count(uint32_t tag, int peer) const;
+  // Forgets arrivals of `tag` from every peer, counted but never waited for.
+  void forget_imm(uint32_t tag);
 
   uint64_t tx_submitted() const { return worker_->submitted(); }
   uint64_t tx_completed() const { return worker_->completed(); }

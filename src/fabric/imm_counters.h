@@ -29,6 +29,14 @@ class ImmCounters {
     return it == counts_.end() ? 0 : it->second;
   }
 
+  // Drops the count of every immediate that `match`es (a user of a
+  // shared engine that starts where a failed one left arrivals behind).
+  template <typename Pred>
+  void erase_if(Pred&& match) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = counts_.begin(); it != counts_.end();) it = match(it->first) ? counts_.erase(it) : std::next(it);
+  }
+
   // Waits until `n` arrivals of `imm` are counted, then consumes them.
   // `failed` is checked on every wake-up so an engine error ends the wait.
   // Returns the count seen when time ran out, or n on success.

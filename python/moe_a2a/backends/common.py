@@ -36,3 +36,4 @@ class Setup:
     remote_peers: list[int]
     node: set[int]
     bootstrap: Any
+    pids: list[int]  # index = rank: its pid where it shares our host, else 0 (a dead one fails waits at once)

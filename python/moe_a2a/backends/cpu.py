@@ -20,7 +20,7 @@ class CpuBackend:
         self.cfg = setup.cfg
         engine = setup.engine.core if setup.engine is not None else None  # None: no remote peer
         self._impl = _core.CpuAllToAll(
-            setup.workspace, engine, setup.region, setup.group, setup.remote_peers
+            setup.workspace, engine, setup.region, setup.group, setup.remote_peers, setup.pids
         )
 
     @property
@@ -54,6 +54,10 @@ class CpuBackend:
     def copies(self) -> tuple[np.ndarray, np.ndarray]:
         """Token copies this rank sent to / received from each rank in the last dispatch."""
         return np.array(self._impl.sent_counts()), np.array(self._impl.received_counts())
+
+    def announce_failure(self, text: str) -> None:
+        """Tell every peer that this rank failed, so their waits end at once."""
+        self._impl.announce_failure(text)
 
     def close(self) -> None:
         self._impl = None

@@ -9,19 +9,27 @@
 namespace moe_a2a::a2a::cpu {
 
 CpuAllToAll::CpuAllToAll(Workspace* workspace, fabric::TransferEngine* engine, uint32_t region, uint32_t group,
-                         const std::vector<int>& remote_peers)
+                         const std::vector<int>& remote_peers, const std::vector<int>& pids)
     : ws_(workspace), engine_(engine), cfg_(workspace->config()), layout_(workspace->layout()) {
   maps_.self = ws_->self();
   maps_.node = &ws_->node();
   counts_.assign(cfg_.num_experts, 0);
   slots_.assign(static_cast<size_t>(cfg_.max_tokens) * cfg_.topk, 0);
-  proxy_ = std::make_unique<Proxy>(proxy_context(*ws_, engine, region, group, remote_peers, &signals_));
+  ProxyContext ctx = proxy_context(*ws_, engine, region, group, remote_peers, &signals_, pids);
+  ctx.caller_wakes = true;  // every flag of ours is raised by a call on this thread
+  proxy_ = std::make_unique<Proxy>(std::move(ctx));
+  watch_ = PeerWatch(cfg_, layout_, ws_->self(), engine, remote_peers, pids);
 }
 
 CpuAllToAll::~CpuAllToAll() { proxy_.reset(); }
 
-void CpuAllToAll::check_failed() const {
-  if (signals_.failed.get() != 0) throw fabric::FabricError("rank " + std::to_string(cfg_.rank) + ": " + proxy_->error());
+void CpuAllToAll::check_failed() {
+  if (signals_.failed.get() != 0) {
+    if (proxy_->peer_failed()) throw PeerFailedError(proxy_->error());
+    watch_.check(true);  // a peer's announcement explains a broken connection better than the provider
+    throw fabric::FabricError("rank " + std::to_string(cfg_.rank) + ": " + proxy_->error());
+  }
+  watch_.check();
 }
 
 void CpuAllToAll::wait_proxy(const Seq& seq, const char* what) {
@@ -74,10 +82,12 @@ void CpuAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_sca
     if (cfg_.same_node(r)) std::memcpy(maps_.of(r) + layout_.routing_row(cfg_.rank, cfg_.num_experts), counts_.data(), row_bytes);
   signal_node(kFlagRoute);
   signals_.route_ready.set(epoch_);
+  proxy_->wake();
 
   pack_dispatch(p);
   signal_node(kFlagDispatch);
   signals_.packed.set(epoch_);
+  proxy_->wake();
 }
 
 uint64_t CpuAllToAll::dispatch_wait() {
@@ -119,6 +129,7 @@ void CpuAllToAll::combine_send(const void* y, DType y_dtype) {
   pack_combine(p);
   signal_node(kFlagCombine);
   signals_.combine_packed.set(epoch_);
+  proxy_->wake();
 }
 
 void CpuAllToAll::combine_recv(const float* weights, void* out) {

@@ -19,7 +19,7 @@ namespace moe_a2a::a2a::cpu {
 class CpuAllToAll {
  public:
   CpuAllToAll(Workspace* workspace, fabric::TransferEngine* engine, uint32_t region, uint32_t group,
-              const std::vector<int>& remote_peers);
+              const std::vector<int>& remote_peers, const std::vector<int>& pids = {});
   ~CpuAllToAll();
 
   // Send half of dispatch: x is [T, hidden] (bf16, fp32, or fp8 with x_scale).
@@ -37,12 +37,14 @@ class CpuAllToAll {
   std::vector<uint64_t> sent_counts() const;
   std::vector<uint64_t> received_counts() const { return plan_.from; }
   uint64_t epoch() const { return epoch_; }
+  // Tells every peer that this rank failed; see Proxy::announce_failure.
+  void announce_failure(const std::string& text) { proxy_->announce_failure(text); }
 
  private:
   void wait_proxy(const Seq& seq, const char* what);
   void wait_node(FlagKind kind, const char* what);
   void signal_node(FlagKind kind);
-  void check_failed() const;
+  void check_failed();
 
   Workspace* ws_;
   fabric::TransferEngine* engine_;
@@ -50,6 +52,7 @@ class CpuAllToAll {
   Layout layout_;
   ProxySignals signals_;
   std::unique_ptr<Proxy> proxy_;
+  PeerWatch watch_;  // this thread's own: the proxy's is its thread's
   Mappings maps_;
 
   uint64_t epoch_ = 0;

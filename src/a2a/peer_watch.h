@@ -1,0 +1,112 @@
+// What ends a wait on peers before its timeout: a peer that announced a
+// failure (its abort record in our workspace, layout.h), or a peer process on
+// this host that no longer exists. The proxy and the compute side each hold
+// one and call check() from their waits; it looks at most every kInterval.
+#pragma once
+
+#include <signal.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "config.h"
+#include "errors.h"
+#include "fabric/engine.h"
+#include "fabric/error.h"
+#include "layout.h"
+#include "signals.h"
+
+namespace moe_a2a::a2a {
+
+struct PeerWatch {
+  static constexpr std::chrono::milliseconds kInterval{20};
+  static constexpr std::chrono::milliseconds kPidInterval{100};
+
+  A2AConfig cfg;
+  Layout layout;
+  uint8_t* workspace = nullptr;
+  fabric::TransferEngine* engine = nullptr;  // null when no peer is remote
+  std::vector<int> remote_peers;
+  std::vector<int> pids;  // index = rank: its pid where it runs on this host, else 0
+  // Abort arrivals already counted when we started (a failed instance that
+  // used our tag slot before us); only later ones are news.
+  std::vector<uint64_t> seen_aborts;
+  std::chrono::steady_clock::time_point next{};
+  std::chrono::steady_clock::time_point next_pids{};
+
+  PeerWatch() = default;
+  PeerWatch(const A2AConfig& c, const Layout& l, uint8_t* ws, fabric::TransferEngine* e, std::vector<int> remotes,
+            std::vector<int> peer_pids)
+      : cfg(c), layout(l), workspace(ws), engine(e), remote_peers(std::move(remotes)), pids(std::move(peer_pids)) {
+    for (int s : remote_peers) seen_aborts.push_back(engine->imm_count(abort_tag(), s));
+  }
+
+  uint32_t abort_tag() const { return wire_tag(cfg.instance, kTagAbort); }
+
+  // Throws PeerFailedError for an announced failure, FabricError for a dead peer.
+  // `force`: look now, not at the next interval (to explain an error at hand).
+  void check(bool force = false) {
+    auto now = std::chrono::steady_clock::now();
+    if (workspace == nullptr || (now < next && !force)) return;
+    next = now + kInterval;
+    for (int s = 0; s < cfg.world; ++s) {
+      if (s == cfg.rank || !cfg.same_node(s)) continue;
+      const AbortRecord* rec = abort_at(workspace, layout, s);
+      if (rec->state.load(std::memory_order_acquire) != 0) announced(s, rec);
+    }
+    for (size_t i = 0; i < remote_peers.size(); ++i) {
+      int s = remote_peers[i];
+      // The immediate follows the record's bytes, so the text is whole once it counts.
+      if (engine->imm_count(abort_tag(), s) <= seen_aborts[i]) continue;
+      const AbortRecord* rec = abort_at(workspace, layout, s);
+      if (rec->state.load(std::memory_order_acquire) != 0) announced(s, rec);
+      seen_aborts[i] = engine->imm_count(abort_tag(), s);  // a stale one: its bytes went to an old region
+    }
+    if (now < next_pids && !force) return;
+    next_pids = now + kPidInterval;
+    for (int s = 0; s < static_cast<int>(pids.size()); ++s) {
+      if (s == cfg.rank || pids[s] <= 0) continue;
+      if (gone(pids[s]))
+        throw fabric::FabricError("rank " + std::to_string(cfg.rank) + ": peer " + std::to_string(s) + " (pid " +
+                                  std::to_string(pids[s]) + " on this host) is gone: it exited or was killed");
+    }
+  }
+
+ private:
+  // No such process, or a zombie that its parent has not reaped yet (a
+  // launcher that polls its children every few seconds).
+  static bool gone(int pid) {
+    if (kill(pid, 0) != 0) return errno == ESRCH;
+    char path[64], buf[256];
+    snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+    FILE* f = fopen(path, "r");
+    if (f == nullptr) return false;
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char* state = strrchr(buf, ')');  // the name may hold spaces and parentheses
+    return state != nullptr && state[1] == ' ' && (state[2] == 'Z' || state[2] == 'X');
+  }
+
+  [[noreturn]] void announced(int s, const AbortRecord* rec) const {
+    std::string text(rec->text, strnlen(rec->text, sizeof(rec->text)));
+    throw PeerFailedError("rank " + std::to_string(cfg.rank) + ": peer " + std::to_string(s) +
+                          " failed and stopped this AllToAll: " + text);
+  }
+};
+
+// Writes `text` as rank cfg.rank's abort record into `dst` (a workspace).
+inline void write_abort_record(uint8_t* dst, const Layout& l, int rank, const std::string& text) {
+  AbortRecord* rec = abort_at(dst, l, rank);
+  size_t n = std::min(text.size(), sizeof(rec->text) - 1);
+  std::memcpy(rec->text, text.data(), n);
+  rec->text[n] = '\0';
+  rec->state.store(1, std::memory_order_release);
+}
+
+}  // namespace moe_a2a::a2a
