@@ -77,6 +77,11 @@ class TransferEngine {
   // Waits for `count` arrivals of `tag` from `peer` and consumes them.
   void wait_imm(uint32_t tag, int peer, uint64_t count, double timeout_s);
   uint64_t imm_count(uint32_t tag, int peer) const;
+  // Waits until some peers[i] has sent counts[i] arrivals of `tag`; returns
+  // that i, consuming nothing (wait_imm takes them). Receivers use it to
+  // serve peers in the order their data completes.
+  size_t wait_any_imm(uint32_t tag, const std::vector<int>& peers, const std::vector<uint64_t>& counts,
+                      double timeout_s);
 
   uint64_t tx_submitted() const { return worker_->submitted(); }
   uint64_t tx_completed() const { return worker_->completed(); }
