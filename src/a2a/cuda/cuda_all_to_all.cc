@@ -144,7 +144,8 @@ void CudaAllToAll::allocate() {
   void* seqs = nullptr;
   check_cuda(cudaHostAlloc(&seqs, peer_seqs * sizeof(Seq), cudaHostAllocMapped | cudaHostAllocPortable),
              "cudaHostAlloc(peer signals)");
-  peer_seqs_ = new (seqs) Seq[peer_seqs];
+  peer_seqs_ = static_cast<Seq*>(seqs);
+  for (size_t i = 0; i < peer_seqs; ++i) new (peer_seqs_ + i) Seq();  // one by one: no array cookie
 
   check_cuda(cudaMalloc(&peers_device_, cfg_.world * sizeof(PeerWorkspaces)), "cudaMalloc(peers)");
 }
