@@ -106,7 +106,7 @@ REGISTRY: dict[str, Switch] = {
             "MOE_A2A_TEST_DELAY_WRITES_MS",
             "int",
             None,
-            "tests only: this rank's proxy holds each dispatch's token writes back this many ms (a late peer)",
+            "tests only: ms this rank's proxy holds each dispatch's token writes back (a late peer)",
             where="core",
         ),
         Switch(
