@@ -103,6 +103,21 @@ REGISTRY: dict[str, Switch] = {
             choices=("gloo", "nccl"),
         ),
         Switch(
+            "MOE_A2A_CUDA_OVERLAP",
+            "bool",
+            True,
+            "with peers on other nodes: stage rows to the fabric peer by peer and receive sender by sender; "
+            "off for A/B measurements",
+            where="core",
+        ),
+        Switch(
+            "MOE_A2A_TEST_DELAY_WRITES_MS",
+            "int",
+            None,
+            "tests only: ms this rank's proxy holds each dispatch's token writes back (a late peer)",
+            where="core",
+        ),
+        Switch(
             "MOE_A2A_FABRIC",
             "choice",
             "cpu",

@@ -21,4 +21,14 @@ inline int env_switch(const char* name) {
   return -1;
 }
 
+// The positive integer in `name`; 0 when unset or empty (and for anything
+// else, which Python has already refused).
+inline long env_count(const char* name) {
+  const char* raw = std::getenv(name);
+  if (raw == nullptr || *raw == '\0') return 0;
+  char* end = nullptr;
+  const long v = std::strtol(raw, &end, 10);
+  return end != raw && *end == '\0' && v > 0 ? v : 0;
+}
+
 }  // namespace moe_a2a::a2a

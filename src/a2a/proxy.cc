@@ -1,8 +1,10 @@
 #include "proxy.h"
 
 #include <algorithm>
+#include <chrono>
 #include <exception>
 
+#include "env.h"
 #include "fabric/error.h"
 #include "plan.h"
 #include "wait.h"
@@ -17,9 +19,24 @@ struct Stopped {};
 // Longest blocking wait for the compute side's next flag: the idle proxy's
 // only wake-ups (32 idle instances used 0.09 CPU-s/s polling every 1 ms).
 constexpr std::chrono::milliseconds kIdleBlock{100};
+
+// Remote peers (group indices) in the order we write to them: rank + 1,
+// rank + 2, ... (cyclic), so that the senders do not all start with the
+// same receiver.
+std::vector<size_t> serving_order(const ProxyContext& ctx) {
+  const int n = ctx.config.world, me = ctx.config.rank;
+  std::vector<size_t> order(ctx.remote_peers.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return (ctx.remote_peers[a] - me + n) % n < (ctx.remote_peers[b] - me + n) % n;
+  });
+  return order;
+}
+
 }  // namespace
 
-Proxy::Proxy(ProxyContext ctx) : ctx_(std::move(ctx)) {
+Proxy::Proxy(ProxyContext ctx)
+    : ctx_(std::move(ctx)), order_(serving_order(ctx_)), delay_ms_(env_count("MOE_A2A_TEST_DELAY_WRITES_MS")) {
   watch_ = PeerWatch(ctx_.config, ctx_.layout, ctx_.workspace, ctx_.engine, ctx_.remote_peers, ctx_.pids);
   // Arrivals a failed instance of this tag slot left behind would pair with our first call.
   if (ctx_.engine != nullptr)
@@ -142,50 +159,92 @@ void Proxy::node_barrier(uint64_t epoch) {
 void Proxy::step(uint64_t epoch) {
   const A2AConfig& c = ctx_.config;
   const Layout& l = ctx_.layout;
-  fabric::TransferEngine* engine = ctx_.engine;  // used only with remote peers
-  const auto& remotes = ctx_.remote_peers;
-  const uint64_t P = c.max_private_tokens;
-  const size_t row = l.dispatch_row;
   const size_t routing_bytes = static_cast<size_t>(c.num_experts) * sizeof(uint32_t);
-  // Our own row is final once route_ready is raised; the others are read once
-  // they have all arrived, into a snapshot (same-node peers rewrite their rows
-  // as soon as our combine flag frees them, before this step is over).
-  const auto* live = reinterpret_cast<const uint32_t*>(ctx_.workspace + l.routing);
+  // 1. Our routing row, to every remote peer at once (final once route_ready
+  //    is raised). No engine is opened when every peer shares our node.
+  if (!ctx_.remote_peers.empty()) {
+    std::vector<ScatterItem> items;
+    const size_t my_row = l.routing_row(c.rank, c.num_experts);
+    for (size_t i = 0; i < ctx_.remote_peers.size(); ++i)
+      items.push_back({static_cast<uint32_t>(i), my_row, routing_bytes, my_row});
+    ctx_.engine->scatter(ctx_.group, ctx_.region, items.data(), items.size(), tag(kTagRoute));
+  }
+  if (!dispatch(epoch)) return;
+  if (ctx_.signals->overflow.get() == epoch) return;  // no combine follows a call over capacity
+  combine(epoch);
+}
+
+bool Proxy::wait_packed(const Seq& peer, const Seq& all, uint64_t epoch) {
+  Backoff backoff;
+  while (peer.get() < epoch && all.get() < epoch) {
+    if (stop_.load(std::memory_order_relaxed)) return false;
+    backoff.pause();
+  }
+  return true;
+}
+
+void Proxy::delay_writes() {
+  if (delay_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms_));
+}
+
+// 2.-3. Each remote peer's rows as soon as the compute side has packed them,
+// in our serving order: the private part at once, the overflow once every
+// routing row is in (it lands at an offset that depends on the other
+// senders' counts), so the fabric moves one peer's rows while the next
+// peer's are packed. 4. Each sender's arrivals, in the order they complete.
+bool Proxy::dispatch(uint64_t epoch) {
+  const A2AConfig& c = ctx_.config;
+  const auto* live = reinterpret_cast<const uint32_t*>(ctx_.workspace + ctx_.layout.routing);
   RoutingView own{live, c.world, c.num_experts, c.num_local_experts()};
-
-  // 1. Our routing row, to every remote peer at once.
-  std::vector<ScatterItem> items;
-  // No engine is opened when every peer shares our node (nothing to move).
-  auto scatter = [&](uint32_t t) {
-    if (!remotes.empty()) engine->scatter(ctx_.group, ctx_.region, items.data(), items.size(), t);
-  };
-  const size_t my_row = l.routing_row(c.rank, c.num_experts);
-  for (size_t i = 0; i < remotes.size(); ++i) items.push_back({static_cast<uint32_t>(i), my_row, routing_bytes, my_row});
-  scatter(tag(kTagRoute));
-
-  // 2. The private part of every remote peer's tokens, without waiting for
-  //    anyone's routing.
-  if (!wait_signal(ctx_.signals->packed, epoch)) return;
-  items.clear();
-  std::vector<uint64_t> to(c.world), send_off(c.world);
+  to_.assign(c.world, 0);
+  send_off_.assign(c.world, 0);
   for (int r = 0, off = 0; r < c.world; ++r) {
-    to[r] = own.to_rank(c.rank, r);
-    send_off[r] = off;
-    off += static_cast<int>(to[r]);
+    to_[r] = own.to_rank(c.rank, r);
+    send_off_[r] = off;
+    off += static_cast<int>(to_[r]);
   }
-  for (size_t i = 0; i < remotes.size(); ++i) {
-    int r = remotes[i];
-    uint64_t n = private_copies(to[r], P);
-    if (n == 0) continue;  // nothing private (also every call when P = 0): no write, none expected
-    items.push_back({static_cast<uint32_t>(i), l.send + send_off[r] * row, n * row,
-                     l.private_rows + static_cast<size_t>(c.rank) * P * row});
+  enum { kRoutesOut, kRouted, kOverCapacity } state = kRoutesOut;
+  size_t overflow_posted = 0;  // order_[0, overflow_posted) have their overflow under way
+  for (size_t k = 0; k < order_.size(); ++k) {
+    const int r = ctx_.remote_peers[order_[k]];
+    if (!wait_packed(ctx_.peers.packed[r], ctx_.signals->packed, epoch)) return false;
+    if (k == 0) delay_writes();
+    post_private(order_[k]);
+    if (state == kRoutesOut && routes_in(epoch)) state = take_routes(epoch) ? kRouted : kOverCapacity;
+    if (state == kRouted)
+      for (; overflow_posted <= k; ++overflow_posted) post_overflow(order_[overflow_posted]);
   }
-  scatter(tag(kTagDispatch));
+  if (state == kRoutesOut) state = take_routes(epoch) ? kRouted : kOverCapacity;  // waits for them
+  if (state == kOverCapacity) {
+    dispatch_overflow(epoch);
+    return true;
+  }
+  ctx_.signals->routed.set(epoch);
+  for (; overflow_posted < order_.size(); ++overflow_posted) post_overflow(order_[overflow_posted]);
+  wait_dispatch_arrivals(epoch);
+  ctx_.signals->dispatch_done.set(epoch);
+  return true;
+}
 
-  // 3. Everyone's routing rows; then the plan, the capacity check and the
-  //    overflow writes into each peer's shared section.
-  for (int s : remotes) wait_imm(kTagRoute, s, 1);
+// Every routing row has arrived (nothing consumed).
+bool Proxy::routes_in(uint64_t epoch) const {
+  const A2AConfig& c = ctx_.config;
+  for (int s : ctx_.remote_peers)
+    if (ctx_.engine->imm_count(tag(kTagRoute), s) < 1) return false;
+  for (int s = 0; s < c.world; ++s)
+    if (c.same_node(s) && flag_at(ctx_.workspace, ctx_.layout, s, kFlagRoute)->load(std::memory_order_acquire) < epoch)
+      return false;
+  return true;
+}
+
+// Takes every routing row (waiting for those not yet in) into a snapshot (same-node peers rewrite theirs as
+// soon as our combine flag frees them, before this step is over) and checks
+// capacity for every rank, as every rank does alike.
+bool Proxy::take_routes(uint64_t epoch) {
+  const A2AConfig& c = ctx_.config;
+  for (int s : ctx_.remote_peers) wait_imm(kTagRoute, s, 1);
   wait_node_flags(kFlagRoute, epoch, "routing row");
+  const auto* live = reinterpret_cast<const uint32_t*>(ctx_.workspace + ctx_.layout.routing);
   routing_.assign(live, live + static_cast<size_t>(c.world) * c.num_experts);
   RoutingView view{routing_.data(), c.world, c.num_experts, c.num_local_experts()};
   int worst_rank = -1;
@@ -197,58 +256,119 @@ void Proxy::step(uint64_t epoch) {
       worst_rank = r;
     }
   }
-  if (worst_rank >= 0) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      overflow_ = "dispatch would deliver " + std::to_string(worst) + " token copies to rank " +
-                  std::to_string(worst_rank) + ", more than max_recv_tokens=" + std::to_string(c.max_recv_tokens) +
-                  "; raise max_recv_tokens in Config (nothing was delivered; the next call can proceed)";
-    }
-    // Let the private writes already under way land, then meet everyone so
-    // nobody's next call overwrites buffers that are still being read.
-    for (int s : remotes)
-      if (private_copies(view.to_rank(s, c.rank), P) > 0) wait_imm(kTagDispatch, s, 1);
-    node_barrier(epoch);
-    ctx_.signals->overflow.set(epoch);
-    ctx_.signals->dispatch_done.set(epoch);
-    return;
-  }
-  items.clear();
-  for (size_t i = 0; i < remotes.size(); ++i) {
-    int r = remotes[i];
-    if (to[r] <= P) continue;
-    uint64_t dst_row = view.shared_offset(c.rank, r, P);
-    items.push_back({static_cast<uint32_t>(i), l.send + (send_off[r] + P) * row, (to[r] - P) * row,
-                     l.shared_rows + dst_row * row});
-  }
-  scatter(tag(kTagDispatch));
+  if (worst_rank < 0) return true;
+  std::lock_guard<std::mutex> lock(mu_);
+  overflow_ = "dispatch would deliver " + std::to_string(worst) + " token copies to rank " +
+              std::to_string(worst_rank) + ", more than max_recv_tokens=" + std::to_string(c.max_recv_tokens) +
+              "; raise max_recv_tokens in Config (nothing was delivered; the next call can proceed)";
+  return false;
+}
 
-  // 4. Every expected remote write has landed.
-  for (int s : remotes) {
-    uint64_t expected = dispatch_writes(view.to_rank(s, c.rank), P);
-    if (expected > 0) wait_imm(kTagDispatch, s, expected);
-  }
+// Over capacity: every peer still gets its private part (receivers expect
+// one from every sender with private copies, whether or not the call
+// overflows), nobody's overflow; then the private writes to us land and
+// everyone meets, so nobody's next call overwrites buffers still being read.
+void Proxy::dispatch_overflow(uint64_t epoch) {
+  const A2AConfig& c = ctx_.config;
+  RoutingView view{routing_.data(), c.world, c.num_experts, c.num_local_experts()};
+  const uint64_t P = c.max_private_tokens;
+  for (int s : ctx_.remote_peers)
+    if (private_copies(view.to_rank(s, c.rank), P) > 0) wait_imm(kTagDispatch, s, 1);
+  node_barrier(epoch);
+  ctx_.signals->overflow.set(epoch);
   ctx_.signals->dispatch_done.set(epoch);
+  ctx_.signals->routed.set(epoch);
+}
 
-  // 5. Combine: one write back to every remote peer (empty when it sent us
-  //    nothing), then every peer's write to us.
-  if (!wait_signal(ctx_.signals->combine_packed, epoch)) return;
+// The private part of group peer i's rows: rows [0, min(c, P)) of ours in its
+// private section; nothing (and none expected) when there are none.
+void Proxy::post_private(size_t i) {
+  const A2AConfig& c = ctx_.config;
+  const Layout& l = ctx_.layout;
+  const int r = ctx_.remote_peers[i];
+  const uint64_t n = private_copies(to_[r], c.max_private_tokens);
+  if (n == 0) return;
+  const size_t row = l.dispatch_row;
+  ScatterItem item{static_cast<uint32_t>(i), l.send + send_off_[r] * row, n * row,
+                   l.private_rows + static_cast<size_t>(c.rank) * c.max_private_tokens * row};
+  ctx_.engine->scatter(ctx_.group, ctx_.region, &item, 1, tag(kTagDispatch));
+}
+
+// The rest of group peer i's rows, into its shared section after the
+// overflow of the senders before us.
+void Proxy::post_overflow(size_t i) {
+  const A2AConfig& c = ctx_.config;
+  const Layout& l = ctx_.layout;
+  const int r = ctx_.remote_peers[i];
+  const uint64_t P = c.max_private_tokens;
+  if (to_[r] <= P) return;
+  RoutingView view{routing_.data(), c.world, c.num_experts, c.num_local_experts()};
+  const size_t row = l.dispatch_row;
+  ScatterItem item{static_cast<uint32_t>(i), l.send + (send_off_[r] + P) * row, (to_[r] - P) * row,
+                   l.shared_rows + view.shared_offset(c.rank, r, P) * row};
+  ctx_.engine->scatter(ctx_.group, ctx_.region, &item, 1, tag(kTagDispatch));
+}
+
+// Raises landed[s] for each remote sender once all its writes are in, in the
+// order they complete, so the compute side copies a sender's rows out while
+// later ones are still on the wire.
+void Proxy::wait_dispatch_arrivals(uint64_t epoch) {
+  const A2AConfig& c = ctx_.config;
+  RoutingView view{routing_.data(), c.world, c.num_experts, c.num_local_experts()};
+  std::vector<int> peers;
+  std::vector<uint64_t> need;
+  for (int s : ctx_.remote_peers) {
+    const uint64_t expected = dispatch_writes(view.to_rank(s, c.rank), c.max_private_tokens);
+    if (expected == 0) {
+      ctx_.peers.landed[s].set(epoch);  // it sends us nothing
+      continue;
+    }
+    peers.push_back(s);
+    need.push_back(expected);
+  }
+  while (!peers.empty()) {
+    const size_t k = ctx_.engine->wait_any_imm(tag(kTagDispatch), peers, need, c.timeout_s, [this] { on_idle(); });
+    wait_imm(kTagDispatch, peers[k], need[k]);  // there already: consumes them
+    ctx_.peers.landed[peers[k]].set(epoch);
+    peers.erase(peers.begin() + static_cast<std::ptrdiff_t>(k));
+    need.erase(need.begin() + static_cast<std::ptrdiff_t>(k));
+  }
+}
+
+// 5. Combine: one write back to every remote peer as soon as its rows are
+//    staged (empty when it sent us nothing), then every peer's write to us,
+//    in the order they land.
+bool Proxy::combine(uint64_t epoch) {
+  const A2AConfig& c = ctx_.config;
+  const Layout& l = ctx_.layout;
   const size_t crow = l.combine_row;
-  items.clear();
-  uint64_t base = 0;
+  RoutingView view{routing_.data(), c.world, c.num_experts, c.num_local_experts()};
   std::vector<uint64_t> recv_base(c.world);
+  uint64_t base = 0;
   for (int s = 0; s < c.world; ++s) {
     recv_base[s] = base;
     base += view.to_rank(s, c.rank);
   }
-  for (size_t i = 0; i < remotes.size(); ++i) {
-    int s = remotes[i];
-    items.push_back({static_cast<uint32_t>(i), l.combine_send + recv_base[s] * crow, view.to_rank(s, c.rank) * crow,
-                     l.combine_recv + view.send_offset(s, c.rank) * crow});
+  for (size_t k = 0; k < order_.size(); ++k) {
+    const size_t i = order_[k];
+    const int s = ctx_.remote_peers[i];
+    if (!wait_packed(ctx_.peers.combine_packed[s], ctx_.signals->combine_packed, epoch)) return false;
+    ScatterItem item{static_cast<uint32_t>(i), l.combine_send + recv_base[s] * crow, view.to_rank(s, c.rank) * crow,
+                     l.combine_recv + view.send_offset(s, c.rank) * crow};
+    ctx_.engine->scatter(ctx_.group, ctx_.region, &item, 1, tag(kTagCombine));
   }
-  scatter(tag(kTagCombine));
-  for (int s : remotes) wait_imm(kTagCombine, s, 1);
+  if (ctx_.remote_peers.empty() && !wait_signal(ctx_.signals->combine_packed, epoch)) return false;
+  std::vector<int> peers = ctx_.remote_peers;
+  std::vector<uint64_t> need(peers.size(), 1);
+  while (!peers.empty()) {
+    const size_t k = ctx_.engine->wait_any_imm(tag(kTagCombine), peers, need, c.timeout_s, [this] { on_idle(); });
+    wait_imm(kTagCombine, peers[k], 1);
+    ctx_.peers.combine_landed[peers[k]].set(epoch);
+    peers.erase(peers.begin() + static_cast<std::ptrdiff_t>(k));
+    need.erase(need.begin() + static_cast<std::ptrdiff_t>(k));
+  }
   ctx_.signals->combine_done.set(epoch);
+  return true;
 }
 
 }  // namespace moe_a2a::a2a

@@ -36,13 +36,14 @@ struct ProxyContext {
   // an idle proxy may block instead of polling (the CPU backend; kernels that
   // raise flags from the GPU cannot wake a thread).
   bool caller_wakes = false;
+  PeerSignals peers;  // per-peer flags, [world] each
 };
 
 // The context of a rank's proxy: its workspace (and the node's mappings), the
 // engine with our registered workspace region and the group of remote peers.
 inline ProxyContext proxy_context(const Workspace& ws, fabric::TransferEngine* engine, uint32_t region,
                                   uint32_t group, const std::vector<int>& remote_peers, ProxySignals* signals,
-                                  const std::vector<int>& pids = {}) {
+                                  PeerSignals peers, const std::vector<int>& pids = {}) {
   ProxyContext ctx;
   ctx.config = ws.config();
   ctx.layout = ws.layout();
@@ -54,6 +55,7 @@ inline ProxyContext proxy_context(const Workspace& ws, fabric::TransferEngine* e
   ctx.remote_peers = remote_peers;
   ctx.signals = signals;
   ctx.pids = pids;
+  ctx.peers = peers;
   return ctx;
 }
 
@@ -79,7 +81,20 @@ class Proxy {
  private:
   void run();
   bool wait_signal(const Seq& seq, uint64_t epoch);
+  // Peer r's rows are packed: its own flag, or the whole call's.
+  bool wait_packed(const Seq& peer, const Seq& all, uint64_t epoch);
   void step(uint64_t epoch);
+  // Dispatch, peer by peer (false when stopping): each remote peer's rows as
+  // soon as they are packed, then each sender's arrivals as they complete.
+  bool dispatch(uint64_t epoch);
+  bool routes_in(uint64_t epoch) const;
+  bool take_routes(uint64_t epoch);  // false: over capacity
+  void dispatch_overflow(uint64_t epoch);
+  void post_private(size_t i);
+  void post_overflow(size_t i);
+  void wait_dispatch_arrivals(uint64_t epoch);
+  bool combine(uint64_t epoch);
+  void delay_writes();
   void node_barrier(uint64_t epoch);
   void wait_node_flags(FlagKind kind, uint64_t epoch, const char* what);
   void wait_imm(Tag kind, int peer, uint64_t count);
@@ -97,6 +112,12 @@ class Proxy {
   bool peer_failed_ = false;
   std::string overflow_;
   std::vector<uint32_t> routing_;  // snapshot of the routing matrix of the current epoch
+  std::vector<size_t> order_;      // remote peers (group indices) in the order we write to them
+  std::vector<uint64_t> to_, send_off_;  // of the current epoch: our copies to and first send row for each rank
+  // MOE_A2A_TEST_DELAY_WRITES_MS: a late peer, for tests. Only its dispatch
+  // writes wait: a late combine would let its next dispatch start early by as
+  // much (it hears the others' combine on time), and its rows would not be late.
+  long delay_ms_ = 0;
   std::thread thread_;
 };
 

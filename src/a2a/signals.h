@@ -22,11 +22,32 @@ struct ProxySignals {
   Seq packed;          // the send section is packed
   Seq combine_packed;  // the combine_send section is packed
   // proxy -> compute
+  Seq routed;          // every routing row is in and within capacity (or overflow is set): the plan can be made
   Seq dispatch_done;   // every expected remote write of the dispatch landed
   Seq combine_done;    // every remote combine write landed
   Seq overflow;        // epoch whose dispatch exceeded max_recv_tokens
   Seq failed;          // non-zero once the proxy stopped on an error
 };
+
+// Flags per peer (index = rank), so that rows are handed over peer by peer:
+// the proxy writes a peer's rows as soon as they are packed, and the compute
+// side copies a sender's rows out as soon as they have landed. Each array
+// has `world` entries, in memory the owner keeps (plain host memory on CPUs,
+// pinned mapped memory on GPUs: kernels store to it with system scope).
+// The proxy also takes the whole-call flags above (packed, combine_packed)
+// as "every peer packed", which is what the CUDA kernels raise.
+struct PeerSignals {
+  Seq* packed = nullptr;          // compute -> proxy: the dispatch rows for peer r are in the send section
+  Seq* combine_packed = nullptr;  // compute -> proxy: the combine rows for peer r are staged
+  Seq* landed = nullptr;          // proxy -> compute: every dispatch write from peer s has landed
+  Seq* combine_landed = nullptr;  // proxy -> compute: the combine write from peer s has landed
+};
+constexpr int kPeerSignalArrays = 4;
+
+// The four arrays of PeerSignals in one block of kPeerSignalArrays * world Seqs.
+inline PeerSignals peer_signals_in(Seq* block, int world) {
+  return PeerSignals{block, block + world, block + 2 * world, block + 3 * world};
+}
 
 // Immediate tags of the protocol's writes (docs/protocol.md, "Signals").
 enum Tag : uint32_t { kTagRoute = 1, kTagDispatch = 2, kTagCombine = 3, kTagBarrier = 4, kTagAbort = 5 };

@@ -119,6 +119,7 @@ void bind_a2a(nb::module_& m) {
           },
           nb::arg("x"), nb::arg("x_dtype"), nb::arg("x_scale"), nb::arg("topk_ids"), nb::arg("num_tokens"), release())
       .def("dispatch_wait", &cpu::CpuAllToAll::dispatch_wait, release())
+      .def("unpack_order", &cpu::CpuAllToAll::unpack_order)
       .def(
           "dispatch_unpack",
           [](cpu::CpuAllToAll& a, uintptr_t out_x, uintptr_t out_scale) {

@@ -1,5 +1,7 @@
 #include "engine.h"
 
+#include <stdexcept>
+
 #include "error.h"
 #include "imm.h"
 #include "sharding.h"
@@ -285,6 +287,31 @@ uint64_t TransferEngine::imm_count(uint32_t tag, int peer) const { return imms_.
 
 void TransferEngine::forget_imm(uint32_t tag) {
   imms_.erase_if([tag](uint32_t imm) { return imm_tag(imm) == tag; });
+}
+
+size_t TransferEngine::wait_any_imm(uint32_t tag, const std::vector<int>& peers, const std::vector<uint64_t>& counts,
+                                    double timeout_s, const std::function<void()>& on_idle) {
+  if (peers.empty() || peers.size() != counts.size())
+    throw std::invalid_argument(where() + ": wait_any_imm: got " + std::to_string(peers.size()) + " peers and " +
+                                std::to_string(counts.size()) + " counts; expected as many of each, at least one");
+  std::vector<uint32_t> imms(peers.size());
+  for (size_t i = 0; i < peers.size(); ++i) {
+    check_peer(peers[i], "wait_any_imm");
+    imms[i] = make_imm(tag, peers[i]);
+  }
+  worker_->nudge();
+  auto checks = [&] {
+    check();
+    if (on_idle) on_idle();
+  };
+  int i = imms_.wait_any(imms.data(), counts.data(), imms.size(), to_ns(timeout_s), checks);
+  if (i >= 0) return static_cast<size_t>(i);
+  std::string missing;
+  for (size_t k = 0; k < peers.size(); ++k)
+    missing += (k ? ", " : "") + std::to_string(peers[k]) + " (" + std::to_string(imms_.peek(imms[k])) + " of " +
+               std::to_string(counts[k]) + ")";
+  throw TimeoutError(where() + ": timed out after " + std::to_string(timeout_s) + " s waiting for arrivals of tag " +
+                     std::to_string(tag) + " from any of peers " + missing + ". Are they alive and in the same step?");
 }
 
 void TransferEngine::wait_tx(double timeout_s) {

@@ -82,6 +82,11 @@ class TransferEngine {
   uint64_t imm_count(uint32_t tag, int peer) const;
   // Forgets arrivals of `tag` from every peer, counted but never waited for.
   void forget_imm(uint32_t tag);
+  // Waits until some peers[i] has sent counts[i] arrivals of `tag`; returns
+  // that i, consuming nothing (wait_imm takes them). Receivers use it to
+  // serve peers in the order their data completes.
+  size_t wait_any_imm(uint32_t tag, const std::vector<int>& peers, const std::vector<uint64_t>& counts,
+                      double timeout_s, const std::function<void()>& on_idle = {});
 
   uint64_t tx_submitted() const { return worker_->submitted(); }
   uint64_t tx_completed() const { return worker_->completed(); }

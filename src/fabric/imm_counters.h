@@ -63,7 +63,28 @@ class ImmCounters {
     }
   }
 
-  // Threads blocked in wait(): while any is, the worker keeps polling
+  // Waits until, for some i < n, `need[i]` arrivals of `imms[i]` are
+  // counted; returns that i without consuming anything, or -1 when time ran
+  // out. What a receiver uses to take peers in the order they complete.
+  int wait_any(const uint32_t* imms, const uint64_t* need, size_t n, std::chrono::nanoseconds timeout,
+               const std::function<void()>& check_failed) {
+    WaiterScope scope(&waiters_);
+    auto deadline = std::chrono::steady_clock::now() + timeout;
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      for (size_t i = 0; i < n; ++i) {
+        auto it = counts_.find(imms[i]);
+        if (it != counts_.end() && it->second >= need[i]) return static_cast<int>(i);
+      }
+      lock.unlock();
+      check_failed();
+      lock.lock();
+      if (std::chrono::steady_clock::now() >= deadline) return -1;
+      cv_.wait_for(lock, kCheckInterval);
+    }
+  }
+
+  // Threads blocked in wait() or wait_any(): while any is, the worker keeps polling
   // instead of sleeping (providers with manual progress move bytes only then).
   int waiters() const { return waiters_.load(std::memory_order_relaxed); }
 

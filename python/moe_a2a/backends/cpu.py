@@ -51,6 +51,10 @@ class CpuBackend:
     def combine_recv(self, weights: torch.Tensor, out: torch.Tensor) -> None:
         self._impl.combine_recv(weights.data_ptr(), out.data_ptr())
 
+    def unpack_order(self) -> list[int]:
+        """The senders in the order the last dispatch copied their rows out (each as soon as they landed)."""
+        return list(self._impl.unpack_order())
+
     def copies(self) -> tuple[np.ndarray, np.ndarray]:
         """Token copies this rank sent to / received from each rank in the last dispatch."""
         return np.array(self._impl.sent_counts()), np.array(self._impl.received_counts())

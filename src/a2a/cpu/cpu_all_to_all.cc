@@ -15,7 +15,18 @@ CpuAllToAll::CpuAllToAll(Workspace* workspace, fabric::TransferEngine* engine, u
   maps_.node = &ws_->node();
   counts_.assign(cfg_.num_experts, 0);
   slots_.assign(static_cast<size_t>(cfg_.max_tokens) * cfg_.topk, 0);
-  ProxyContext ctx = proxy_context(*ws_, engine, region, group, remote_peers, &signals_, pids);
+  row_copy_.assign(slots_.size(), 0);
+  encoded_.assign(cfg_.max_tokens, nullptr);
+  peer_seqs_ = std::make_unique<Seq[]>(static_cast<size_t>(kPeerSignalArrays) * cfg_.world);
+  peers_ = peer_signals_in(peer_seqs_.get(), cfg_.world);
+  // Remote ranks first, from rank + 1 on (the proxy writes to them in this
+  // order, each as soon as it is packed), then the ranks of our node.
+  for (int near = 0; near < 2; ++near)
+    for (int d = 1; d <= cfg_.world; ++d) {
+      const int r = (cfg_.rank + d) % cfg_.world;
+      if (cfg_.same_node(r) == (near == 1)) send_order_.push_back(r);
+    }
+  ProxyContext ctx = proxy_context(*ws_, engine, region, group, remote_peers, &signals_, peers_, pids);
   ctx.caller_wakes = true;  // every flag of ours is raised by a call on this thread
   proxy_ = std::make_unique<Proxy>(std::move(ctx));
   watch_ = PeerWatch(cfg_, layout_, ws_->self(), engine, remote_peers, pids);
@@ -73,6 +84,8 @@ void CpuAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_sca
   p.num_tokens = num_tokens;
   p.counts = counts_.data();
   p.slots = slots_.data();
+  p.row_copy = row_copy_.data();
+  p.encoded = encoded_.data();
   count_experts(p);
 
   // Our routing row: into every same-node workspace (ours included, where the
@@ -84,21 +97,35 @@ void CpuAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_sca
   signals_.route_ready.set(epoch_);
   proxy_->wake();
 
-  pack_dispatch(p);
-  signal_node(kFlagDispatch);
+  // Rank by rank, each handed over as soon as its rows are in place.
+  assign_rows(p);
+  RoutingView own{counts_.data(), 1, cfg_.num_experts, cfg_.num_local_experts()};
+  std::vector<uint64_t> first(cfg_.world + 1, 0);
+  for (int r = 0; r < cfg_.world; ++r) first[r + 1] = first[r] + own.to_rank(0, r);
+  for (int r : send_order_) {
+    pack_rank(p, r, first[r], first[r + 1] - first[r]);
+    if (cfg_.same_node(r)) flag_at(maps_.of(r), layout_, cfg_.rank, kFlagDispatch)->store(epoch_, std::memory_order_release);
+    else peers_.packed[r].set(epoch_);
+  }
   signals_.packed.set(epoch_);
   proxy_->wake();
 }
 
 uint64_t CpuAllToAll::dispatch_wait() {
-  wait_proxy(signals_.dispatch_done, "dispatch");
+  wait_proxy(signals_.routed, "routing");
   if (signals_.overflow.get() == epoch_) throw CapacityError("rank " + std::to_string(cfg_.rank) + ": " + proxy_->overflow_message());
-  wait_node(kFlagDispatch, "tokens");
   const auto* matrix = reinterpret_cast<const uint32_t*>(maps_.self + layout_.routing);
   routing_.assign(matrix, matrix + static_cast<size_t>(cfg_.world) * cfg_.num_experts);
   RoutingView view{routing_.data(), cfg_.world, cfg_.num_experts, cfg_.num_local_experts()};
   plan_ = make_recv_plan(view, cfg_.rank, cfg_.max_private_tokens, cfg_.expert_padding);
+  sender_base_.resize(static_cast<size_t>(cfg_.world) * cfg_.num_local_experts());
+  sender_bases(view, plan_, cfg_.rank, sender_base_.data());
   return plan_.output_rows;
+}
+
+bool CpuAllToAll::landed(int s) const {
+  if (cfg_.same_node(s)) return flag_at(maps_.self, layout_, s, kFlagDispatch)->load(std::memory_order_acquire) >= epoch_;
+  return peers_.landed[s].get() >= epoch_;
 }
 
 void CpuAllToAll::dispatch_unpack(void* out_x, float* out_scale) {
@@ -113,7 +140,44 @@ void CpuAllToAll::dispatch_unpack(void* out_x, float* out_scale) {
   p.out_x = out_x;
   p.out_scale = out_scale;
   p.row_of_copy = row_of_copy_.data();
-  unpack_dispatch(p);
+  p.sender_base = sender_base_.data();
+  // Each sender's rows as soon as they are here (the proxy raises landed[s]
+  // for remote senders, same-node senders their dispatch flag), while the
+  // others' are still on the wire. The proxy times out on its own waits
+  // first and reports why.
+  constexpr double kProxyGrace = 2.0;
+  const auto deadline = deadline_after(kProxyGrace * cfg_.timeout_s + 1.0);
+  std::vector<int> pending(cfg_.world);
+  for (int s = 0; s < cfg_.world; ++s) pending[s] = s;
+  unpack_order_.clear();
+  Backoff backoff;
+  while (!pending.empty()) {
+    size_t kept = 0;
+    for (int s : pending) {
+      if (landed(s)) {
+        unpack_sender(p, s);
+        unpack_order_.push_back(s);
+      } else {
+        pending[kept++] = s;
+      }
+    }
+    if (kept == pending.size()) {  // nothing landed since the last look
+      if ((backoff.round & 63) == 0) {
+        check_failed();
+        if (std::chrono::steady_clock::now() >= deadline) {
+          std::string who;
+          for (int s : pending) who += (who.empty() ? "" : ", ") + std::to_string(s);
+          throw fabric::TimeoutError("rank " + std::to_string(cfg_.rank) + ": timed out waiting for the tokens of " +
+                                     "sender(s) " + who + " (epoch " + std::to_string(epoch_) + ")");
+        }
+      }
+      backoff.pause();
+    } else {
+      backoff = Backoff{};
+    }
+    pending.resize(kept);
+  }
+  zero_padding(p);
 }
 
 void CpuAllToAll::combine_send(const void* y, DType y_dtype) {
@@ -126,8 +190,11 @@ void CpuAllToAll::combine_send(const void* y, DType y_dtype) {
   p.row_of_copy = row_of_copy_.data();
   p.y = y;
   p.y_dtype = y_dtype;
-  pack_combine(p);
-  signal_node(kFlagCombine);
+  for (int s : send_order_) {  // our peers as senders: their rows go back in the proxy's order
+    pack_combine_for(p, s);
+    if (cfg_.same_node(s)) flag_at(maps_.of(s), layout_, cfg_.rank, kFlagCombine)->store(epoch_, std::memory_order_release);
+    else peers_.combine_packed[s].set(epoch_);
+  }
   signals_.combine_packed.set(epoch_);
   proxy_->wake();
 }

@@ -24,10 +24,12 @@ class CpuAllToAll {
 
   // Send half of dispatch: x is [T, hidden] (bf16, fp32, or fp8 with x_scale).
   void dispatch_send(const void* x, DType x_dtype, const float* x_scale, const int32_t* topk_ids, int num_tokens);
-  // First step of the receive half: waits for every arrival; returns the
-  // number of (padded) output rows. tokens_per_expert() is valid after it.
+  // First step of the receive half: waits for every routing row (not for the
+  // tokens); returns the number of (padded) output rows. tokens_per_expert()
+  // is valid after it.
   uint64_t dispatch_wait();
-  // Second step: fills the caller's output.
+  // Second step: fills the caller's output, each sender's rows as soon as
+  // they have landed.
   void dispatch_unpack(void* out_x, float* out_scale);
   void combine_send(const void* y, DType y_dtype);
   void combine_recv(const float* weights, void* out);
@@ -39,18 +41,25 @@ class CpuAllToAll {
   uint64_t epoch() const { return epoch_; }
   // Tells every peer that this rank failed; see Proxy::announce_failure.
   void announce_failure(const std::string& text) { proxy_->announce_failure(text); }
+  // The senders in the order the last dispatch_unpack copied their rows.
+  const std::vector<int>& unpack_order() const { return unpack_order_; }
 
  private:
   void wait_proxy(const Seq& seq, const char* what);
   void wait_node(FlagKind kind, const char* what);
   void signal_node(FlagKind kind);
   void check_failed();
+  // Whether sender s's rows of this epoch are all here.
+  bool landed(int s) const;
 
   Workspace* ws_;
   fabric::TransferEngine* engine_;
   A2AConfig cfg_;
   Layout layout_;
   ProxySignals signals_;
+  std::unique_ptr<Seq[]> peer_seqs_;  // PeerSignals' arrays
+  PeerSignals peers_;
+  std::vector<int> send_order_;  // destination ranks: remote ones in the proxy's order, then same-node ones
   std::unique_ptr<Proxy> proxy_;
   PeerWatch watch_;  // this thread's own: the proxy's is its thread's
   Mappings maps_;
@@ -59,6 +68,10 @@ class CpuAllToAll {
   int num_tokens_ = 0;
   std::vector<uint32_t> counts_;     // our routing row
   std::vector<int32_t> slots_;       // send row of each (t, k)
+  std::vector<int32_t> row_copy_;    // (t, k) of each send row
+  std::vector<const uint8_t*> encoded_;  // pack scratch: where each token's row was first stored
+  std::vector<uint64_t> sender_base_;    // [world][local experts] output row of (s, i)'s first copy
+  std::vector<int> unpack_order_;
   std::vector<uint32_t> routing_;    // snapshot of the routing matrix
   RecvPlan plan_;
   std::vector<int64_t> row_of_copy_;

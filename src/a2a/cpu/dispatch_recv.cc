@@ -1,12 +1,24 @@
 // Dispatch, receive half: gather every received copy into the expert-major,
-// padded output. Same-node overflow is pulled from the sender's send section.
+// padded output, one sender at a time, in whatever order their rows land.
+// Same-node overflow is pulled from the sender's send section.
 #include <cstring>
 
 #include "kernels.h"
 
 namespace moe_a2a::a2a::cpu {
 
-void unpack_dispatch(const DispatchRecvParams& p) {
+void sender_bases(const RoutingView& v, const RecvPlan& plan, int rank, uint64_t* out) {
+  const int L = v.local;
+  for (int i = 0; i < L; ++i) {
+    uint64_t at = plan.expert_start[i];
+    for (int s = 0; s < v.world; ++s) {
+      out[static_cast<size_t>(s) * L + i] = at;
+      at += v.count(s, rank * L + i);
+    }
+  }
+}
+
+void unpack_sender(const DispatchRecvParams& p, int s) {
   const A2AConfig& c = *p.cfg;
   const Layout& l = *p.layout;
   const RoutingView& v = *p.routing;
@@ -15,35 +27,39 @@ void unpack_dispatch(const DispatchRecvParams& p) {
   const uint64_t P = c.max_private_tokens;
   const size_t row = l.dispatch_row, payload = c.payload_bytes();
   const size_t scale_bytes = c.num_scales() * sizeof(float);
-
-  std::vector<uint64_t> filled(L, 0);  // rows of each expert written so far (senders in order)
-  for (int s = 0; s < c.world; ++s) {
-    uint64_t j = 0;
-    for (int i = 0; i < L; ++i) {
-      uint32_t n = v.count(s, c.rank * L + i);
-      for (uint32_t q = 0; q < n; ++q, ++j) {
-        const uint8_t* src;
-        if (j < P) {
-          src = p.ws.self + l.private_rows + (static_cast<size_t>(s) * P + j) * row;
-        } else if (c.same_node(s)) {
-          src = p.ws.of(s) + l.send + (plan.send_off_at[s] + j) * row;
-        } else {
-          src = p.ws.self + l.shared_rows + (plan.shared_off[s] + j - P) * row;
-        }
-        uint64_t out_row = plan.expert_start[i] + filled[i] + q;
-        std::memcpy(static_cast<uint8_t*>(p.out_x) + out_row * payload, src, payload);
-        if (scale_bytes > 0) std::memcpy(p.out_scale + out_row * c.num_scales(), src + payload, scale_bytes);
-        p.row_of_copy[plan.recv_base[s] + j] = static_cast<int64_t>(out_row);
+  uint64_t j = 0;
+  for (int i = 0; i < L; ++i) {
+    const uint32_t n = v.count(s, c.rank * L + i);
+    const uint64_t base = p.sender_base[static_cast<size_t>(s) * L + i];
+    for (uint32_t q = 0; q < n; ++q, ++j) {
+      const uint8_t* src;
+      if (j < P) {
+        src = p.ws.self + l.private_rows + (static_cast<size_t>(s) * P + j) * row;
+      } else if (c.same_node(s)) {
+        src = p.ws.of(s) + l.send + (plan.send_off_at[s] + j) * row;
+      } else {
+        src = p.ws.self + l.shared_rows + (plan.shared_off[s] + j - P) * row;
       }
-      filled[i] += n;
+      const uint64_t out_row = base + q;
+      std::memcpy(static_cast<uint8_t*>(p.out_x) + out_row * payload, src, payload);
+      if (scale_bytes > 0) std::memcpy(p.out_scale + out_row * c.num_scales(), src + payload, scale_bytes);
+      p.row_of_copy[plan.recv_base[s] + j] = static_cast<int64_t>(out_row);
     }
   }
-  // Padding rows are zeros, not the output buffer's leftover bytes: a grouped
-  // GEMM over padded segments reads them, and NaN patterns there would reach
-  // the weight gradients.
+}
+
+// Padding rows are zeros, not the output buffer's leftover bytes: a grouped
+// GEMM over padded segments reads them, and NaN patterns there would reach
+// the weight gradients.
+void zero_padding(const DispatchRecvParams& p) {
+  const A2AConfig& c = *p.cfg;
+  const RecvPlan& plan = *p.plan;
+  const int L = c.num_local_experts();
+  const size_t payload = c.payload_bytes();
+  const size_t scale_bytes = c.num_scales() * sizeof(float);
   for (int i = 0; i < L; ++i) {
-    uint64_t begin = plan.expert_start[i] + filled[i];
-    uint64_t end = i + 1 < L ? plan.expert_start[i + 1] : plan.output_rows;
+    const uint64_t begin = plan.expert_start[i] + static_cast<uint64_t>(plan.tokens_per_expert[i]);
+    const uint64_t end = i + 1 < L ? plan.expert_start[i + 1] : plan.output_rows;
     if (end <= begin) continue;
     std::memset(static_cast<uint8_t*>(p.out_x) + begin * payload, 0, (end - begin) * payload);
     if (scale_bytes > 0) std::memset(p.out_scale + begin * c.num_scales(), 0, (end - begin) * scale_bytes);

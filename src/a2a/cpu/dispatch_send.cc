@@ -1,5 +1,6 @@
 // Dispatch, send half, compute steps: count copies per expert, give each copy
-// its send row, and pack rows where they go.
+// its send row, and pack rows where they go, one destination rank at a time.
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -14,43 +15,45 @@ void count_experts(const DispatchSendParams& p) {
   for (int64_t i = 0; i < static_cast<int64_t>(p.num_tokens) * c.topk; ++i) ++p.counts[p.topk_ids[i]];
 }
 
-void pack_dispatch(const DispatchSendParams& p) {
+void assign_rows(const DispatchSendParams& p) {
   const A2AConfig& c = *p.cfg;
-  const Layout& l = *p.layout;
-  const int E = c.num_experts, L = c.num_local_experts(), K = c.topk;
-  const uint64_t P = c.max_private_tokens;
-  const size_t row = l.dispatch_row;
-
+  const int E = c.num_experts, K = c.topk;
   // First send row of each expert: send order is (rank, expert, token, k).
-  std::vector<uint64_t> next(E), rank_start(c.world);
+  std::vector<uint64_t> next(E);
   uint64_t at = 0;
   for (int e = 0; e < E; ++e) {
-    if (e % L == 0) rank_start[e / L] = at;
     next[e] = at;
     at += p.counts[e];
   }
+  for (int64_t i = 0; i < static_cast<int64_t>(p.num_tokens) * K; ++i) {
+    const uint64_t slot = next[p.topk_ids[i]]++;
+    p.slots[i] = static_cast<int32_t>(slot);
+    p.row_copy[slot] = static_cast<int32_t>(i);
+  }
+  std::fill(p.encoded, p.encoded + p.num_tokens, nullptr);
+}
 
-  std::vector<uint8_t> encoded(row);
+void pack_rank(const DispatchSendParams& p, int r, uint64_t first_row, uint64_t rows) {
+  const A2AConfig& c = *p.cfg;
+  const Layout& l = *p.layout;
+  const uint64_t P = c.max_private_tokens;
+  const size_t row = l.dispatch_row;
+  const bool near = c.same_node(r);
   std::vector<float> scratch(c.hidden);
   const size_t x_row_bytes = static_cast<size_t>(c.hidden) * dtype_bytes(p.x_dtype);
-  for (int t = 0; t < p.num_tokens; ++t) {
+  for (uint64_t j = 0; j < rows; ++j) {
+    const uint64_t slot = first_row + j;
+    const int t = p.row_copy[slot] / c.topk;
+    uint8_t* dst = near && j < P ? p.ws.of(r) + l.private_rows + (static_cast<size_t>(c.rank) * P + j) * row
+                                 : p.ws.self + l.send + slot * row;  // fabric, or pulled by a same-node peer
+    if (p.encoded[t] != nullptr) {
+      std::memcpy(dst, p.encoded[t], row);
+      continue;
+    }
     const void* x = static_cast<const uint8_t*>(p.x) + t * x_row_bytes;
     const float* scale = p.x_scale ? p.x_scale + static_cast<size_t>(t) * c.num_scales() : nullptr;
-    encode_row(x, p.x_dtype, scale, c, encoded.data(), scratch.data());
-    for (int k = 0; k < K; ++k) {
-      int e = p.topk_ids[t * K + k];
-      int r = e / L;
-      uint64_t slot = next[e]++;
-      p.slots[t * K + k] = static_cast<int32_t>(slot);
-      uint64_t j = slot - rank_start[r];
-      uint8_t* dst;
-      if (c.same_node(r) && j < P) {
-        dst = p.ws.of(r) + l.private_rows + (static_cast<size_t>(c.rank) * P + j) * row;
-      } else {
-        dst = p.ws.self + l.send + slot * row;  // fabric, or pulled by a same-node peer
-      }
-      std::memcpy(dst, encoded.data(), row);
-    }
+    encode_row(x, p.x_dtype, scale, c, dst, scratch.data());
+    p.encoded[t] = dst;
   }
 }
 

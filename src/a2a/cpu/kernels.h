@@ -30,14 +30,21 @@ struct DispatchSendParams {
   int num_tokens = 0;
   uint32_t* counts = nullptr;  // out: [num_experts], our routing row
   int32_t* slots = nullptr;    // out: [T * topk], send row of each (t, k)
+  int32_t* row_copy = nullptr;       // out: [T * topk], the copy t * topk + k at each send row
+  const uint8_t** encoded = nullptr;  // scratch: [T], where token t's row was first stored (null: not yet)
 };
 
 // Counts copies per expert into `counts`.
 void count_experts(const DispatchSendParams& p);
-// Assigns send rows (send order of docs/protocol.md) and packs every copy:
+// Assigns send rows (send order of docs/protocol.md): `slots` and its
+// inverse `row_copy`; clears `encoded`. After count_experts.
+void assign_rows(const DispatchSendParams& p);
+// Packs the copies for rank r, send rows [first_row, first_row + rows):
 // same-node private slots straight into the peer's workspace, the rest into
-// our send section.
-void pack_dispatch(const DispatchSendParams& p);
+// our send section. A token is encoded once, where its first copy goes;
+// later copies are copied from there. Packing rank by rank lets each rank's
+// rows go out while the next rank's are packed.
+void pack_rank(const DispatchSendParams& p, int r, uint64_t first_row, uint64_t rows);
 
 struct DispatchRecvParams {
   const A2AConfig* cfg = nullptr;
@@ -48,9 +55,16 @@ struct DispatchRecvParams {
   void* out_x = nullptr;         // [output_rows, hidden] in dispatch dtype
   float* out_scale = nullptr;    // [output_rows, num_scales] for fp8
   int64_t* row_of_copy = nullptr;  // out: [total_received], output row of copy (s, j) at recv_base[s] + j
+  const uint64_t* sender_base = nullptr;  // [world][local experts]: output row of sender s's first copy of expert i
 };
 
-void unpack_dispatch(const DispatchRecvParams& p);
+// sender_base of DispatchRecvParams: start[i] plus the copies of expert i
+// from the senders before s.
+void sender_bases(const RoutingView& v, const RecvPlan& plan, int rank, uint64_t* out);
+// Copies sender s's rows into the output (senders in any order).
+void unpack_sender(const DispatchRecvParams& p, int s);
+// Zeroes the padding rows; the other rows are any sender's.
+void zero_padding(const DispatchRecvParams& p);
 
 struct CombineSendParams {
   const A2AConfig* cfg = nullptr;
@@ -62,7 +76,9 @@ struct CombineSendParams {
   DType y_dtype = DType::kBf16;
 };
 
-void pack_combine(const CombineSendParams& p);
+// Returns sender s's copies: into its combine_recv (same node) or our
+// combine_send staging (remote), rank by rank so each can leave at once.
+void pack_combine_for(const CombineSendParams& p, int s);
 
 struct CombineRecvParams {
   const A2AConfig* cfg = nullptr;

@@ -2,8 +2,10 @@
 // (s, j) goes back, converted to the combine dtype, to sender s's
 // combine_recv row send_off[s][rank] + j: directly for same-node senders
 // (CUDA IPC), into our fabric combine_send staging at recv_base[s] + j for
-// remote ones (the proxy writes those with one write per peer). The last
-// block raises combine_packed and the combine flag of same-node peers.
+// remote ones (the proxy writes those with one write per peer; staged: into
+// the device workspace's combine_send, which stage_kernel copies to the
+// fabric's peer by peer). The last block raises the combine flag of
+// same-node peers, and combine_packed unless staged.
 #include <cuda_runtime.h>
 
 #include "launch.h"
@@ -25,7 +27,7 @@ __device__ __forceinline__ uint8_t* return_row(const Instance& in, const SenderP
   const Layout& l = in.layout;
   const size_t row = l.combine_row;
   if (same_node(in, s)) return in.peers[s].device + l.combine_recv + (senders[s].send_off + j) * row;
-  return in.fabric_ws + l.combine_send + (senders[s].recv_base + j) * row;
+  return (in.staged ? in.device_ws : in.fabric_ws) + l.combine_send + (senders[s].recv_base + j) * row;
 }
 
 // Elements [e0, e1) of one row by one warp, converted from y_dtype to
@@ -94,7 +96,7 @@ __global__ void __launch_bounds__(kReturnThreads, kReturnBlocksPerSm) return_ker
         convert_range(dst, y + walk.row * y_row, e0, chunk_end(e0), p.y_dtype, in.combine_dtype, walk.lane);
     }
   }
-  signal_when_grid_done(in, p.scratch.done_blocks, kFlagCombine, in.proxy.combine_packed);
+  signal_when_grid_done(in, p.scratch.done_blocks, kFlagCombine, packed_flag(in, in.proxy.combine_packed));
 }
 
 }  // namespace
@@ -106,7 +108,13 @@ cudaError_t launch_combine_send(const CombineSendParams& p, cudaStream_t stream)
   if (err != cudaSuccess) return err;
   const int chunks = row_chunks(static_cast<int64_t>(in.hidden) * dtype_bytes(static_cast<DType>(in.combine_dtype)));
   const int blocks = persistent_blocks(max_output_rows(in) * chunks, kReturnThreads / kWarp, kReturnBlocksPerSm);
-  return launch_kernel(return_kernel, blocks, kReturnThreads, seg_smem, stream, p);
+  err = launch_kernel(return_kernel, blocks, kReturnThreads, seg_smem, stream, p);
+  if (err != cudaSuccess || !in.staged) return err;
+  StageParams stage;
+  stage.inst = in;
+  stage.scratch = p.scratch;
+  stage.kind = kStageCombine;
+  return launch_stage(stage, stream);
 }
 
 }  // namespace moe_a2a::a2a::cuda

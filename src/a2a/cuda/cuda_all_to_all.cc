@@ -1,13 +1,16 @@
 #include "cuda_all_to_all.h"
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <new>
 #include <string>
 #include <stdexcept>
+#include <vector>
 
 #include "../env.h"
 #include "../errors.h"
+#include "../plan.h"
 #include "../wait.h"
 #include "fabric/error.h"
 #include "launch.h"
@@ -49,7 +52,8 @@ CudaAllToAll::CudaAllToAll(Workspace* host_workspace, fabric::TransferEngine* en
   // nothing waits for the proxy (its flags are read only with remote peers),
   // so no thread polls through steps that move nothing.
   if (has_remote_)
-    proxy_ = std::make_unique<Proxy>(proxy_context(*host_workspace, engine, region, group, remote_peers, signals_));
+    proxy_ = std::make_unique<Proxy>(
+        proxy_context(*host_workspace, engine, region, group, remote_peers, signals_, peer_signals_in(peer_seqs_, cfg_.world)));
   choose_recv(false);  // until open_node says whom we share the GPU with
 }
 
@@ -70,6 +74,7 @@ CudaAllToAll::CudaAllToAll(const A2AConfig& config) : cfg_(config), layout_(Layo
 void CudaAllToAll::allocate() {
   check_cuda(cudaGetDevice(&device_), "cudaGetDevice");
   for (int r = 0; r < cfg_.world; ++r) has_remote_ = has_remote_ || !cfg_.same_node(r);
+  overlap_ = has_remote_ && env_switch("MOE_A2A_CUDA_OVERLAP") != 0;
   peers_.assign(cfg_.world, PeerWorkspaces{});
 
   check_cuda(cudaMalloc(&device_ws_, layout_.total), "cudaMalloc(device workspace)");
@@ -90,6 +95,7 @@ void CudaAllToAll::allocate() {
       sizeof(int32_t),                                  // output_rows
       sizeof(uint64_t),                                 // plan_ready
       sizeof(uint32_t),                                 // plan_ticket
+      cfg_.world * sizeof(uint32_t),                    // stage_chunks
       sizeof(uint64_t),                                 // epoch
   };
   size_t total = 0;
@@ -115,6 +121,7 @@ void CudaAllToAll::allocate() {
   scratch_.output_rows = reinterpret_cast<int32_t*>(take());
   scratch_.plan_ready = reinterpret_cast<uint64_t*>(take());
   scratch_.plan_ticket = reinterpret_cast<uint32_t*>(take());
+  scratch_.stage_chunks = reinterpret_cast<uint32_t*>(take());
   epoch_device_ = reinterpret_cast<uint64_t*>(take());
 
   void* words = nullptr;
@@ -132,6 +139,13 @@ void CudaAllToAll::allocate() {
   check_cuda(cudaHostAlloc(&signals, sizeof(ProxySignals), cudaHostAllocMapped | cudaHostAllocPortable),
              "cudaHostAlloc(signals)");
   signals_ = new (signals) ProxySignals();
+
+  const size_t peer_seqs = static_cast<size_t>(kPeerSignalArrays) * cfg_.world;
+  void* seqs = nullptr;
+  check_cuda(cudaHostAlloc(&seqs, peer_seqs * sizeof(Seq), cudaHostAllocMapped | cudaHostAllocPortable),
+             "cudaHostAlloc(peer signals)");
+  peer_seqs_ = static_cast<Seq*>(seqs);
+  for (size_t i = 0; i < peer_seqs; ++i) new (peer_seqs_ + i) Seq();  // one by one: no array cookie
 
   check_cuda(cudaMalloc(&peers_device_, cfg_.world * sizeof(PeerWorkspaces)), "cudaMalloc(peers)");
 }
@@ -155,6 +169,7 @@ CudaAllToAll::~CudaAllToAll() {
     signals_->~ProxySignals();
     cudaFreeHost(signals_);
   }
+  if (peer_seqs_ != nullptr) cudaFreeHost(peer_seqs_);  // Seq is trivially destructible
   if (words_ != nullptr) {
     words_->~HostWords();
     cudaFreeHost(words_);
@@ -265,6 +280,7 @@ const Instance& CudaAllToAll::instance() {
   in.num_scales = cfg_.num_scales();
   in.payload_bytes = static_cast<int64_t>(cfg_.payload_bytes());
   in.has_remote = has_remote_ ? 1 : 0;
+  in.staged = overlap_ ? 1 : 0;
   in.timeout_ns = static_cast<int64_t>((kProxyGrace * cfg_.timeout_s + kGraceSeconds) * kNsPerSecond);
   in.peers = peers_device_;
   in.device_ws = device_ws_;
@@ -283,6 +299,10 @@ const Instance& CudaAllToAll::instance() {
   in.proxy.combine_done = dev(&signals_->combine_done.value);
   in.proxy.overflow = dev(&signals_->overflow.value);
   in.proxy.failed = dev(&signals_->failed.value);
+  static_assert(sizeof(Seq) == kPeerFlagStride * sizeof(uint64_t), "per-peer flags are kPeerFlagStride apart");
+  const PeerSignals peer = peer_signals_in(peer_seqs_, cfg_.world);
+  in.proxy.peer_packed = dev(&peer.packed[0].value);
+  in.proxy.peer_combine_packed = dev(&peer.combine_packed[0].value);
   in.epoch = epoch_device_;
   in.status = status_device_;
   return in;
@@ -347,13 +367,7 @@ void CudaAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_sc
   ++epoch_;
 }
 
-void CudaAllToAll::dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_per_expert, bool host_wait,
-                                 cudaStream_t stream) {
-  if (host_wait) {
-    wait_host(kFlagDispatch, signals_->dispatch_done, "dispatch");
-    if (has_remote_ && signals_->overflow.get() == epoch_)
-      throw CapacityError("rank " + std::to_string(cfg_.rank) + ": " + capacity_message());
-  }
+DispatchRecvParams CudaAllToAll::recv_params(void* out_x, float* out_scale, int32_t* tokens_per_expert) {
   DispatchRecvParams p;
   p.inst = instance();
   p.scratch = scratch_;
@@ -361,10 +375,125 @@ void CudaAllToAll::dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_
   p.out_scale = out_scale;
   p.tokens_per_expert = tokens_per_expert;
   p.max_output_rows = max_output_rows();
+  return p;
+}
+
+void CudaAllToAll::dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_per_expert, bool host_wait,
+                                 cudaStream_t stream) {
+  if (host_wait && overlap_) return dispatch_recv_by_sender(out_x, out_scale, tokens_per_expert, stream);
+  if (host_wait) {
+    wait_host(kFlagDispatch, signals_->dispatch_done, "dispatch");
+    if (has_remote_ && signals_->overflow.get() == epoch_)
+      throw CapacityError("rank " + std::to_string(cfg_.rank) + ": " + capacity_message());
+  }
+  DispatchRecvParams p = recv_params(out_x, out_scale, tokens_per_expert);
   p.wait_in_kernel = host_wait ? 0 : 1;  // and with host_wait the plan kernel signals `planned`
   p.fused = host_wait && fused_recv_ ? 1 : 0;
   check_cuda(launch_dispatch_recv(p, stream), "dispatch recv");
   plan_signals_host_ = host_wait;
+}
+
+namespace {
+
+// Until `flag` or `all` reaches `epoch` (false at the deadline). The proxy
+// raises a peer's flag and then the whole call's; a stand-in for it (the
+// kernel tests) only the latter.
+template <typename OnIdle>
+bool wait_either(const Seq& flag, const Seq& all, uint64_t epoch, std::chrono::steady_clock::time_point deadline,
+                 OnIdle&& on_idle) {
+  Backoff backoff;
+  while (flag.get() < epoch && all.get() < epoch) {
+    if ((backoff.round & 63) == 0) {
+      on_idle();
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+    }
+    backoff.pause();
+  }
+  return true;
+}
+
+}  // namespace
+
+// Eager receive with fabric peers: once every routing row is in (the proxy's
+// `routed`), the plan; then each sender's rows are copied out as soon as they
+// have landed (the proxy's landed[s], a same-node peer's dispatch flag),
+// sender by sender, while the later ones are still on the wire. Before, the
+// copy started once the last sender's rows were in.
+void CudaAllToAll::dispatch_recv_by_sender(void* out_x, float* out_scale, int32_t* tokens_per_expert,
+                                           cudaStream_t stream) {
+  const std::string who = "rank " + std::to_string(cfg_.rank) + ": timed out ";
+  const auto deadline = deadline_after(kProxyGrace * cfg_.timeout_s + kGraceSeconds);
+  const auto check = [this] { check_proxy(); };
+  if (!wait_either(signals_->routed, signals_->dispatch_done, epoch_, deadline, check))
+    throw fabric::TimeoutError(who + "waiting for the proxy to gather the routing rows of epoch " +
+                               std::to_string(epoch_));
+  check_proxy();
+  if (signals_->overflow.get() == epoch_) {
+    if (!wait_at_least(&signals_->dispatch_done.value, epoch_, deadline, check))  // everyone met: the next call is clean
+      throw fabric::TimeoutError(who + "waiting for the proxy to end the overflowing dispatch of epoch " +
+                                 std::to_string(epoch_));
+    throw CapacityError("rank " + std::to_string(cfg_.rank) + ": " + capacity_message());
+  }
+  const auto node_deadline = deadline_after(cfg_.timeout_s);
+  for (int s = 0; s < cfg_.world; ++s)
+    if (s != cfg_.rank && cfg_.same_node(s) &&
+        !wait_at_least(flag_at(host_ws_cpu_, layout_, s, kFlagRoute), epoch_, node_deadline, check))
+      throw fabric::TimeoutError(who + "waiting for the routing row of same-node peer " + std::to_string(s) +
+                                 " (epoch " + std::to_string(epoch_) + ")");
+  DispatchRecvParams p = recv_params(out_x, out_scale, tokens_per_expert);
+  p.wait_in_kernel = 0;
+  check_cuda(launch_dispatch_plan(p, stream), "dispatch plan");
+  plan_signals_host_ = true;
+
+  // Every routing row is in our host workspace (remote ones from the proxy,
+  // same-node ones from their kernels), so the host knows each sender's copies.
+  const auto* matrix = reinterpret_cast<const uint32_t*>(host_ws_cpu_ + layout_.routing);
+  RoutingView view{matrix, cfg_.world, cfg_.num_experts, cfg_.num_local_experts()};
+  std::vector<int> pending;
+  std::vector<int64_t> rows;
+  for (int d = 0; d < cfg_.world; ++d) {  // ourselves first: our rows are there in stream order
+    const int s = (cfg_.rank + d) % cfg_.world;
+    const uint64_t c = view.to_rank(s, cfg_.rank);
+    if (c == 0) continue;
+    pending.push_back(s);
+    rows.push_back(static_cast<int64_t>(c));
+  }
+  const PeerSignals peer = peer_signals_in(peer_seqs_, cfg_.world);
+  const auto here = [&](int s) {
+    if (s == cfg_.rank) return true;
+    if (cfg_.same_node(s)) return flag_at(host_ws_cpu_, layout_, s, kFlagDispatch)->load(std::memory_order_acquire) >= epoch_;
+    return peer.landed[s].get() >= epoch_ || signals_->dispatch_done.get() >= epoch_;
+  };
+  Backoff backoff;
+  while (!pending.empty()) {
+    size_t kept = 0;
+    for (size_t k = 0; k < pending.size(); ++k) {
+      if (!here(pending[k])) {
+        pending[kept] = pending[k];
+        rows[kept++] = rows[k];
+        continue;
+      }
+      p.sender = pending[k];
+      check_cuda(launch_copy_sender(p, rows[k], stream), "dispatch copy");
+    }
+    const bool idle = kept == pending.size();
+    pending.resize(kept);
+    rows.resize(kept);
+    if (!idle) {
+      backoff = Backoff{};
+      continue;
+    }
+    if ((backoff.round & 63) == 0) {
+      check_proxy();
+      if (std::chrono::steady_clock::now() >= deadline) {
+        std::string senders;
+        for (int s : pending) senders += (senders.empty() ? "" : ", ") + std::to_string(s);
+        throw fabric::TimeoutError(who + "waiting for the tokens of sender(s) " + senders + " (epoch " +
+                                   std::to_string(epoch_) + ")");
+      }
+    }
+    backoff.pause();
+  }
 }
 
 void CudaAllToAll::combine_send(const void* y, DType y_dtype, int64_t y_rows, cudaStream_t stream) {

@@ -91,6 +91,8 @@ class CudaAllToAll {
   // Host waits of the receive halves: every same-node flag of `kind` and the
   // proxy's `done` (with remote peers) at the current epoch.
   void wait_host(FlagKind kind, const Seq& done, const char* what);
+  DispatchRecvParams recv_params(void* out_x, float* out_scale, int32_t* tokens_per_expert);
+  void dispatch_recv_by_sender(void* out_x, float* out_scale, int32_t* tokens_per_expert, cudaStream_t stream);
   void check_proxy() const;
   std::string capacity_message() const;
 
@@ -98,6 +100,9 @@ class CudaAllToAll {
   Layout layout_;
   int device_ = 0;
   bool has_remote_ = false;
+  // Fabric peers: stage their rows peer by peer and receive sender by sender
+  // (MOE_A2A_CUDA_OVERLAP, on unless 0).
+  bool overlap_ = false;
 
   uint8_t* device_ws_ = nullptr;
   uint8_t* host_ws_ = nullptr;         // device address of our host workspace
@@ -116,6 +121,7 @@ class CudaAllToAll {
   HostWords* words_ = nullptr;           // mapped host
   int32_t* status_device_ = nullptr;     // its status, device address
   ProxySignals* signals_ = nullptr;      // mapped host
+  Seq* peer_seqs_ = nullptr;             // mapped host: PeerSignals' arrays
   std::unique_ptr<Proxy> proxy_;
   uint64_t epoch_ = 0;
   bool plan_signals_host_ = false;  // the last dispatch_recv's plan raises `planned` (host_wait)

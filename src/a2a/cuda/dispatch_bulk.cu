@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(kBulkThreads, kBulkBlocksPerSm) bulk_pack_kern
     }
   }
   if (issuer) bulk_wait_written();
-  signal_when_grid_done(in, p.scratch.done_blocks, kFlagDispatch, in.proxy.packed);
+  signal_when_grid_done(in, p.scratch.done_blocks, kFlagDispatch, packed_flag(in, in.proxy.packed));
 }
 
 template <int kMode>

@@ -234,31 +234,62 @@ __device__ __forceinline__ const uint8_t* source_row(const Instance& in, const S
   return in.fabric_ws + l.shared_rows + (senders[s].shared_off + j - P) * row;
 }
 
+// One warp: chunk `chunk` of copy (s, j) into output row `row`.
+__device__ __forceinline__ void copy_chunk(const DispatchRecvParams& p, int s, int j, int row, int chunk, int lane) {
+  const Instance& in = p.inst;
+  const int64_t payload = in.payload_bytes;
+  const int64_t scale_bytes = static_cast<int64_t>(in.num_scales) * sizeof(float);
+  const int64_t row_bytes = payload + scale_bytes;
+  const uint8_t* src = source_row(in, p.scratch.senders, s, j);
+  uint8_t* dst_x = static_cast<uint8_t*>(p.out_x) + row * payload;
+  uint8_t* dst_scale = reinterpret_cast<uint8_t*>(p.out_scale) + row * scale_bytes;
+  if (split_copyable(dst_x, dst_scale, src, payload, scale_bytes)) {
+    const int64_t chunk_size = chunk_bytes(row_bytes);
+    const int64_t begin = chunk * chunk_size;
+    const int64_t end = begin + chunk_size < row_bytes ? begin + chunk_size : row_bytes;
+    warp_copy_split(dst_x, dst_scale, src, payload, begin, end, lane);
+  } else if (chunk == 0) {  // unaligned rows: one warp copies the whole row
+    warp_copy(dst_x, src, payload, lane);
+    if (scale_bytes > 0) warp_copy(dst_scale, src + payload, scale_bytes, lane);
+  }
+}
+
+__device__ __forceinline__ int dispatch_row_chunks(const Instance& in) {
+  return row_chunks(in.payload_bytes + static_cast<int64_t>(in.num_scales) * sizeof(float));
+}
+
 // Copies every received row into the output, from the plan in scratch.
 __device__ __forceinline__ void copy_rows(const DispatchRecvParams& p, Segment* segs) {
   const Instance& in = p.inst;
   load_segments(segs, p.scratch.segments, in.num_experts);
   __syncthreads();
   const int rows = *p.scratch.output_rows;
-  const int64_t payload = in.payload_bytes;
-  const int64_t scale_bytes = static_cast<int64_t>(in.num_scales) * sizeof(float);
-  const int64_t row_bytes = payload + scale_bytes;
-  const int64_t chunk_size = chunk_bytes(row_bytes);
-  for (ChunkWalk walk(row_chunks(row_bytes)); walk.row < rows; walk.next()) {
-    const int row = walk.row, chunk = walk.chunk;
+  for (ChunkWalk walk(dispatch_row_chunks(in)); walk.row < rows; walk.next()) {
     int s, j;
-    if (!locate(segs, in.num_experts, row, &s, &j)) continue;  // padding
-    const uint8_t* src = source_row(in, p.scratch.senders, s, j);
-    uint8_t* dst_x = static_cast<uint8_t*>(p.out_x) + row * payload;
-    uint8_t* dst_scale = reinterpret_cast<uint8_t*>(p.out_scale) + row * scale_bytes;
-    if (split_copyable(dst_x, dst_scale, src, payload, scale_bytes)) {
-      const int64_t begin = chunk * chunk_size;
-      const int64_t end = begin + chunk_size < row_bytes ? begin + chunk_size : row_bytes;
-      warp_copy_split(dst_x, dst_scale, src, payload, begin, end, walk.lane);
-    } else if (chunk == 0) {  // unaligned rows: one warp copies the whole row
-      warp_copy(dst_x, src, payload, walk.lane);
-      if (scale_bytes > 0) warp_copy(dst_scale, src + payload, scale_bytes, walk.lane);
+    if (!locate(segs, in.num_experts, walk.row, &s, &j)) continue;  // padding
+    copy_chunk(p, s, j, walk.row, walk.chunk, walk.lane);
+  }
+}
+
+// Copies sender p.sender's rows only (the host launches this as each
+// sender's rows land). Its segments, one per local expert, are in j order;
+// copy j lies in the last one starting at or before it (empty segments
+// start where the next one does).
+__device__ __forceinline__ void copy_sender_rows(const DispatchRecvParams& p, Segment* segs) {
+  const Instance& in = p.inst;
+  const int N = in.world, L = in.local_experts, s = p.sender;
+  for (int i = threadIdx.x; i < L; i += blockDim.x) segs[i] = p.scratch.segments[i * N + s];
+  __syncthreads();
+  const int copies = static_cast<int>(p.scratch.senders[s].copies);
+  for (ChunkWalk walk(dispatch_row_chunks(in)); walk.row < copies; walk.next()) {
+    const int j = walk.row;
+    int lo = 0, hi = L;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (segs[mid].first_j <= j) lo = mid;
+      else hi = mid;
     }
+    copy_chunk(p, s, j, segs[lo].out_row + (j - segs[lo].first_j), walk.chunk, walk.lane);
   }
 }
 
@@ -266,6 +297,12 @@ __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) copy_kernel(Di
   extern __shared__ Segment segs[];
   kernel_prologue();
   copy_rows(p, segs);
+}
+
+__global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) copy_sender_kernel(DispatchRecvParams p) {
+  extern __shared__ Segment segs[];  // the sender's [local experts]
+  kernel_prologue();  // the plan, and the copies of earlier senders
+  copy_sender_rows(p, segs);
 }
 
 // Eager calls: the first block to start plans while the others wait for its
@@ -305,11 +342,33 @@ __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) plan_copy_kern
   copy_rows(p, reinterpret_cast<Segment*>(smem));
 }
 
+size_t plan_smem_bytes(const Instance& in) {
+  return (static_cast<size_t>(in.world) * in.num_experts + 2 * in.local_experts) * sizeof(int32_t);
+}
+
 }  // namespace
+
+cudaError_t launch_dispatch_plan(const DispatchRecvParams& p, cudaStream_t stream) {
+  const size_t smem = plan_smem_bytes(p.inst);
+  cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(plan_kernel), smem);
+  if (err != cudaSuccess) return err;
+  return launch_kernel(plan_kernel, 1, kPlanThreads, smem, stream, p);
+}
+
+cudaError_t launch_copy_sender(const DispatchRecvParams& p, int64_t rows, cudaStream_t stream) {
+  const Instance& in = p.inst;
+  if (p.sender < 0 || p.sender >= in.world || rows <= 0) return cudaErrorInvalidValue;
+  const size_t smem = static_cast<size_t>(in.local_experts) * sizeof(Segment);
+  cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(copy_sender_kernel), smem);
+  if (err != cudaSuccess) return err;
+  const int chunks = row_chunks(in.payload_bytes + static_cast<int64_t>(in.num_scales) * sizeof(float));
+  const int blocks = persistent_blocks(rows * chunks, kCopyThreads / kWarp, kCopyBlocksPerSm);
+  return launch_kernel(copy_sender_kernel, blocks, kCopyThreads, smem, stream, p);
+}
 
 cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream) {
   const Instance& in = p.inst;
-  const size_t plan_smem = (static_cast<size_t>(in.world) * in.num_experts + 2 * in.local_experts) * sizeof(int32_t);
+  const size_t plan_smem = plan_smem_bytes(in);
   const size_t seg_smem = static_cast<size_t>(in.num_experts) * sizeof(Segment);
   const int chunks = row_chunks(in.payload_bytes + static_cast<int64_t>(in.num_scales) * sizeof(float));
   const int blocks = persistent_blocks(p.max_output_rows * chunks, kCopyThreads / kWarp, kCopyBlocksPerSm);

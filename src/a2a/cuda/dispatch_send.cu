@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kPackThreads, kPackBlocksPerSm) pack_kernel(Di
   kernel_prologue();
   uint8_t* const* copy_dst = p.scratch.copy_dst;
   pack_items<kMode>(p, *p.scratch.num_tokens, PackCursor(p.inst.hidden), [&](int64_t c) { return copy_dst[c]; });
-  signal_when_grid_done(p.inst, p.scratch.done_blocks, kFlagDispatch, p.inst.proxy.packed);
+  signal_when_grid_done(p.inst, p.scratch.done_blocks, kFlagDispatch, packed_flag(p.inst, p.inst.proxy.packed));
 }
 
 // Shared memory of route_pack_kernel: each copy's (slot, expert) [max copies],
@@ -227,7 +227,7 @@ __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) rout
         const int r = copy.y / L;
         return destination(in, copy.x, r, first[r * L]);
       });
-  signal_when_grid_done(in, s.done_blocks, kFlagDispatch, in.proxy.packed);
+  signal_when_grid_done(in, s.done_blocks, kFlagDispatch, packed_flag(in, in.proxy.packed));
 }
 
 template <int kMode>
@@ -254,9 +254,16 @@ cudaError_t launch_pack(const DispatchSendParams& p, cudaStream_t stream) {
 
 cudaError_t launch_dispatch_send(const DispatchSendParams& p, cudaStream_t stream) {
   if (p.inst.topk > kMaxTopk) return cudaErrorInvalidValue;
-  if (p.inst.dispatch_dtype != static_cast<int>(DType::kFp8)) return launch_pack<kPackConvert>(p, stream);
-  if (p.x_dtype == static_cast<int>(DType::kFp8)) return launch_pack<kPackFp8>(p, stream);
-  return launch_pack<kPackQuantize>(p, stream);
+  cudaError_t err;
+  if (p.inst.dispatch_dtype != static_cast<int>(DType::kFp8)) err = launch_pack<kPackConvert>(p, stream);
+  else if (p.x_dtype == static_cast<int>(DType::kFp8)) err = launch_pack<kPackFp8>(p, stream);
+  else err = launch_pack<kPackQuantize>(p, stream);
+  if (err != cudaSuccess || !p.inst.staged) return err;
+  StageParams stage;
+  stage.inst = p.inst;
+  stage.scratch = p.scratch;
+  stage.kind = kStageDispatch;
+  return launch_stage(stage, stream);
 }
 
 }  // namespace moe_a2a::a2a::cuda

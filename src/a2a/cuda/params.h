@@ -42,7 +42,12 @@ struct ProxyFlags {
   const uint64_t* combine_done = nullptr;   // proxy -> kernel
   const uint64_t* overflow = nullptr;       // proxy -> kernel: epoch that exceeded max_recv_tokens
   const uint64_t* failed = nullptr;         // proxy -> kernel: non-zero once the proxy stopped
+  // Per-peer flags (signals.h, PeerSignals), kPeerFlagStride u64s apart:
+  // peer r's rows are in the fabric's host memory (stage_kernel -> proxy).
+  uint64_t* peer_packed = nullptr;
+  uint64_t* peer_combine_packed = nullptr;
 };
+constexpr int kPeerFlagStride = 8;  // a Seq is one 64-byte cache line
 
 // Outcome of the last call, written by kernels into mapped host memory so the
 // host can read it after synchronising, without another copy.
@@ -73,6 +78,10 @@ struct Instance {
   int32_t num_scales = 0;      // fp8: ceil(hidden / 128)
   int64_t payload_bytes = 0;   // dispatch payload of one row (scales follow it)
   int32_t has_remote = 0;      // some peer is on another node: wait for the proxy
+  // Rows for remote peers are packed into the device workspace, then copied
+  // to the fabric's host memory peer by peer (stage_kernel), each peer handed
+  // to the proxy as soon as its rows are there (MOE_A2A_CUDA_OVERLAP).
+  int32_t staged = 0;
   int64_t timeout_ns = 0;      // how long a kernel waits for a flag
 
   const PeerWorkspaces* peers = nullptr;  // [world], device memory
@@ -118,6 +127,7 @@ struct Scratch {
   int32_t* output_rows = nullptr;  // [1] padded output rows of the last dispatch_recv (device)
   uint64_t* plan_ready = nullptr;  // [1] epoch whose plan plan_copy_kernel's planning block finished (device)
   uint32_t* plan_ticket = nullptr; // [1] plan_copy_kernel's blocks that started this launch (reset by the last)
+  uint32_t* stage_chunks = nullptr; // [world] stage_kernel: chunks of each peer copied this launch (reset by the last)
   int32_t* output_rows_host = nullptr;  // [1] the same, in mapped host memory
   uint64_t* planned_host = nullptr;     // [1] mapped host: epoch whose plan is final (HostWords)
 };
@@ -143,6 +153,17 @@ struct DispatchRecvParams {
   int64_t max_output_rows = 0;    // rows of out_x: max_recv + local_experts * (expert_padding - 1)
   int32_t wait_in_kernel = 1;     // 0: the host already saw every flag up (eager calls)
   int32_t fused = 0;              // eager only: plan and copy in one launch (plan_copy_kernel)
+  int32_t sender = -1;            // >= 0: copy only this sender's rows (copy_sender_kernel), after the plan
+};
+
+// What stage_kernel copies from the device workspace to the fabric's host
+// memory, peer by peer: our dispatch send rows, or our combine_send staging.
+enum StageKind : int32_t { kStageDispatch = 0, kStageCombine = 1 };
+
+struct StageParams {
+  Instance inst;
+  Scratch scratch;
+  int32_t kind = kStageDispatch;  // StageKind
 };
 
 struct CombineSendParams {

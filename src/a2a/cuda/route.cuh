@@ -100,13 +100,14 @@ __device__ __forceinline__ void count_ids(const WarpIds& ids, int32_t* hist, int
 
 // Where pack stores copy (slot, rank r): a same-node peer's private row, our
 // device send section (same-node overflow, which the peer pulls), or our
-// fabric send section (remote peers).
+// fabric send section (remote peers; staged: the same rows of the device
+// send section, which stage_kernel copies there peer by peer).
 // send_start: the send row of rank r's first copy.
 __device__ __forceinline__ uint8_t* destination(const Instance& in, int slot, int r, int64_t send_start) {
   const Layout& l = in.layout;
   const size_t row = l.dispatch_row;
   const int64_t j = slot - send_start;
-  if (!same_node(in, r)) return in.fabric_ws + l.send + slot * row;
+  if (!same_node(in, r)) return (in.staged ? in.device_ws : in.fabric_ws) + l.send + slot * row;
   if (j < in.max_private)
     return in.peers[r].device + l.private_rows + (static_cast<size_t>(in.rank) * in.max_private + j) * row;
   return in.device_ws + l.send + slot * row;

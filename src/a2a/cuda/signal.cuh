@@ -28,4 +28,10 @@ __device__ __forceinline__ void signal_when_grid_done(const Instance& in, uint32
   if (proxy_flag != nullptr) st_release_sys(proxy_flag, epoch);
 }
 
+// The proxy's flag a pack raises when its grid is done: none when staged
+// (stage_kernel raises it, peer by peer, once the rows are in host memory).
+__device__ __forceinline__ uint64_t* packed_flag(const Instance& in, uint64_t* proxy_flag) {
+  return in.staged ? nullptr : proxy_flag;
+}
+
 }  // namespace moe_a2a::a2a::cuda
