@@ -28,11 +28,16 @@ class ImmCounters {
 
   // One arrival as it came off the wire (piece bit included).
   void add(uint32_t wire_imm) {
+    bool whole;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      counts_[imm_key(wire_imm)] += imm_is_piece(wire_imm) ? 1 : per_write_;
+      uint64_t& count = counts_[imm_key(wire_imm)];
+      uint64_t before = count / per_write_;
+      count += imm_is_piece(wire_imm) ? 1 : per_write_;
+      whole = count / per_write_ != before;
     }
-    cv_.notify_all();
+    // Waiters want whole writes: a piece that completes none wakes nobody.
+    if (whole) cv_.notify_all();
   }
 
   // Whole writes of `imm` counted and not yet consumed.
