@@ -137,6 +137,7 @@ def make_exchange(args: argparse.Namespace, comm: Any, device: Any) -> Any:
 def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, device: Any) -> dict[str, Any]:
 
     from moe_a2a.all_to_all import AllToAll, Config
+    from moe_a2a.bench import engine_ref
     from moe_a2a.bench.baseline import Baseline
 
     shape = dict(SHAPES[name])
@@ -163,6 +164,9 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, dev
     with AllToAll(
         cfg, comm=comm, device=device.type, provider=args.provider, ranks_per_node=args.ranks_per_node
     ) as a2a:
+        alone = engine_ref.start_for(a2a, comm, args.provider)  # every peer remote: the engine alone too
+        if alone is not None:
+            times.update(engine_dispatch=[], engine_combine=[])
         for it in range(args.warmup + args.iters):
             r = make_round(it, rank, tokens, cfg.hidden, cfg.num_experts, topk)
             r = Round(r.x.to(device), r.ids.to(device), r.weights.to(device))
@@ -181,6 +185,13 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, dev
                 times["ours_combine"].append(t_c)
                 times["mpi_dispatch"].append(b_d)
                 times["mpi_combine"].append(b_c)
+            if alone is not None:
+                e_d, e_c = alone.measure(r.ids.cpu().numpy(), cfg.num_experts)
+                if it >= args.warmup:
+                    times["engine_dispatch"].append(e_d)
+                    times["engine_combine"].append(e_c)
+        if alone is not None:
+            alone.close()
         topo = a2a._boot.topology
     result = dict(
         shape=name,
@@ -250,7 +261,10 @@ def main(args: argparse.Namespace) -> int:
     if hasattr(exchange, "close"):
         exchange.close()
     if comm.Get_rank() == 0:
+        from moe_a2a.bench import engine_ref
+
         print_table(results)
+        engine_ref.print_table(results)
         if args.output:
             from moe_a2a import __version__, switches
 
