@@ -12,7 +12,9 @@ Both sides move the same tokens in the same run, iteration by iteration:
 
 Each timed phase starts after an MPI barrier and ends when the rank's work
 is done (its CUDA stream drained); its time is the slowest rank's. On the
-first iteration both combine outputs are compared.
+first iteration both combine outputs are compared. With every peer remote
+(`--ranks-per-node 1`) the engine alone also moves each phase's bytes, and a
+second table gives the phase/engine ratio (`moe_a2a.bench.engine_ref`).
 
 `--device cuda` without `--baseline` runs the per-phase CUDA benchmark
 (`moe_a2a.bench.a2a_cuda`: bandwidth against the copy ceiling, torch-native).
