@@ -265,8 +265,10 @@ def test_split_write_pieces_carry_the_immediate_on_every_nic(
     ex.src[:] = random_bytes(seed, rank, 10, size=ex.src.size)
     ex.recv[:] = random_bytes(seed, rank, 11, size=ex.recv.size)
     engine.core.wait_tx(WAIT_S)
-    engine.bootstrap.barrier()  # earlier tests' arrivals are in: the counters below are this test's
+    # Read before the barrier: earlier tests waited for all their arrivals, and
+    # no peer writes this test's before we pass it.
     arrived = [engine.core.arrivals(nic) for nic in range(2)]
+    engine.bootstrap.barrier()
     submitted = engine.core.tx_submitted
     items = [ScatterItem(i, i * size, size, ex.position(rank, p) * size) for i, p in enumerate(ex.peers)]
     engine.core.scatter(ex.group, ex.src_region, items, tag)
