@@ -254,7 +254,7 @@ class AllToAll:
         self._core_cfg.instance = self._lease.slot if self._lease else 0
         engine = self._lease.engine if self._lease else None
         workspace = self._open_workspace()
-        region = group = 0
+        region = group = None  # no engine: nothing registered
         if engine is not None:
             region = engine.core.register_region(workspace.ptr, workspace.size)
             group = engine.group(remote_peers, engine.exchange_region(region))

@@ -69,6 +69,8 @@ def _info(args: argparse.Namespace) -> int:
 
     print(f"moe-a2a {__version__}")
     print("libfabric providers:", ", ".join(_core.libfabric_providers()) or "none")
+    built = ", ".join(_core.backend_names())
+    print(f"transport backends built: {built} (ibverbs: not built, docs/transport.md)")
     print("CUDA kernels built:", "yes" if getattr(_core, "HAVE_CUDA", False) else "no")
     print("GPU usable (device='cuda'):", _gpu_line())
     _info_nics(args)
@@ -102,6 +104,7 @@ def _info_nics(args: argparse.Namespace) -> None:
         if not domains:
             continue
         print(f"  {name}: {', '.join(domains)}")
+        print(f"    capabilities ({domains[0]}): {_capabilities_line(name, domains[0])}")
         ranks: list[tuple[str, int | None]] = [("CPU rank", None)]
         ranks += [(f"GPU {g} ({a})", g) for g, a in enumerate(gpus)]
         for label, gpu in ranks:
@@ -112,6 +115,27 @@ def _info_nics(args: argparse.Namespace) -> None:
                 print(f"    {label}: {e}")
     if os.environ.get(nics.ENV):
         print(f"  (named by {nics.ENV}={os.environ[nics.ENV]!r}, local rank {args.local_rank})")
+
+
+def _capabilities_line(provider: str, domain: str) -> str:
+    """What the backend reports for one device: GPU memory, ordering, sizes (src/fabric/backend.h)."""
+    from moe_a2a import FabricError, _core
+
+    try:
+        c = _core.backend_capabilities(provider, domain)
+    except FabricError as e:
+        return f"could not open it: {e}"
+
+    def size(n: int) -> str:
+        return "unlimited" if n >= 1 << 63 else f"{n} B"
+
+    return (
+        f"backend {c['backend']} ({c['provider']}), GPU memory registration "
+        f"{'yes' if c['gpu_memory'] else 'no (host memory only)'}, ordered writes "
+        f"{'yes' if c['ordered_writes'] else 'no'}, max message {size(c['max_message_size'])}, "
+        f"inject {size(c['inject_size'])}, immediate {c['imm_bytes']} B, "
+        f"{c['max_in_flight']} writes in flight, {'blocking' if c['blocking_wait'] else 'polled'} completions"
+    )
 
 
 def _check_provider(args: argparse.Namespace) -> None:

@@ -1,4 +1,7 @@
-"""The transfer engine from Python: open, connect through a bootstrap, register buffers."""
+"""The transfer engine from Python: open, connect through a bootstrap, register buffers.
+
+Regions, remote regions and groups are typed handles (`Region`, `RemoteRegion`,
+`Group`): the core refuses one where another is expected."""
 
 from __future__ import annotations
 
@@ -18,6 +21,10 @@ from moe_a2a.bootstrap import Bootstrap
 PROVIDERS = ("tcp", "shm", "efa", "verbs")
 
 ScatterItem = _core.ScatterItem
+Region = _core.Region
+RemoteRegion = _core.RemoteRegion
+Group = _core.Group
+MEMORY_KINDS = ("host", "cuda")  # only host memory registers with the libfabric backend built here
 
 
 def default_provider() -> str:
@@ -59,13 +66,17 @@ class Engine:
         split_threshold: int = 1 << 20,
         nics: Sequence[str] | str | None = None,
         gpu: int | str | None = None,
+        backend: str = "libfabric",
     ) -> None:
-        """`nics`: domain names for this rank (a list, or a `MOE_A2A_NICS` string); default
+        """`backend`: which transport implementation opens the NICs (`_core.backend_names()`).
+        `nics`: domain names for this rank (a list, or a `MOE_A2A_NICS` string); default
         `MOE_A2A_NICS`, else the `num_nics` nearest devices (to `gpu`, an index or PCI
         address, where given; else to this process's NUMA node). See `moe_a2a.nics`."""
         provider = provider or default_provider()
         if not isinstance(provider, str) or not provider:
             raise ValueError(f"provider: got {provider!r}; expected one of {PROVIDERS} or a libfabric name")
+        if backend not in _core.backend_names():
+            raise ValueError(f"backend: got {backend!r}; expected one of {_core.backend_names()}")
         num_nics = _nics.num_nics_default(num_nics)
         if not isinstance(num_nics, int) or num_nics < 1:
             raise ValueError(f"num_nics: got {num_nics!r}; expected a positive integer")
@@ -83,7 +94,13 @@ class Engine:
             else _nics.Selection([], "none")
         )
         self.core = _core.TransferEngine(
-            bootstrap.rank, bootstrap.world_size, provider, num_nics, split_threshold, self.nics.names
+            bootstrap.rank,
+            bootstrap.world_size,
+            provider,
+            num_nics,
+            split_threshold,
+            self.nics.names,
+            backend,
         )
         self.core.connect(bootstrap.allgather(self.core.address()))
 
@@ -95,21 +112,25 @@ class Engine:
     def world_size(self) -> int:
         return self.core.world
 
-    def register(self, array: np.ndarray) -> int:
-        """Register a contiguous host array; returns the local region id."""
+    def register(self, array: np.ndarray) -> Region:
+        """Register a contiguous host array; returns its region handle."""
         if not array.flags.c_contiguous:
             raise ValueError("register: expected a C-contiguous array")
         return self.core.register_region(array.ctypes.data, array.nbytes)
 
-    def exchange_region(self, region: int) -> list[int | None]:
-        """All-gather a region's descriptor; returns each peer's remote region id (None for ourselves)."""
+    def capabilities(self, nic: int = 0) -> dict[str, Any]:
+        """What NIC `nic`'s backend reports: GPU memory, ordering, sizes (`moe-a2a info` prints them)."""
+        return dict(self.core.capabilities(nic))
+
+    def exchange_region(self, region: Region) -> list[RemoteRegion | None]:
+        """All-gather a region's descriptor; returns each peer's remote region (None for ourselves)."""
         blobs = self.bootstrap.allgather(self.core.region_descriptor(region))
         return [
             None if peer == self.rank else self.core.add_remote_region(peer, blob)
             for peer, blob in enumerate(blobs)
         ]
 
-    def group(self, peers: Sequence[int], remotes: Sequence[int | None]) -> int:
+    def group(self, peers: Sequence[int], remotes: Sequence[RemoteRegion | None]) -> Group:
         """A peer group whose writes land in each peer's `remotes[peer]` region."""
         return self.core.create_group(list(peers), [remotes[p] for p in peers])
 
@@ -141,7 +162,7 @@ class EngineLease:
         self._key, self._shared, self.slot = key, shared, slot
         self.engine: Engine | None = shared.engine
 
-    def close(self, region: int | None, group: int | None) -> None:
+    def close(self, region: Region | None, group: Group | None) -> None:
         """Release this instance's region and group; the engine closes with its last lease."""
         if self.engine is None:
             return

@@ -25,8 +25,8 @@ struct ProxyContext {
   A2AConfig config;
   Layout layout;
   fabric::TransferEngine* engine = nullptr;  // null when no peer is remote
-  uint32_t region = 0;  // our workspace, registered with the engine
-  uint32_t group = 0;   // every remote peer, bound to its workspace
+  fabric::RegionId region;  // our workspace, registered with the engine
+  fabric::GroupId group;    // every remote peer, bound to its workspace
   uint8_t* workspace = nullptr;
   std::vector<uint8_t*> node_workspaces;  // index = rank; nullptr for remote ranks
   std::vector<int> remote_peers;          // ranks, in group order
@@ -41,8 +41,8 @@ struct ProxyContext {
 
 // The context of a rank's proxy: its workspace (and the node's mappings), the
 // engine with our registered workspace region and the group of remote peers.
-inline ProxyContext proxy_context(const Workspace& ws, fabric::TransferEngine* engine, uint32_t region,
-                                  uint32_t group, const std::vector<int>& remote_peers, ProxySignals* signals,
+inline ProxyContext proxy_context(const Workspace& ws, fabric::TransferEngine* engine, fabric::RegionId region,
+                                  fabric::GroupId group, const std::vector<int>& remote_peers, ProxySignals* signals,
                                   PeerSignals peers, const std::vector<int>& pids = {}) {
   ProxyContext ctx;
   ctx.config = ws.config();

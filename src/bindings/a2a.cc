@@ -4,6 +4,7 @@
 #include <nanobind/nanobind.h>
 
 #include <cstring>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -106,10 +107,17 @@ void bind_a2a(nb::module_& m) {
       .def("unlink", &Workspace::unlink);
 
   nb::class_<cpu::CpuAllToAll>(m, "CpuAllToAll")
-      .def(nb::init<Workspace*, moe_a2a::fabric::TransferEngine*, uint32_t, uint32_t, const std::vector<int>&,
-                    const std::vector<int>&>(),
-           nb::arg("workspace"), nb::arg("engine").none(), nb::arg("region"), nb::arg("group"), nb::arg("remote_peers"),
-           nb::arg("pids"), nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>())
+      // region and group are None where no peer is remote (no engine).
+      .def(
+          "__init__",
+          [](cpu::CpuAllToAll* a, Workspace* ws, moe_a2a::fabric::TransferEngine* engine,
+             std::optional<moe_a2a::fabric::RegionId> region, std::optional<moe_a2a::fabric::GroupId> group,
+             const std::vector<int>& remote_peers, const std::vector<int>& pids) {
+            new (a) cpu::CpuAllToAll(ws, engine, region.value_or(moe_a2a::fabric::RegionId{}),
+                        group.value_or(moe_a2a::fabric::GroupId{}), remote_peers, pids);
+          },
+          nb::arg("workspace"), nb::arg("engine").none(), nb::arg("region").none(), nb::arg("group").none(),
+          nb::arg("remote_peers"), nb::arg("pids"), nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>())
       .def("announce_failure", &cpu::CpuAllToAll::announce_failure, nb::arg("text"), release())
       .def(
           "dispatch_send",

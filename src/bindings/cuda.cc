@@ -4,6 +4,7 @@
 // through HAVE_CUDA.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -59,9 +60,17 @@ void bind_cuda(nb::module_& m) {
   using release = nb::call_guard<nb::gil_scoped_release>;
   m.attr("HAVE_CUDA") = true;
   nb::class_<CudaAllToAll>(m, "CudaAllToAll")
-      .def(nb::init<Workspace*, moe_a2a::fabric::TransferEngine*, uint32_t, uint32_t, const std::vector<int>&>(),
-           nb::arg("workspace"), nb::arg("engine").none(), nb::arg("region"), nb::arg("group"), nb::arg("remote_peers"),
-           nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>())
+      // region and group are None where no peer is remote (no engine).
+      .def(
+          "__init__",
+          [](CudaAllToAll* a, Workspace* ws, moe_a2a::fabric::TransferEngine* engine,
+             std::optional<moe_a2a::fabric::RegionId> region, std::optional<moe_a2a::fabric::GroupId> group,
+             const std::vector<int>& remote_peers) {
+            new (a) CudaAllToAll(ws, engine, region.value_or(moe_a2a::fabric::RegionId{}),
+                        group.value_or(moe_a2a::fabric::GroupId{}), remote_peers);
+          },
+          nb::arg("workspace"), nb::arg("engine").none(), nb::arg("region").none(), nb::arg("group").none(),
+          nb::arg("remote_peers"), nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>())
       .def(nb::init<const A2AConfig&>(), nb::arg("config"),
            "A rank without fabric or proxy, for tests that run several ranks in one process.")
       .def("ipc_handle", [](const CudaAllToAll& a) {

@@ -8,6 +8,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "../fabric/engine.h"
+#include "../fabric/error.h"
 #include "../fabric/imm.h"
 #include "../fabric/sharding.h"
 #include "../fabric/wire.h"
@@ -23,6 +24,39 @@ Bytes from_py(const nb::bytes& b) {
   return Bytes(p, p + b.size());
 }
 
+// A handle class: built from its number, compared and hashed by it, so
+// Python can keep handles in sets and dicts; only its own kind is accepted.
+template <typename H>
+void bind_handle(nb::module_& m, const char* name, const char* doc) {
+  nb::class_<H>(m, name, doc)
+      .def("__init__", [](H* h, uint32_t value) { new (h) H{value}; }, nb::arg("value"))
+      .def_prop_ro("value", [](const H& h) { return h.value; })
+      .def("__eq__", [](const H& a, const H& b) { return a.value == b.value; }, nb::is_operator())
+      .def("__hash__", [](const H& h) { return nb::hash(nb::int_(h.value)); })
+      .def("__repr__", [name](const H& h) { return std::string(name) + "(" + std::to_string(h.value) + ")"; });
+}
+
+nb::dict capabilities_dict(const Capabilities& c) {
+  nb::dict d;
+  d["backend"] = c.backend;
+  d["provider"] = c.provider;
+  d["device"] = c.device;
+  d["gpu_memory"] = c.gpu_memory;
+  d["ordered_writes"] = c.ordered_writes;
+  d["max_message_size"] = c.max_message_size;
+  d["inject_size"] = c.inject_size;
+  d["imm_bytes"] = c.imm_bytes;
+  d["max_in_flight"] = c.max_in_flight;
+  d["blocking_wait"] = c.blocking_wait;
+  return d;
+}
+
+MemoryKind memory_kind(const std::string& kind) {
+  if (kind == "host") return MemoryKind::kHost;
+  if (kind == "cuda") return MemoryKind::kCuda;
+  throw FabricError("register_region: kind: got '" + kind + "'; expected 'host' or 'cuda'");
+}
+
 }  // namespace
 
 void bind_fabric(nb::module_& m) {
@@ -31,7 +65,40 @@ void bind_fabric(nb::module_& m) {
   m.def("libfabric_providers", &libfabric_providers, "Provider names libfabric offers on this machine.");
   m.def("libfabric_domains", &libfabric_domains, nb::arg("provider"),
         "Domain (device) names a provider offers for the engine's endpoints, in libfabric's order.");
+  m.def("backend_names", &backend_names, "Backends built into this module (open_backend's names).");
+  m.def(
+      "backend_capabilities",
+      [](const std::string& provider, const std::string& domain, const std::string& backend) {
+        Capabilities c;
+        {
+          nb::gil_scoped_release r;
+          c = open_backend({backend, provider, 0, domain})->capabilities();
+        }
+        return capabilities_dict(c);
+      },
+      nb::arg("provider"), nb::arg("domain") = "", nb::arg("backend") = "libfabric",
+      "Opens one endpoint of `provider` (on `domain`, default the first) and returns what its backend reports.");
   m.def("make_imm", &make_imm, nb::arg("tag"), nb::arg("peer"));
+  m.attr("IMM_PIECE_BIT") = kImmPieceBit;
+  m.attr("MAX_RANKS") = kMaxRanks;
+
+  // The receiver's counters, for unit tests of piece counting without a fabric.
+  nb::class_<ImmCounters>(m, "ImmCounters")
+      .def(nb::init<int>(), nb::arg("num_nics"))
+      .def("add", &ImmCounters::add, nb::arg("wire_imm"), "Counts one arrival as it came off the wire.")
+      .def("count", &ImmCounters::peek, nb::arg("imm"), "Whole writes of `imm` counted.")
+      .def(
+          "wait",
+          [](ImmCounters& c, uint32_t imm, uint64_t n, double timeout_s) {
+            uint64_t seen = 0;
+            return c.wait(imm, n, std::chrono::nanoseconds(static_cast<int64_t>(timeout_s * 1e9)), [] {}, &seen);
+          },
+          nb::arg("imm"), nb::arg("count"), nb::arg("timeout_s"), nb::call_guard<nb::gil_scoped_release>(),
+          "Waits for and consumes `count` writes; False on timeout.");
+
+  bind_handle<RegionId>(m, "Region", "A memory region registered with this rank's engine.");
+  bind_handle<RemoteRegionId>(m, "RemoteRegion", "A peer's region, as its descriptor told us.");
+  bind_handle<GroupId>(m, "Group", "Peers bound to their remote regions, with the requests built once.");
   m.def(
       "split_write",
       [](int slot, uint64_t length, int num_nics, uint64_t threshold) {
@@ -78,15 +145,20 @@ void bind_fabric(nb::module_& m) {
       .def(
           "__init__",
           [](TransferEngine* e, int rank, int world, const std::string& provider, int num_nics,
-             uint64_t split_threshold, const std::vector<std::string>& domains) {
-            new (e) TransferEngine(rank, world, EngineOptions{provider, num_nics, split_threshold, domains});
+             uint64_t split_threshold, const std::vector<std::string>& domains, const std::string& backend) {
+            new (e) TransferEngine(rank, world, EngineOptions{backend, provider, num_nics, split_threshold, domains});
           },
           nb::arg("rank"), nb::arg("world"), nb::arg("provider") = "tcp", nb::arg("num_nics") = 1,
-          nb::arg("split_threshold") = 1ull << 20, nb::arg("domains") = std::vector<std::string>{})
+          nb::arg("split_threshold") = 1ull << 20, nb::arg("domains") = std::vector<std::string>{},
+          nb::arg("backend") = "libfabric")
       .def_prop_ro("rank", &TransferEngine::rank)
       .def_prop_ro("world", &TransferEngine::world)
       .def_prop_ro("num_nics", &TransferEngine::num_nics)
       .def_prop_ro("provider", &TransferEngine::provider)
+      .def_prop_ro("backend", &TransferEngine::backend)
+      .def(
+          "capabilities", [](const TransferEngine& e, int nic) { return capabilities_dict(e.capabilities(nic)); },
+          nb::arg("nic") = 0, "What NIC `nic`'s backend reports it can do.")
       .def("address", [](const TransferEngine& e) { return to_py(e.address()); })
       .def(
           "connect",
@@ -99,11 +171,13 @@ void bind_fabric(nb::module_& m) {
           nb::arg("addresses"))
       .def(
           "register_region",
-          [](TransferEngine& e, uintptr_t ptr, uint64_t length) {
-            return e.register_region(reinterpret_cast<void*>(ptr), length);
+          [](TransferEngine& e, uintptr_t ptr, uint64_t length, const std::string& kind, int device) {
+            MemoryKind k = memory_kind(kind);
+            nb::gil_scoped_release r;
+            return e.register_region(reinterpret_cast<void*>(ptr), length, k, device);
           },
-          nb::arg("ptr"), nb::arg("length"), release())
-      .def("region_descriptor", [](const TransferEngine& e, uint32_t r) { return to_py(e.region_descriptor(r)); })
+          nb::arg("ptr"), nb::arg("length"), nb::arg("kind") = "host", nb::arg("device") = -1)
+      .def("region_descriptor", [](const TransferEngine& e, RegionId r) { return to_py(e.region_descriptor(r)); })
       .def(
           "add_remote_region",
           [](TransferEngine& e, int peer, const nb::bytes& d) { return e.add_remote_region(peer, from_py(d)); },
@@ -114,14 +188,14 @@ void bind_fabric(nb::module_& m) {
            nb::arg("remote"), nb::arg("dst_offset"), nb::arg("tag") = nb::none(), release())
       .def(
           "scatter",
-          [](TransferEngine& e, uint32_t group, uint32_t region, const std::vector<ScatterItem>& items,
+          [](TransferEngine& e, GroupId group, RegionId region, const std::vector<ScatterItem>& items,
              std::optional<uint32_t> tag) {
             nb::gil_scoped_release r;
             e.scatter(group, region, items.data(), items.size(), tag);
           },
           nb::arg("group"), nb::arg("region"), nb::arg("items"), nb::arg("tag") = nb::none())
       .def(
-          "barrier", [](TransferEngine& e, uint32_t group, uint32_t tag, double timeout_s) { e.barrier(group, tag, timeout_s); },
+          "barrier", [](TransferEngine& e, GroupId group, uint32_t tag, double timeout_s) { e.barrier(group, tag, timeout_s); },
           nb::arg("group"), nb::arg("tag"), nb::arg("timeout_s"), release())
       .def(
           "wait_imm",
@@ -133,6 +207,9 @@ void bind_fabric(nb::module_& m) {
       .def("imm_count", &TransferEngine::imm_count, nb::arg("tag"), nb::arg("peer"))
       .def_prop_ro("tx_submitted", &TransferEngine::tx_submitted)
       .def_prop_ro("tx_completed", &TransferEngine::tx_completed)
+      .def("arrivals", &TransferEngine::arrivals, nb::arg("nic"), "Immediates that arrived on NIC `nic` (debug).")
+      .def_prop_ro("hot_path_allocations", &TransferEngine::hot_path_allocations,
+                   "Times a queue of the write path grew (a heap allocation); 0 once the groups are registered.")
       .def("wait_tx", &TransferEngine::wait_tx, nb::arg("timeout_s"), release())
       .def_prop_ro("error", &TransferEngine::error);
 }

@@ -1,7 +1,9 @@
 // The interface every NIC backend implements: one endpoint, one completion
 // queue, one address vector. The engine owns the backends and calls them from
 // its worker thread only (except registration, which is serialised by the
-// backend itself).
+// backend itself). Backends are opened by name through open_backend(); the
+// one built is "libfabric". A direct libibverbs RC backend would plug in here
+// (docs/transport.md) and is not built: it cannot run on these machines.
 #pragma once
 
 #include <cstddef>
@@ -13,6 +15,33 @@
 namespace moe_a2a::fabric {
 
 using Bytes = std::vector<uint8_t>;
+
+// Where registered memory lives. Only kHost is registered by the backend
+// built here; kCuda needs a backend that reports Capabilities::gpu_memory.
+enum class MemoryKind : uint8_t { kHost, kCuda };
+const char* memory_kind_name(MemoryKind kind);
+
+struct MemorySpec {
+  void* ptr = nullptr;
+  size_t length = 0;
+  MemoryKind kind = MemoryKind::kHost;
+  int device = -1;  // the CUDA device of kCuda memory
+};
+
+// What a backend can do, as it reports it once open; the engine and
+// `moe-a2a info` read it instead of assuming one transport.
+struct Capabilities {
+  std::string backend;           // "libfabric"
+  std::string provider;          // e.g. "tcp;ofi_rxm"
+  std::string device;            // the domain (NIC) opened
+  bool gpu_memory = false;       // registers MemoryKind::kCuda
+  bool ordered_writes = false;   // writes to one peer are placed in order (write after write)
+  uint64_t max_message_size = 0; // longest single write
+  size_t inject_size = 0;        // writes up to this size need no source buffer after posting
+  size_t imm_bytes = 0;          // bytes of immediate data a write carries (4 are needed)
+  size_t max_in_flight = 0;      // writes posted and not completed, at most (the context pool)
+  bool blocking_wait = false;    // wait_poll blocks in the kernel
+};
 
 // What a peer needs to write into one registered region through one backend.
 struct RemoteKey {
@@ -36,10 +65,10 @@ struct WriteDesc {
   uint64_t remote_key = 0;
   uint32_t imm = 0;
   bool with_imm = false;
-  // Completion only once the data is placed at the target (used for the
-  // leading pieces of a write split across NICs).
+  // Completion only once the data is placed at the target (untagged writes,
+  // which a later barrier must order).
   bool delivery_complete = false;
-  uint64_t context = 0;
+  uint64_t context = 0;  // returned with the write's completion
 };
 
 enum class CompletionKind : uint8_t { kSent, kArrived, kFailed };
@@ -53,19 +82,21 @@ struct Completion {
 class Backend {
  public:
   virtual ~Backend() = default;
-  virtual const std::string& provider() const = 0;
+  virtual const Capabilities& capabilities() const = 0;
   virtual Bytes address() const = 0;
-  // One address per rank, index = rank; our own is included.
+  // One address per rank, index = rank; our own is included. A connection-
+  // oriented backend may connect lazily behind this (docs/transport.md).
   virtual void insert_peers(const std::vector<Bytes>& addresses) = 0;
-  virtual LocalMemory register_memory(void* ptr, size_t len) = 0;
+  // Throws, naming what would be needed, for a memory kind it cannot register.
+  virtual LocalMemory register_memory(const MemorySpec& mem) = 0;
   virtual void deregister_memory(const LocalMemory& mem) = 0;
-  // False when the provider's queue is full: poll, then post again.
+  // False when the queue (or the context pool) is full: poll, then post again.
   virtual bool post_write(const WriteDesc& w) = 0;
   // Up to `max` completions; a kFailed entry leaves its text in last_error().
   virtual int poll(Completion* out, int max) = 0;
   // Like poll, but blocks until a completion arrives, wake() is called or
-  // `timeout_ms` passes. Only where can_wait(); the worker sleeps otherwise.
-  virtual bool can_wait() const = 0;
+  // `timeout_ms` passes. Only where capabilities().blocking_wait; the worker
+  // sleeps otherwise.
   virtual int wait_poll(Completion* out, int max, int timeout_ms) = 0;
   // Ends a wait_poll in progress; callable from any thread.
   virtual void wake() = 0;
@@ -73,12 +104,19 @@ class Backend {
 };
 
 struct BackendOptions {
+  std::string backend = "libfabric";  // which implementation (open_backend)
   std::string provider;  // "tcp", "shm", "efa", "verbs", or a libfabric name
   int index = 0;         // which NIC of this rank (for error messages)
-  // The libfabric domain (device) to open, e.g. "eth0" for tcp or
+  // The device to open: for libfabric a domain, e.g. "eth0" for tcp or
   // "rdmap79s0-rdm" for efa; empty: the first one the provider lists.
   std::string domain;
 };
+
+// Opens the named backend; an unknown or unbuilt name is an error that lists
+// the ones built.
+std::unique_ptr<Backend> open_backend(const BackendOptions& opts);
+// Names open_backend accepts.
+std::vector<std::string> backend_names();
 
 std::unique_ptr<Backend> open_libfabric(const BackendOptions& opts);
 

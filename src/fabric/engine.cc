@@ -10,7 +10,9 @@
 namespace moe_a2a::fabric {
 namespace {
 
-constexpr int kMaxNics = 16;
+// Scatters of one group that may be queued at once (routing, the two
+// dispatch parts, combine): what the queues are sized for at registration.
+constexpr size_t kScattersInFlight = 4;
 
 std::chrono::nanoseconds to_ns(double seconds) {
   return std::chrono::nanoseconds(static_cast<int64_t>(seconds * 1e9));
@@ -22,7 +24,8 @@ std::string range(uint64_t offset, uint64_t length) {
 
 }  // namespace
 
-TransferEngine::TransferEngine(int rank, int world, const EngineOptions& opts) : rank_(rank), world_(world), opts_(opts) {
+TransferEngine::TransferEngine(int rank, int world, const EngineOptions& opts)
+    : rank_(rank), world_(world), opts_(opts), imms_(opts.num_nics) {
   if (world < 1 || world > kMaxRanks)
     throw FabricError("world size " + std::to_string(world) + " is outside [1, " + std::to_string(kMaxRanks) + "]");
   if (rank < 0 || rank >= world)
@@ -33,7 +36,8 @@ TransferEngine::TransferEngine(int rank, int world, const EngineOptions& opts) :
     throw FabricError("domains: got " + std::to_string(opts.domains.size()) + " names; expected one per NIC (" +
                       std::to_string(opts.num_nics) + ") or none");
   for (int i = 0; i < opts.num_nics; ++i)
-    backends_.push_back(open_libfabric({opts.provider, i, opts.domains.empty() ? "" : opts.domains[i]}));
+    backends_.push_back(open_backend({opts.backend, opts.provider, i, opts.domains.empty() ? "" : opts.domains[i]}));
+  for (auto& b : backends_) scratch_mem_.push_back(b->register_memory({&scratch_, sizeof(scratch_)}));
   worker_ = std::make_unique<Worker>(&backends_, &imms_);
 }
 
@@ -42,10 +46,23 @@ TransferEngine::~TransferEngine() {
   for (auto& r : regions_)
     if (r.live)
       for (size_t i = 0; i < r.nics.size(); ++i) backends_[i]->deregister_memory(r.nics[i]);
+  for (size_t i = 0; i < scratch_mem_.size(); ++i) backends_[i]->deregister_memory(scratch_mem_[i]);
 }
 
 std::string TransferEngine::where() const {
   return "rank " + std::to_string(rank_) + " (provider '" + opts_.provider + "')";
+}
+
+const Capabilities& TransferEngine::capabilities(int nic) const {
+  if (nic < 0 || nic >= num_nics())
+    throw FabricError(where() + ": capabilities: nic " + std::to_string(nic) + " is out of range [0, " +
+                      std::to_string(num_nics()) + ")");
+  return backends_[nic]->capabilities();
+}
+
+uint64_t TransferEngine::arrivals(int nic) const {
+  capabilities(nic);  // the range check
+  return worker_->arrivals(nic);
 }
 
 Bytes TransferEngine::address() const {
@@ -61,6 +78,7 @@ void TransferEngine::connect(const std::vector<Bytes>& addresses) {
   std::vector<std::vector<Bytes>> per_nic(backends_.size());
   for (int r = 0; r < world_; ++r) {
     AddressBlob blob = decode_address(addresses[r], "address of rank " + std::to_string(r));
+    // Same NIC count on both sides: receivers count a split write as num_nics pieces.
     if (blob.provider != opts_.provider || blob.nics.size() != backends_.size())
       throw FabricError(where() + " with " + std::to_string(backends_.size()) + " NIC(s) cannot talk to rank " +
                         std::to_string(r) + ", which uses provider '" + blob.provider + "' with " +
@@ -71,18 +89,25 @@ void TransferEngine::connect(const std::vector<Bytes>& addresses) {
   connected_ = true;
 }
 
-uint32_t TransferEngine::register_region(void* ptr, uint64_t length) {
+RegionId TransferEngine::register_region(void* ptr, uint64_t length, MemoryKind kind, int device) {
   if (ptr == nullptr || length == 0)
     throw FabricError(where() + ": cannot register an empty region (ptr=" + std::to_string(reinterpret_cast<uintptr_t>(ptr)) +
                       ", length=" + std::to_string(length) + ")");
   Region r{static_cast<uint8_t*>(ptr), length, {}};
-  for (auto& b : backends_) r.nics.push_back(b->register_memory(ptr, length));
+  for (auto& b : backends_) {
+    try {
+      r.nics.push_back(b->register_memory({ptr, length, kind, device}));
+    } catch (...) {
+      for (size_t i = 0; i < r.nics.size(); ++i) backends_[i]->deregister_memory(r.nics[i]);
+      throw;
+    }
+  }
   std::unique_lock lock(tables_mu_);
   regions_.push_back(std::move(r));
-  return static_cast<uint32_t>(regions_.size() - 1);
+  return RegionId{static_cast<uint32_t>(regions_.size() - 1)};
 }
 
-Bytes TransferEngine::region_descriptor(uint32_t id) const {
+Bytes TransferEngine::region_descriptor(RegionId id) const {
   std::shared_lock lock(tables_mu_);
   const Region& r = region(id);
   RegionBlob blob{r.length, {}};
@@ -90,79 +115,102 @@ Bytes TransferEngine::region_descriptor(uint32_t id) const {
   return encode_region(blob);
 }
 
-uint32_t TransferEngine::add_remote_region(int peer, const Bytes& descriptor) {
+RemoteRegionId TransferEngine::add_remote_region(int peer, const Bytes& descriptor) {
   check_peer(peer, "add_remote_region");
   RegionBlob blob = decode_region(descriptor, "region descriptor from rank " + std::to_string(peer));
   if (blob.nics.size() != backends_.size())
     throw FabricError(where() + ": region descriptor from rank " + std::to_string(peer) + " has " +
                       std::to_string(blob.nics.size()) + " NIC key(s); expected " + std::to_string(backends_.size()));
+  std::unique_lock lock(tables_mu_);
   remotes_.push_back(RemoteRegion{peer, blob.length, blob.nics});
-  return static_cast<uint32_t>(remotes_.size() - 1);
+  return RemoteRegionId{static_cast<uint32_t>(remotes_.size() - 1)};
 }
 
-uint32_t TransferEngine::create_group(const std::vector<int>& peers, const std::vector<uint32_t>& remote_regions) {
+GroupId TransferEngine::create_group(const std::vector<int>& peers, const std::vector<RemoteRegionId>& remote_regions) {
   if (peers.size() != remote_regions.size())
     throw FabricError(where() + ": create_group got " + std::to_string(peers.size()) + " peers and " +
                       std::to_string(remote_regions.size()) + " remote regions; expected one region per peer");
   std::unique_lock lock(tables_mu_);
-  std::vector<GroupEntry> group;
+  Group group;
   for (size_t i = 0; i < peers.size(); ++i) {
     check_peer(peers[i], "create_group");
-    if (remote(remote_regions[i]).peer != peers[i])
+    const RemoteRegion& dst = remote(remote_regions[i]);
+    if (dst.peer != peers[i])
       throw FabricError(where() + ": create_group binds peer " + std::to_string(peers[i]) + " to remote region " +
-                        std::to_string(remote_regions[i]) + ", which belongs to rank " +
-                        std::to_string(remote(remote_regions[i]).peer));
-    group.push_back({peers[i], remote_regions[i]});
+                        std::to_string(remote_regions[i].value) + ", which belongs to rank " + std::to_string(dst.peer));
+    GroupEntry e;
+    e.peer = peers[i];
+    e.remote = remote_regions[i];
+    e.length = dst.length;
+    for (const RemoteKey& k : dst.nics) {
+      WriteDesc w;
+      w.peer = peers[i];
+      w.remote_addr = k.base;
+      w.remote_key = k.key;
+      e.nics.push_back(w);
+    }
+    const int home = nic_for_peer(peers[i], num_nics());
+    e.barrier.nic = home;
+    e.barrier.op = OpKind::kBarrier;
+    e.barrier.write = e.nics[home];
+    e.barrier.write.src = &scratch_;
+    e.barrier.write.desc = scratch_mem_[home].desc;
+    e.barrier.write.with_imm = true;
+    group.peers.push_back(std::move(e));
   }
+  group_writes_ += peers.size() * backends_.size();
+  worker_->reserve(group_writes_ * kScattersInFlight);
   groups_.push_back(std::move(group));
-  group_live_.push_back(true);
-  return static_cast<uint32_t>(groups_.size() - 1);
+  return GroupId{static_cast<uint32_t>(groups_.size() - 1)};
 }
 
-void TransferEngine::release(uint32_t region_id, uint32_t group) {
+void TransferEngine::release(RegionId region_id, GroupId group_id) {
   std::unique_lock lock(tables_mu_);
-  group_size_locked(group);  // a clear error for an unknown or released group
+  const Group& g = group(group_id);  // a clear error for an unknown or released group
   Region& r = const_cast<Region&>(region(region_id));
   for (size_t i = 0; i < r.nics.size(); ++i) backends_[i]->deregister_memory(r.nics[i]);
   r.live = false;
-  for (const auto& e : groups_[group]) remotes_[e.remote].live = false;
-  groups_[group].clear();
-  group_live_[group] = false;
+  for (const auto& e : g.peers) remotes_[e.remote.value].live = false;
+  group_writes_ -= g.peers.size() * backends_.size();
+  Group& mutable_group = groups_[group_id.value];
+  mutable_group.peers.clear();
+  mutable_group.live = false;
 }
 
-size_t TransferEngine::group_size_locked(uint32_t group) const {
-  if (group >= groups_.size() || !group_live_[group])
-    throw FabricError(where() + ": unknown group " + std::to_string(group) +
-                      (group < groups_.size() ? " (released)" : ""));
-  return groups_[group].size();
-}
-
-size_t TransferEngine::group_size(uint32_t group) const {
+size_t TransferEngine::group_size(GroupId id) const {
   std::shared_lock lock(tables_mu_);
-  return group_size_locked(group);
+  return group(id).peers.size();
 }
 
-int TransferEngine::group_peer(uint32_t group, uint32_t index) const {
+int TransferEngine::group_peer(GroupId id, uint32_t index) const {
   std::shared_lock lock(tables_mu_);
-  if (index >= group_size_locked(group))
+  const Group& g = group(id);
+  if (index >= g.peers.size())
     throw FabricError(where() + ": peer index " + std::to_string(index) + " is out of range for group " +
-                      std::to_string(group) + " of " + std::to_string(groups_[group].size()) + " peers");
-  return groups_[group][index].peer;
+                      std::to_string(id.value) + " of " + std::to_string(g.peers.size()) + " peers");
+  return g.peers[index].peer;
 }
 
 // Callers hold tables_mu_.
-const TransferEngine::Region& TransferEngine::region(uint32_t id) const {
-  if (id >= regions_.size() || !regions_[id].live)
-    throw FabricError(where() + ": unknown local region " + std::to_string(id) +
-                      (id < regions_.size() ? " (released)" : ""));
-  return regions_[id];
+const TransferEngine::Group& TransferEngine::group(GroupId id) const {
+  if (id.value >= groups_.size() || !groups_[id.value].live)
+    throw FabricError(where() + ": unknown group " + std::to_string(id.value) +
+                      (id.value < groups_.size() ? " (released)" : ""));
+  return groups_[id.value];
 }
 
-const TransferEngine::RemoteRegion& TransferEngine::remote(uint32_t id) const {
-  if (id >= remotes_.size() || !remotes_[id].live)
-    throw FabricError(where() + ": unknown remote region " + std::to_string(id) +
-                      (id < remotes_.size() ? " (released)" : ""));
-  return remotes_[id];
+const TransferEngine::Region& TransferEngine::region(RegionId id) const {
+  if (id.value >= regions_.size() || !regions_[id.value].live)
+    throw FabricError(where() + ": unknown local region " + std::to_string(id.value) +
+                      (id.value < regions_.size() ? " (released)" : ""));
+  return regions_[id.value];
+}
+
+const TransferEngine::RemoteRegion& TransferEngine::remote(RemoteRegionId id) const {
+  if (id.value >= remotes_.size() || !remotes_[id.value].live)
+    throw FabricError(where() + ": unknown remote region " + std::to_string(id.value) +
+                      (id.value < remotes_.size() ? " (released)" : ""));
+  return remotes_[id.value];
 }
 
 void TransferEngine::check_peer(int peer, const char* what) const {
@@ -176,95 +224,114 @@ void TransferEngine::check() const {
   if (!connected_) throw FabricError(where() + ": not connected: connect() with every rank's address first");
 }
 
-void TransferEngine::add_job(std::vector<Job>* jobs, OpKind op, const Region& src, uint64_t src_offset,
-                             uint64_t length, const RemoteRegion& dst, uint64_t dst_offset,
-                             std::optional<uint32_t> tag) const {
+void TransferEngine::check_range(OpKind op, int peer, const Region& src, uint64_t src_offset, uint64_t length,
+                                 uint64_t dst_length, uint64_t dst_offset, std::optional<uint32_t> tag) const {
   if (src_offset > src.length || length > src.length - src_offset)
-    throw FabricError(where() + ": " + op_name(op) + " to peer " + std::to_string(dst.peer) + ": source range " +
+    throw FabricError(where() + ": " + op_name(op) + " to peer " + std::to_string(peer) + ": source range " +
                       range(src_offset, length) + " is outside the registered region of " +
                       std::to_string(src.length) + " bytes");
-  if (dst_offset > dst.length || length > dst.length - dst_offset)
-    throw FabricError(where() + ": " + op_name(op) + " to peer " + std::to_string(dst.peer) + ": destination range " +
+  if (dst_offset > dst_length || length > dst_length - dst_offset)
+    throw FabricError(where() + ": " + op_name(op) + " to peer " + std::to_string(peer) + ": destination range " +
                       range(dst_offset, length) + " is outside the peer's registered region of " +
-                      std::to_string(dst.length) + " bytes");
-  if (length == 0 && !tag) return;  // nothing to move, nothing to announce
+                      std::to_string(dst_length) + " bytes");
   if (tag && *tag > 0xffff) throw FabricError(where() + ": immediate tag " + std::to_string(*tag) + " exceeds 16 bits");
-  auto piece = [&](const Piece& p, bool final_piece) {
+  Piece pieces[kMaxNics];
+  const int n = split_pieces(peer_slot(rank_, peer, world_), length, num_nics(), opts_.split_threshold, pieces);
+  for (int i = 0; i < n; ++i) {
+    const uint64_t most = backends_[pieces[i].nic]->capabilities().max_message_size;
+    if (most > 0 && pieces[i].length > most)
+      throw FabricError(where() + ": " + op_name(op) + " to peer " + std::to_string(peer) + ": a piece of " +
+                        std::to_string(pieces[i].length) + " bytes exceeds the most NIC " +
+                        std::to_string(pieces[i].nic) + " writes at once (" + std::to_string(most) + " bytes)");
+  }
+}
+
+void TransferEngine::add_write(Worker::Batch* batch, OpKind op, const Region& src, uint64_t src_offset,
+                               uint64_t length, const WriteDesc* to, uint64_t dst_offset,
+                               std::optional<uint32_t> tag) const {
+  if (length == 0 && !tag) return;  // nothing to move, nothing to announce
+  Piece pieces[kMaxNics];
+  const int n = split_pieces(peer_slot(rank_, to[0].peer, world_), length, num_nics(), opts_.split_threshold, pieces);
+  for (int i = 0; i < n; ++i) {
+    const Piece& p = pieces[i];
     NicWrite w;
     w.nic = p.nic;
-    w.write.peer = dst.peer;
+    w.op = op;
+    w.write = to[p.nic];
     w.write.src = src.ptr + src_offset + p.offset;
     w.write.len = p.length;
     w.write.desc = src.nics[p.nic].desc;
-    w.write.remote_addr = dst.nics[p.nic].base + dst_offset + p.offset;
-    w.write.remote_key = dst.nics[p.nic].key;
-    w.write.with_imm = final_piece && tag.has_value();
-    w.write.imm = tag ? make_imm(*tag, rank_) : 0;
-    // Leading pieces of a split write, and untagged writes (which a later
-    // barrier must order), complete only once placed at the target.
-    w.write.delivery_complete = !final_piece || !tag.has_value();
-    return w;
-  };
-  std::vector<Piece> pieces = split_write(peer_slot(rank_, dst.peer, world_), length, num_nics(), opts_.split_threshold);
-  Job job;
-  job.op = op;
-  for (size_t i = 0; i + 1 < pieces.size(); ++i) job.lead.push_back(piece(pieces[i], false));
-  job.last = piece(pieces.back(), true);
-  jobs->push_back(std::move(job));
+    w.write.remote_addr += dst_offset + p.offset;
+    // Every piece carries the immediate; the receiver counts pieces (imm.h).
+    w.write.with_imm = tag.has_value();
+    w.write.imm = tag ? (make_imm(*tag, rank_) | (n > 1 ? kImmPieceBit : 0)) : 0;
+    // Untagged writes, which a later barrier must order, complete only once placed.
+    w.write.delivery_complete = !tag.has_value();
+    batch->add(w);
+  }
 }
 
-void TransferEngine::write(uint32_t region_id, uint64_t src_offset, uint64_t length, uint32_t remote_id,
+void TransferEngine::write(RegionId region_id, uint64_t src_offset, uint64_t length, RemoteRegionId remote_id,
                            uint64_t dst_offset, std::optional<uint32_t> tag) {
   check();
-  std::vector<Job> jobs;
   std::shared_lock lock(tables_mu_);
-  add_job(&jobs, OpKind::kWrite, region(region_id), src_offset, length, remote(remote_id), dst_offset, tag);
-  worker_->submit(std::move(jobs));
+  const Region& src = region(region_id);
+  const RemoteRegion& dst = remote(remote_id);
+  check_range(OpKind::kWrite, dst.peer, src, src_offset, length, dst.length, dst_offset, tag);
+  WriteDesc to[kMaxNics];
+  for (size_t i = 0; i < dst.nics.size(); ++i) {
+    to[i].peer = dst.peer;
+    to[i].remote_addr = dst.nics[i].base;
+    to[i].remote_key = dst.nics[i].key;
+  }
+  Worker::Batch batch(worker_.get());
+  add_write(&batch, OpKind::kWrite, src, src_offset, length, to, dst_offset, tag);
 }
 
-void TransferEngine::scatter(uint32_t group, uint32_t region_id, const ScatterItem* items, size_t count,
+void TransferEngine::scatter(GroupId group_id, RegionId region_id, const ScatterItem* items, size_t count,
                              std::optional<uint32_t> tag) {
   check();
   std::shared_lock lock(tables_mu_);
   const Region& src = region(region_id);
-  size_t n = group_size_locked(group);
-  std::vector<Job> jobs;
-  jobs.reserve(count);
+  const Group& g = group(group_id);
+  // Every item is checked before any is queued: a bad one posts nothing.
   for (size_t i = 0; i < count; ++i) {
     const ScatterItem& it = items[i];
-    if (it.peer >= n)
+    if (it.peer >= g.peers.size())
       throw FabricError(where() + ": scatter item " + std::to_string(i) + " names peer index " +
-                        std::to_string(it.peer) + "; the group has " + std::to_string(n) + " peers");
-    const GroupEntry& e = groups_[group][it.peer];
-    add_job(&jobs, OpKind::kScatter, src, it.src_offset, it.length, remote(e.remote), it.dst_offset, tag);
+                        std::to_string(it.peer) + "; the group has " + std::to_string(g.peers.size()) + " peers");
+    const GroupEntry& e = g.peers[it.peer];
+    check_range(OpKind::kScatter, e.peer, src, it.src_offset, it.length, e.length, it.dst_offset, tag);
   }
-  worker_->submit(std::move(jobs));
+  Worker::Batch batch(worker_.get());
+  for (size_t i = 0; i < count; ++i) {
+    const ScatterItem& it = items[i];
+    add_write(&batch, OpKind::kScatter, src, it.src_offset, it.length, g.peers[it.peer].nics.data(), it.dst_offset,
+              tag);
+  }
 }
 
-void TransferEngine::barrier(uint32_t group, uint32_t tag, double timeout_s, const std::function<void()>& on_idle) {
+void TransferEngine::barrier(GroupId group_id, uint32_t tag, double timeout_s, const std::function<void()>& on_idle) {
   check();
+  if (tag > 0xffff) throw FabricError(where() + ": immediate tag " + std::to_string(tag) + " exceeds 16 bits");
   // Writes before the barrier must be placed before peers pass it, also on
   // unordered transports: untagged writes complete only once delivered.
   wait_tx(timeout_s);
-  std::vector<Job> jobs;
-  std::vector<int> peers;
+  const uint32_t imm = make_imm(tag, rank_);
+  size_t n = 0;
   {
     std::shared_lock lock(tables_mu_);
-    group_size_locked(group);     // a clear error for an unknown group
-    const Region* src = nullptr;  // zero-byte writes: any live region will do
-    for (const auto& r : regions_)
-      if (r.live) {
-        src = &r;
-        break;
-      }
-    if (src == nullptr) throw FabricError(where() + ": barrier needs one registered region");
-    for (const auto& e : groups_[group]) {
-      add_job(&jobs, OpKind::kBarrier, *src, 0, 0, remote(e.remote), 0, tag);
-      peers.push_back(e.peer);
+    const Group& g = group(group_id);
+    n = g.peers.size();
+    Worker::Batch batch(worker_.get());
+    for (const auto& e : g.peers) {
+      NicWrite w = e.barrier;
+      w.write.imm = imm;
+      batch.add(w);
     }
   }
-  worker_->submit(std::move(jobs));
-  for (int peer : peers) wait_imm(tag, peer, 1, timeout_s, on_idle);
+  // The group's peers, read again without the lock: a group is never changed, only released.
+  for (size_t i = 0; i < n; ++i) wait_imm(tag, group_peer(group_id, static_cast<uint32_t>(i)), 1, timeout_s, on_idle);
 }
 
 void TransferEngine::wait_imm(uint32_t tag, int peer, uint64_t count, double timeout_s,

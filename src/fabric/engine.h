@@ -17,12 +17,14 @@
 #include <vector>
 
 #include "backend.h"
+#include "handles.h"
 #include "imm_counters.h"
 #include "worker.h"
 
 namespace moe_a2a::fabric {
 
 struct EngineOptions {
+  std::string backend = "libfabric";  // open_backend's name
   std::string provider = "tcp";
   int num_nics = 1;
   // Writes of at least this many bytes are split across all NICs.
@@ -49,31 +51,38 @@ class TransferEngine {
   int world() const { return world_; }
   int num_nics() const { return static_cast<int>(backends_.size()); }
   const std::string& provider() const { return opts_.provider; }
+  const std::string& backend() const { return opts_.backend; }
+  // What NIC `nic`'s backend reports it can do.
+  const Capabilities& capabilities(int nic) const;
 
   // Start-up: our address blob, then every rank's (index = rank).
   Bytes address() const;
   void connect(const std::vector<Bytes>& addresses);
 
-  uint32_t register_region(void* ptr, uint64_t length);
-  Bytes region_descriptor(uint32_t region) const;
-  uint32_t add_remote_region(int peer, const Bytes& descriptor);
-  // A group binds each peer to the remote region its writes land in; the
-  // addresses and keys are resolved here, once.
-  uint32_t create_group(const std::vector<int>& peers, const std::vector<uint32_t>& remote_regions);
+  // `kind` other than host memory needs a backend that registers it
+  // (Capabilities::gpu_memory); otherwise the error says what would be needed.
+  RegionId register_region(void* ptr, uint64_t length, MemoryKind kind = MemoryKind::kHost, int device = -1);
+  Bytes region_descriptor(RegionId region) const;
+  RemoteRegionId add_remote_region(int peer, const Bytes& descriptor);
+  // A group binds each peer to the remote region its writes land in. Its
+  // requests are built here, once: per peer and NIC the address and key of
+  // the remote region, and the barrier's zero-byte write; a step fills in
+  // only offsets, lengths and the immediate.
+  GroupId create_group(const std::vector<int>& peers, const std::vector<RemoteRegionId>& remote_regions);
   // Deregisters a local region and drops a group (and the remote regions it
   // binds): what one user of a shared engine releases when it closes. Ids are
   // not reused.
-  void release(uint32_t region, uint32_t group);
-  size_t group_size(uint32_t group) const;
-  int group_peer(uint32_t group, uint32_t index) const;
+  void release(RegionId region, GroupId group);
+  size_t group_size(GroupId group) const;
+  int group_peer(GroupId group, uint32_t index) const;
 
   // Immediates are 16-bit tags; the receiver sees (tag, our rank).
-  void write(uint32_t region, uint64_t src_offset, uint64_t length, uint32_t remote, uint64_t dst_offset,
+  void write(RegionId region, uint64_t src_offset, uint64_t length, RemoteRegionId remote, uint64_t dst_offset,
              std::optional<uint32_t> tag);
-  void scatter(uint32_t group, uint32_t region, const ScatterItem* items, size_t count, std::optional<uint32_t> tag);
+  void scatter(GroupId group, RegionId region, const ScatterItem* items, size_t count, std::optional<uint32_t> tag);
   // A zero-byte write with `tag` to every peer of the group, then a wait for
   // the same from each of them.
-  void barrier(uint32_t group, uint32_t tag, double timeout_s, const std::function<void()>& on_idle = {});
+  void barrier(GroupId group, uint32_t tag, double timeout_s, const std::function<void()>& on_idle = {});
 
   // Waits for `count` arrivals of `tag` from `peer` and consumes them.
   // `on_idle` runs every few milliseconds while waiting; it may throw to end
@@ -88,8 +97,13 @@ class TransferEngine {
   size_t wait_any_imm(uint32_t tag, const std::vector<int>& peers, const std::vector<uint64_t>& counts,
                       double timeout_s, const std::function<void()>& on_idle = {});
 
+  // Writes posted (a split write counts one per piece) and completed.
   uint64_t tx_submitted() const { return worker_->submitted(); }
   uint64_t tx_completed() const { return worker_->completed(); }
+  // Debug counters: immediates that arrived on NIC `nic`; times a hot-path
+  // queue grew (a heap allocation on the hot path; 0 in steady state).
+  uint64_t arrivals(int nic) const;
+  uint64_t hot_path_allocations() const { return worker_->allocations(); }
   void wait_tx(double timeout_s);
   std::string error() const { return worker_->error(); }
   // Throws the worker's error, if any.
@@ -108,17 +122,29 @@ class TransferEngine {
     std::vector<RemoteKey> nics;
     bool live = true;
   };
+  // A group's prebuilt requests, per peer.
   struct GroupEntry {
-    int peer;
-    uint32_t remote;
+    int peer = 0;
+    RemoteRegionId remote;
+    uint64_t length = 0;              // of the remote region, for bounds checks
+    std::vector<WriteDesc> nics;      // per NIC: peer, remote base address and key
+    NicWrite barrier;                 // the zero-byte write; the immediate is filled per call
+  };
+  struct Group {
+    std::vector<GroupEntry> peers;
+    bool live = true;
   };
 
-  size_t group_size_locked(uint32_t group) const;
-  const Region& region(uint32_t id) const;
-  const RemoteRegion& remote(uint32_t id) const;
+  const Group& group(GroupId id) const;
+  const Region& region(RegionId id) const;
+  const RemoteRegion& remote(RemoteRegionId id) const;
   void check_peer(int peer, const char* what) const;
-  void add_job(std::vector<Job>* jobs, OpKind op, const Region& src, uint64_t src_offset, uint64_t length,
-               const RemoteRegion& dst, uint64_t dst_offset, std::optional<uint32_t> tag) const;
+  void check_range(OpKind op, int peer, const Region& src, uint64_t src_offset, uint64_t length,
+                   uint64_t dst_length, uint64_t dst_offset, std::optional<uint32_t> tag) const;
+  // Appends the piece(s) of one write; `to` holds the destination's per-NIC
+  // requests (peer, base address, key).
+  void add_write(Worker::Batch* batch, OpKind op, const Region& src, uint64_t src_offset, uint64_t length,
+                 const WriteDesc* to, uint64_t dst_offset, std::optional<uint32_t> tag) const;
   std::string where() const;
 
   int rank_;
@@ -132,8 +158,12 @@ class TransferEngine {
   mutable std::shared_mutex tables_mu_;
   std::deque<Region> regions_;
   std::deque<RemoteRegion> remotes_;
-  std::deque<std::vector<GroupEntry>> groups_;
-  std::deque<bool> group_live_;
+  std::deque<Group> groups_;
+  size_t group_writes_ = 0;  // peers x NICs over the live groups: what the queues are sized for
+  // The source of barrier writes: zero bytes move, but providers want a
+  // registered buffer.
+  uint64_t scratch_ = 0;
+  std::vector<LocalMemory> scratch_mem_;
   ImmCounters imms_;
   std::unique_ptr<Worker> worker_;
 };

@@ -51,11 +51,19 @@ struct InfoDeleter {
 using InfoPtr = std::unique_ptr<fi_info, InfoDeleter>;
 
 // Per-write context: providers in FI_CONTEXT/FI_CONTEXT2 mode own the first
-// bytes while the write is in flight.
+// bytes while the write is in flight. Taken from a pool sized when the
+// backend opens, so posting a write allocates nothing.
 struct WriteContext {
   fi_context2 fi;
   uint64_t id;
 };
+
+std::string what_gpu_registration_needs() {
+  return "registering CUDA device memory is not supported by this backend (libfabric, host memory only): it "
+         "would need FI_HMEM (a libfabric built with CUDA support and a provider that offers it, such as efa "
+         "or verbs, registering with fi_mr_regattr and iface FI_HMEM_CUDA) or dma-buf (FI_MR_DMABUF, or "
+         "ibv_reg_dmabuf_mr in an ibverbs backend); stage through pinned host memory instead";
+}
 
 template <typename T>
 void close_fid(T*& obj) {
@@ -68,6 +76,19 @@ class LibfabricBackend final : public Backend {
   explicit LibfabricBackend(const BackendOptions& opts)
       : provider_(opts.provider), index_(opts.index), domain_name_(opts.domain) {
     info_ = find_info();
+    caps_.backend = "libfabric";
+    caps_.provider = info_->fabric_attr->prov_name != nullptr ? info_->fabric_attr->prov_name : provider_;
+    caps_.device = info_->domain_attr->name != nullptr ? info_->domain_attr->name : "";
+    caps_.gpu_memory = false;  // FI_HMEM is not asked for (see what_gpu_registration_needs)
+    caps_.ordered_writes = (info_->tx_attr->msg_order & FI_ORDER_WAW) != 0;
+    caps_.max_message_size = info_->ep_attr->max_msg_size;
+    caps_.inject_size = info_->tx_attr->inject_size;
+    caps_.imm_bytes = info_->domain_attr->cq_data_size;
+    // Never more in flight than the completion queue holds, nor than the provider queues.
+    caps_.max_in_flight = std::min<size_t>(kCqDepth, info_->tx_attr->size > 0 ? info_->tx_attr->size : kCqDepth);
+    pool_.resize(caps_.max_in_flight);
+    free_.reserve(caps_.max_in_flight);
+    for (size_t i = caps_.max_in_flight; i-- > 0;) free_.push_back(static_cast<uint32_t>(i));
     mr_mode_ = info_->domain_attr->mr_mode;
     mr_key_size_ = info_->domain_attr->mr_key_size;
     check(fi_fabric(info_->fabric_attr, &fabric_, nullptr), "fi_fabric");
@@ -86,6 +107,7 @@ class LibfabricBackend final : public Backend {
     } else {
       can_wait_ = true;
     }
+    caps_.blocking_wait = can_wait_;
     fi_av_attr av_attr{};
     av_attr.type = FI_AV_TABLE;
     check(fi_av_open(domain_, &av_attr, &av_, nullptr), "fi_av_open");
@@ -103,7 +125,7 @@ class LibfabricBackend final : public Backend {
     close_fid(fabric_);
   }
 
-  const std::string& provider() const override { return provider_; }
+  const Capabilities& capabilities() const override { return caps_; }
 
   Bytes address() const override {
     Bytes addr(256);
@@ -127,7 +149,10 @@ class LibfabricBackend final : public Backend {
     }
   }
 
-  LocalMemory register_memory(void* ptr, size_t len) override {
+  LocalMemory register_memory(const MemorySpec& spec) override {
+    if (spec.kind != MemoryKind::kHost) throw FabricError(where() + ": " + what_gpu_registration_needs());
+    void* ptr = spec.ptr;
+    const size_t len = spec.length;
     auto lock = serialise();
     fid_mr* mr = nullptr;
     // Ignored where the provider picks keys; a random one may already be taken.
@@ -166,22 +191,22 @@ class LibfabricBackend final : public Backend {
     msg.addr = peers_[w.peer];
     msg.rma_iov = &rma;
     msg.rma_iov_count = 1;
-    auto* ctx = new WriteContext{{}, w.context};
+    if (free_.empty()) return false;  // as many in flight as the pool holds: completions first
+    WriteContext* ctx = &pool_[free_.back()];
+    ctx->id = w.context;
     msg.context = ctx;
     msg.data = w.imm;
     uint64_t flags = FI_COMPLETION;
     if (w.with_imm) flags |= FI_REMOTE_CQ_DATA;
     if (w.delivery_complete) flags |= FI_DELIVERY_COMPLETE;
     ssize_t rc = fi_writemsg(ep_, &msg, flags);
-    if (rc != 0) delete ctx;
     if (rc == -FI_EAGAIN) return false;
     if (rc != 0) fail("fi_writemsg of " + std::to_string(w.len) + " bytes to peer " + std::to_string(w.peer), rc);
+    free_.pop_back();
     return true;
   }
 
   int poll(Completion* out, int max) override { return read(out, max, -1); }
-
-  bool can_wait() const override { return can_wait_; }
 
   int wait_poll(Completion* out, int max, int timeout_ms) override { return read(out, max, timeout_ms); }
 
@@ -234,12 +259,12 @@ class LibfabricBackend final : public Backend {
     return thread_safe_ ? std::unique_lock<std::mutex>() : std::unique_lock<std::mutex>(mu_);
   }
 
-  static uint64_t take_context(void* p) {
+  // Only the worker thread posts and polls, so the pool needs no lock.
+  uint64_t take_context(void* p) {
     auto* ctx = static_cast<WriteContext*>(p);
     if (ctx == nullptr) return 0;
-    uint64_t id = ctx->id;
-    delete ctx;
-    return id;
+    free_.push_back(static_cast<uint32_t>(ctx - pool_.data()));
+    return ctx->id;
   }
 
   std::string where() const { return "libfabric provider '" + provider_ + "' (NIC " + std::to_string(index_) + ")"; }
@@ -315,6 +340,9 @@ class LibfabricBackend final : public Backend {
   fid_av* av_ = nullptr;
   fid_ep* ep_ = nullptr;
   std::vector<fi_addr_t> peers_;
+  Capabilities caps_;
+  std::vector<WriteContext> pool_;
+  std::vector<uint32_t> free_;  // indices into pool_ of contexts not in flight
   bool can_wait_ = false;
   bool thread_safe_ = false;
   mutable std::mutex mu_;

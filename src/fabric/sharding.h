@@ -8,6 +8,9 @@
 
 namespace moe_a2a::fabric {
 
+// Most NICs (endpoints) one engine opens.
+constexpr int kMaxNics = 16;
+
 // Pieces of a split write start on this boundary, so each piece stays aligned.
 constexpr uint64_t kSplitAlign = 4096;
 
@@ -29,21 +32,29 @@ struct Piece {
 };
 
 // One piece on the peer's NIC below `threshold` (or with one NIC); otherwise
-// at most one piece per NIC, each a multiple of kSplitAlign but the last. Lengths sum to
-// `length`; no piece is empty unless the write is.
-inline std::vector<Piece> split_write(int slot, uint64_t length, int num_nics, uint64_t threshold) {
-  if (num_nics <= 1 || length < threshold || length < kSplitAlign * num_nics)
-    return {{nic_for_peer(slot, num_nics), 0, length}};
-  uint64_t per_nic = (length + num_nics - 1) / num_nics;
-  uint64_t chunk = (per_nic + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
-  std::vector<Piece> pieces;
-  uint64_t offset = 0;
-  for (int i = 0; i < num_nics && offset < length; ++i) {
-    uint64_t len = (i == num_nics - 1 || offset + chunk > length) ? length - offset : chunk;
-    // Rotate the starting NIC by slot so a scatter spreads its pieces.
-    pieces.push_back({(nic_for_peer(slot, num_nics) + i) % num_nics, offset, len});
-    offset += len;
+// exactly one piece per NIC (the receiver counts a split write as num_nics
+// pieces, imm.h), each a multiple of kSplitAlign but the last, which takes the
+// rest (less than num_nics * kSplitAlign more than the others). Lengths sum
+// to `length`; no piece is empty unless the write is.
+// Writes the pieces to `out` (room for num_nics) and returns how many: the
+// engine's hot path, which allocates nothing.
+inline int split_pieces(int slot, uint64_t length, int num_nics, uint64_t threshold, Piece* out) {
+  if (num_nics <= 1 || length < threshold || length < kSplitAlign * num_nics) {
+    out[0] = {nic_for_peer(slot, num_nics), 0, length};
+    return 1;
   }
+  const uint64_t chunk = length / num_nics / kSplitAlign * kSplitAlign;  // >= kSplitAlign here
+  for (int i = 0; i < num_nics; ++i) {
+    uint64_t offset = chunk * i;
+    // Rotate the starting NIC by slot so a scatter spreads its pieces.
+    out[i] = {(nic_for_peer(slot, num_nics) + i) % num_nics, offset, i == num_nics - 1 ? length - offset : chunk};
+  }
+  return num_nics;
+}
+
+inline std::vector<Piece> split_write(int slot, uint64_t length, int num_nics, uint64_t threshold) {
+  std::vector<Piece> pieces(num_nics < 1 ? 1 : num_nics);
+  pieces.resize(split_pieces(slot, length, num_nics, threshold, pieces.data()));
   return pieces;
 }
 

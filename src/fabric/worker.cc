@@ -8,6 +8,16 @@
 namespace moe_a2a::fabric {
 namespace {
 constexpr int kPollBatch = 32;
+constexpr size_t kInitialQueue = 1024;
+
+// A completion names its write by (op, peer), packed in the context.
+uint64_t pack_context(OpKind op, int peer) {
+  return (static_cast<uint64_t>(op) << 32) | static_cast<uint32_t>(peer);
+}
+std::string describe_context(uint64_t context) {
+  return std::string(op_name(static_cast<OpKind>(context >> 32))) + " to peer " +
+         std::to_string(static_cast<uint32_t>(context));
+}
 }  // namespace
 
 const char* op_name(OpKind op) {
@@ -23,7 +33,12 @@ const char* op_name(OpKind op) {
 }
 
 Worker::Worker(std::vector<std::unique_ptr<Backend>>* backends, ImmCounters* imms, IdlePolicy idle)
-    : backends_(backends), imms_(imms), idle_(idle), thread_([this] { run(); }) {}
+    : backends_(backends), imms_(imms), idle_(idle), arrivals_(new std::atomic<uint64_t>[backends->size()]) {
+  for (size_t i = 0; i < backends->size(); ++i) arrivals_[i].store(0);
+  queue_.reserve(kInitialQueue);
+  pending_.reserve(kInitialQueue);
+  thread_ = std::thread([this] { run(); });
+}
 
 Worker::~Worker() {
   {
@@ -35,15 +50,36 @@ Worker::~Worker() {
   thread_.join();
 }
 
-void Worker::submit(std::vector<Job>&& jobs) {
-  if (jobs.empty()) return;
-  submitted_.fetch_add(jobs.size());
-  {
-    std::lock_guard<std::mutex> lock(queue_mu_);
-    for (auto& j : jobs) queue_.push_back(std::move(j));
-  }
+Worker::Batch::Batch(Worker* w) : w_(w), lock_(w->queue_mu_) {}
+
+void Worker::Batch::add(const NicWrite& write) {
+  if (w_->queue_.size() == w_->queue_.capacity()) w_->allocations_.fetch_add(1, std::memory_order_relaxed);
+  w_->queue_.push_back(write);
+  w_->queue_.back().write.context = pack_context(write.op, write.write.peer);
+  ++added_;
+}
+
+Worker::Batch::~Batch() {
+  if (added_ == 0) return;
+  w_->submitted_.fetch_add(added_);
+  lock_.unlock();
+  w_->wake_locked_out();
+}
+
+void Worker::wake_locked_out() {
   queue_cv_.notify_one();
   if (blocked_.load()) (*backends_)[0]->wake();
+}
+
+void Worker::reserve(size_t writes) {
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    if (queue_.capacity() < writes) queue_.reserve(writes);
+  }
+  // pending_ is the worker's: it grows there, on its next turn.
+  size_t want = reserve_.load();
+  while (want < writes && !reserve_.compare_exchange_weak(want, writes)) {
+  }
 }
 
 void Worker::nudge() {
@@ -51,8 +87,7 @@ void Worker::nudge() {
     std::lock_guard<std::mutex> lock(queue_mu_);
     nudged_ = true;
   }
-  queue_cv_.notify_one();
-  if (blocked_.load()) (*backends_)[0]->wake();
+  wake_locked_out();
 }
 
 std::string Worker::error() const {
@@ -78,86 +113,64 @@ bool Worker::wait_idle(std::chrono::nanoseconds timeout) {
   return idle_cv_.wait_for(lock, timeout, [this] { return failed_.load() || completed_.load() >= submitted_.load(); });
 }
 
-void Worker::enqueue_piece(uint64_t job, OpKind op, const NicWrite& w, bool final_piece) {
-  uint64_t id = next_id_++;
-  NicWrite piece = w;
-  piece.write.context = id;
-  inflight_[id] = InFlight{job, op, w.write.peer, final_piece};
-  pending_.emplace_back(id, piece);
-}
-
-bool Worker::take_new_jobs() {
-  std::vector<Job> jobs;
-  {
-    std::lock_guard<std::mutex> lock(queue_mu_);
-    if (queue_.empty()) return false;
-    jobs.swap(queue_);
+bool Worker::take_new_writes() {
+  size_t want = reserve_.load(std::memory_order_relaxed);
+  if (pending_.capacity() < want) pending_.reserve(want);
+  std::lock_guard<std::mutex> lock(queue_mu_);
+  if (queue_.empty()) return false;
+  if (head_ == pending_.size()) {
+    pending_.clear();
+    head_ = 0;
+  } else if (head_ > 0) {
+    pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(head_));  // moves, no allocation
+    head_ = 0;
   }
-  for (auto& job : jobs) {
-    uint64_t id = next_job_++;
-    if (job.lead.empty()) {
-      enqueue_piece(id, job.op, job.last, true);
-      continue;
-    }
-    splits_[id] = Split{static_cast<int>(job.lead.size()), job.last, job.op};
-    for (const auto& piece : job.lead) enqueue_piece(id, job.op, piece, false);
-  }
+  if (pending_.size() + queue_.size() > pending_.capacity()) allocations_.fetch_add(1, std::memory_order_relaxed);
+  pending_.insert(pending_.end(), queue_.begin(), queue_.end());
+  queue_.clear();
   return true;
 }
 
 bool Worker::post_pending() {
   bool progress = false;
-  while (!pending_.empty()) {
-    auto& [id, piece] = pending_.front();
+  while (head_ < pending_.size()) {
+    const NicWrite& piece = pending_[head_];
     bool posted = false;
     try {
       posted = (*backends_)[piece.nic]->post_write(piece.write);
     } catch (const FabricError& e) {
-      const InFlight& f = inflight_[id];
-      fail(std::string(e.what()) + " [" + op_name(f.op) + " to peer " + std::to_string(f.peer) + "]");
+      fail(std::string(e.what()) + " [" + describe_context(piece.write.context) + "]");
       return progress;
     }
     if (!posted) break;  // queue full: completions first
-    pending_.pop_front();
+    ++head_;
     progress = true;
+  }
+  if (head_ == pending_.size()) {
+    pending_.clear();
+    head_ = 0;
   }
   return progress;
 }
 
-void Worker::piece_done(uint64_t id) {
-  auto it = inflight_.find(id);
-  if (it == inflight_.end()) return;
-  InFlight f = it->second;
-  inflight_.erase(it);
-  if (f.final_piece) {
-    {
-      std::lock_guard<std::mutex> lock(idle_mu_);
-      completed_.fetch_add(1);
-    }
-    idle_cv_.notify_all();
-    return;
+void Worker::write_done() {
+  {
+    std::lock_guard<std::mutex> lock(idle_mu_);
+    completed_.fetch_add(1);
   }
-  auto sit = splits_.find(f.job);
-  if (sit != splits_.end() && --sit->second.remaining == 0) {
-    Split s = sit->second;
-    splits_.erase(sit);
-    enqueue_piece(f.job, s.op, s.last, true);
-  }
+  idle_cv_.notify_all();
 }
 
 bool Worker::handle(int nic, const Completion* done, int n) {
   for (int i = 0; i < n; ++i) {
     const Completion& c = done[i];
     if (c.kind == CompletionKind::kArrived) {
+      arrivals_[nic].fetch_add(1, std::memory_order_relaxed);  // before a waiter can see the count
       imms_->add(c.imm);
     } else if (c.kind == CompletionKind::kSent) {
-      piece_done(c.context);
+      write_done();
     } else {
-      auto it = inflight_.find(c.context);
-      std::string what = (*backends_)[nic]->last_error();
-      if (it != inflight_.end())
-        what += " [" + std::string(op_name(it->second.op)) + " to peer " + std::to_string(it->second.peer) + "]";
-      fail(what);
+      fail((*backends_)[nic]->last_error() + " [" + describe_context(c.context) + "]");
     }
   }
   return n > 0;
@@ -181,8 +194,8 @@ bool Worker::poll_all() {
 void Worker::idle_wait(bool expecting) {
   Backend& nic = *(*backends_)[0];
   const int block_ms = expecting ? idle_.busy_block_ms : idle_.block_ms;
-  if (backends_->size() == 1 && nic.can_wait()) {
-    // Block on the NIC: an arrival, a new job or a nudge (both wake us) ends it.
+  if (backends_->size() == 1 && nic.capabilities().blocking_wait) {
+    // Block on the NIC: an arrival, a new write or a nudge (both wake us) ends it.
     blocked_.store(true);
     bool queued;
     {
@@ -202,7 +215,7 @@ void Worker::idle_wait(bool expecting) {
     return;
   }
   // Polled NICs: short slices while something is expected (arrivals are
-  // picked up within one), long ones when idle. A new job or a nudge wakes us.
+  // picked up within one), long ones when idle. A new write or a nudge wakes us.
   std::unique_lock<std::mutex> lock(queue_mu_);
   auto slice = expecting ? idle_.sleep : std::chrono::microseconds(block_ms * 1000);
   queue_cv_.wait_for(lock, slice, [this] { return stop_.load() || !queue_.empty() || nudged_; });
@@ -213,7 +226,7 @@ void Worker::run() {
   int idle_polls = 0;
   // Stops even with writes in flight (a peer may be gone for good).
   while (!stop_.load(std::memory_order_relaxed)) {
-    bool progress = take_new_jobs();
+    bool progress = take_new_writes();
     if (!failed_.load()) {
       progress = post_pending() || progress;
       progress = poll_all() || progress;
@@ -231,7 +244,7 @@ void Worker::run() {
     // Then block on the NIC. With bytes in flight or a caller waiting for
     // arrivals, only briefly: not every provider wakes a blocked reader for
     // its own progress.
-    const bool expecting = !pending_.empty() || !inflight_.empty() || imms_->waiters() > 0;
+    const bool expecting = head_ < pending_.size() || completed_.load() < submitted_.load() || imms_->waiters() > 0;
     idle_wait(expecting);
   }
 }

@@ -1,20 +1,23 @@
 // The engine's worker thread: it alone posts writes and polls the NICs'
-// completion queues. Callers hand it jobs through a queue and wait on
+// completion queues. Callers hand it writes through a queue and wait on
 // counters. When idle it spins briefly, then yields, then blocks on the NIC's
 // completion queue (or sleeps in short slices where the NIC cannot block),
 // so several ranks can share a couple of cores.
+//
+// Nothing here allocates per write once the queues have reached their size
+// (reserve() at group registration): a write is a plain NicWrite copied into
+// a vector that keeps its capacity, and its completion carries (op, peer) in
+// its context instead of an entry in a table.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
-#include <unordered_map>
 #include <vector>
 
 #include "backend.h"
@@ -25,19 +28,12 @@ namespace moe_a2a::fabric {
 enum class OpKind : uint8_t { kWrite, kScatter, kBarrier };
 const char* op_name(OpKind op);
 
+// One posted write: a whole write, or one piece of a write split across NICs
+// (each piece carries the immediate and completes on its own).
 struct NicWrite {
   int nic = 0;
-  WriteDesc write;
-};
-
-// One logical write: leading pieces (a write split across NICs) are posted at
-// once with delivery completion; the final piece, which carries the
-// immediate, only once they have landed, so the receiver never sees the
-// immediate before all the bytes.
-struct Job {
   OpKind op = OpKind::kWrite;
-  std::vector<NicWrite> lead;
-  NicWrite last;
+  WriteDesc write;
 };
 
 struct IdlePolicy {
@@ -58,40 +54,50 @@ class Worker {
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
 
-  void submit(std::vector<Job>&& jobs);
+  // Writes handed over together, under the queue's lock; the worker is woken
+  // when the batch closes. Validate before opening one: nothing is undone.
+  class Batch {
+   public:
+    explicit Batch(Worker* w);
+    ~Batch();
+    Batch(const Batch&) = delete;
+    Batch& operator=(const Batch&) = delete;
+    void add(const NicWrite& w);
+
+   private:
+    Worker* w_;
+    std::unique_lock<std::mutex> lock_;
+    size_t added_ = 0;
+  };
+
+  // Room for `writes` queued writes without growing (called at registration).
+  void reserve(size_t writes);
   // Ends an idle sleep at once: a caller is about to wait for arrivals, which
   // providers with manual progress deliver only while the worker polls.
   void nudge();
+  // Writes (pieces) handed over, and those completed.
   uint64_t submitted() const { return submitted_.load(); }
   uint64_t completed() const { return completed_.load(); }
+  // Immediates that arrived on each NIC.
+  uint64_t arrivals(int nic) const { return arrivals_[nic].load(std::memory_order_relaxed); }
+  // Times a hot-path queue had to grow (a heap allocation); stays 0 once reserved.
+  uint64_t allocations() const { return allocations_.load(std::memory_order_relaxed); }
   // Empty while healthy; the first failure's message otherwise (sticky).
   std::string error() const;
   bool failed() const { return failed_.load(); }
-  // Waits until every submitted job completed; false on timeout.
+  // Waits until every submitted write completed; false on timeout.
   bool wait_idle(std::chrono::nanoseconds timeout);
 
  private:
-  struct InFlight {
-    uint64_t job = 0;
-    OpKind op = OpKind::kWrite;
-    int peer = 0;
-    bool final_piece = false;
-  };
-  struct Split {
-    int remaining = 0;
-    NicWrite last;
-    OpKind op = OpKind::kWrite;
-  };
-
   void run();
-  bool take_new_jobs();
+  bool take_new_writes();
   bool post_pending();
   bool poll_all();
   bool handle(int nic, const Completion* done, int n);
   void idle_wait(bool expecting);
-  void enqueue_piece(uint64_t job, OpKind op, const NicWrite& w, bool final_piece);
   void fail(const std::string& message);
-  void piece_done(uint64_t id);
+  void write_done();
+  void wake_locked_out();
 
   std::vector<std::unique_ptr<Backend>>* backends_;
   ImmCounters* imms_;
@@ -99,20 +105,20 @@ class Worker {
 
   std::mutex queue_mu_;
   std::condition_variable queue_cv_;
-  std::vector<Job> queue_;
+  std::vector<NicWrite> queue_;  // under queue_mu_
+  std::atomic<size_t> reserve_{0};
   std::atomic<bool> stop_{false};
   std::atomic<bool> blocked_{false};  // the worker sits in a NIC's wait_poll
   bool nudged_ = false;               // under queue_mu_: nudge() since the last idle sleep
 
-  // Owned by the worker thread.
-  std::deque<std::pair<uint64_t, NicWrite>> pending_;
-  std::unordered_map<uint64_t, InFlight> inflight_;
-  std::unordered_map<uint64_t, Split> splits_;
-  uint64_t next_id_ = 1;
-  uint64_t next_job_ = 1;
+  // Owned by the worker thread: writes taken from the queue, posted from head_ on.
+  std::vector<NicWrite> pending_;
+  size_t head_ = 0;
 
   std::atomic<uint64_t> submitted_{0};
   std::atomic<uint64_t> completed_{0};
+  std::atomic<uint64_t> allocations_{0};
+  std::unique_ptr<std::atomic<uint64_t>[]> arrivals_;
   std::atomic<bool> failed_{false};
   mutable std::mutex error_mu_;
   std::string error_;

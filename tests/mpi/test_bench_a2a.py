@@ -58,7 +58,8 @@ def test_bench_a2a_runs_and_checks(baseline: str, tmp_path: Path, capsys: pytest
     assert config["device"] == "cpu" and config["baseline"].startswith(baseline.upper())
     assert config["payloads"] == "dispatch fp8, combine bf16" and config["switches"]
     assert config["sizes"] == f"decode 8 tokens/rank, hidden 256, {4 * COMM.Get_size()} experts, top-2"
-    assert cells(lines[head]) == [h for _, h in a2a.COLUMNS]
+    # every peer remote (--ranks-per-node 1): the engine-alone columns follow
+    assert cells(lines[head]) == [h for _, h in a2a.COLUMNS + a2a.ENGINE_COLUMNS]
     assert [cells(line)[2] for line in lines[head + 2 : head + 5]] == ["dispatch", "combine", "total"]
     assert "baseline/moe-a2a = baseline p50 / moe-a2a p50: above 1, moe-a2a is faster" in captured.out
     doc = json.loads(out.read_text())
@@ -68,6 +69,35 @@ def test_bench_a2a_runs_and_checks(baseline: str, tmp_path: Path, capsys: pytest
     for r in doc["rows"]:
         assert 0 < r["moe_a2a_p50_us"] <= r["moe_a2a_p99_us"] and 0 < r["baseline_p50_us"]
         assert r["ratio"] == pytest.approx(r["baseline_p50_us"] / r["moe_a2a_p50_us"])
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("ranks_per_node", ["1", "world"])
+def test_bench_a2a_times_the_engine_alone_where_every_peer_is_remote(
+    ranks_per_node: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = Path(COMM.bcast(str(tmp_path / "a2a.json")))
+    rpn = str(COMM.Get_size()) if ranks_per_node == "world" else ranks_per_node
+    args = parse(
+        ["--mode", "decode", "--tokens", "8", "--hidden", "256", "--num-experts", str(4 * COMM.Get_size())]
+        + ["--topk", "2", "--iters", "3", "--warmup", "1", "--provider", PROVIDER, "--progress", "never"]
+        + ["--ranks-per-node", rpn, "--output", str(out)]
+    )
+    assert a2a.main(args) == 0
+    COMM.Barrier()
+    if COMM.Get_rank() != 0:
+        return
+    table = capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    head = next(line for line in table.splitlines() if line.startswith("| shape"))
+    if ranks_per_node == "world":  # one node: no byte goes through the engine, nothing to compare
+        assert all("engine_p50_us" not in r for r in rows) and cells(head) == [h for _, h in a2a.COLUMNS]
+        return
+    assert cells(head)[-2:] == [h for _, h in a2a.ENGINE_COLUMNS], head
+    for r in rows:
+        assert r["engine_p50_us"] > 0, r
+        assert r["phase_engine"] == pytest.approx(r["moe_a2a_p50_us"] / r["engine_p50_us"]), r
 
 
 @pytest.mark.mpi(min_size=2)

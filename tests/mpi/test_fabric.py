@@ -26,7 +26,7 @@ import pytest
 
 from moe_a2a import FabricError, FabricTimeoutError, _core
 from moe_a2a.bench import fabric as bench
-from moe_a2a.fabric import Engine, ScatterItem
+from moe_a2a.fabric import Engine, Group, Region, RemoteRegion, ScatterItem
 from moe_a2a.report import write_output
 
 # Ends only a test that is already broken; long, because a rank of the 2-core
@@ -46,11 +46,11 @@ class Exchange:
     engine: Engine
     src: np.ndarray
     recv: np.ndarray
-    src_region: int
-    recv_region: int
-    remotes: list[int | None]  # peer rank -> its receive region's remote id (None for ourselves)
+    src_region: Region
+    recv_region: Region
+    remotes: list[RemoteRegion | None]  # peer rank -> its receive region (None for ourselves)
     peers: list[int]  # group index -> peer rank
-    group: int
+    group: Group
 
     @staticmethod
     def position(sender: int, receiver: int) -> int:
@@ -250,6 +250,77 @@ def test_large_writes_split_across_two_nics(
     engine.bootstrap.barrier()
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(300)
+def test_split_write_pieces_carry_the_immediate_on_every_nic(
+    make_engine: Callable[..., Engine], seed: int, next_tag: Callable[[], int]
+) -> None:
+    """A split write goes out as one piece per NIC at once; each piece brings the immediate, and
+    the receiver's wait for one write returns only when all of them (all the bytes) are in."""
+    engine = make_engine(num_nics=2, split_threshold=SPLIT_THRESHOLD)
+    rank, world = engine.rank, engine.world_size
+    size = 4 * SPLIT_THRESHOLD + 4095
+    assert len(_core.split_write(0, size, 2, SPLIT_THRESHOLD)) == 2
+    ex = make_exchange(engine, (world - 1) * size, (world - 1) * size)
+    tag = next_tag()
+    ex.src[:] = random_bytes(seed, rank, 10, size=ex.src.size)
+    ex.recv[:] = random_bytes(seed, rank, 11, size=ex.recv.size)
+    engine.core.wait_tx(WAIT_S)
+    # Read before the barrier: earlier tests waited for all their arrivals, and
+    # no peer writes this test's before we pass it.
+    arrived = [engine.core.arrivals(nic) for nic in range(2)]
+    engine.bootstrap.barrier()
+    submitted = engine.core.tx_submitted
+    items = [ScatterItem(i, i * size, size, ex.position(rank, p) * size) for i, p in enumerate(ex.peers)]
+    engine.core.scatter(ex.group, ex.src_region, items, tag)
+    # Handed over at once, two pieces per write: no piece waits for another to land.
+    assert engine.core.tx_submitted - submitted == 2 * len(ex.peers)
+    for peer in ex.peers:
+        engine.core.wait_imm(tag, peer, 1, WAIT_S)
+        sent = random_bytes(seed, peer, 10, size=ex.src.size)
+        want = sent[ex.position(rank, peer) * size : (ex.position(rank, peer) + 1) * size]
+        base = ex.position(peer, rank) * size
+        bad = np.flatnonzero(ex.recv[base : base + size] != want)
+        assert bad.size == 0, f"from peer {peer}: {bad.size} bytes differ, first at {bad[0]}"
+        assert engine.core.imm_count(tag, peer) == 0
+    got = [engine.core.arrivals(nic) - arrived[nic] for nic in range(2)]
+    assert got == [world - 1, world - 1], f"immediates per NIC: {got}; expected one piece per sender on each"
+    engine.core.wait_tx(WAIT_S)
+    engine.bootstrap.barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(300)
+def test_steps_of_a_registered_group_allocate_nothing(
+    engine: Engine, seed: int, next_tag: Callable[[], int], bootstrap: Any
+) -> None:
+    """Scatter and barrier rounds on a registered group grow no queue of the write path."""
+    rank, world = engine.rank, engine.world_size
+    payload = 64
+    ex = make_exchange(engine, world * payload, world * payload)
+    tag, barrier_tag = next_tag(), next_tag()
+    items = [
+        ScatterItem(i, peer * payload, payload, rank * payload) for i, peer in enumerate(ex.peers)
+    ]
+
+    def round_(r: int) -> None:
+        ex.src[:] = random_bytes(seed, rank, 12, r, size=ex.src.size)
+        engine.core.scatter(ex.group, ex.src_region, items, tag)
+        for peer in ex.peers:
+            engine.core.wait_imm(tag, peer, 1, WAIT_S)
+            want = random_bytes(seed, peer, 12, r, size=ex.src.size)[rank * payload : (rank + 1) * payload]
+            assert np.array_equal(ex.recv[peer * payload : (peer + 1) * payload], want), (r, peer)
+        engine.core.barrier(ex.group, barrier_tag, WAIT_S)  # nobody rewrites a source still being read
+
+    for r in range(10):
+        round_(r)
+    before = engine.core.hot_path_allocations
+    for r in range(10, 310):
+        round_(r)
+    assert engine.core.hot_path_allocations == before, "a queue of the write path grew in steady state"
+    bootstrap.barrier()
+
+
 # ---------------------------------------------------------------- barrier
 
 
@@ -430,9 +501,10 @@ def test_unregistered_ranges_are_rejected(
             ),
             r"scatter to peer \d+: source range \[0, 4097\)",
         ),
-        (lambda: core.write(999, 0, 1, remote, 0), "unknown local region 999"),
-        (lambda: core.write(ex.src_region, 0, 1, 999, 0), "unknown remote region 999"),
-        (lambda: core.scatter(ex.group, 999, [ScatterItem(0, 0, 1, 0)]), "unknown local region 999"),
+        (lambda: core.write(Region(999), 0, 1, remote, 0), "unknown local region 999"),
+        (lambda: core.write(ex.src_region, 0, 1, RemoteRegion(999), 0), "unknown remote region 999"),
+        (lambda: core.scatter(ex.group, Region(999), [ScatterItem(0, 0, 1, 0)]), "unknown local region 999"),
+        (lambda: core.scatter(Group(999), ex.src_region, [ScatterItem(0, 0, 1, 0)]), "unknown group 999"),
         (lambda: core.write(ex.src_region, 0, 1, remote, 0, 0x10000), "immediate tag 65536 exceeds 16 bits"),
     ]
     submitted = core.tx_submitted

@@ -5,8 +5,9 @@
 Rendezvous: torch.distributed (gloo) from RANK, WORLD_SIZE, MASTER_ADDR over the
 management veth. Scenarios:
   send  rank 0 writes `bytes` to every other rank (one tagged write each, split
-        across NICs above `split`); receivers check every byte; rank 0 reports
-        the time from the first write until every receiver has checked.
+        across NICs above `split`), or to ranks 1 to `to` only; receivers check
+        every byte; rank 0 reports the time from the first write until every
+        receiver has checked.
   a2a   dispatch and combine with one rank per emulated host, compared with
         moe_a2a.reference on every rank.
 """
@@ -30,6 +31,7 @@ TAG = 7
 
 def send(group: object, rank: int, world: int, args: dict[str, str]) -> dict[str, object]:
     size = int(args["bytes"])
+    targets = range(1, int(args.get("to", world - 1)) + 1)
     engine = Engine(Bootstrap(group), "tcp", num_nics=int(args["nics"]), split_threshold=int(args["split"]))
     payload = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
     buf = payload.copy() if rank == 0 else np.zeros(size, np.uint8)
@@ -38,10 +40,10 @@ def send(group: object, rank: int, world: int, args: dict[str, str]) -> dict[str
     dist.barrier(group)
     t0 = time.monotonic()
     if rank == 0:
-        for peer in range(1, world):
+        for peer in targets:
             engine.core.write(region, 0, size, remotes[peer], 0, TAG)
         engine.core.wait_tx(TIMEOUT_S)
-    else:
+    elif rank in targets:
         engine.core.wait_imm(TAG, 0, 1, TIMEOUT_S)
         assert np.array_equal(buf, payload), f"rank {rank}: the {size} bytes from rank 0 differ"
     dist.barrier(group)
@@ -50,7 +52,7 @@ def send(group: object, rank: int, world: int, args: dict[str, str]) -> dict[str
         "nics": engine.nics.names,
         "how": engine.nics.how,
         "seconds": seconds,
-        "bytes": size * (world - 1),
+        "bytes": size * len(targets),
     }
 
 

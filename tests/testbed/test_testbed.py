@@ -105,16 +105,32 @@ def test_write_split_across_nics_lands_whole(bed3: testbed.Testbed, tmp_path: Pa
         assert after[n] - before[n] >= (3 << 20) * 2 // 2 * 0.9, f"{n}: {after[n] - before[n]} bytes"
 
 
-def test_two_rate_limited_nics_move_twice_one(bed3_limited: testbed.Testbed, tmp_path: Path) -> None:
-    one = run_ranks(bed3_limited, tmp_path, "send", "va1", bytes=RATE_BYTES, nics=1, split=1 << 30)[0]
-    two = run_ranks(bed3_limited, tmp_path, "send", "va1,va2", bytes=RATE_BYTES, nics=2, split=1 << 30)[0]
+def _twice_one(one: dict, two: dict, what: str, two_label: str) -> None:
+    """Print both rates and check: one NIC near its tbf rate, two at about twice that."""
     rate = {k: r["bytes"] * 8 / r["seconds"] / 1e6 for k, r in (("one", one), ("two", two))}
-    print(f"\ntestbed: tbf {RATE_MBIT} mbit per NIC, {one['bytes']} bytes from host 0 to 2 peers: "
+    print(f"\ntestbed: tbf {RATE_MBIT} mbit per NIC, {what}: "
           f"one NIC {rate['one']:.1f} mbit/s ({one['seconds']:.2f} s), "
-          f"two NICs {rate['two']:.1f} mbit/s ({two['seconds']:.2f} s), "
+          f"{two_label} {rate['two']:.1f} mbit/s ({two['seconds']:.2f} s), "
           f"ratio {rate['two'] / rate['one']:.2f}")  # fmt: skip
     assert 0.7 * RATE_MBIT < rate["one"] <= 1.05 * RATE_MBIT, rate
     assert 1.6 < rate["two"] / rate["one"] < 2.3, rate
+
+
+def test_two_rate_limited_nics_move_twice_one(bed3_limited: testbed.Testbed, tmp_path: Path) -> None:
+    one = run_ranks(bed3_limited, tmp_path, "send", "va1", bytes=RATE_BYTES, nics=1, split=1 << 30)[0]
+    two = run_ranks(bed3_limited, tmp_path, "send", "va1,va2", bytes=RATE_BYTES, nics=2, split=1 << 30)[0]
+    _twice_one(one, two, f"{one['bytes']} bytes from host 0 to 2 peers", "two NICs")
+
+
+def test_one_write_split_over_two_limited_nics_moves_twice_one(
+    bed3_limited: testbed.Testbed, tmp_path: Path
+) -> None:
+    """The pieces of one split write run on both NICs at once (each carries the immediate):
+    before, the piece with the immediate waited for the others, so one write used one NIC at a time."""
+    args = dict(bytes=RATE_BYTES, to=1)
+    one = run_ranks(bed3_limited, tmp_path, "send", "va1", nics=1, split=1 << 30, **args)[0]
+    two = run_ranks(bed3_limited, tmp_path, "send", "va1,va2", nics=2, split=64 << 10, **args)[0]
+    _twice_one(one, two, f"one write of {RATE_BYTES} bytes from host 0 to host 1", "split over two")
 
 
 def test_dispatch_combine_across_hosts_equals_reference(bed3: testbed.Testbed, tmp_path: Path) -> None:

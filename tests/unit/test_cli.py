@@ -168,3 +168,13 @@ def test_subcommand_usage_message_is_one_line_and_exit_2() -> None:
     )
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert done.stderr.strip() == "moe-a2a bench a2a: --grad-dtype: only used with --train"
+
+
+def test_info_shows_what_each_backend_can_do(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["info", "--provider", "shm"]) == 0
+    out = capsys.readouterr().out
+    assert "transport backends built: libfabric (ibverbs: not built" in out
+    caps = [line.strip() for line in out.splitlines() if line.strip().startswith("capabilities (shm): ")]
+    assert len(caps) == 1, out
+    assert "backend libfabric (shm), GPU memory registration no (host memory only)" in caps[0]
+    assert "max message " in caps[0] and "inject " in caps[0] and "immediate 8 B" in caps[0]

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -94,7 +95,9 @@ def test_region_descriptor_round_trip_and_errors() -> None:
     region = engine.register_region(_address_of(buf), len(buf))
     desc = engine.region_descriptor(region)
     first = engine.add_remote_region(1, desc)
-    assert engine.add_remote_region(1, desc) == first + 1  # ids count up
+    second = engine.add_remote_region(1, desc)
+    assert isinstance(first, _core.RemoteRegion) and second.value == first.value + 1  # ids count up
+    assert second != first and len({first, second, _core.RemoteRegion(first.value)}) == 2
     for cut in (0, 3, len(desc) // 2, len(desc) - 1):
         with pytest.raises(FabricError, match=r"region descriptor from rank 1: truncated"):
             engine.add_remote_region(1, desc[:cut])
@@ -209,12 +212,12 @@ def test_split_write_pieces_are_aligned() -> None:
         case = f"peer={peer} length={length} num_nics={nics} threshold={threshold}: {pieces}"
         assert all(start % SPLIT_ALIGN == 0 for _, start, _ in pieces), case
         # Every piece but the last has the same, aligned size; the last one takes the rest,
-        # which may exceed the others by less than num_nics bytes (the chunk is
-        # length // num_nics rounded up to the alignment).
+        # which exceeds the others by less than num_nics alignments (the chunk is
+        # length // num_nics rounded down to the alignment).
         sizes = [size for _, _, size in pieces]
         if len(sizes) > 1:
             assert len(set(sizes[:-1])) == 1 and sizes[0] % SPLIT_ALIGN == 0, case
-            assert sizes[-1] < sizes[0] + nics, case
+            assert sizes[0] <= sizes[-1] < sizes[0] + nics * SPLIT_ALIGN, case
 
 
 def test_split_write_one_piece_below_threshold_or_with_one_nic() -> None:
@@ -228,7 +231,8 @@ def test_split_write_uses_several_nics_at_threshold() -> None:
         threshold = 65536
         for length in (threshold, threshold + 1, 1 << 20, (1 << 20) + 12345):
             pieces = _split(3, length, nics, threshold)
-            assert 2 <= len(pieces) <= nics, (length, nics, pieces)
+            # Exactly one per NIC: the receiver counts a split write as num_nics pieces.
+            assert len(pieces) == nics, (length, nics, pieces)
             # The first piece goes to the peer's own NIC; the others rotate from there.
             assert [nic for nic, _, _ in pieces] == [(3 + i) % nics for i in range(len(pieces))]
         # A length that divides evenly gives one equal piece per NIC.
@@ -270,11 +274,13 @@ def test_nic_for_peer_agrees_with_unsplit_writes() -> None:
 # ---------------------------------------------------------------- immediates
 
 
-@pytest.mark.parametrize(("tag", "peer"), [(0, 0), (7, 3), (0xFFFF, 0xFFFF), (1, 65535), (0x1234, 0xABCD)])
+@pytest.mark.parametrize(("tag", "peer"), [(0, 0), (7, 3), (0xFFFF, 0x7FFF), (1, 32767), (0x1234, 0x2BCD)])
 def test_make_imm_packs_tag_and_sender(tag: int, peer: int) -> None:
     imm = _core.make_imm(tag, peer)
     assert imm >> 16 == tag
-    assert imm & 0xFFFF == peer
+    assert imm & 0x7FFF == peer
+    assert imm & _core.IMM_PIECE_BIT == 0  # the bit between them marks pieces of split writes
+    assert _core.IMM_PIECE_BIT == 1 << 15 and _core.MAX_RANKS == 1 << 15
     assert 0 <= imm < 1 << 32
 
 
@@ -302,8 +308,8 @@ def test_hardware_provider_without_device_fails_clearly(name: str) -> None:
 @pytest.mark.parametrize(
     ("rank", "world", "num_nics", "message"),
     [
-        (0, 0, 1, r"world size 0 is outside \[1, 65536\]"),
-        (0, 65537, 1, r"world size 65537 is outside \[1, 65536\]"),
+        (0, 0, 1, r"world size 0 is outside \[1, 32768\]"),
+        (0, 32769, 1, r"world size 32769 is outside \[1, 32768\]"),
         (2, 2, 1, r"rank 2 is outside \[0, 2\)"),
         (-1, 2, 1, r"rank -1 is outside \[0, 2\)"),
         (0, 1, 0, "num_nics is 0; expected 1 to 16"),
@@ -420,4 +426,141 @@ def test_write_before_connect_is_a_clear_error() -> None:
     buf = bytearray(64)
     region = engine.register_region(ctypes.addressof((ctypes.c_char * 64).from_buffer(buf)), 64)
     with pytest.raises(FabricError, match="not connected: connect"):
-        engine.write(region, 0, 8, 0, 0, 1)
+        engine.write(region, 0, 8, _core.RemoteRegion(0), 0, 1)
+
+
+# ---------------------------------------------------------------- pieces, handles, backends
+
+
+def test_pieces_of_a_split_write_count_as_one_write() -> None:
+    """Each piece carries the immediate; a write counts once all num_nics pieces are in, in any order."""
+    imm = _core.make_imm(77, 5)
+    piece = imm | _core.IMM_PIECE_BIT
+    counters = _core.ImmCounters(3)
+    counters.add(piece)
+    counters.add(piece)
+    assert counters.count(imm) == 0, "two of three pieces are not a write"
+    assert not counters.wait(imm, 1, 0.01)
+    counters.add(piece)
+    assert counters.count(imm) == 1
+    counters.add(imm)  # a write that was not split counts whole
+    assert counters.count(imm) == 2
+    assert counters.count(_core.make_imm(77, 6)) == 0 and counters.count(piece) == 0
+    assert counters.wait(imm, 2, 0.01)
+    assert counters.count(imm) == 0
+    one_nic = _core.ImmCounters(1)
+    one_nic.add(imm)
+    assert one_nic.count(imm) == 1
+
+
+def test_handles_are_typed() -> None:
+    assert _core.Region(3) == _core.Region(3) and _core.Region(3) != _core.Region(4)
+    assert _core.Region(3) != _core.RemoteRegion(3)  # kinds never compare equal
+    assert repr(_core.Group(7)) == "Group(7)" and _core.Group(7).value == 7
+    assert len({_core.Region(1), _core.Region(1), _core.Region(2)}) == 2
+    engine = _core.TransferEngine(0, 2, "tcp")
+    buf = bytearray(64)
+    region = engine.register_region(_address_of(buf), len(buf))
+    assert isinstance(region, _core.Region)
+    with pytest.raises(TypeError):
+        engine.region_descriptor(region.value)  # a bare integer is no longer a region
+    with pytest.raises(TypeError):
+        engine.write(region, 0, 8, region, 0, 1)  # a local region where a remote one belongs
+
+
+def test_cuda_registration_says_what_it_would_need() -> None:
+    engine = _core.TransferEngine(0, 1, "tcp")
+    buf = bytearray(4096)
+    with pytest.raises(FabricError) as info:
+        engine.register_region(_address_of(buf), len(buf), "cuda", 0)
+    message = str(info.value)
+    assert "registering CUDA device memory is not supported by this backend" in message
+    assert "FI_HMEM" in message and "dma-buf" in message
+    assert engine.capabilities(0)["gpu_memory"] is False
+    with pytest.raises(FabricError, match="kind: got 'gpu'; expected 'host' or 'cuda'"):
+        engine.register_region(_address_of(buf), len(buf), "gpu")
+    engine.register_region(_address_of(buf), len(buf), "host")  # the failed ones left nothing behind
+
+
+def test_backend_factory_names_what_is_built() -> None:
+    assert _core.backend_names() == ["libfabric"]
+    assert _core.TransferEngine(0, 1, "tcp", backend="libfabric").backend == "libfabric"
+    with pytest.raises(FabricError, match="backend 'ibverbs': a direct libibverbs RC backend is planned"):
+        _core.TransferEngine(0, 1, "tcp", backend="ibverbs")
+    with pytest.raises(FabricError, match="got 'nope'; expected one of the backends built: 'libfabric'"):
+        _core.TransferEngine(0, 1, "tcp", backend="nope")
+
+
+@pytest.mark.parametrize("provider", ["tcp", "shm"])
+def test_backend_reports_capabilities(provider: str) -> None:
+    caps = _core.backend_capabilities(provider)
+    assert caps["backend"] == "libfabric" and caps["provider"].split(";")[0] == provider
+    assert caps["device"] in _core.libfabric_domains(provider)
+    assert caps["gpu_memory"] is False
+    assert caps["imm_bytes"] >= 4 and caps["max_message_size"] >= 1 << 20
+    assert caps["max_in_flight"] >= 1 and caps["inject_size"] >= 0
+    assert isinstance(caps["ordered_writes"], bool) and isinstance(caps["blocking_wait"], bool)
+    engine = _core.TransferEngine(0, 1, provider)
+    assert engine.capabilities(0) == caps
+    with pytest.raises(FabricError, match=r"capabilities: nic 1 is out of range \[0, 1\)"):
+        engine.capabilities(1)
+
+
+def _pair(
+    provider: str, num_nics: int, threshold: int, size: int
+) -> tuple[list[Any], list[bytearray], list[Any]]:
+    """Ranks 0 and 1 of a world of 2 in this process: engines, receive buffers, [regions, groups]."""
+    names = [_core.libfabric_domains(provider)[0]] * num_nics
+    engines = [_core.TransferEngine(r, 2, provider, num_nics, threshold, names) for r in range(2)]
+    addresses = [e.address() for e in engines]
+    for e in engines:
+        e.connect(addresses)
+    bufs = [bytearray(size) for _ in range(2)]
+    regions = [e.register_region(_address_of(b), size) for e, b in zip(engines, bufs, strict=True)]
+    descs = [e.region_descriptor(r) for e, r in zip(engines, regions, strict=True)]
+    remotes = [e.add_remote_region(1 - r, descs[1 - r]) for r, e in enumerate(engines)]
+    groups = [e.create_group([1 - r], [remotes[r]]) for r, e in enumerate(engines)]
+    return engines, bufs, [regions, groups]
+
+
+@pytest.mark.parametrize("provider", ["tcp", "shm"])
+def test_posting_writes_allocates_nothing_once_groups_are_registered(provider: str) -> None:
+    """Scatters and barriers of a registered group grow no queue: the requests were built at registration."""
+    engines, bufs, (regions, groups) = _pair(provider, 1, 1 << 20, 8192)
+    tag = 900
+
+    def round_(i: int) -> None:
+        for r, e in enumerate(engines):
+            bufs[r][0:8] = struct.pack("<Q", i * 2 + r)
+            e.scatter(groups[r], regions[r], [_core.ScatterItem(0, 0, 8, 4096)], tag)
+        for r, e in enumerate(engines):
+            e.wait_imm(tag, 1 - r, 1, 30.0)
+            assert struct.unpack_from("<Q", bufs[r], 4096)[0] == i * 2 + 1 - r
+            e.wait_tx(30.0)
+
+    for i in range(20):  # warm-up: the worker sizes its own queue on its first turns
+        round_(i)
+    before = [e.hot_path_allocations for e in engines]
+    for i in range(20, 520):
+        round_(i)
+    assert [e.hot_path_allocations for e in engines] == before
+    assert before == [0, 0], "the queues were sized at registration"
+    assert all(e.tx_completed == e.tx_submitted == 520 for e in engines)
+
+
+def test_split_write_pieces_each_carry_the_immediate_and_land_independently() -> None:
+    """Two NICs: a split write is handed over as two pieces at once, and each arrives with the immediate."""
+    threshold = 64 * 1024
+    size = 4 * threshold
+    engines, bufs, (regions, groups) = _pair("tcp", 2, threshold, 2 * size)
+    sender, receiver = engines
+    bufs[0][:size] = random.Random(5).randbytes(size)
+    tag = 901
+    sender.scatter(groups[0], regions[0], [_core.ScatterItem(0, 0, size, size)], tag)
+    assert sender.tx_submitted == 2, "both pieces are queued at once, none waits for the other"
+    receiver.wait_imm(tag, 0, 1, 30.0)
+    assert bytes(bufs[1][size:]) == bytes(bufs[0][:size])
+    assert [receiver.arrivals(nic) for nic in range(2)] == [1, 1], "every piece brought the immediate"
+    assert receiver.imm_count(tag, 0) == 0
+    sender.wait_tx(30.0)
+    assert sender.tx_completed == 2

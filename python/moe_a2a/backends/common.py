@@ -31,8 +31,8 @@ class Setup:
     core_cfg: Any  # _core.A2AConfig
     workspace: Any  # _core.Workspace
     engine: Any  # moe_a2a.fabric.Engine, shared by the instances of the process; None without remote peers
-    region: int
-    group: int
+    region: Any  # moe_a2a.fabric.Region of the workspace; None without an engine
+    group: Any  # moe_a2a.fabric.Group of the remote peers; None without an engine
     remote_peers: list[int]
     node: set[int]
     bootstrap: Any

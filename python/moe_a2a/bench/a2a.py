@@ -12,7 +12,9 @@ Both sides move the same tokens in the same run, iteration by iteration:
 
 Each timed phase starts after an MPI barrier and ends when the rank's work
 is done (its CUDA stream drained); its time is the slowest rank's. On the
-first iteration both combine outputs are compared.
+first iteration both combine outputs are compared. With every peer remote
+(`--ranks-per-node 1`) the engine alone also moves each phase's bytes, and two
+more columns give its time and the phase/engine ratio (`moe_a2a.bench.engine_ref`).
 
 `--device cuda` without `--baseline` runs the per-phase CUDA benchmark
 (`moe_a2a.bench.a2a_cuda`: bandwidth against the copy ceiling, torch-native).
@@ -145,6 +147,7 @@ def shape_of(name: str, args: argparse.Namespace) -> dict[str, int]:
 def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, device: Any) -> dict[str, Any]:
     """Time one shape; every rank gets the slowest rank's samples (ns) per side and phase."""
     from moe_a2a.all_to_all import AllToAll, Config
+    from moe_a2a.bench import engine_ref
     from moe_a2a.bench.baseline import Baseline
 
     shape = shape_of(name, args)
@@ -162,7 +165,7 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, dev
         timeout_s=120.0,
     )
     baseline = Baseline(exchange, world, cfg.num_experts, cfg.dispatch_dtype)
-    times: dict[str, list[float]] = {f"{side}_{p}": [] for side in ("ours", "base") for p in PHASES[:2]}
+    times: dict[str, list[float]] = {key: [] for key in SIDES}
     bar = report.progress(args.warmup + args.iters, name, rank=rank, mode=args.progress)
     with (
         bar,
@@ -170,6 +173,9 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, dev
             cfg, comm=comm, device=device.type, provider=args.provider, ranks_per_node=args.ranks_per_node
         ) as a2a,
     ):
+        alone = engine_ref.start_for(a2a, comm, args.provider)  # every peer remote: the engine alone too
+        if alone is not None:
+            times.update(engine_dispatch=[], engine_combine=[])
         for it in range(args.warmup + args.iters):
             r = make_round(it, rank, tokens, cfg.hidden, cfg.num_experts, topk)
             r = Round(r.x.to(device), r.ids.to(device), r.weights.to(device))
@@ -184,11 +190,22 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, dev
             if it == 0:
                 check_agree(out, ref, cfg.dispatch_dtype == "fp8" and device.type == "cuda")
             if it >= args.warmup:
-                for key, t in zip(times, (t_d, t_c, b_d, b_c), strict=True):
+                for key, t in zip(SIDES, (t_d, t_c, b_d, b_c), strict=True):
                     times[key].append(t)
+            if alone is not None:
+                e_d, e_c = alone.measure(r.ids.cpu().numpy(), cfg.num_experts)
+                if it >= args.warmup:
+                    times["engine_dispatch"].append(e_d)
+                    times["engine_combine"].append(e_c)
             bar.update()
+        if alone is not None:
+            alone.close()
         ranks_per_node = a2a._boot.topology.local_size
     return dict(shape=name, ranks_per_node=ranks_per_node, **shape, samples_ns=times)
+
+
+# Samples of each side and phase; with every peer remote also engine_dispatch and engine_combine.
+SIDES = tuple(f"{side}_{p}" for side in ("ours", "base") for p in ("dispatch", "combine"))
 
 
 def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -208,6 +225,10 @@ def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
         row.update({f"moe_a2a_p{q}_us": o[f"p{q}"] for q in report.PERCENTILES})
         row.update({f"baseline_p{q}_us": b[f"p{q}"] for q in report.PERCENTILES})
         row["ratio"] = report.ratio(b["p50"], o["p50"])
+        if "engine_dispatch" in t:  # every peer remote: the engine alone moving the phase's bytes
+            e = t["engine_dispatch"] + t["engine_combine"] if phase == "total" else t[f"engine_{phase}"]
+            row["engine_p50_us"] = report.percentiles_us(e)["p50"]
+            row["phase_engine"] = report.ratio(o["p50"], row["engine_p50_us"])
         rows.append(row)
     return rows
 
@@ -225,8 +246,13 @@ COLUMNS = (
 )
 
 
+# With every peer remote: the engine alone moving each phase's per-peer bytes (moe_a2a.bench.engine_ref).
+ENGINE_COLUMNS = (("engine_p50_us", "engine alone p50 (us)"), ("phase_engine", "moe-a2a/engine"))
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    return report.columns_table(COLUMNS, rows, default=".0f")
+    columns = COLUMNS + (ENGINE_COLUMNS if any("engine_p50_us" in r for r in rows) else ())
+    return report.columns_table(columns, rows, formats={"phase_engine": ".2f"}, default=".0f")
 
 
 # What each baseline is (moe_a2a/bench/baseline.py), for the configuration block.
@@ -237,7 +263,9 @@ BASELINE_WHAT = {
 }
 NOTE = (
     f"{report.RATIO_NOTE}; each phase is the slowest rank's, after a barrier; "
-    "total = dispatch + combine of each iteration"
+    "total = dispatch + combine of each iteration; with every peer remote, moe-a2a/engine = the phase "
+    "over the engine alone moving the same per-peer bytes on the same provider "
+    "(above 1: time beyond the fabric's)"
 )
 
 

@@ -18,7 +18,7 @@ namespace moe_a2a::a2a::cpu {
 
 class CpuAllToAll {
  public:
-  CpuAllToAll(Workspace* workspace, fabric::TransferEngine* engine, uint32_t region, uint32_t group,
+  CpuAllToAll(Workspace* workspace, fabric::TransferEngine* engine, fabric::RegionId region, fabric::GroupId group,
               const std::vector<int>& remote_peers, const std::vector<int>& pids = {});
   ~CpuAllToAll();
 

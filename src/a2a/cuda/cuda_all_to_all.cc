@@ -35,7 +35,8 @@ size_t aligned_size(size_t bytes) { return align_up(bytes, kScratchAlign); }
 
 }  // namespace
 
-CudaAllToAll::CudaAllToAll(Workspace* host_workspace, fabric::TransferEngine* engine, uint32_t region, uint32_t group,
+CudaAllToAll::CudaAllToAll(Workspace* host_workspace, fabric::TransferEngine* engine, fabric::RegionId region,
+                           fabric::GroupId group,
                            const std::vector<int>& remote_peers)
     : cfg_(host_workspace->config()), layout_(host_workspace->layout()) {
   allocate();

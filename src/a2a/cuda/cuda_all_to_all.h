@@ -36,7 +36,8 @@ struct HostWords {
 class CudaAllToAll {
  public:
   // A rank of a job: `host_workspace` already maps its node's peers.
-  CudaAllToAll(Workspace* host_workspace, fabric::TransferEngine* engine, uint32_t region, uint32_t group,
+  CudaAllToAll(Workspace* host_workspace, fabric::TransferEngine* engine, fabric::RegionId region,
+               fabric::GroupId group,
                const std::vector<int>& remote_peers);
   // A rank without fabric or proxy (kernel tests: several ranks in one
   // process). The host workspace is pinned memory of its own; peers are

@@ -1,0 +1,149 @@
+"""The transfer engine alone, moving the bytes of each a2a phase: the reference of `bench a2a`.
+
+With `--ranks-per-node 1` every peer is remote and each phase's bytes go
+through the engine. For each iteration this module moves the same per-peer
+sizes as the phase did, on an engine of its own with the same provider, and
+times it the same way (after an MPI barrier, slowest rank):
+
+- dispatch: the routing row to every peer (`num_experts` x 4 bytes), then one
+  write per peer of the rows sent to it (copies x dispatch row bytes; none
+  where there are no copies), then waits for every peer's;
+- combine: one write per peer of the rows it sent us (copies x combine row
+  bytes, empty where none), as the proxy sends it, then waits.
+
+Each ends when every expected write has arrived and our own writes are
+complete. The phase/engine ratio says how far an a2a phase is from the
+fabric time of its own bytes (issue 16: the goal is 1.3x or less).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+ROUTE_TAG, DISPATCH_TAG, COMBINE_TAG = 1, 2, 3  # this module's own engine: any fixed tags do
+TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class RowBytes:
+    """What one token copy weighs in each phase (A2AConfig.dispatch_row_bytes, combine_row_bytes)."""
+
+    dispatch: int
+    combine: int
+    routing_row: int  # num_experts x 4
+
+
+def copies_to(ids: np.ndarray, world: int, num_experts: int) -> np.ndarray:
+    """Token copies this rank sends to each rank: ids are [T, K] expert ids, experts split evenly."""
+    if num_experts % world:
+        raise ValueError(f"num_experts: got {num_experts}; expected a multiple of the world size {world}")
+    owners = np.asarray(ids, dtype=np.int64).reshape(-1) // (num_experts // world)
+    return np.bincount(owners, minlength=world)[:world]
+
+
+def start_for(a2a: Any, comm: Any, provider: str | None) -> EngineReference | None:
+    """The reference for an AllToAll whose peers are all remote (one rank per node); else None."""
+    if a2a.world_size < 2 or a2a._boot.topology.local_size != 1:
+        return None
+    core = a2a._core_cfg
+    rows = RowBytes(core.dispatch_row_bytes, core.combine_row_bytes, a2a.cfg.num_experts * 4)
+    return EngineReference(comm, provider, rows, a2a.cfg.max_tokens * a2a.cfg.topk, a2a.max_recv_tokens)
+
+
+class EngineReference:
+    """An engine with send and receive buffers for the largest phase; collective to build and use."""
+
+    def __init__(
+        self, comm: Any, provider: str | None, rows: RowBytes, max_send_copies: int, max_recv_copies: int
+    ) -> None:
+        from moe_a2a.bootstrap import Bootstrap
+        from moe_a2a.fabric import Engine
+
+        self.comm = comm
+        self.rank, self.world = comm.Get_rank(), comm.Get_size()
+        self.rows = rows
+        self.peers = [p for p in range(self.world) if p != self.rank]
+        self.routes = self.world * rows.routing_row  # routing rows first, at sender * row
+        most = max(rows.dispatch, rows.combine)
+        self.src = np.zeros(self.routes + max(max_send_copies, max_recv_copies) * most, np.uint8)
+        self.recv = np.zeros(self.routes + max(max_send_copies, max_recv_copies) * most, np.uint8)
+        self.engine = Engine(Bootstrap(comm), None if provider in (None, "auto") else provider)
+        self.src_region = self.engine.register(self.src)
+        remotes = self.engine.exchange_region(self.engine.register(self.recv))
+        self.group = self.engine.group(self.peers, remotes)
+
+    def measure(self, ids: np.ndarray, num_experts: int) -> tuple[float, float]:
+        """Time (ns, slowest rank) to move one iteration's dispatch and combine bytes."""
+        from mpi4py import MPI
+
+        from moe_a2a.fabric import ScatterItem
+
+        mine = copies_to(ids, self.world, num_experts)
+        counts = np.array(self.comm.allgather(mine))  # counts[s, r]: copies s sends to r
+        core, rows = self.engine.core, self.rows
+        # Dispatch: the routing row, then the rows, packed by destination; at the
+        # receiver each sender's rows follow the previous senders'.
+        at = self.rank * rows.routing_row
+        route = [ScatterItem(i, 0, rows.routing_row, at) for i in range(len(self.peers))]
+        sent = np.concatenate([[0], np.cumsum(counts[self.rank])])
+        before = np.cumsum(counts, axis=0) - counts  # before[s, r]: copies senders < s send to r
+        data = [
+            ScatterItem(
+                i,
+                self.routes + int(sent[p]) * rows.dispatch,
+                int(counts[self.rank, p]) * rows.dispatch,
+                self.routes + int(before[self.rank, p]) * rows.dispatch,
+            )
+            for i, p in enumerate(self.peers)
+            if counts[self.rank, p] > 0
+        ]
+        senders = [s for s in self.peers if counts[s, self.rank] > 0]
+
+        def dispatch() -> None:
+            core.scatter(self.group, self.src_region, route, ROUTE_TAG)
+            core.scatter(self.group, self.src_region, data, DISPATCH_TAG)
+            for s in self.peers:
+                core.wait_imm(ROUTE_TAG, s, 1, TIMEOUT_S)
+            for s in senders:
+                core.wait_imm(DISPATCH_TAG, s, 1, TIMEOUT_S)
+            core.wait_tx(TIMEOUT_S)
+
+        # Combine: back to each peer the rows it sent us, into its rows for our experts.
+        got = np.concatenate([[0], np.cumsum(counts[:, self.rank])])
+        back = [
+            ScatterItem(
+                i,
+                int(got[p]) * rows.combine,
+                int(counts[p, self.rank]) * rows.combine,
+                int(sent_by(counts, p, self.rank)) * rows.combine,
+            )
+            for i, p in enumerate(self.peers)
+        ]
+
+        def combine() -> None:
+            core.scatter(self.group, self.src_region, back, COMBINE_TAG)
+            for s in self.peers:
+                core.wait_imm(COMBINE_TAG, s, 1, TIMEOUT_S)
+            core.wait_tx(TIMEOUT_S)
+
+        times = []
+        for phase in (dispatch, combine):
+            self.comm.Barrier()
+            start = time.perf_counter_ns()
+            phase()
+            times.append(self.comm.allreduce(time.perf_counter_ns() - start, op=MPI.MAX))
+        return times[0], times[1]
+
+    def close(self) -> None:
+        """Collective: nobody drops the engine while a peer may still write into it."""
+        self.comm.Barrier()
+        self.engine = None  # type: ignore[assignment]
+
+
+def sent_by(counts: np.ndarray, sender: int, receiver: int) -> int:
+    """Where `receiver`'s rows start among `sender`'s sent rows (the copies sender sends to lower ranks)."""
+    return int(counts[sender, :receiver].sum())
