@@ -13,12 +13,20 @@ try:
 except PackageNotFoundError:  # imported from a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["AllToAll", "CapacityError", "Config", "FabricError", "FabricTimeoutError", "__version__"]
+__all__ = [
+    "AllToAll",
+    "CapacityError",
+    "Config",
+    "FabricError",
+    "FabricTimeoutError",
+    "Routing",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:
     # AllToAll pulls in torch: load it on first use, so the CLI starts fast.
-    if name in ("AllToAll", "Config"):
+    if name in ("AllToAll", "Config", "Routing"):
         from moe_a2a import all_to_all
 
         return getattr(all_to_all, name)

@@ -63,6 +63,23 @@ void Proxy::wait_node_flags(FlagKind kind, uint64_t epoch, const char* what) {
   }
 }
 
+// Step 3 of an uncached call: every peer's routing row has arrived.
+void Proxy::exchange_routing(uint64_t epoch) {
+  const A2AConfig& c = ctx_.config;
+  // A peer running this call cached sends no row: say so, rather than only that it timed out.
+  const std::string hint = " (a peer that runs this dispatch along a cached routing sends none: every rank must "
+                           "run a call cached, or none)";
+  try {
+    for (int s : ctx_.remote_peers) ctx_.engine->wait_imm(tag(kTagRoute), s, 1, c.timeout_s);
+    wait_node_flags(kFlagRoute, epoch, "routing row");
+  } catch (const fabric::TimeoutError& e) {
+    throw fabric::TimeoutError(e.what() + hint);
+  }
+  int same_node_peers = 0;
+  for (int r = 0; r < c.world; ++r) same_node_peers += r != c.rank && c.same_node(r);
+  rows_received_.fetch_add(ctx_.remote_peers.size() + same_node_peers, std::memory_order_relaxed);
+}
+
 void Proxy::node_barrier(uint64_t epoch) {
   const A2AConfig& c = ctx_.config;
   for (int r = 0; r < c.world; ++r)
@@ -81,9 +98,13 @@ void Proxy::step(uint64_t epoch) {
   const size_t routing_bytes = static_cast<size_t>(c.num_experts) * sizeof(uint32_t);
   // Our own row is final once route_ready is raised; the others are read once
   // they have all arrived, into a snapshot (same-node peers rewrite their rows
-  // as soon as our combine flag frees them, before this step is over).
+  // as soon as our combine flag frees them, before this step is over). A
+  // cached call brings the whole matrix and exchanges no row.
+  const bool cached = ctx_.signals->cached.get() == epoch;
+  const size_t matrix_words = static_cast<size_t>(c.world) * c.num_experts;
+  if (cached) routing_.assign(ctx_.signals->cached_routing, ctx_.signals->cached_routing + matrix_words);
   const auto* live = reinterpret_cast<const uint32_t*>(ctx_.workspace + l.routing);
-  RoutingView own{live, c.world, c.num_experts, c.num_local_experts()};
+  RoutingView own{cached ? routing_.data() : live, c.world, c.num_experts, c.num_local_experts()};
 
   // 1. Our routing row, to every remote peer at once.
   std::vector<ScatterItem> items;
@@ -91,9 +112,12 @@ void Proxy::step(uint64_t epoch) {
   auto scatter = [&](uint32_t t) {
     if (!remotes.empty()) engine->scatter(ctx_.group, ctx_.region, items.data(), items.size(), t);
   };
-  const size_t my_row = l.routing_row(c.rank, c.num_experts);
-  for (size_t i = 0; i < remotes.size(); ++i) items.push_back({static_cast<uint32_t>(i), my_row, routing_bytes, my_row});
-  scatter(tag(kTagRoute));
+  if (!cached) {
+    const size_t my_row = l.routing_row(c.rank, c.num_experts);
+    for (size_t i = 0; i < remotes.size(); ++i) items.push_back({static_cast<uint32_t>(i), my_row, routing_bytes, my_row});
+    scatter(tag(kTagRoute));
+    rows_sent_.fetch_add(remotes.size(), std::memory_order_relaxed);
+  }
 
   // 2. The private part of every remote peer's tokens, without waiting for
   //    anyone's routing.
@@ -116,9 +140,10 @@ void Proxy::step(uint64_t epoch) {
 
   // 3. Everyone's routing rows; then the plan, the capacity check and the
   //    overflow writes into each peer's shared section.
-  for (int s : remotes) engine->wait_imm(tag(kTagRoute), s, 1, c.timeout_s);
-  wait_node_flags(kFlagRoute, epoch, "routing row");
-  routing_.assign(live, live + static_cast<size_t>(c.world) * c.num_experts);
+  if (!cached) {
+    exchange_routing(epoch);
+    routing_.assign(live, live + matrix_words);
+  }
   RoutingView view{routing_.data(), c.world, c.num_experts, c.num_local_experts()};
   int worst_rank = -1;
   uint64_t worst = 0;

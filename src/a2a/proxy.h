@@ -58,6 +58,10 @@ class Proxy {
   // last overflowing epoch otherwise.
   std::string error() const;
   std::string overflow_message() const;
+  // Routing rows this proxy wrote to remote peers, and peers' rows (remote
+  // arrivals and same-node flags) it waited for; cached calls add none.
+  uint64_t routing_rows_sent() const { return rows_sent_.load(std::memory_order_relaxed); }
+  uint64_t routing_rows_received() const { return rows_received_.load(std::memory_order_relaxed); }
 
  private:
   void run();
@@ -65,6 +69,7 @@ class Proxy {
   void step(uint64_t epoch);
   void node_barrier(uint64_t epoch);
   void wait_node_flags(FlagKind kind, uint64_t epoch, const char* what);
+  void exchange_routing(uint64_t epoch);
   uint32_t tag(Tag kind) const { return wire_tag(ctx_.config.instance, kind); }
 
   ProxyContext ctx_;
@@ -73,6 +78,7 @@ class Proxy {
   std::string error_;
   std::string overflow_;
   std::vector<uint32_t> routing_;  // snapshot of the routing matrix of the current epoch
+  std::atomic<uint64_t> rows_sent_{0}, rows_received_{0};
   std::thread thread_;
 };
 

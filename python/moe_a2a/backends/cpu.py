@@ -19,25 +19,32 @@ class CpuBackend:
     def __init__(self, setup: Setup) -> None:
         self.cfg = setup.cfg
         engine = setup.engine.core if setup.engine is not None else None  # None: no remote peer
-        self._impl = _core.CpuAllToAll(
-            setup.workspace, engine, setup.region, setup.group, setup.remote_peers
-        )
+        self._impl = _core.CpuAllToAll(setup.workspace, engine, setup.region, setup.group, setup.remote_peers)
 
     @property
     def epoch(self) -> int:
         return int(self._impl.epoch)
 
-    def dispatch_send(self, x: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor) -> None:
+    def dispatch_send(
+        self, x: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor, routing: torch.Tensor | None
+    ) -> None:
+        """`routing`: a cached call's matrix (the core copies it before returning)."""
         self._impl.dispatch_send(
             x.data_ptr(),
             CORE_DTYPE[x.dtype],
             scale.data_ptr() if scale is not None else 0,
             ids.data_ptr(),
             x.shape[0],
+            routing.data_ptr() if routing is not None else 0,
         )
 
-    def dispatch_recv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def dispatch_recv(
+        self, dtype: torch.dtype, routing_out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """`routing_out`: [world, num_experts] int32 that receives the call's routing matrix."""
         rows = self._impl.dispatch_wait()
+        if routing_out is not None:
+            self._impl.copy_routing(routing_out.data_ptr())
         expert_x = torch.empty(rows, self.cfg.hidden, dtype=dtype)
         scale = None
         if dtype == torch.float8_e4m3fn:
@@ -54,6 +61,9 @@ class CpuBackend:
     def copies(self) -> tuple[np.ndarray, np.ndarray]:
         """Token copies this rank sent to / received from each rank in the last dispatch."""
         return np.array(self._impl.sent_counts()), np.array(self._impl.received_counts())
+
+    def routing_rows(self) -> tuple[int, int]:
+        return int(self._impl.routing_rows_sent), int(self._impl.routing_rows_received)
 
     def close(self) -> None:
         self._impl = None

@@ -8,6 +8,7 @@
 
 #include "../env.h"
 #include "../errors.h"
+#include "../plan.h"
 #include "../wait.h"
 #include "fabric/error.h"
 #include "launch.h"
@@ -29,6 +30,18 @@ void check_cuda(cudaError_t err, const char* what) {
 }
 
 size_t aligned_size(size_t bytes) { return align_up(bytes, kScratchAlign); }
+
+// The device address of pinned host memory (a handle's routing matrix, from
+// torch's pinned allocator: mapped wherever addressing is unified).
+template <typename T>
+T* mapped_device_pointer(T* host, const char* what) {
+  void* device = nullptr;
+  if (cudaHostGetDevicePointer(&device, const_cast<void*>(static_cast<const void*>(host)), 0) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it
+    throw std::invalid_argument(std::string("dispatch: ") + what + ": expected pinned host memory mapped for the GPU");
+  }
+  return static_cast<T*>(device);
+}
 
 }  // namespace
 
@@ -332,7 +345,25 @@ int64_t CudaAllToAll::max_output_rows() const {
 
 void CudaAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_scale, const void* topk_ids,
                                  bool ids_64bit, int num_tokens, const int32_t* num_tokens_device,
-                                 cudaStream_t stream) {
+                                 cudaStream_t stream, const uint32_t* routing) {
+  int same_node_peers = 0;
+  for (int r = 0; r < cfg_.world; ++r) same_node_peers += r != cfg_.rank && cfg_.same_node(r);
+  if (routing != nullptr) {
+    if (num_tokens_device != nullptr)
+      throw std::invalid_argument("dispatch_send: a cached call takes num_tokens from the host, not num_tokens_device");
+    check_cached_routing(cfg_, routing, num_tokens);
+    call_routing_ = mapped_device_pointer(routing, "routing");
+    if (has_remote_) {  // the proxy starts from the matrix at once: the kernels publish nothing
+      cached_.assign(routing, routing + static_cast<size_t>(cfg_.world) * cfg_.num_experts);
+      signals_->cached_routing = cached_.data();
+      signals_->cached.set(epoch_ + 1);
+      signals_->route_ready.set(epoch_ + 1);
+    }
+  } else {
+    call_routing_ = nullptr;
+    rows_sent_ += same_node_peers;
+    if (!has_remote_) rows_received_ += same_node_peers;  // our plan reads them (a proxy counts its own waits)
+  }
   DispatchSendParams p;
   p.inst = instance();
   p.scratch = scratch_;
@@ -343,12 +374,15 @@ void CudaAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_sc
   p.ids_are_64bit = ids_64bit ? 1 : 0;
   p.num_tokens = num_tokens;
   p.num_tokens_ptr = num_tokens_device;
+  p.cached = routing != nullptr ? 1 : 0;
   check_cuda(launch_dispatch_send(p, stream), "dispatch send");
   ++epoch_;
 }
 
 void CudaAllToAll::dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_per_expert, bool host_wait,
-                                 cudaStream_t stream) {
+                                 cudaStream_t stream, uint32_t* routing_out) {
+  if (!host_wait && (call_routing_ != nullptr || routing_out != nullptr))
+    throw std::invalid_argument("dispatch_recv: a cached call and routing_out need host_wait (eager calls)");
   if (host_wait) {
     wait_host(kFlagDispatch, signals_->dispatch_done, "dispatch");
     if (has_remote_ && signals_->overflow.get() == epoch_)
@@ -363,6 +397,8 @@ void CudaAllToAll::dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_
   p.max_output_rows = max_output_rows();
   p.wait_in_kernel = host_wait ? 0 : 1;  // and with host_wait the plan kernel signals `planned`
   p.fused = host_wait && fused_recv_ ? 1 : 0;
+  p.routing = call_routing_;
+  p.routing_out = routing_out != nullptr ? mapped_device_pointer(routing_out, "routing_out") : nullptr;
   check_cuda(launch_dispatch_recv(p, stream), "dispatch recv");
   plan_signals_host_ = host_wait;
 }
