@@ -101,6 +101,11 @@ inline RecvPlan make_recv_plan(const RoutingView& v, int rank, uint64_t private_
   return p;
 }
 
+// Appended to a timeout waiting for a routing row: a peer running the call
+// cached publishes none (docs/protocol.md, "Cached calls", Agreement).
+inline constexpr const char* kCachedMismatchHint =
+    " (a peer that runs this dispatch along a cached routing sends none: every rank must run a call cached, or none)";
+
 // A cached call's matrix ([world][num_experts], docs/protocol.md "Cached
 // calls"), before anything is published: every row fits a send section and
 // ours holds as many copies as the call has, so no position computed from it

@@ -67,13 +67,11 @@ void Proxy::wait_node_flags(FlagKind kind, uint64_t epoch, const char* what) {
 void Proxy::exchange_routing(uint64_t epoch) {
   const A2AConfig& c = ctx_.config;
   // A peer running this call cached sends no row: say so, rather than only that it timed out.
-  const std::string hint = " (a peer that runs this dispatch along a cached routing sends none: every rank must "
-                           "run a call cached, or none)";
   try {
     for (int s : ctx_.remote_peers) ctx_.engine->wait_imm(tag(kTagRoute), s, 1, c.timeout_s);
     wait_node_flags(kFlagRoute, epoch, "routing row");
   } catch (const fabric::TimeoutError& e) {
-    throw fabric::TimeoutError(e.what() + hint);
+    throw fabric::TimeoutError(e.what() + std::string(kCachedMismatchHint));
   }
   int same_node_peers = 0;
   for (int r = 0; r < c.world; ++r) same_node_peers += r != c.rank && c.same_node(r);

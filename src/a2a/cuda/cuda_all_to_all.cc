@@ -387,6 +387,16 @@ void CudaAllToAll::dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_
     wait_host(kFlagDispatch, signals_->dispatch_done, "dispatch");
     if (has_remote_ && signals_->overflow.get() == epoch_)
       throw CapacityError("rank " + std::to_string(cfg_.rank) + ": " + capacity_message());
+    // With a proxy, it waited for every routing row; without one nobody does in
+    // eager calls: a same-node peer that ran this call cached raised its dispatch
+    // flag but no route flag, and its row in our workspace is an older call's.
+    if (!has_remote_ && call_routing_ == nullptr) {
+      try {
+        wait_host(kFlagRoute, signals_->dispatch_done, "routing row");
+      } catch (const fabric::TimeoutError& e) {
+        throw fabric::TimeoutError(e.what() + std::string(kCachedMismatchHint));
+      }
+    }
   }
   DispatchRecvParams p;
   p.inst = instance();
