@@ -11,6 +11,7 @@ publishes a row), while the full dispatch after it must still work.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -132,6 +133,11 @@ def test_bad_routing_names_the_argument(a2a: AllToAll, seed: int) -> None:
         a2a.dispatch(wrong, routing=d.routing)
     with pytest.raises(ValueError, match="keep_routing: got"):
         a2a.dispatch(x, ids, w, keep_routing=1)
+    if DEVICE == "cpu":  # where checking costs no stream synchronisation: a changed row of ours
+        changed = d.routing.matrix.clone()
+        changed[RANK, 0] += 1
+        with pytest.raises(ValueError, match=f"routing: row {RANK} of its matrix does not count"):
+            a2a.dispatch(rows, routing=dataclasses.replace(d.routing, matrix=changed))
     round_trip(a2a, rows, routing=d.routing)  # still usable
 
 

@@ -18,17 +18,8 @@ SCRIPT = Path(__file__).with_name("cached_mismatch_job.py")
     ("provider", "layout"), [("tcp", "1"), ("shm", "node")], ids=["tcp-own-nodes", "shm-one-node"]
 )
 def test_cached_and_uncached_ranks_do_not_pair(provider: str, layout: str) -> None:
-    cmd = [
-        "mpirun",
-        "--allow-run-as-root",
-        "--oversubscribe",
-        "-n",
-        "2",
-        sys.executable,
-        str(SCRIPT),
-        provider,
-        layout,
-    ]
+    mpirun = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "2"]
+    cmd = [*mpirun, sys.executable, str(SCRIPT), provider, layout]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out
