@@ -69,7 +69,7 @@ def test_bench_train_runs_and_agrees(dtype: str, tmp_path: Path, capsys: pytest.
     else:
         print(f"TorchTitan baselines: skipped {result['skipped']}; checking the rows that ran")
     rows = result["rows"]
-    phases = ("fwd", "fwd+bwd")
+    phases = ("fwd", "bwd", "fwd+bwd")
     assert [(r["contender"], r["phase"]) for r in rows] == [(c, p) for c in expected for p in phases]
     for r in rows:
         assert r["world"] == world and r["dispatch_dtype"] == dtype and r["grad_dtype"] == "bf16"
