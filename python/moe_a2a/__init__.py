@@ -20,13 +20,14 @@ __all__ = [
     "FabricError",
     "FabricTimeoutError",
     "PeerFailedError",
+    "Routing",
     "__version__",
 ]
 
 
 def __getattr__(name: str) -> Any:
     # AllToAll pulls in torch: load it on first use, so the CLI starts fast.
-    if name in ("AllToAll", "Config"):
+    if name in ("AllToAll", "Config", "Routing"):
         from moe_a2a import all_to_all
 
         return getattr(all_to_all, name)

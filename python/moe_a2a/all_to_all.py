@@ -114,6 +114,25 @@ class Config:
         return private, recv
 
 
+@dataclass(frozen=True, eq=False)
+class Routing:
+    """The gathered routing of one dispatch, kept to dispatch new rows along it with no routing exchange.
+
+    `dispatch(..., keep_routing=True)` returns it as `Dispatched.routing`;
+    `dispatch(x, routing=r)` on any instance of the same ranks and shape then
+    publishes no routing row and waits for none (docs/protocol.md, "Cached
+    calls"). Every rank must make the same call cached. Leave the tensors as
+    they are: the positions of every rank's rows follow from them.
+    """
+
+    matrix: torch.Tensor  # [world, num_experts] int32: count[s][e], on the host (pinned for CUDA)
+    topk_ids: torch.Tensor  # [T, topk], as the core took them
+    topk_weights: torch.Tensor  # [T, topk] fp32
+    rank: int = field(repr=False)
+    world_size: int = field(repr=False)
+    max_tokens: int = field(repr=False)
+
+
 @dataclass
 class PendingDispatch:
     """A dispatch whose send half is done; pass it to `dispatch(handle=..., send=False)`."""
@@ -122,6 +141,9 @@ class PendingDispatch:
     num_tokens: int
     topk_weights: torch.Tensor
     owner: int = field(repr=False, default=0)
+    routing: Routing | None = field(repr=False, default=None)  # the call's, when cached
+    keep_routing: bool = field(repr=False, default=False)
+    topk_ids: torch.Tensor | None = field(repr=False, default=None)
 
 
 @dataclass
@@ -135,6 +157,7 @@ class Dispatched:
     num_tokens: int = field(repr=False, default=0)
     topk_weights: torch.Tensor | None = field(repr=False, default=None)
     owner: int = field(repr=False, default=0)
+    routing: Routing | None = None  # with keep_routing=True, or the cached call's
 
 
 @dataclass
@@ -285,6 +308,7 @@ class AllToAll:
         self._calls = 0  # API calls so far, rejected ones included: failures name theirs
         self._failure: str | None = None
         self._last: Dispatched | None = None
+        self._last_cached = False
         self._boot.barrier()  # every proxy runs and every peer is mapped before anyone writes
 
     # -- start-up -------------------------------------------------------------------------------
@@ -334,18 +358,24 @@ class AllToAll:
         send: bool = True,
         recv: bool = True,
         handle: PendingDispatch | None = None,
+        routing: Routing | None = None,
+        keep_routing: bool = False,
     ) -> Dispatched | PendingDispatch:
         """Send tokens to their experts' ranks and/or receive this rank's share.
 
         `send=True, recv=False` returns a `PendingDispatch` while bytes are in flight;
-        `dispatch(handle=pending, send=False)` finishes it.
+        `dispatch(handle=pending, send=False)` finishes it. `keep_routing=True`
+        returns the call's `Routing` in `Dispatched.routing`; `routing=r` sends `x`
+        along it (its ids and, unless given, its weights) with no routing exchange.
         """
         if not send and not recv:
             raise ValueError("dispatch: send and recv are both False; nothing to do")
         if send:
             if handle is not None:
                 raise ValueError("dispatch: handle= is only for the receive half (send=False)")
-            handle = self._dispatch_send(x, topk_ids, topk_weights, x_scale)
+            handle = self._dispatch_send(x, topk_ids, topk_weights, x_scale, routing, keep_routing)
+        elif routing is not None or keep_routing:
+            raise ValueError("dispatch: routing= and keep_routing= belong to the send half (send=True)")
         if not recv:
             return handle
         if handle is None or not isinstance(handle, PendingDispatch):
@@ -354,16 +384,72 @@ class AllToAll:
             )
         return self._dispatch_recv(handle)
 
-    def _dispatch_send(self, x: Any, topk_ids: Any, topk_weights: Any, x_scale: Any) -> PendingDispatch:
+    def _dispatch_send(
+        self, x: Any, topk_ids: Any, topk_weights: Any, x_scale: Any, routing: Any, keep_routing: Any
+    ) -> PendingDispatch:
         if self._state != "idle":
             raise RuntimeError(
                 f"dispatch: the previous dispatch (epoch {self.epoch}) has not been combined yet; "
                 "every dispatch must be followed by combine before the next dispatch"
             )
+        if not isinstance(keep_routing, bool):
+            raise ValueError(f"dispatch: keep_routing: got {keep_routing!r}; expected True or False")
+        if (routing is not None or keep_routing) and self.graph_safe:
+            raise ValueError(
+                "dispatch: routing= and keep_routing= need eager calls; graph_safe=True exchanges the routing"
+            )
+        if routing is not None:
+            self._check_routing(routing, x, topk_ids)
+            topk_ids = routing.topk_ids
+            if topk_weights is None:
+                topk_weights = routing.topk_weights
         x, ids, weights, scale = self._validate_dispatch(x, topk_ids, topk_weights, x_scale)
-        self._backend.dispatch_send(x, scale, ids)
+        if routing is not None and not self._backend.checks_ids:
+            self._check_own_row(routing, ids)
+        matrix = routing.matrix if routing is not None else None
+        self._backend.dispatch_send(x, scale, ids, matrix)
         self._state = "dispatch_sent"
-        return PendingDispatch(epoch=self.epoch, num_tokens=x.shape[0], topk_weights=weights, owner=self.id)
+        return PendingDispatch(
+            epoch=self.epoch,
+            num_tokens=x.shape[0],
+            topk_weights=weights,
+            owner=self.id,
+            routing=routing,
+            keep_routing=keep_routing and routing is None,
+            topk_ids=ids,
+        )
+
+    def _check_routing(self, routing: Any, x: Any, topk_ids: Any) -> None:
+        """A Routing made by an instance of the same ranks and shape, and no ids beside it."""
+        if not isinstance(routing, Routing):
+            raise TypeError(f"dispatch: routing: got {type(routing).__name__}; expected a moe_a2a.Routing")
+        if topk_ids is not None:
+            raise ValueError("dispatch: with routing=, leave topk_ids out (the routing has them)")
+        want = (self.rank, self.world_size, self.cfg.num_experts, self.cfg.topk)
+        got = (routing.rank, routing.world_size, routing.matrix.shape[1], routing.topk_ids.shape[1])
+        if got != want or routing.max_tokens > self.cfg.max_tokens:
+            raise ValueError(
+                f"dispatch: routing: made for (rank, world size, num_experts, topk) = {got} and "
+                f"max_tokens {routing.max_tokens}; expected {want} and at most {self.cfg.max_tokens}"
+            )
+        if routing.topk_ids.device != self.device:
+            raise ValueError(
+                f"dispatch: routing: its topk_ids are on {routing.topk_ids.device}; expected {self.device}"
+            )
+        tokens = routing.topk_ids.shape[0]
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] != tokens:
+            raise ValueError(
+                f"dispatch: x: got {_describe(x)}; expected {tokens} rows (the routing's tokens)"
+            )
+
+    def _check_own_row(self, routing: Routing, ids: torch.Tensor) -> None:
+        """Where it costs no stream synchronisation: our row of the matrix is what the ids count."""
+        counts = torch.bincount(ids.flatten().to(torch.int64), minlength=self.cfg.num_experts)
+        if not torch.equal(counts.to(torch.int32), routing.matrix[self.rank]):
+            raise ValueError(
+                f"dispatch: routing: row {self.rank} of its matrix does not count its topk_ids; "
+                "expected the Routing as dispatch returned it, unchanged"
+            )
 
     def _check_owner(self, what: str, handle: Any) -> None:
         """Before any buffer is touched: the handle must be this instance's own."""
@@ -380,12 +466,32 @@ class AllToAll:
                 f"dispatch: handle of epoch {handle.epoch} is not the dispatch in flight "
                 f"(state {self._state}, epoch {self.epoch})"
             )
+        keep = None
+        if handle.keep_routing:
+            keep = torch.empty(
+                self.world_size,
+                self.cfg.num_experts,
+                dtype=torch.int32,
+                pin_memory=self.device.type == "cuda",
+            )
         try:
-            expert_x, scale, counts = self._backend.dispatch_recv(DISPATCH_DTYPES[self.cfg.dispatch_dtype])
+            dtype = DISPATCH_DTYPES[self.cfg.dispatch_dtype]
+            expert_x, scale, counts = self._backend.dispatch_recv(dtype, keep)
         except CapacityError:
             self._state = "idle"  # every rank failed this call alike; the next one starts clean
             raise
         self._state = "dispatched"
+        routing = handle.routing
+        if keep is not None:
+            assert handle.topk_ids is not None
+            routing = Routing(
+                matrix=keep,
+                topk_ids=handle.topk_ids,
+                topk_weights=handle.topk_weights.detach(),
+                rank=self.rank,
+                world_size=self.world_size,
+                max_tokens=self.cfg.max_tokens,
+            )
         d = Dispatched(
             expert_x=expert_x,
             expert_x_scale=scale,
@@ -394,8 +500,9 @@ class AllToAll:
             num_tokens=handle.num_tokens,
             topk_weights=handle.topk_weights,
             owner=self.id,
+            routing=routing,
         )
-        self._last = d
+        self._last, self._last_cached = d, handle.routing is not None
         return d
 
     # -- combine --------------------------------------------------------------------------------
@@ -578,7 +685,7 @@ class AllToAll:
         if self._last is None:
             return out
         sent, received = self._backend.copies()
-        routing = self.cfg.num_experts * 4
+        routing = 0 if self._last_cached else self.cfg.num_experts * 4
         for peer in range(self.world_size):
             if peer == self.rank:
                 continue
@@ -589,6 +696,15 @@ class AllToAll:
                 + int(received[peer]) * self._core_cfg.combine_row_bytes
             )
         return out
+
+    def routing_rows(self) -> tuple[int, int]:
+        """(sent, received): routing rows this rank wrote to peers and peers' rows it waited for, so far.
+
+        An uncached dispatch adds `world_size - 1` to each; a cached one
+        (`dispatch(routing=...)`) adds nothing.
+        """
+        self._check_open()
+        return self._backend.routing_rows()
 
     def close(self, wait_for_peers: bool = True) -> None:
         """Stop the proxy and the engine and release the buffers.

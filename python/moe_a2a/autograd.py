@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from moe_a2a.all_to_all import AllToAll, Config, Dispatched, _describe
+from moe_a2a.all_to_all import AllToAll, Config, Dispatched, Routing, _describe
 from moe_a2a.kernels.scale_dot import scale_dot
 from moe_a2a.reference import dequantize_fp8
 
@@ -43,9 +43,10 @@ _ids = itertools.count(1)
 class RoutingHandle:
     """One dispatch's routing, owned by the handle: what its combine and its backward need.
 
-    The core recomputes every position from `topk_ids` (positions are pure
-    functions of the routing), so a handle can be dispatched again with new
-    rows (`ExpertParallel.dispatch(x, handle=h)`) long after later layers ran.
+    It keeps the gathered routing matrix (`routing`, `world x num_experts`
+    int32), so dispatching new rows along it (`ExpertParallel.dispatch(x,
+    handle=h)`, and the backward of combine) exchanges no routing rows, long
+    after later layers ran.
     """
 
     owner: int
@@ -59,6 +60,7 @@ class RoutingHandle:
     row_weights: torch.Tensor | None = None  # [R] fp32 (0 on padding rows)
     x_dtype: torch.dtype = torch.bfloat16
     weights_grad: bool = False  # topk_weights wanted a gradient: the backward needs the side channel
+    routing: Routing | None = None  # the forward's gathered routing: later dispatches along it exchange none
     _finalizer: Any = field(default=None, repr=False)
 
     @property
@@ -125,8 +127,15 @@ class _Channel:
         return self._d is not None and self.open is h
 
     def dispatch_send(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, closable: bool
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        closable: bool,
+        routing: Routing | None = None,
+        keep_routing: bool = False,
     ) -> None:
+        """With `routing`, along it (no routing exchange); `keep_routing` returns this call's."""
         if self._d is not None and self._closable:
             assert self.open is not None
             self.combine_send(torch.zeros_like(self._d.expert_x), self.open, weighted=False)
@@ -137,7 +146,10 @@ class _Channel:
                 f"dispatch: the dispatch of handle #{seq} has not been combined yet; "
                 "every dispatch must be followed by its combine"
             )
-        self._pending = self.a2a.dispatch(x, ids, weights, recv=False)
+        if routing is not None:
+            self._pending = self.a2a.dispatch(x, topk_weights=weights, routing=routing, recv=False)
+        else:
+            self._pending = self.a2a.dispatch(x, ids, weights, recv=False, keep_routing=keep_routing)
         self._closable = closable
 
     def dispatch_recv(self) -> Dispatched:
@@ -147,7 +159,7 @@ class _Channel:
         return d
 
     def dispatch(self, x: torch.Tensor, h: RoutingHandle, closable: bool) -> Dispatched:
-        self.dispatch_send(x, h.topk_ids, h.topk_weights, closable)
+        self.dispatch_send(x, h.topk_ids, h.topk_weights, closable, routing=h.routing)
         self.open = h
         return self.dispatch_recv()
 
@@ -281,7 +293,7 @@ class ExpertParallel:
         p = PendingRouted(x, ids, weights, handle, torch.is_grad_enabled())
         if recv:
             return self._dispatch_recv(p, sent=False)
-        self._forward_dispatch_send(x, ids, weights, p.track and handle is None)
+        self._forward_dispatch_send(x, ids, weights, p.track and handle is None, handle)
         return p
 
     def _dispatch_recv(self, p: PendingRouted, sent: bool) -> Routed:
@@ -381,6 +393,7 @@ class ExpertParallel:
             row_expert=row_expert,
             real_rows=real,
             x_dtype=x_dtype,
+            routing=d.routing,
         )
         self._live += 1
         h._finalizer = weakref.finalize(h, self._drop_handle)
@@ -390,10 +403,17 @@ class ExpertParallel:
         self._live -= 1
 
     def _forward_dispatch_send(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, side: bool
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        side: bool,
+        cached: RoutingHandle | None = None,
     ) -> None:
-        """The forward dispatch's send half; the side channel's rows travel alongside the main ones."""
-        self._fwd.dispatch_send(x, ids, weights, closable=False)
+        """The forward dispatch's send half, along `cached`'s routing when given; the side
+        channel's rows travel alongside the main ones."""
+        routing = cached.routing if cached is not None else None
+        self._fwd.dispatch_send(x, ids, weights, closable=False, routing=routing, keep_routing=True)
         if side:
             meta = torch.cat([weights.detach().to(torch.float32), ids.to(torch.float32)], dim=1)
             self._side.dispatch_send(meta.contiguous(), ids, weights, closable=True)
@@ -454,9 +474,12 @@ class ExpertParallel:
         backward closes with the weights' gradients.
         """
         gd = GRAD_DTYPES[self.grad_dtype]
-        self._bwd.dispatch_send(grad_out.to(gd).contiguous(), h.topk_ids, h.topk_weights, closable=True)
+        grad = grad_out.to(gd).contiguous()
+        self._bwd.dispatch_send(grad, h.topk_ids, h.topk_weights, closable=True, routing=h.routing)
         if h.weights_grad:
-            self._side.dispatch_send(self._side_zeros(h), h.topk_ids, h.topk_weights, closable=True)
+            self._side.dispatch_send(
+                self._side_zeros(h), h.topk_ids, h.topk_weights, closable=True, routing=h.routing
+            )
         d = self._bwd.dispatch_recv()
         self._bwd.open = h
         if h.weights_grad:
@@ -537,7 +560,7 @@ class _DispatchFn(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         side = track and cached is None
         if not sent:
-            ep._forward_dispatch_send(x, ids, weights, side)
+            ep._forward_dispatch_send(x, ids, weights, side, cached)
         weights_grad = side and ctx.needs_input_grad[3]
         expert_x, h = ep._forward_dispatch_recv(x.dtype, ids, weights, cached, side, weights_grad)
         box["handle"] = h

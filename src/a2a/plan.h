@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "config.h"
@@ -97,6 +99,32 @@ inline RecvPlan make_recv_plan(const RoutingView& v, int rank, uint64_t private_
   }
   p.output_rows = start;
   return p;
+}
+
+// Appended to a timeout waiting for a routing row: a peer running the call
+// cached publishes none (docs/protocol.md, "Cached calls", Agreement).
+inline constexpr const char* kCachedMismatchHint =
+    " (a peer that runs this dispatch along a cached routing sends none: every rank must run a call cached, or none)";
+
+// A cached call's matrix ([world][num_experts], docs/protocol.md "Cached
+// calls"), before anything is published: every row fits a send section and
+// ours holds as many copies as the call has, so no position computed from it
+// leaves its section. The front end passes only matrices the core produced;
+// this guards the memory if one was changed.
+inline void check_cached_routing(const A2AConfig& c, const uint32_t* routing, int num_tokens) {
+  RoutingView v{routing, c.world, c.num_experts, c.num_local_experts()};
+  const uint64_t max_copies = static_cast<uint64_t>(c.max_tokens) * c.topk;
+  for (int s = 0; s < c.world; ++s) {
+    uint64_t n = 0;
+    for (int r = 0; r < c.world; ++r) n += v.to_rank(s, r);
+    const bool bad = s == c.rank ? n != static_cast<uint64_t>(num_tokens) * c.topk : n > max_copies;
+    if (bad)
+      throw std::invalid_argument("dispatch: routing: row " + std::to_string(s) + " holds " + std::to_string(n) +
+                                  " copies; expected " +
+                                  (s == c.rank ? std::to_string(static_cast<uint64_t>(num_tokens) * c.topk) +
+                                                     " (this call's tokens x topk)"
+                                               : "at most max_tokens x topk = " + std::to_string(max_copies)));
+  }
 }
 
 }  // namespace moe_a2a::a2a

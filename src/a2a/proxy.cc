@@ -148,6 +148,21 @@ void Proxy::wait_node_flags(FlagKind kind, uint64_t epoch, const char* what) {
   }
 }
 
+// Step 3 of an uncached call: every peer's routing row has arrived.
+void Proxy::exchange_routing(uint64_t epoch) {
+  const A2AConfig& c = ctx_.config;
+  // A peer running this call cached sends no row: say so, rather than only that it timed out.
+  try {
+    for (int s : ctx_.remote_peers) wait_imm(kTagRoute, s, 1);
+    wait_node_flags(kFlagRoute, epoch, "routing row");
+  } catch (const fabric::TimeoutError& e) {
+    throw fabric::TimeoutError(e.what() + std::string(kCachedMismatchHint));
+  }
+  int same_node_peers = 0;
+  for (int r = 0; r < c.world; ++r) same_node_peers += r != c.rank && c.same_node(r);
+  rows_received_.fetch_add(ctx_.remote_peers.size() + same_node_peers, std::memory_order_relaxed);
+}
+
 void Proxy::node_barrier(uint64_t epoch) {
   const A2AConfig& c = ctx_.config;
   for (int r = 0; r < c.world; ++r)
@@ -160,14 +175,21 @@ void Proxy::step(uint64_t epoch) {
   const A2AConfig& c = ctx_.config;
   const Layout& l = ctx_.layout;
   const size_t routing_bytes = static_cast<size_t>(c.num_experts) * sizeof(uint32_t);
+  // A cached call brings the whole matrix and exchanges no routing row.
+  cached_ = ctx_.signals->cached.get() == epoch;
+  if (cached_) {
+    const size_t matrix_words = static_cast<size_t>(c.world) * c.num_experts;
+    routing_.assign(ctx_.signals->cached_routing, ctx_.signals->cached_routing + matrix_words);
+  }
   // 1. Our routing row, to every remote peer at once (final once route_ready
   //    is raised). No engine is opened when every peer shares our node.
-  if (!ctx_.remote_peers.empty()) {
+  if (!ctx_.remote_peers.empty() && !cached_) {
     std::vector<ScatterItem> items;
     const size_t my_row = l.routing_row(c.rank, c.num_experts);
     for (size_t i = 0; i < ctx_.remote_peers.size(); ++i)
       items.push_back({static_cast<uint32_t>(i), my_row, routing_bytes, my_row});
     ctx_.engine->scatter(ctx_.group, ctx_.region, items.data(), items.size(), tag(kTagRoute));
+    rows_sent_.fetch_add(ctx_.remote_peers.size(), std::memory_order_relaxed);
   }
   if (!dispatch(epoch)) return;
   if (ctx_.signals->overflow.get() == epoch) return;  // no combine follows a call over capacity
@@ -195,7 +217,7 @@ void Proxy::delay_writes() {
 bool Proxy::dispatch(uint64_t epoch) {
   const A2AConfig& c = ctx_.config;
   const auto* live = reinterpret_cast<const uint32_t*>(ctx_.workspace + ctx_.layout.routing);
-  RoutingView own{live, c.world, c.num_experts, c.num_local_experts()};
+  RoutingView own{cached_ ? routing_.data() : live, c.world, c.num_experts, c.num_local_experts()};
   to_.assign(c.world, 0);
   send_off_.assign(c.world, 0);
   for (int r = 0, off = 0; r < c.world; ++r) {
@@ -229,6 +251,7 @@ bool Proxy::dispatch(uint64_t epoch) {
 // Every routing row has arrived (nothing consumed).
 bool Proxy::routes_in(uint64_t epoch) const {
   const A2AConfig& c = ctx_.config;
+  if (cached_) return true;
   for (int s : ctx_.remote_peers)
     if (ctx_.engine->imm_count(tag(kTagRoute), s) < 1) return false;
   for (int s = 0; s < c.world; ++s)
@@ -242,10 +265,11 @@ bool Proxy::routes_in(uint64_t epoch) const {
 // capacity for every rank, as every rank does alike.
 bool Proxy::take_routes(uint64_t epoch) {
   const A2AConfig& c = ctx_.config;
-  for (int s : ctx_.remote_peers) wait_imm(kTagRoute, s, 1);
-  wait_node_flags(kFlagRoute, epoch, "routing row");
-  const auto* live = reinterpret_cast<const uint32_t*>(ctx_.workspace + ctx_.layout.routing);
-  routing_.assign(live, live + static_cast<size_t>(c.world) * c.num_experts);
+  if (!cached_) {
+    exchange_routing(epoch);
+    const auto* live = reinterpret_cast<const uint32_t*>(ctx_.workspace + ctx_.layout.routing);
+    routing_.assign(live, live + static_cast<size_t>(c.world) * c.num_experts);
+  }
   RoutingView view{routing_.data(), c.world, c.num_experts, c.num_local_experts()};
   int worst_rank = -1;
   uint64_t worst = 0;

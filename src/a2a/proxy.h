@@ -77,6 +77,10 @@ class Proxy {
   // Tells every peer that this rank failed (`text` says how): they stop at once
   // instead of at their timeout. Best effort: a broken fabric reaches no one.
   void announce_failure(const std::string& text);
+  // Routing rows this proxy wrote to remote peers, and peers' rows (remote
+  // arrivals and same-node flags) it waited for; cached calls add none.
+  uint64_t routing_rows_sent() const { return rows_sent_.load(std::memory_order_relaxed); }
+  uint64_t routing_rows_received() const { return rows_received_.load(std::memory_order_relaxed); }
 
  private:
   void run();
@@ -99,6 +103,7 @@ class Proxy {
   void wait_node_flags(FlagKind kind, uint64_t epoch, const char* what);
   void wait_imm(Tag kind, int peer, uint64_t count);
   void on_idle();  // in every wait on peers: stop requested, or a peer failed
+  void exchange_routing(uint64_t epoch);
   uint32_t tag(Tag kind) const { return wire_tag(ctx_.config.instance, kind); }
 
   ProxyContext ctx_;
@@ -118,6 +123,8 @@ class Proxy {
   // writes wait: a late combine would let its next dispatch start early by as
   // much (it hears the others' combine on time), and its rows would not be late.
   long delay_ms_ = 0;
+  std::atomic<uint64_t> rows_sent_{0}, rows_received_{0};
+  bool cached_ = false;  // the current epoch is a cached call (its matrix in routing_)
   std::thread thread_;
 };
 

@@ -27,6 +27,12 @@ struct ProxySignals {
   Seq combine_done;    // every remote combine write landed
   Seq overflow;        // epoch whose dispatch exceeded max_recv_tokens
   Seq failed;          // non-zero once the proxy stopped on an error
+  // compute -> proxy, set before route_ready: the epoch of a cached call
+  // (docs/protocol.md, "Cached calls"), which exchanges no routing row; its
+  // matrix [world][num_experts] is at cached_routing, memory of the compute
+  // side left unchanged until that epoch's dispatch_done.
+  Seq cached;
+  const uint32_t* cached_routing = nullptr;
 };
 
 // Flags per peer (index = rank), so that rows are handed over peer by peer:

@@ -103,6 +103,7 @@ void bind_a2a(nb::module_& m) {
       .def_prop_ro("name", &Workspace::name)
       .def_prop_ro("ptr", [](const Workspace& w) { return reinterpret_cast<uintptr_t>(w.self()); })
       .def_prop_ro("size", &Workspace::size)
+      .def_prop_ro("routing_offset", [](const Workspace& w) { return w.layout().routing; })
       .def("map_node", &Workspace::map_node, nb::arg("names"))
       .def("unlink", &Workspace::unlink);
 
@@ -121,11 +122,13 @@ void bind_a2a(nb::module_& m) {
       .def("announce_failure", &cpu::CpuAllToAll::announce_failure, nb::arg("text"), release())
       .def(
           "dispatch_send",
-          [](cpu::CpuAllToAll& a, uintptr_t x, DType x_dtype, uintptr_t x_scale, uintptr_t topk_ids, int num_tokens) {
+          [](cpu::CpuAllToAll& a, uintptr_t x, DType x_dtype, uintptr_t x_scale, uintptr_t topk_ids, int num_tokens,
+             uintptr_t routing) {
             a.dispatch_send(ptr<const void>(x), x_dtype, ptr<const float>(x_scale), ptr<const int32_t>(topk_ids),
-                            num_tokens);
+                            num_tokens, ptr<const uint32_t>(routing));
           },
-          nb::arg("x"), nb::arg("x_dtype"), nb::arg("x_scale"), nb::arg("topk_ids"), nb::arg("num_tokens"), release())
+          nb::arg("x"), nb::arg("x_dtype"), nb::arg("x_scale"), nb::arg("topk_ids"), nb::arg("num_tokens"),
+          nb::arg("routing") = 0, release(), "routing: a cached call's matrix (0: exchange the routing rows).")
       .def("dispatch_wait", &cpu::CpuAllToAll::dispatch_wait, release())
       .def("unpack_order", &cpu::CpuAllToAll::unpack_order)
       .def(
@@ -144,6 +147,11 @@ void bind_a2a(nb::module_& m) {
           },
           nb::arg("weights"), nb::arg("out"), release())
       .def_prop_ro("tokens_per_expert", &cpu::CpuAllToAll::tokens_per_expert)
+      .def(
+          "copy_routing", [](const cpu::CpuAllToAll& a, uintptr_t out) { a.copy_routing(ptr<uint32_t>(out)); },
+          nb::arg("out"), "The last dispatch's routing matrix [world][num_experts] (uint32) into out.")
+      .def_prop_ro("routing_rows_sent", &cpu::CpuAllToAll::routing_rows_sent)
+      .def_prop_ro("routing_rows_received", &cpu::CpuAllToAll::routing_rows_received)
       .def("sent_counts", &cpu::CpuAllToAll::sent_counts)
       .def("received_counts", &cpu::CpuAllToAll::received_counts)
       .def_prop_ro("epoch", &cpu::CpuAllToAll::epoch);

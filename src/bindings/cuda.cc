@@ -90,21 +90,23 @@ void bind_cuda(nb::module_& m) {
       .def(
           "dispatch_send",
           [](CudaAllToAll& a, uintptr_t x, DType x_dtype, uintptr_t x_scale, uintptr_t topk_ids, bool ids_64bit,
-             int num_tokens, uintptr_t num_tokens_device, uintptr_t stream) {
+             int num_tokens, uintptr_t num_tokens_device, uintptr_t stream, uintptr_t routing) {
             a.dispatch_send(ptr<const void>(x), x_dtype, ptr<const float>(x_scale), ptr<const void>(topk_ids), ids_64bit,
-                            num_tokens, ptr<const int32_t>(num_tokens_device), stream_of(stream));
+                            num_tokens, ptr<const int32_t>(num_tokens_device), stream_of(stream),
+                            ptr<const uint32_t>(routing));
           },
           nb::arg("x"), nb::arg("x_dtype"), nb::arg("x_scale"), nb::arg("topk_ids"), nb::arg("ids_64bit"),
-          nb::arg("num_tokens"), nb::arg("num_tokens_device"), nb::arg("stream"))
+          nb::arg("num_tokens"), nb::arg("num_tokens_device"), nb::arg("stream"), nb::arg("routing") = 0,
+          "routing: a cached call's matrix in pinned host memory (0: exchange the routing rows).")
       .def(
           "dispatch_recv",
           [](CudaAllToAll& a, uintptr_t out_x, uintptr_t out_scale, uintptr_t tokens_per_expert, bool host_wait,
-             uintptr_t stream) {
+             uintptr_t stream, uintptr_t routing_out) {
             a.dispatch_recv(ptr<void>(out_x), ptr<float>(out_scale), ptr<int32_t>(tokens_per_expert), host_wait,
-                            stream_of(stream));
+                            stream_of(stream), ptr<uint32_t>(routing_out));
           },
           nb::arg("out_x"), nb::arg("out_scale"), nb::arg("tokens_per_expert"), nb::arg("host_wait"), nb::arg("stream"),
-          release())
+          nb::arg("routing_out") = 0, release())
       .def(
           "combine_send",
           [](CudaAllToAll& a, uintptr_t y, DType y_dtype, int64_t y_rows, uintptr_t stream) {
@@ -127,6 +129,8 @@ void bind_cuda(nb::module_& m) {
       .def_prop_ro("fused_recv", &CudaAllToAll::fused_recv,
                    "Eager dispatch_recv plans and copies in one launch (no other rank of the node on our GPU).")
       .def_prop_ro("epoch", &CudaAllToAll::epoch)
+      .def_prop_ro("routing_rows_sent", &CudaAllToAll::routing_rows_sent)
+      .def_prop_ro("routing_rows_received", &CudaAllToAll::routing_rows_received)
       .def_prop_ro("layout", [](const CudaAllToAll& a) { return layout_dict(a.layout()); })
       .def_prop_ro("device_workspace", &CudaAllToAll::device_workspace)
       .def_prop_ro("host_workspace", &CudaAllToAll::host_workspace)

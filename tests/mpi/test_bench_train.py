@@ -69,7 +69,7 @@ def test_bench_train_runs_and_agrees(dtype: str, tmp_path: Path, capsys: pytest.
     else:
         print(f"TorchTitan baselines: skipped {result['skipped']}; checking the rows that ran")
     rows = result["rows"]
-    phases = ("fwd", "fwd+bwd")
+    phases = ("fwd", "bwd", "fwd+bwd")
     # One row per phase and baseline that ran; moe-a2a's alone where none did.
     assert [(r["phase"], r["baseline"]) for r in rows] == [
         (p, b) for p in phases for b in (expected[1:] or [None])

@@ -3,7 +3,7 @@
 # then the multi-rank suite tests/mpi/test_a2a.py, test_reliability.py and
 # test_overlap.py on device cuda with 1, 2, 4
 # and 8 MPI ranks sharing the GPU, with and without virtual nodes; the training
-# tests, tests/mpi/test_autograd.py and test_torchtitan.py, at 1, 2 and 4 ranks),
+# tests, tests/mpi/test_autograd.py, test_cached_routing.py and test_torchtitan.py, at 1, 2 and 4 ranks),
 # then the CUDA benchmark at 1, 2, 4 and 8 ranks. Prints a short
 # summary last; full logs go to $OUT (or out/gpu).
 #
@@ -89,7 +89,8 @@ fi
 
 if has training; then
   for n in ${TRAIN_SIZES:-1 2 4}; do
-    MR_TESTS="$ROOT/tests/mpi/test_autograd.py $ROOT/tests/mpi/test_torchtitan.py" multirank "$n" " training"
+    MR_TESTS="$ROOT/tests/mpi/test_autograd.py $ROOT/tests/mpi/test_cached_routing.py $ROOT/tests/mpi/test_torchtitan.py" \
+      multirank "$n" " training"
   done
 fi
 

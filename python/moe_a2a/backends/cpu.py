@@ -27,17 +27,26 @@ class CpuBackend:
     def epoch(self) -> int:
         return int(self._impl.epoch)
 
-    def dispatch_send(self, x: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor) -> None:
+    def dispatch_send(
+        self, x: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor, routing: torch.Tensor | None
+    ) -> None:
+        """`routing`: a cached call's matrix (the core copies it before returning)."""
         self._impl.dispatch_send(
             x.data_ptr(),
             CORE_DTYPE[x.dtype],
             scale.data_ptr() if scale is not None else 0,
             ids.data_ptr(),
             x.shape[0],
+            routing.data_ptr() if routing is not None else 0,
         )
 
-    def dispatch_recv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def dispatch_recv(
+        self, dtype: torch.dtype, routing_out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """`routing_out`: [world, num_experts] int32 that receives the call's routing matrix."""
         rows = self._impl.dispatch_wait()
+        if routing_out is not None:
+            self._impl.copy_routing(routing_out.data_ptr())
         expert_x = torch.empty(rows, self.cfg.hidden, dtype=dtype)
         scale = None
         if dtype == torch.float8_e4m3fn:
@@ -62,6 +71,9 @@ class CpuBackend:
     def announce_failure(self, text: str) -> None:
         """Tell every peer that this rank failed, so their waits end at once."""
         self._impl.announce_failure(text)
+
+    def routing_rows(self) -> tuple[int, int]:
+        return int(self._impl.routing_rows_sent), int(self._impl.routing_rows_received)
 
     def close(self) -> None:
         self._impl = None

@@ -90,6 +90,7 @@ class CudaBackend:
         self._impl.open_node([h if r in setup.node else b"" for r, h in enumerate(handles)])
         self.max_output_rows = int(self._impl.max_output_rows)
         self._alive: tuple[torch.Tensor | None, ...] = ()
+        self._last_matrix: torch.Tensor | None = None  # the last call's, when it was cached
 
     @property
     def epoch(self) -> int:
@@ -103,7 +104,10 @@ class CudaBackend:
             return int(raw(self.device.index))
         return torch.cuda.current_stream(self.device).cuda_stream
 
-    def dispatch_send(self, x: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor) -> None:
+    def dispatch_send(
+        self, x: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor, routing: torch.Tensor | None
+    ) -> None:
+        """`routing`: a cached call's matrix, pinned host memory that the plan kernel reads."""
         self._impl.dispatch_send(
             x.data_ptr(),
             CORE_DTYPE[x.dtype],
@@ -113,12 +117,21 @@ class CudaBackend:
             x.shape[0],
             0,
             self._stream(),
+            routing.data_ptr() if routing is not None else 0,
         )
         # Until the kernels that read them have run; detached, so no autograd graph
         # (and no routing handle behind it) outlives its step.
-        self._alive = (x.detach(), ids, scale)
+        self._alive = (x.detach(), ids, scale, routing)
+        self._last_matrix = routing
 
-    def dispatch_recv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def dispatch_recv(
+        self, dtype: torch.dtype, routing_out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """`routing_out`: pinned [world, num_experts] int32, the call's matrix once this returns."""
+        if routing_out is not None and not routing_out.is_pinned():
+            raise ValueError(
+                "dispatch: routing_out: expected pinned host memory, which the plan kernel writes"
+            )
         rows, hidden = self.max_output_rows, self.cfg.hidden
         expert_x = torch.empty(rows, hidden, dtype=dtype, device=self.device)
         scale = None
@@ -135,7 +148,9 @@ class CudaBackend:
             counts.data_ptr(),
             not self.graph_safe,
             self._stream(),
+            routing_out.data_ptr() if routing_out is not None else 0,
         )
+        self._alive = (*self._alive, routing_out)
         if self.cfg.expert_padding > 1:
             _zero_unfilled_rows(expert_x, scale, counts, self.cfg.expert_padding)
         if not self.graph_safe:
@@ -165,11 +180,17 @@ class CudaBackend:
         """Token copies this rank sent to / received from each rank, from the routing matrix."""
         torch.cuda.current_stream(self.device).synchronize()
         world, experts = self._setup.bootstrap.world_size, self.cfg.num_experts
-        start = self._setup.workspace.ptr + self._impl.layout["routing"]
-        matrix = np.frombuffer((ctypes.c_uint32 * (world * experts)).from_address(start), dtype=np.uint32)
+        if self._last_matrix is not None:  # a cached call: the workspace holds an earlier call's rows
+            matrix = self._last_matrix.numpy().astype(np.uint32).ravel()
+        else:
+            start = self._setup.workspace.ptr + self._impl.layout["routing"]
+            matrix = np.frombuffer((ctypes.c_uint32 * (world * experts)).from_address(start), dtype=np.uint32)
         per_rank = matrix.reshape(world, world, experts // world).sum(axis=2).astype(np.int64)
         rank = self._setup.bootstrap.rank
         return per_rank[rank], per_rank[:, rank]
+
+    def routing_rows(self) -> tuple[int, int]:
+        return int(self._impl.routing_rows_sent), int(self._impl.routing_rows_received)
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -23,10 +23,10 @@ Contenders:
 - TorchTitan's `LocalTokenDispatcher` at one rank (it does no exchange).
 
 Forward and backward are timed separately, each after an MPI barrier, as the
-slowest rank's time (`moe_a2a.bench.a2a.timed`); fwd+bwd is their sum for the
-iteration. Medians are over `--iters` after `--warmup`. On the first iteration
-`out`, `x.grad` and the scores' gradient of every baseline are compared with
-moe-a2a's.
+slowest rank's time (`moe_a2a.bench.a2a.timed`), reported as fwd and bwd;
+fwd+bwd is their sum for the iteration. Medians are over `--iters` after
+`--warmup`. On the first iteration `out`, `x.grad` and the scores' gradient of
+every baseline are compared with moe-a2a's.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ TRAIN_SHAPE = dict(tokens=4096, hidden=7168, num_experts=256, topk=8)
 OURS = report.OURS
 ALL_TO_ALL = "AllToAllTokenDispatcher"
 LOCAL = "LocalTokenDispatcher"
-PHASES = ("fwd", "fwd+bwd")
+PHASES = ("fwd", "bwd", "fwd+bwd")
 
 
 class TrainArgumentError(ValueError):
@@ -357,7 +357,8 @@ def summarize(contenders: list[Contender]) -> list[dict[str, Any]]:
     samples = {}
     for c in contenders:
         fwd, bwd = np.array(c.fwd_ns), np.array(c.bwd_ns)
-        samples[c.name] = {"fwd": report.percentiles_us(fwd), "fwd+bwd": report.percentiles_us(fwd + bwd)}
+        by_phase = {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}
+        samples[c.name] = {ph: report.percentiles_us(v) for ph, v in by_phase.items()}
     rows = []
     for phase in PHASES:
         ours = samples[OURS][phase]

@@ -1,5 +1,6 @@
 #include "cpu_all_to_all.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "../errors.h"
@@ -70,10 +71,8 @@ void CpuAllToAll::wait_node(FlagKind kind, const char* what) {
 }
 
 void CpuAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_scale, const int32_t* topk_ids,
-                                int num_tokens) {
+                                int num_tokens, const uint32_t* routing) {
   check_failed();
-  ++epoch_;
-  num_tokens_ = num_tokens;
   DispatchSendParams p;
   p.cfg = &cfg_;
   p.layout = &layout_;
@@ -88,13 +87,27 @@ void CpuAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_sca
   p.row_copy = row_copy_.data();
   p.encoded = encoded_.data();
   count_experts(p);
+  if (routing != nullptr) check_cached_routing(cfg_, routing, num_tokens);
+  ++epoch_;
+  num_tokens_ = num_tokens;
+  cached_call_ = routing != nullptr;
 
-  // Our routing row: into every same-node workspace (ours included, where the
-  // proxy picks it up for remote peers).
-  const size_t row_bytes = counts_.size() * sizeof(uint32_t);
-  for (int r = 0; r < cfg_.world; ++r)
-    if (cfg_.same_node(r)) std::memcpy(maps_.of(r) + layout_.routing_row(cfg_.rank, cfg_.num_experts), counts_.data(), row_bytes);
-  signal_node(kFlagRoute);
+  if (cached_call_) {
+    // The proxy takes the whole matrix from here: nothing to publish.
+    cached_.assign(routing, routing + static_cast<size_t>(cfg_.world) * cfg_.num_experts);
+    signals_.cached_routing = cached_.data();
+    signals_.cached.set(epoch_);
+  } else {
+    // Our routing row: into every same-node workspace (ours included, where the
+    // proxy picks it up for remote peers).
+    const size_t row_bytes = counts_.size() * sizeof(uint32_t);
+    for (int r = 0; r < cfg_.world; ++r) {
+      if (!cfg_.same_node(r)) continue;
+      std::memcpy(maps_.of(r) + layout_.routing_row(cfg_.rank, cfg_.num_experts), counts_.data(), row_bytes);
+      rows_sent_ += r != cfg_.rank;
+    }
+    signal_node(kFlagRoute);
+  }
   signals_.route_ready.set(epoch_);
   proxy_->wake();
 
@@ -115,8 +128,12 @@ void CpuAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_sca
 uint64_t CpuAllToAll::dispatch_wait() {
   wait_proxy(signals_.routed, "routing");
   if (signals_.overflow.get() == epoch_) throw CapacityError("rank " + std::to_string(cfg_.rank) + ": " + proxy_->overflow_message());
-  const auto* matrix = reinterpret_cast<const uint32_t*>(maps_.self + layout_.routing);
-  routing_.assign(matrix, matrix + static_cast<size_t>(cfg_.world) * cfg_.num_experts);
+  if (cached_call_) {
+    routing_ = cached_;
+  } else {
+    const auto* matrix = reinterpret_cast<const uint32_t*>(maps_.self + layout_.routing);
+    routing_.assign(matrix, matrix + static_cast<size_t>(cfg_.world) * cfg_.num_experts);
+  }
   RoutingView view{routing_.data(), cfg_.world, cfg_.num_experts, cfg_.num_local_experts()};
   plan_ = make_recv_plan(view, cfg_.rank, cfg_.max_private_tokens, cfg_.expert_padding);
   sender_base_.resize(static_cast<size_t>(cfg_.world) * cfg_.num_local_experts());
@@ -213,6 +230,8 @@ void CpuAllToAll::combine_recv(const float* weights, void* out) {
   p.out = out;
   reduce_combine(p);
 }
+
+void CpuAllToAll::copy_routing(uint32_t* out) const { std::copy(routing_.begin(), routing_.end(), out); }
 
 std::vector<uint64_t> CpuAllToAll::sent_counts() const {
   RoutingView view{counts_.data(), 1, cfg_.num_experts, cfg_.num_local_experts()};

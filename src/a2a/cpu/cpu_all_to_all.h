@@ -23,7 +23,11 @@ class CpuAllToAll {
   ~CpuAllToAll();
 
   // Send half of dispatch: x is [T, hidden] (bf16, fp32, or fp8 with x_scale).
-  void dispatch_send(const void* x, DType x_dtype, const float* x_scale, const int32_t* topk_ids, int num_tokens);
+  // With `routing` (the matrix [world][num_experts] of an earlier dispatch of
+  // these topk_ids, from copy_routing) it is a cached call: no routing row is
+  // published or awaited (docs/protocol.md, "Cached calls").
+  void dispatch_send(const void* x, DType x_dtype, const float* x_scale, const int32_t* topk_ids, int num_tokens,
+                     const uint32_t* routing = nullptr);
   // First step of the receive half: waits for every routing row (not for the
   // tokens); returns the number of (padded) output rows. tokens_per_expert()
   // is valid after it.
@@ -43,6 +47,11 @@ class CpuAllToAll {
   void announce_failure(const std::string& text) { proxy_->announce_failure(text); }
   // The senders in the order the last dispatch_unpack copied their rows.
   const std::vector<int>& unpack_order() const { return unpack_order_; }
+  // The routing matrix of the last dispatch_wait, [world][num_experts], into `out`.
+  void copy_routing(uint32_t* out) const;
+  // Routing rows written to peers / peers' rows waited for, by this rank and its proxy.
+  uint64_t routing_rows_sent() const { return rows_sent_ + proxy_->routing_rows_sent(); }
+  uint64_t routing_rows_received() const { return proxy_->routing_rows_received(); }
 
  private:
   void wait_proxy(const Seq& seq, const char* what);
@@ -73,6 +82,9 @@ class CpuAllToAll {
   std::vector<uint64_t> sender_base_;    // [world][local experts] output row of (s, i)'s first copy
   std::vector<int> unpack_order_;
   std::vector<uint32_t> routing_;    // snapshot of the routing matrix
+  std::vector<uint32_t> cached_;     // a cached call's matrix, read by the proxy until dispatch_done
+  bool cached_call_ = false;         // the current call is cached
+  uint64_t rows_sent_ = 0;           // routing rows stored into same-node peers
   RecvPlan plan_;
   std::vector<int64_t> row_of_copy_;
 };

@@ -33,6 +33,18 @@ void check_cuda(cudaError_t err, const char* what) {
 
 size_t aligned_size(size_t bytes) { return align_up(bytes, kScratchAlign); }
 
+// The device address of pinned host memory (a handle's routing matrix, from
+// torch's pinned allocator: mapped wherever addressing is unified).
+template <typename T>
+T* mapped_device_pointer(T* host, const char* what) {
+  void* device = nullptr;
+  if (cudaHostGetDevicePointer(&device, const_cast<void*>(static_cast<const void*>(host)), 0) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it
+    throw std::invalid_argument(std::string("dispatch: ") + what + ": expected pinned host memory mapped for the GPU");
+  }
+  return static_cast<T*>(device);
+}
+
 }  // namespace
 
 CudaAllToAll::CudaAllToAll(Workspace* host_workspace, fabric::TransferEngine* engine, fabric::RegionId region,
@@ -353,7 +365,25 @@ int64_t CudaAllToAll::max_output_rows() const {
 
 void CudaAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_scale, const void* topk_ids,
                                  bool ids_64bit, int num_tokens, const int32_t* num_tokens_device,
-                                 cudaStream_t stream) {
+                                 cudaStream_t stream, const uint32_t* routing) {
+  int same_node_peers = 0;
+  for (int r = 0; r < cfg_.world; ++r) same_node_peers += r != cfg_.rank && cfg_.same_node(r);
+  if (routing != nullptr) {
+    if (num_tokens_device != nullptr)
+      throw std::invalid_argument("dispatch_send: a cached call takes num_tokens from the host, not num_tokens_device");
+    check_cached_routing(cfg_, routing, num_tokens);
+    call_routing_ = mapped_device_pointer(routing, "routing");
+    if (has_remote_) {  // the proxy starts from the matrix at once: the kernels publish nothing
+      cached_.assign(routing, routing + static_cast<size_t>(cfg_.world) * cfg_.num_experts);
+      signals_->cached_routing = cached_.data();
+      signals_->cached.set(epoch_ + 1);
+      signals_->route_ready.set(epoch_ + 1);
+    }
+  } else {
+    call_routing_ = nullptr;
+    rows_sent_ += same_node_peers;
+    if (!has_remote_) rows_received_ += same_node_peers;  // our plan reads them (a proxy counts its own waits)
+  }
   DispatchSendParams p;
   p.inst = instance();
   p.scratch = scratch_;
@@ -364,11 +394,13 @@ void CudaAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_sc
   p.ids_are_64bit = ids_64bit ? 1 : 0;
   p.num_tokens = num_tokens;
   p.num_tokens_ptr = num_tokens_device;
+  p.cached = routing != nullptr ? 1 : 0;
   check_cuda(launch_dispatch_send(p, stream), "dispatch send");
   ++epoch_;
 }
 
-DispatchRecvParams CudaAllToAll::recv_params(void* out_x, float* out_scale, int32_t* tokens_per_expert) {
+DispatchRecvParams CudaAllToAll::recv_params(void* out_x, float* out_scale, int32_t* tokens_per_expert,
+                                             uint32_t* routing_out) {
   DispatchRecvParams p;
   p.inst = instance();
   p.scratch = scratch_;
@@ -376,18 +408,33 @@ DispatchRecvParams CudaAllToAll::recv_params(void* out_x, float* out_scale, int3
   p.out_scale = out_scale;
   p.tokens_per_expert = tokens_per_expert;
   p.max_output_rows = max_output_rows();
+  p.routing = call_routing_;
+  p.routing_out = routing_out != nullptr ? mapped_device_pointer(routing_out, "routing_out") : nullptr;
   return p;
 }
 
 void CudaAllToAll::dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_per_expert, bool host_wait,
-                                 cudaStream_t stream) {
-  if (host_wait && overlap_) return dispatch_recv_by_sender(out_x, out_scale, tokens_per_expert, stream);
+                                 cudaStream_t stream, uint32_t* routing_out) {
+  if (!host_wait && (call_routing_ != nullptr || routing_out != nullptr))
+    throw std::invalid_argument("dispatch_recv: a cached call and routing_out need host_wait (eager calls)");
+  if (host_wait && overlap_)
+    return dispatch_recv_by_sender(out_x, out_scale, tokens_per_expert, stream, routing_out);
   if (host_wait) {
     wait_host(kFlagDispatch, signals_->dispatch_done, "dispatch");
     if (has_remote_ && signals_->overflow.get() == epoch_)
       throw CapacityError("rank " + std::to_string(cfg_.rank) + ": " + capacity_message());
+    // With a proxy, it waited for every routing row; without one nobody does in
+    // eager calls: a same-node peer that ran this call cached raised its dispatch
+    // flag but no route flag, and its row in our workspace is an older call's.
+    if (!has_remote_ && call_routing_ == nullptr) {
+      try {
+        wait_host(kFlagRoute, signals_->dispatch_done, "routing row");
+      } catch (const fabric::TimeoutError& e) {
+        throw fabric::TimeoutError(e.what() + std::string(kCachedMismatchHint));
+      }
+    }
   }
-  DispatchRecvParams p = recv_params(out_x, out_scale, tokens_per_expert);
+  DispatchRecvParams p = recv_params(out_x, out_scale, tokens_per_expert, routing_out);
   p.wait_in_kernel = host_wait ? 0 : 1;  // and with host_wait the plan kernel signals `planned`
   p.fused = host_wait && fused_recv_ ? 1 : 0;
   check_cuda(launch_dispatch_recv(p, stream), "dispatch recv");
@@ -421,7 +468,7 @@ bool wait_either(const Seq& flag, const Seq& all, uint64_t epoch, std::chrono::s
 // sender by sender, while the later ones are still on the wire. Before, the
 // copy started once the last sender's rows were in.
 void CudaAllToAll::dispatch_recv_by_sender(void* out_x, float* out_scale, int32_t* tokens_per_expert,
-                                           cudaStream_t stream) {
+                                           cudaStream_t stream, uint32_t* routing_out) {
   const std::string who = "rank " + std::to_string(cfg_.rank) + ": timed out ";
   const auto deadline = deadline_after(kProxyGrace * cfg_.timeout_s + kGraceSeconds);
   const auto check = [this] { check_proxy(); };
@@ -436,19 +483,20 @@ void CudaAllToAll::dispatch_recv_by_sender(void* out_x, float* out_scale, int32_
     throw CapacityError("rank " + std::to_string(cfg_.rank) + ": " + capacity_message());
   }
   const auto node_deadline = deadline_after(cfg_.timeout_s);
-  for (int s = 0; s < cfg_.world; ++s)
+  for (int s = 0; s < cfg_.world && call_routing_ == nullptr; ++s)  // a cached call has every row already
     if (s != cfg_.rank && cfg_.same_node(s) &&
         !wait_at_least(flag_at(host_ws_cpu_, layout_, s, kFlagRoute), epoch_, node_deadline, check))
       throw fabric::TimeoutError(who + "waiting for the routing row of same-node peer " + std::to_string(s) +
                                  " (epoch " + std::to_string(epoch_) + ")");
-  DispatchRecvParams p = recv_params(out_x, out_scale, tokens_per_expert);
+  DispatchRecvParams p = recv_params(out_x, out_scale, tokens_per_expert, routing_out);
   p.wait_in_kernel = 0;
   check_cuda(launch_dispatch_plan(p, stream), "dispatch plan");
   plan_signals_host_ = true;
 
   // Every routing row is in our host workspace (remote ones from the proxy,
   // same-node ones from their kernels), so the host knows each sender's copies.
-  const auto* matrix = reinterpret_cast<const uint32_t*>(host_ws_cpu_ + layout_.routing);
+  const auto* matrix = call_routing_ != nullptr ? cached_.data()
+                                                : reinterpret_cast<const uint32_t*>(host_ws_cpu_ + layout_.routing);
   RoutingView view{matrix, cfg_.world, cfg_.num_experts, cfg_.num_local_experts()};
   std::vector<int> pending;
   std::vector<int64_t> rows;

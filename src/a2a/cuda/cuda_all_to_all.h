@@ -57,9 +57,16 @@ class CudaAllToAll {
 
   // The four halves; pointers are device (or mapped) addresses, `stream` a
   // cudaStream_t. num_tokens_device, when non-null, overrides num_tokens.
+  // `routing` (pinned host memory, [world][num_experts]: an earlier
+  // dispatch_recv's routing_out for these topk_ids) makes dispatch_send a
+  // cached call: no routing row is published or awaited (docs/protocol.md,
+  // "Cached calls"); its dispatch_recv needs host_wait. `routing_out`
+  // (pinned host) receives the plan's matrix, final after wait_planned.
   void dispatch_send(const void* x, DType x_dtype, const float* x_scale, const void* topk_ids, bool ids_64bit,
-                     int num_tokens, const int32_t* num_tokens_device, cudaStream_t stream);
-  void dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_per_expert, bool host_wait, cudaStream_t stream);
+                     int num_tokens, const int32_t* num_tokens_device, cudaStream_t stream,
+                     const uint32_t* routing = nullptr);
+  void dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_per_expert, bool host_wait, cudaStream_t stream,
+                     uint32_t* routing_out = nullptr);
   void combine_send(const void* y, DType y_dtype, int64_t y_rows, cudaStream_t stream);
   void combine_recv(const float* weights, void* out, bool host_wait, cudaStream_t stream);
 
@@ -77,6 +84,10 @@ class CudaAllToAll {
   int64_t max_output_rows() const;
   bool fused_recv() const { return fused_recv_; }
   uint64_t epoch() const { return epoch_; }
+  // Routing rows written to peers / peers' rows waited for or read, by this
+  // rank's kernels (counted at their launch) and its proxy.
+  uint64_t routing_rows_sent() const { return rows_sent_ + (proxy_ ? proxy_->routing_rows_sent() : 0); }
+  uint64_t routing_rows_received() const { return rows_received_ + (proxy_ ? proxy_->routing_rows_received() : 0); }
 
   const A2AConfig& config() const { return cfg_; }
   const Layout& layout() const { return layout_; }
@@ -92,8 +103,9 @@ class CudaAllToAll {
   // Host waits of the receive halves: every same-node flag of `kind` and the
   // proxy's `done` (with remote peers) at the current epoch.
   void wait_host(FlagKind kind, const Seq& done, const char* what);
-  DispatchRecvParams recv_params(void* out_x, float* out_scale, int32_t* tokens_per_expert);
-  void dispatch_recv_by_sender(void* out_x, float* out_scale, int32_t* tokens_per_expert, cudaStream_t stream);
+  DispatchRecvParams recv_params(void* out_x, float* out_scale, int32_t* tokens_per_expert, uint32_t* routing_out);
+  void dispatch_recv_by_sender(void* out_x, float* out_scale, int32_t* tokens_per_expert, cudaStream_t stream,
+                               uint32_t* routing_out);
   void check_proxy() const;
   std::string capacity_message() const;
 
@@ -125,6 +137,9 @@ class CudaAllToAll {
   Seq* peer_seqs_ = nullptr;             // mapped host: PeerSignals' arrays
   std::unique_ptr<Proxy> proxy_;
   uint64_t epoch_ = 0;
+  std::vector<uint32_t> cached_;                // a cached call's matrix, for the proxy until dispatch_done
+  const uint32_t* call_routing_ = nullptr;      // device address of the current cached call's matrix; null if uncached
+  uint64_t rows_sent_ = 0, rows_received_ = 0;  // same-node routing rows (kernels)
   bool plan_signals_host_ = false;  // the last dispatch_recv's plan raises `planned` (host_wait)
   // Eager dispatch_recv plans and copies in one launch, unless another rank
   // of the node runs on our GPU: there the copy blocks that wait for the plan

@@ -3,7 +3,8 @@
 //    flag of every same-node sender and, with remote peers, for the proxy's
 //    dispatch_done; reads the routing matrix (same-node rows from the device
 //    workspace, remote ones from the host workspace, where the proxy put
-//    them); checks max_recv_tokens on every rank (each rank holds the whole
+//    them; a cached call's from its handle, with no route flag to wait for);
+//    checks max_recv_tokens on every rank (each rank holds the whole
 //    matrix, so all decide alike); computes tokens_per_expert, the padded
 //    expert starts and the segment table; then waits for the packs.
 // 2. copy_kernel (persistent, one warp per chunk of an output row): copies
@@ -110,7 +111,10 @@ __device__ void compute_plan(const DispatchRecvParams& p, int32_t* matrix, bool 
   if (ok) {  // rows of same-node senders from our device workspace, the others' where the proxy put them
     for (int i = tid; i < N * E; i += kPlanThreads) {
       const int s = i / E;
-      matrix[i] = static_cast<int32_t>(__ldcg(routing_row(same_node(in, s) ? in.device_ws : in.host_ws, l, s, E) + i % E));
+      const uint32_t* row = p.routing != nullptr ? p.routing + static_cast<size_t>(s) * E  // a cached call's
+                                                 : routing_row(same_node(in, s) ? in.device_ws : in.host_ws, l, s, E);
+      matrix[i] = static_cast<int32_t>(__ldcg(row + i % E));
+      if (p.routing_out != nullptr) p.routing_out[i] = static_cast<uint32_t>(matrix[i]);
     }
   }
   __syncthreads();
@@ -196,7 +200,7 @@ __global__ void __launch_bounds__(kPlanThreads, kPlanMinBlocks) plan_kernel(Disp
   if (!p.wait_in_kernel || (in.world == 1 && !in.has_remote)) allow_dependents();
   bool ok = true;
   if (p.wait_in_kernel) {
-    ok = wait_peers(in, kFlagRoute, epoch, deadline);
+    ok = p.routing != nullptr || wait_peers(in, kFlagRoute, epoch, deadline);  // a cached call has no route flags
     __shared__ int proxy_ok;
     if (threadIdx.x == 0) {
       proxy_ok = 1;

@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(kLargeThreads) slot_kernel(DispatchSendParams 
     }
     write_routing(p, counts);
     __syncthreads();
-    if (threadIdx.x == 0) publish_routing(in, epoch, dropped != 0);
+    if (threadIdx.x == 0) publish_routing(in, epoch, dropped != 0, p.cached != 0);
   }
   __syncthreads();
   slot_ids(

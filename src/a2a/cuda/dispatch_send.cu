@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) rout
   }
   __syncthreads();  // the copy table; block 0: every thread's routing row
   if (leader) {
-    if (threadIdx.x == 0) publish_routing(in, epoch, dropped != 0);
+    if (threadIdx.x == 0) publish_routing(in, epoch, dropped != 0, p.cached != 0);
     __syncthreads();  // the fence before any thread lets the plan be scheduled
     allow_dependents();
   }

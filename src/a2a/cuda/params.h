@@ -142,6 +142,7 @@ struct DispatchSendParams {
   int32_t ids_are_64bit = 0;
   int32_t num_tokens = 0;                  // T, unless num_tokens_ptr is set
   const int32_t* num_tokens_ptr = nullptr; // device T (graph replays with a varying T)
+  int32_t cached = 0;  // along a cached routing: publish no routing row, raise no route flag
 };
 
 struct DispatchRecvParams {
@@ -154,6 +155,12 @@ struct DispatchRecvParams {
   int32_t wait_in_kernel = 1;     // 0: the host already saw every flag up (eager calls)
   int32_t fused = 0;              // eager only: plan and copy in one launch (plan_copy_kernel)
   int32_t sender = -1;            // >= 0: copy only this sender's rows (copy_sender_kernel), after the plan
+  // Cached calls: the handle's matrix [world][num_experts] (mapped host), read
+  // instead of the workspace's routing rows.
+  const uint32_t* routing = nullptr;
+  // When set (mapped host, [world][num_experts]): the plan's matrix, for a
+  // handle to keep; final once the plan signals the host.
+  uint32_t* routing_out = nullptr;
 };
 
 // What stage_kernel copies from the device workspace to the fabric's host

@@ -153,6 +153,7 @@ __device__ __forceinline__ void warp_offsets(int32_t* hist, int warps, int E, co
 // workspace (where their plan reads it, without a trip over PCIe). Every
 // thread of the block calls it.
 __device__ __forceinline__ void write_routing(const DispatchSendParams& p, const int32_t* counts) {
+  if (p.cached) return;  // every receiver plans from its handle's matrix
   const Instance& in = p.inst;
   const int E = in.num_experts;
   for (int r = 0; r < in.world; ++r) {
@@ -177,10 +178,11 @@ __device__ __forceinline__ uint64_t begin_call(const DispatchSendParams& p, int 
 // then makes the call's epoch and routing row visible before anything that
 // follows (our plan kernel reads both, possibly before this grid ends; see
 // route_pack_kernel) and raises the route flags of same-node peers and
-// the proxy (a rank alone has nobody to tell).
-__device__ __forceinline__ void publish_routing(const Instance& in, uint64_t epoch, bool dropped) {
+// the proxy (a rank alone has nobody to tell). A cached call raises none:
+// it published no row, and its host raised the proxy's route_ready.
+__device__ __forceinline__ void publish_routing(const Instance& in, uint64_t epoch, bool dropped, bool cached) {
   if (dropped) report(in, kStatusBadExpert);
-  if (in.world == 1) {  // only our own kernels read them: the device scope is enough
+  if (in.world == 1 || cached) {  // only our own kernels read them: the device scope is enough
     __threadfence();
     return;
   }

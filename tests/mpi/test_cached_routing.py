@@ -1,0 +1,163 @@
+"""Dispatch along a cached routing: the same rows as a full dispatch, and no routing exchange.
+
+Layers 1..L dispatch forward, each keeping its routing; then L..1 dispatch new
+rows along their kept routing (as the backward of combine does), each checked
+bitwise against a full dispatch of the same rows. Before every cached call a
+rank fills the routing rows of its workspace with garbage: the call must not
+read them (its plan is the kept matrix) and nobody may write them (no peer
+publishes a row), while the full dispatch after it must still work.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from ranks import DEVICE, PROVIDER, RANK, WORLD, device_pytestmark, layouts
+
+from moe_a2a import AllToAll, Config, Routing
+from moe_a2a.autograd import ExpertParallel
+
+pytestmark = device_pytestmark
+HIDDEN = 160  # two fp8 scale blocks, the second short
+EXPERTS = 24  # every world size of the CI matrix (1, 2, 3, 4, 8) divides it
+TOPK = 3
+MAX_TOKENS = 12
+LAYERS = 3
+POISON = 0xA5A5A5A5
+CASES = {"bf16-pad2": ("bf16", 2), "fp8": ("fp8", 1)}
+
+
+@pytest.fixture(scope="module", params=layouts())
+def rpn(request: pytest.FixtureRequest) -> int | None:
+    return request.param
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def a2a(request: pytest.FixtureRequest, rpn: int | None) -> Iterator[AllToAll]:
+    dtype, pad = CASES[request.param]
+    cfg = Config(MAX_TOKENS, HIDDEN, EXPERTS, TOPK, dispatch_dtype=dtype, expert_padding=pad)
+    with AllToAll(cfg, device=DEVICE, provider=PROVIDER, ranks_per_node=rpn) as a:
+        yield a
+
+
+def layer_inputs(seed: int, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, ids, weights, new rows) of this rank for one layer: uneven tokens, one rank with none."""
+    g = torch.Generator().manual_seed(seed * 1000 + RANK)
+    tokens = 0 if WORLD > 1 and RANK == 1 else int(torch.randint(1, MAX_TOKENS + 1, (1,), generator=g))
+    g.manual_seed(seed * 1000 + 100 * (layer + 1) + RANK)
+    ids = torch.stack(
+        [torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(tokens)] or [torch.zeros(0)]
+    )
+    ids = ids.reshape(tokens, TOPK).to(torch.int64)
+    x = torch.randn(tokens, HIDDEN, generator=g).to(torch.bfloat16)
+    rows = torch.randn(tokens, HIDDEN, generator=g).to(torch.bfloat16)
+    return x.to(DEVICE), ids.to(DEVICE), torch.rand(tokens, TOPK, generator=g).to(DEVICE), rows.to(DEVICE)
+
+
+def routing_words(a: AllToAll) -> ctypes.Array:
+    """The routing section of this rank's host workspace (where peers and the proxy write rows)."""
+    ws = a._setup.workspace
+    return (ctypes.c_uint32 * (WORLD * EXPERTS)).from_address(ws.ptr + ws.routing_offset)
+
+
+def round_trip(a: AllToAll, x: torch.Tensor, between: Any = None, **kw: Any) -> tuple[Any, ...]:
+    """dispatch then combine; `between()` runs after the dispatch, before our combine lets peers go on."""
+    d = a.dispatch(x, **kw)
+    if between is not None:
+        between()
+    a.combine(torch.zeros(d.expert_x.shape, dtype=torch.bfloat16, device=a.device), d)
+    scale = d.expert_x_scale if d.expert_x_scale is not None else torch.empty(0)
+    return d.expert_x.view(torch.uint8).cpu(), scale.cpu(), d.tokens_per_expert.cpu(), d
+
+
+def test_cached_dispatch_equals_a_full_one_with_layers_between(a2a: AllToAll, seed: int) -> None:
+    inputs = [layer_inputs(seed, layer) for layer in range(LAYERS)]
+    kept: list[Routing] = []
+    for x, ids, w, _ in inputs:  # layers 1..L forward
+        *_, d = round_trip(a2a, x, topk_ids=ids, topk_weights=w, keep_routing=True)
+        assert isinstance(d.routing, Routing) and tuple(d.routing.matrix.shape) == (WORLD, EXPERTS)
+        kept.append(d.routing)
+    matrices = [r.matrix.clone() for r in kept]
+    for layer in reversed(range(LAYERS)):  # then L..1, each with the previous layer's calls between
+        _, ids, w, rows = inputs[layer]
+        words = routing_words(a2a)
+        ctypes.memset(words, 0xA5, ctypes.sizeof(words))
+        before = a2a.routing_rows()
+        written: list[int] = []  # a peer may start its next call (and publish) once we combine
+
+        def look(words: ctypes.Array = words, written: list[int] = written) -> None:
+            written.extend(i for i, v in enumerate(words) if v != POISON)
+
+        got = round_trip(a2a, rows, look, routing=kept[layer])
+        assert a2a.routing_rows() == before, "a cached call exchanged routing rows"
+        assert not written, f"routing words {written} were written during a cached call (rank {RANK})"
+        want = round_trip(a2a, rows, topk_ids=ids, topk_weights=w)
+        sent, received = a2a.routing_rows()
+        assert (sent - before[0], received - before[1]) == (WORLD - 1, WORLD - 1)
+        for name, g, e in zip(
+            ("expert_x", "expert_x_scale", "tokens_per_expert"), got[:3], want[:3], strict=True
+        ):
+            assert torch.equal(g, e), f"layer {layer + 1}: {name} differs from a full dispatch (rank {RANK})"
+        assert torch.equal(kept[layer].matrix, matrices[layer]), "a call changed a kept routing"
+
+
+def test_a_routing_travels_to_an_instance_of_the_same_shape(
+    a2a: AllToAll, rpn: int | None, seed: int
+) -> None:
+    """As the backward does: a routing kept on one instance drives a dispatch of another (other dtype)."""
+    x, ids, w, rows = layer_inputs(seed, 7)
+    *_, d = round_trip(a2a, x, topk_ids=ids, topk_weights=w, keep_routing=True)
+    cfg = Config(MAX_TOKENS, HIDDEN, EXPERTS, TOPK, dispatch_dtype="fp32")
+    with AllToAll(cfg, device=DEVICE, provider=PROVIDER, ranks_per_node=rpn) as other:
+        got = round_trip(other, rows.float(), routing=d.routing)
+        want = round_trip(other, rows.float(), topk_ids=ids, topk_weights=w)
+        assert other.routing_rows() == (WORLD - 1, WORLD - 1), "only the full dispatch exchanged rows"
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+
+
+def test_bad_routing_names_the_argument(a2a: AllToAll, seed: int) -> None:
+    x, ids, w, rows = layer_inputs(seed, 9)
+    *_, d = round_trip(a2a, x, topk_ids=ids, topk_weights=w, keep_routing=True)
+    assert d.routing is not None
+    with pytest.raises(TypeError, match="routing: got Tensor"):
+        a2a.dispatch(rows, routing=d.routing.matrix)
+    with pytest.raises(ValueError, match="leave topk_ids out"):
+        a2a.dispatch(rows, ids, routing=d.routing)
+    with pytest.raises(ValueError, match="x: got"):
+        wrong = torch.zeros(rows.shape[0] + 1, HIDDEN, dtype=rows.dtype, device=DEVICE)
+        a2a.dispatch(wrong, routing=d.routing)
+    with pytest.raises(ValueError, match="keep_routing: got"):
+        a2a.dispatch(x, ids, w, keep_routing=1)
+    if DEVICE == "cpu":  # where checking costs no stream synchronisation: a changed row of ours
+        changed = d.routing.matrix.clone()
+        changed[RANK, 0] += 1
+        with pytest.raises(ValueError, match=f"routing: row {RANK} of its matrix does not count"):
+            a2a.dispatch(rows, routing=dataclasses.replace(d.routing, matrix=changed))
+    round_trip(a2a, rows, routing=d.routing)  # still usable
+
+
+@pytest.fixture(scope="module")
+def ep(rpn: int | None) -> Iterator[ExpertParallel]:
+    cfg = Config(MAX_TOKENS, HIDDEN, EXPERTS, TOPK)
+    with ExpertParallel(cfg, device=DEVICE, provider=PROVIDER, ranks_per_node=rpn, grad_dtype="fp32") as e:
+        yield e
+
+
+def test_backward_exchanges_no_routing(ep: ExpertParallel, seed: int) -> None:
+    """Layers 1..L forward, then one backward: every dispatch of the backward goes along a handle."""
+    instances = {id(a): a for a in (ep.forward_a2a, ep.backward_a2a, ep.side_a2a)}.values()
+    x = layer_inputs(seed, 0)[0].float().requires_grad_()
+    h = x
+    for layer in range(LAYERS):
+        _, ids, w, _ = layer_inputs(seed, layer)
+        routed = ep.dispatch(h, ids, w.requires_grad_())
+        h = ep.combine(routed.expert_x * 2.0, routed)
+    before = [a.routing_rows() for a in instances]
+    h.sum().backward()
+    assert [a.routing_rows() for a in instances] == before, "the backward exchanged routing rows"
+    assert x.grad is not None and bool(torch.isfinite(x.grad).all())

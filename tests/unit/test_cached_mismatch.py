@@ -1,0 +1,29 @@
+"""A rank that runs a dispatch cached while its peers run it uncached fails, and so do they."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("cached_mismatch_job.py")
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun")
+@pytest.mark.parametrize(
+    ("provider", "layout"), [("tcp", "1"), ("shm", "node")], ids=["tcp-own-nodes", "shm-one-node"]
+)
+def test_cached_and_uncached_ranks_do_not_pair(provider: str, layout: str) -> None:
+    mpirun = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "2"]
+    cmd = [*mpirun, sys.executable, str(SCRIPT), provider, layout]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    for rank in (0, 1):  # a FabricError, or its subclass FabricTimeoutError
+        assert re.search(rf"^rank {rank}: Fabric(Timeout)?Error: ", out, re.M), out
+    # The rank that waited for a routing row says why none came.
+    assert "along a cached routing sends none" in out, out
