@@ -120,25 +120,34 @@ def test_a_routing_travels_to_an_instance_of_the_same_shape(
     assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
 
 
-def test_bad_routing_names_the_argument(a2a: AllToAll, seed: int) -> None:
+def test_bad_routing_names_the_argument(rpn: int | None, seed: int) -> None:
+    """Each bad argument is named; the instance then stops on every rank until reopened."""
     x, ids, w, rows = layer_inputs(seed, 9)
-    *_, d = round_trip(a2a, x, topk_ids=ids, topk_weights=w, keep_routing=True)
-    assert d.routing is not None
-    with pytest.raises(TypeError, match="routing: got Tensor"):
-        a2a.dispatch(rows, routing=d.routing.matrix)
-    with pytest.raises(ValueError, match="leave topk_ids out"):
-        a2a.dispatch(rows, ids, routing=d.routing)
-    with pytest.raises(ValueError, match="x: got"):
+    cfg = Config(MAX_TOKENS, HIDDEN, EXPERTS, TOPK)
+    a2a = AllToAll(cfg, device=DEVICE, provider=PROVIDER, ranks_per_node=rpn)
+    try:
+        *_, d = round_trip(a2a, x, topk_ids=ids, topk_weights=w, keep_routing=True)
+        assert d.routing is not None
         wrong = torch.zeros(rows.shape[0] + 1, HIDDEN, dtype=rows.dtype, device=DEVICE)
-        a2a.dispatch(wrong, routing=d.routing)
-    with pytest.raises(ValueError, match="keep_routing: got"):
-        a2a.dispatch(x, ids, w, keep_routing=1)
-    if DEVICE == "cpu":  # where checking costs no stream synchronisation: a changed row of ours
-        changed = d.routing.matrix.clone()
-        changed[RANK, 0] += 1
-        with pytest.raises(ValueError, match=f"routing: row {RANK} of its matrix does not count"):
-            a2a.dispatch(rows, routing=dataclasses.replace(d.routing, matrix=changed))
-    round_trip(a2a, rows, routing=d.routing)  # still usable
+        bad: list[tuple[type[Exception], str, Any]] = [
+            (TypeError, "routing: got Tensor", lambda a: a.dispatch(rows, routing=d.routing.matrix)),
+            (ValueError, "leave topk_ids out", lambda a: a.dispatch(rows, ids, routing=d.routing)),
+            (ValueError, "x: got", lambda a: a.dispatch(wrong, routing=d.routing)),
+            (ValueError, "keep_routing: got", lambda a: a.dispatch(x, ids, w, keep_routing=1)),
+        ]
+        if DEVICE == "cpu":  # where checking costs no stream synchronisation: a changed row of ours
+            changed = d.routing.matrix.clone()
+            changed[RANK, 0] += 1
+            routing = dataclasses.replace(d.routing, matrix=changed)
+            bad.append((ValueError, f"routing: row {RANK} of its matrix does not count",
+                        lambda a: a.dispatch(rows, routing=routing)))  # fmt: skip
+        for exc, match, call in bad:  # every rank passes the same bad argument
+            with pytest.raises(exc, match=match):
+                call(a2a)
+            a2a = a2a.reopen()
+        round_trip(a2a, rows, routing=d.routing)  # a routing outlives the instance that made it
+    finally:
+        a2a.close()
 
 
 @pytest.fixture(scope="module")

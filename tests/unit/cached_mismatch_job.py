@@ -12,7 +12,7 @@ import sys
 import torch
 from mpi4py import MPI
 
-from moe_a2a import AllToAll, Config, FabricError
+from moe_a2a import AllToAll, Config, FabricError, PeerFailedError
 
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
@@ -28,7 +28,7 @@ a2a.combine(d.expert_x, d)
 try:
     again = a2a.dispatch(x, routing=d.routing) if rank == 0 else a2a.dispatch(x, ids, w)
     a2a.combine(again.expert_x, again)
-except FabricError as e:
+except (FabricError, PeerFailedError) as e:  # its own error, or a peer's announced one
     print(f"rank {rank}: {type(e).__name__}: {e}", flush=True)
     a2a.close(wait_for_peers=False)
     sys.exit(0)
