@@ -10,6 +10,10 @@ management veth. Scenarios:
         receiver has checked.
   a2a   dispatch and combine with one rank per emulated host, compared with
         moe_a2a.reference on every rank.
+  a2a_rate
+        timed dispatch + combine steps (after one untimed step) with one rank per
+        emulated host; each rank reports its seconds and the payload bytes it sent
+        to remote peers (AllToAll.traffic), to compare with its NICs' rate.
 """
 
 from __future__ import annotations
@@ -88,13 +92,45 @@ def a2a(group: object, rank: int, world: int, args: dict[str, str]) -> dict[str,
     return {"rounds": rounds, "tokens": tokens[rank]}
 
 
+def a2a_rate(group: object, rank: int, world: int, args: dict[str, str]) -> dict[str, object]:
+    from moe_a2a.all_to_all import AllToAll, Config
+
+    tokens, hidden, steps = int(args["tokens"]), int(args["hidden"]), int(args["steps"])
+    private = int(args["private"]) if "private" in args else None
+    cfg = Config(
+        max_tokens=tokens, hidden=hidden, num_experts=2 * world, topk=2, timeout_s=TIMEOUT_S,
+        max_private_tokens=private,
+    )
+    a2a = AllToAll(
+        cfg, comm=group, device="cpu", provider="tcp", ranks_per_node=1, num_nics=int(args["nics"])
+    )
+    g = torch.Generator().manual_seed(11 + rank)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    # every token's two copies go to the two experts of one other rank: all traffic crosses a NIC
+    peer = (rank + 1 + torch.randint(0, world - 1, (tokens,), generator=g)) % world
+    ids = torch.stack([2 * peer, 2 * peer + 1], dim=1)
+    w = torch.rand(tokens, 2, generator=g)
+    seconds, sent = [], 0
+    for step in range(steps + 1):
+        dist.barrier(group)
+        t0 = time.monotonic()
+        d = a2a.dispatch(x, ids, w)
+        a2a.combine(d.expert_x, d)
+        if step == 0:
+            continue  # connections and first-touch pages
+        seconds.append(time.monotonic() - t0)
+        sent += int(a2a.traffic().sum())
+    a2a.close()
+    return {"seconds": sum(seconds), "bytes": sent}
+
+
 def main() -> int:
     scenario, out = sys.argv[1], sys.argv[2]
     args = dict(a.split("=", 1) for a in sys.argv[3:])
     dist.init_process_group("gloo", init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(range(world)), backend="gloo")
-    result = {"send": send, "a2a": a2a}[scenario](group, rank, world, args)
+    result = {"send": send, "a2a": a2a, "a2a_rate": a2a_rate}[scenario](group, rank, world, args)
     with open(out, "w") as f:
         json.dump({"rank": rank, **result}, f)
     dist.barrier(group)

@@ -133,6 +133,37 @@ def test_one_write_split_over_two_limited_nics_moves_twice_one(
     _twice_one(one, two, f"one write of {RATE_BYTES} bytes from host 0 to host 1", "split over two")
 
 
+def test_a2a_over_two_rate_limited_nics(bed3_limited: testbed.Testbed, tmp_path: Path) -> None:
+    """Dispatch + combine across emulated hosts, one and two NICs, against the NICs' own rate.
+
+    Every copy goes to another host, so each rank's payload leaves through its
+    NICs: with one NIC both peers share `va1`; with two, one peer each. A step is
+    bound by the busiest rank's egress; the rate here is a rank's payload over
+    its own time, so framing and the small routing and barrier messages count
+    against it.
+    """
+    shape = {"tokens": 256, "hidden": 2048, "steps": 3}
+    results = {}
+    for label, names in (("one", "va1"), ("two", "va1,va2")):
+        before = [_tx(bed3_limited, h) for h in range(3)]
+        reports = run_ranks(bed3_limited, tmp_path, "a2a_rate", names, nics=len(names.split(",")), **shape)
+        after = [_tx(bed3_limited, h) for h in range(3)]
+        wire = [{n: after[h][n] - before[h][n] for n in ("va1", "va2")} for h in range(3)]
+        mbit = [r["bytes"] * 8 / r["seconds"] / 1e6 for r in reports]
+        results[label] = {"mbit": min(mbit), "seconds": max(r["seconds"] for r in reports), "wire": wire}
+        if label == "one":
+            for h in range(3):  # nothing left through the NIC that was not named
+                assert after[h]["va2"] - before[h]["va2"] < 64 << 10, (h, after[h], before[h])
+    one, two = results["one"], results["two"]
+    print(f"\ntestbed a2a: tbf {RATE_MBIT} mbit per NIC, {shape}: one NIC {one['mbit']:.1f} mbit/s "
+          f"({one['seconds']:.2f} s), two NICs {two['mbit']:.1f} mbit/s ({two['seconds']:.2f} s), "
+          f"ratio {two['mbit'] / one['mbit']:.2f}; wire bytes {one['wire']} / {two['wire']}")  # fmt: skip
+    assert 0.6 * RATE_MBIT < one["mbit"] <= 1.05 * RATE_MBIT, results
+    # Less than twice: a step's phases follow one another, and small messages
+    # (routing rows, barriers) queue behind rows in a NIC's one tbf queue.
+    assert 1.3 < two["mbit"] / one["mbit"] < 2.3, results
+
+
 def test_dispatch_combine_across_hosts_equals_reference(bed3: testbed.Testbed, tmp_path: Path) -> None:
     reports = run_ranks(bed3, tmp_path, "a2a", "va1,va2", nics=2, rounds=2)
     assert [r["rounds"] for r in reports] == [2, 2, 2]
