@@ -153,9 +153,16 @@ __device__ __forceinline__ void warp_offsets(int32_t* hist, int warps, int E, co
 // workspace (where their plan reads it, without a trip over PCIe). Every
 // thread of the block calls it.
 __device__ __forceinline__ void write_routing(const DispatchSendParams& p, const int32_t* counts) {
-  if (p.cached) return;  // every receiver plans from its handle's matrix
   const Instance& in = p.inst;
   const int E = in.num_experts;
+  if (p.cached) {
+    // Every receiver plans from its handle's matrix: nothing is published. Our
+    // own device row still gets this call's counts, because stage_kernel sizes
+    // each remote peer's block from it (a fresh instance's row is all zeros).
+    uint32_t* own = routing_row(in.device_ws, in.layout, in.rank, E);
+    for (int e = threadIdx.x; e < E; e += blockDim.x) own[e] = static_cast<uint32_t>(counts[e]);
+    return;
+  }
   for (int r = 0; r < in.world; ++r) {
     if (!same_node(in, r)) continue;
     uint32_t* host_row = routing_row(in.peers[r].host, in.layout, in.rank, E);
