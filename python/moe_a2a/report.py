@@ -217,6 +217,18 @@ def progress(total: int, desc: str, *, rank: int, mode: str = "auto", stream: Te
     )
 
 
+def add_output_argument(parser: Any, rows: str = "one row per line") -> None:
+    """`--output PATH` (.csv or .json, checked when parsed), as every benchmark takes it."""
+    parser.add_argument(
+        "--output",
+        type=output_path,
+        metavar="PATH",
+        default=None,
+        help=f"also write the figures to PATH: .csv ({rows}) or .json (rows with the version, "
+        "command and settings) (default: none)",
+    )
+
+
 def add_progress_argument(parser: Any) -> None:
     """`--progress auto|always|never`, as `run` and `bench` take it."""
     parser.add_argument(

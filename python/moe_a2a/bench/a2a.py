@@ -443,14 +443,7 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         help="what moe-a2a is compared with (default: mpi; with --device cuda the per-phase CUDA benchmark)",
     )
-    p.add_argument(
-        "--output",
-        type=report.output_path,
-        metavar="PATH",
-        default=None,
-        help="also write the figures to PATH: .csv (one row per line) or .json (rows with the version, "
-        "command and settings) (default: none)",
-    )
+    report.add_output_argument(p)
     report.add_progress_argument(p)
     p.add_argument(
         "--train",

@@ -445,13 +445,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", default=None, help="append one JSON line per shape to this file (rank 0) (default: none)"
     )
-    parser.add_argument(
-        "--output",
-        type=report.output_path,
-        metavar="PATH",
-        default=None,
-        help="write the rows to PATH: .csv or .json with the version, command and settings (default: none)",
-    )
+    report.add_output_argument(parser)
     parser.add_argument(
         "--profile", action="store_true", help="print each kernel's GPU time (rank 0) (default: off)"
     )

@@ -126,14 +126,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--seed", type=int_at_least(0), default=0, help="seed of the checked data (default: 0)"
     )
-    parser.add_argument(
-        "--output",
-        type=report.output_path,
-        metavar="PATH",
-        default=None,
-        help="also write the figures to PATH: .csv (one row per size) or .json (rows with the version, "
-        "command and settings) (default: none)",
-    )
+    report.add_output_argument(parser, "one row per size")
     report.add_progress_argument(parser)
     parser.set_defaults(func=main)
     return parser
