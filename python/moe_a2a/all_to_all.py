@@ -22,7 +22,7 @@ import torch
 
 from moe_a2a import _core, switches
 from moe_a2a.agreement import all_to_all_settings, check_agreement
-from moe_a2a.backends.common import CORE_DTYPE, Setup, num_scales
+from moe_a2a.backends.common import CORE_DTYPE, Backend, Setup, num_scales
 from moe_a2a.bootstrap import Bootstrap
 from moe_a2a.fabric import hint_universe_size, lease_engine
 from moe_a2a.nics import current_gpu_address, num_nics_default
@@ -297,7 +297,7 @@ class AllToAll:
         if device == "cuda":
             from moe_a2a.backends.cuda import CudaBackend
 
-            self._backend: Any = CudaBackend(setup, graph_safe)
+            self._backend: Backend = CudaBackend(setup, graph_safe)
         else:
             from moe_a2a.backends.cpu import CpuBackend
 
@@ -665,9 +665,7 @@ class AllToAll:
             self._failure = f"call {self._calls} ({what}, epoch {epoch}) failed on rank {self.rank}: " + (
                 f"{type(exc).__name__}: {exc}"
             )
-            announce = getattr(self._backend, "announce_failure", None)  # the CUDA backend has none yet
-            if announce is not None:
-                announce(self._failure)
+            self._backend.announce_failure(self._failure)
         if self.abort_on_error and isinstance(exc, FabricError):
             sys.stderr.write(
                 f"moe-a2a: rank {self.rank}: {exc}\nmoe-a2a: rank {self.rank}: ending the job "

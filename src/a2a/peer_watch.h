@@ -109,4 +109,14 @@ inline void write_abort_record(uint8_t* dst, const Layout& l, int rank, const st
   rec->state.store(1, std::memory_order_release);
 }
 
+// Our record in our own workspace (the source of the fabric writes that carry
+// it to remote peers) and in every same-node peer's.
+inline void announce_on_node(const A2AConfig& c, const Layout& l, uint8_t* self,
+                             const std::vector<uint8_t*>& node_workspaces, const std::string& text) {
+  write_abort_record(self, l, c.rank, text);
+  for (int r = 0; r < c.world && r < static_cast<int>(node_workspaces.size()); ++r)
+    if (r != c.rank && c.same_node(r) && node_workspaces[r] != nullptr)
+      write_abort_record(node_workspaces[r], l, c.rank, text);
+}
+
 }  // namespace moe_a2a::a2a

@@ -50,6 +50,11 @@ Proxy::~Proxy() {
   thread_.join();
 }
 
+void Proxy::arm() {
+  armed_.fetch_add(1, std::memory_order_acq_rel);
+  wake();
+}
+
 void Proxy::wake() {
   {
     std::lock_guard<std::mutex> lock(wake_mu_);
@@ -75,9 +80,7 @@ void Proxy::wait_imm(Tag kind, int peer, uint64_t count) {
 void Proxy::announce_failure(const std::string& text) {
   const A2AConfig& c = ctx_.config;
   const Layout& l = ctx_.layout;
-  write_abort_record(ctx_.workspace, l, c.rank, text);  // the source of the remote writes
-  for (int r = 0; r < c.world; ++r)
-    if (r != c.rank && c.same_node(r)) write_abort_record(ctx_.node_workspaces[r], l, c.rank, text);
+  announce_on_node(c, l, ctx_.workspace, ctx_.node_workspaces, text);
   if (ctx_.remote_peers.empty()) return;
   std::vector<ScatterItem> items;
   size_t at = l.abort_record(c.rank);
@@ -102,15 +105,20 @@ std::string Proxy::overflow_message() const {
   return overflow_;
 }
 
-bool Proxy::wait_signal(const Seq& seq, uint64_t epoch) {
+bool Proxy::wait_signal(const Seq& seq, uint64_t epoch, bool next_call) {
   Backoff backoff;
+  const bool arms = next_call && ctx_.caller_arms;
+  auto started = [&] { return !arms || armed_.load(std::memory_order_acquire) >= epoch; };
   while (seq.get() < epoch) {
     if (stop_.load(std::memory_order_relaxed)) return false;
-    if (ctx_.caller_wakes && backoff.round >= Backoff::kShortSleeps) {
-      // Idle for a while: sleep until the compute side raises a flag and wakes us.
+    if ((ctx_.caller_wakes || !started()) && backoff.round >= Backoff::kShortSleeps) {
+      // Idle for a while: sleep until the compute side raises a flag or starts
+      // the call, and wakes us.
       std::unique_lock<std::mutex> lock(wake_mu_);
-      wake_cv_.wait_for(lock, kIdleBlock, [&] { return woken_ || stop_.load() || seq.get() >= epoch; });
+      wake_cv_.wait_for(lock, kIdleBlock,
+                        [&] { return woken_ || stop_.load() || seq.get() >= epoch || (arms && started()); });
       woken_ = false;
+      if (arms && started()) backoff = Backoff{};  // the call is under way: poll from the start
       continue;
     }
     backoff.pause();
@@ -121,7 +129,7 @@ bool Proxy::wait_signal(const Seq& seq, uint64_t epoch) {
 void Proxy::run() {
   for (uint64_t epoch = 1;; ++epoch) {
     try {
-      if (!wait_signal(ctx_.signals->route_ready, epoch)) return;
+      if (!wait_signal(ctx_.signals->route_ready, epoch, true)) return;
       step(epoch);
     } catch (const Stopped&) {
       return;

@@ -36,6 +36,10 @@ struct ProxyContext {
   // an idle proxy may block instead of polling (the CPU backend; kernels that
   // raise flags from the GPU cannot wake a thread).
   bool caller_wakes = false;
+  // The compute side calls Proxy::arm() once per call it starts (the CUDA
+  // backend, at launch or from a graph's host node): between calls the proxy
+  // may block, and it polls only while a call is under way.
+  bool caller_arms = false;
   PeerSignals peers;  // per-peer flags, [world] each
 };
 
@@ -74,6 +78,8 @@ class Proxy {
   bool peer_failed() const;
   // Ends a blocking wait for the compute side's next flag (caller_wakes).
   void wake();
+  // A call was started (caller_arms): poll for its flags from now on.
+  void arm();
   // Tells every peer that this rank failed (`text` says how): they stop at once
   // instead of at their timeout. Best effort: a broken fabric reaches no one.
   void announce_failure(const std::string& text);
@@ -84,7 +90,8 @@ class Proxy {
 
  private:
   void run();
-  bool wait_signal(const Seq& seq, uint64_t epoch);
+  // `next_call`: the wait between calls, which may block until arm().
+  bool wait_signal(const Seq& seq, uint64_t epoch, bool next_call = false);
   // Peer r's rows are packed: its own flag, or the whole call's.
   bool wait_packed(const Seq& peer, const Seq& all, uint64_t epoch);
   void step(uint64_t epoch);
@@ -111,6 +118,7 @@ class Proxy {
   std::mutex wake_mu_;
   std::condition_variable wake_cv_;
   bool woken_ = false;
+  std::atomic<uint64_t> armed_{0};  // calls the compute side started (caller_arms)
   PeerWatch watch_;
   mutable std::mutex mu_;
   std::string error_;

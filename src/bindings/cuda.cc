@@ -65,12 +65,13 @@ void bind_cuda(nb::module_& m) {
           "__init__",
           [](CudaAllToAll* a, Workspace* ws, moe_a2a::fabric::TransferEngine* engine,
              std::optional<moe_a2a::fabric::RegionId> region, std::optional<moe_a2a::fabric::GroupId> group,
-             const std::vector<int>& remote_peers) {
+             const std::vector<int>& remote_peers, const std::vector<int>& pids) {
             new (a) CudaAllToAll(ws, engine, region.value_or(moe_a2a::fabric::RegionId{}),
-                        group.value_or(moe_a2a::fabric::GroupId{}), remote_peers);
+                        group.value_or(moe_a2a::fabric::GroupId{}), remote_peers, pids);
           },
           nb::arg("workspace"), nb::arg("engine").none(), nb::arg("region").none(), nb::arg("group").none(),
-          nb::arg("remote_peers"), nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>())
+          nb::arg("remote_peers"), nb::arg("pids") = std::vector<int>{}, nb::keep_alive<1, 2>(),
+          nb::keep_alive<1, 3>())
       .def(nb::init<const A2AConfig&>(), nb::arg("config"),
            "A rank without fabric or proxy, for tests that run several ranks in one process.")
       .def("ipc_handle", [](const CudaAllToAll& a) {
@@ -120,6 +121,8 @@ void bind_cuda(nb::module_& m) {
           },
           nb::arg("weights"), nb::arg("out"), nb::arg("host_wait"), nb::arg("stream"), release())
       .def("check", &CudaAllToAll::check, "Raise the outcome of the last call (after synchronising its stream).")
+      .def("announce_failure", &CudaAllToAll::announce_failure, nb::arg("text"), release(),
+           "Tell every peer that this rank failed, so their waits end at once.")
       .def("wait_planned", &CudaAllToAll::wait_planned,
            "Eager dispatch: wait until the plan of this call is final (no stream synchronisation), then check().",
            release())

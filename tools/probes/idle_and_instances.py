@@ -1,6 +1,6 @@
 """Probes of issue 17, items 6 and 7 (run under mpirun; figures in docs/reliability.md).
 
-  mpirun -n 2 python tools/probes/idle_and_instances.py idle --provider shm [--rpn 1] [--open 32]
+  mpirun -n 2 python tools/probes/idle_and_instances.py idle --provider shm [--rpn 1] [--open 32] [--device cuda]
   mpirun -n 2 python tools/probes/idle_and_instances.py instances --provider tcp --count 32
 
 idle: CPU seconds per second of this process (every thread: /proc/self/stat
@@ -50,7 +50,8 @@ def one_round(a2a: AllToAll, cfg: Config) -> None:
         [torch.randperm(cfg.num_experts, generator=g)[: cfg.topk] for _ in range(cfg.max_tokens)]
     )
     w = torch.rand(cfg.max_tokens, cfg.topk, generator=g)
-    d = a2a.dispatch(x, ids.to(torch.int32), w)
+    dev = a2a.device
+    d = a2a.dispatch(x.to(dev), ids.to(torch.int32).to(dev), w.to(dev))
     a2a.combine(d.expert_x.to(torch.bfloat16), d)
 
 
@@ -59,6 +60,7 @@ def main() -> None:
     p.add_argument("what", choices=["idle", "instances"])
     p.add_argument("--provider", default="tcp")
     p.add_argument("--rpn", type=int, default=None)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--count", type=int, default=32, help="instances: how many to create")
     p.add_argument("--open", type=int, default=1, help="idle: instances open while idling")
@@ -67,7 +69,9 @@ def main() -> None:
     world = comm.Get_size()
     cfg = Config(max_tokens=16, hidden=256, num_experts=2 * world, topk=2, timeout_s=30.0)
     if a.what == "idle":
-        made = [AllToAll(cfg, provider=a.provider, ranks_per_node=a.rpn) for _ in range(a.open)]
+        made = [
+            AllToAll(cfg, provider=a.provider, ranks_per_node=a.rpn, device=a.device) for _ in range(a.open)
+        ]
         for a2a in made:
             one_round(a2a, cfg)
         comm.Barrier()

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from moe_a2a import _core
@@ -37,3 +38,39 @@ class Setup:
     node: set[int]
     bootstrap: Any
     pids: list[int]  # index = rank: its pid where it shares our host, else 0 (a dead one fails waits at once)
+
+
+class Backend(Protocol):
+    """What `AllToAll` drives: the four halves of a step on one device, and their bookkeeping."""
+
+    device: torch.device
+    ids_dtypes: tuple[torch.dtype, ...]
+    checks_ids: bool  # the device checks the expert id range itself (the receive half raises)
+
+    @property
+    def epoch(self) -> int: ...
+
+    def dispatch_send(
+        self, x: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor, routing: torch.Tensor | None
+    ) -> None: ...
+
+    def dispatch_recv(
+        self, dtype: torch.dtype, routing_out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]: ...
+
+    def combine_send(self, y: torch.Tensor) -> None: ...
+
+    def combine_recv(self, weights: torch.Tensor, out: torch.Tensor) -> None: ...
+
+    def announce_failure(self, text: str) -> None:
+        """Tell every peer that this rank failed, so their waits end at once."""
+
+    def check(self) -> None:
+        """Raise the outcome of the last call (asynchronous devices)."""
+
+    def copies(self) -> tuple[np.ndarray, np.ndarray]:
+        """Token copies this rank sent to / received from each rank in the last dispatch."""
+
+    def routing_rows(self) -> tuple[int, int]: ...
+
+    def close(self) -> None: ...

@@ -84,7 +84,7 @@ class CudaBackend:
         self._setup = setup
         engine = setup.engine.core if setup.engine is not None else None  # None: no remote peer
         self._impl = _core.CudaAllToAll(
-            setup.workspace, engine, setup.region, setup.group, setup.remote_peers
+            setup.workspace, engine, setup.region, setup.group, setup.remote_peers, setup.pids
         )
         handles = setup.bootstrap.allgather(self._impl.ipc_handle())
         self._impl.open_node([h if r in setup.node else b"" for r, h in enumerate(handles)])
@@ -171,6 +171,10 @@ class CudaBackend:
         # nothing to report; inputs stay referenced until the next dispatch.
         self._impl.combine_recv(weights.data_ptr(), out.data_ptr(), not self.graph_safe, self._stream())
         self._alive = (*self._alive, weights)
+
+    def announce_failure(self, text: str) -> None:
+        """Tell every peer that this rank failed, so their waits end at once."""
+        self._impl.announce_failure(text)
 
     def check(self) -> None:
         """Raise the outcome of the last call (graph-safe mode; synchronise the stream first)."""

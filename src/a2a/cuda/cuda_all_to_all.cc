@@ -48,12 +48,14 @@ T* mapped_device_pointer(T* host, const char* what) {
 }  // namespace
 
 CudaAllToAll::CudaAllToAll(Workspace* host_workspace, fabric::TransferEngine* engine, fabric::RegionId region,
-                           fabric::GroupId group,
-                           const std::vector<int>& remote_peers)
+                           fabric::GroupId group, const std::vector<int>& remote_peers,
+                           const std::vector<int>& pids)
     : cfg_(host_workspace->config()), layout_(host_workspace->layout()) {
   allocate();
   const auto& node = host_workspace->node();
   host_ws_cpu_ = host_workspace->self();
+  node_ws_cpu_ = node;
+  watch_ = PeerWatch(cfg_, layout_, host_ws_cpu_, engine, remote_peers, pids);
   register_host(host_ws_cpu_, layout_.total, &host_ws_);
   peers_[cfg_.rank].host = host_ws_;
   for (int r = 0; r < cfg_.world; ++r)
@@ -64,9 +66,12 @@ CudaAllToAll::CudaAllToAll(Workspace* host_workspace, fabric::TransferEngine* en
   // Every peer on this node: kernels reach them all through CUDA IPC and
   // nothing waits for the proxy (its flags are read only with remote peers),
   // so no thread polls through steps that move nothing.
-  if (has_remote_)
-    proxy_ = std::make_unique<Proxy>(
-        proxy_context(*host_workspace, engine, region, group, remote_peers, signals_, peer_signals_in(peer_seqs_, cfg_.world)));
+  if (has_remote_) {
+    ProxyContext ctx = proxy_context(*host_workspace, engine, region, group, remote_peers, signals_,
+                                     peer_signals_in(peer_seqs_, cfg_.world), pids);
+    ctx.caller_arms = true;  // dispatch_send arms it; kernels cannot wake a thread
+    proxy_ = std::make_unique<Proxy>(std::move(ctx));
+  }
   choose_recv(false);  // until open_node says whom we share the GPU with
 }
 
@@ -322,8 +327,21 @@ const Instance& CudaAllToAll::instance() {
 }
 
 void CudaAllToAll::check_proxy() const {
-  if (signals_->failed.get() != 0)
-    throw fabric::FabricError("rank " + std::to_string(cfg_.rank) + ": " + (proxy_ ? proxy_->error() : "the proxy failed"));
+  if (signals_->failed.get() != 0) {
+    const std::string error = proxy_ ? proxy_->error() : std::string("the proxy failed");
+    if (proxy_ && proxy_->peer_failed()) throw PeerFailedError(error);
+    watch_.check(true);  // a peer's announcement explains a broken connection better than the provider
+    throw fabric::FabricError("rank " + std::to_string(cfg_.rank) + ": " + error);
+  }
+  watch_.check();
+}
+
+void CudaAllToAll::announce_failure(const std::string& text) {
+  if (proxy_) {
+    proxy_->announce_failure(text);  // the node's records too
+    return;
+  }
+  if (host_ws_cpu_ != nullptr) announce_on_node(cfg_, layout_, host_ws_cpu_, node_ws_cpu_, text);
 }
 
 void CudaAllToAll::wait_host(FlagKind kind, const Seq& done, const char* what) {
@@ -396,7 +414,24 @@ void CudaAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_sc
   p.num_tokens_ptr = num_tokens_device;
   p.cached = routing != nullptr ? 1 : 0;
   check_cuda(launch_dispatch_send(p, stream), "dispatch send");
+  if (proxy_) arm_proxy(stream);
   ++epoch_;
+}
+
+namespace {
+void CUDART_CB arm_from_stream(void* proxy) { static_cast<Proxy*>(proxy)->arm(); }
+}  // namespace
+
+void CudaAllToAll::arm_proxy(cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+  if (capture == cudaStreamCaptureStatusNone) {
+    proxy_->arm();
+    return;
+  }
+  // Captured: each replay runs this host node once, after the send kernel
+  // (the proxy only has to be polling by the time the receive half waits).
+  check_cuda(cudaLaunchHostFunc(stream, arm_from_stream, proxy_.get()), "cudaLaunchHostFunc(arm the proxy)");
 }
 
 DispatchRecvParams CudaAllToAll::recv_params(void* out_x, float* out_scale, int32_t* tokens_per_expert,

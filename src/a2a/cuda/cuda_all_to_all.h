@@ -36,9 +36,9 @@ struct HostWords {
 class CudaAllToAll {
  public:
   // A rank of a job: `host_workspace` already maps its node's peers.
+  // `pids[r]`: the pid of rank r where it runs on this host, else 0 (peer_watch.h).
   CudaAllToAll(Workspace* host_workspace, fabric::TransferEngine* engine, fabric::RegionId region,
-               fabric::GroupId group,
-               const std::vector<int>& remote_peers);
+               fabric::GroupId group, const std::vector<int>& remote_peers, const std::vector<int>& pids = {});
   // A rank without fabric or proxy (kernel tests: several ranks in one
   // process). The host workspace is pinned memory of its own; peers are
   // joined with connect_local(); with peers on other (virtual) nodes, the
@@ -74,6 +74,10 @@ class CudaAllToAll {
   // outcome of the last call (throws CapacityError, fabric errors), and the
   // rows it filled.
   void check() const;
+  // Tells every peer that this rank failed (`text` says how), so their waits
+  // end at once: abort records in the node's host workspaces, and through the
+  // proxy across the fabric (Proxy::announce_failure).
+  void announce_failure(const std::string& text);
   // Eager dispatch (after dispatch_recv with host_wait): wait until the plan
   // of the current epoch is final (its kernel wrote `planned`), then
   // check(). Cheaper than a stream synchronisation, and the copy after the
@@ -107,6 +111,8 @@ class CudaAllToAll {
   void dispatch_recv_by_sender(void* out_x, float* out_scale, int32_t* tokens_per_expert, cudaStream_t stream,
                                uint32_t* routing_out);
   void check_proxy() const;
+  // The proxy polls only while a call is under way: tell it one started.
+  void arm_proxy(cudaStream_t stream);
   std::string capacity_message() const;
 
   A2AConfig cfg_;
@@ -120,6 +126,9 @@ class CudaAllToAll {
   uint8_t* device_ws_ = nullptr;
   uint8_t* host_ws_ = nullptr;         // device address of our host workspace
   uint8_t* host_ws_cpu_ = nullptr;     // its host address
+  std::vector<uint8_t*> node_ws_cpu_;  // index = rank: the node's host workspaces (host addresses), else null
+  // A peer's announced failure or a dead same-host peer ends our host waits.
+  mutable PeerWatch watch_;
   bool own_host_ws_ = false;           // allocated here (standalone)
   std::vector<void*> registered_;      // host ranges registered with CUDA
   std::vector<void*> ipc_opened_;      // peer device workspaces opened here
