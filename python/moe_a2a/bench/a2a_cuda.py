@@ -186,10 +186,9 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, copy_gbs: float) -
         y_full = torch.randn(a2a.max_output_rows, MODEL["hidden"], device=device).to(torch.bfloat16)
         times: dict[str, list[float]] = {p: [] for p in PHASES}
         received = []
-        alone = engine_ref.start_for(a2a, comm, args.provider)  # every peer remote: the engine alone too
-        # Two passes (three with the engine): the phases apart, [each whole phase against the
-        # engine alone,] then the whole step against torch-native.
-        passes = 2 if alone is None else 3
+        # Two passes (three with every peer remote): the phases apart, [each whole phase against
+        # the engine alone,] then the whole step against torch-native.
+        passes = 3 if engine_ref.applies(a2a) else 2
         bar = report.progress(passes * (args.warmup + args.iters), name, rank=rank, mode=args.progress)
         for it in range(args.warmup + args.iters):
             r = rounds[it % len(rounds)]
@@ -209,6 +208,8 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, copy_gbs: float) -
             result[phase] = dict(ms=ms, gbs=comm.allreduce(mine[phase]) / (ms * 1e-3) / 1e9)
         result["phases_ms"] = sum(result[p]["ms"] for p in PHASES)
         result["step_bytes"] = comm.allreduce(sum(mine.values()))
+        # Its own engine only for its own pass: the other passes run as they did without it.
+        alone = engine_ref.start_for(a2a, comm, args.provider)
         if alone is not None:
             result["whole_ns"] = whole_phases(a2a, alone, rounds, y_full, comm, args, bar)
             result["engine_ns"] = alone.samples

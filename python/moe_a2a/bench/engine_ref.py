@@ -63,9 +63,14 @@ def copies_to(ids: np.ndarray, world: int, num_experts: int) -> np.ndarray:
     return np.bincount(owners, minlength=world)[:world]
 
 
+def applies(a2a: Any) -> bool:
+    """Whether every peer of the AllToAll is remote (one rank per node), so the engine moves every byte."""
+    return bool(a2a.world_size >= 2 and a2a._boot.topology.local_size == 1)
+
+
 def start_for(a2a: Any, comm: Any, provider: str | None) -> EngineReference | None:
-    """The reference for an AllToAll whose peers are all remote (one rank per node); else None."""
-    if a2a.world_size < 2 or a2a._boot.topology.local_size != 1:
+    """The reference for an AllToAll whose peers are all remote (`applies`); else None."""
+    if not applies(a2a):
         return None
     core = a2a._core_cfg
     rows = RowBytes(core.dispatch_row_bytes, core.combine_row_bytes, a2a.cfg.num_experts * 4)
