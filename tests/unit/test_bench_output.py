@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from moe_a2a import cli, report
-from moe_a2a.bench import a2a, a2a_cuda, fabric, train
+from moe_a2a.bench import a2a, a2a_cuda, engine_ref, fabric, train
 
 # Columns every moe-a2a-against-a-baseline table has, in this order, after its labels.
 COMPARED = [
@@ -130,21 +130,25 @@ def test_bench_train_rows_pair_moe_a2a_with_each_baseline() -> None:
     assert cells(header) == ["phase", "baseline", *COMPARED]
 
 
-def test_bench_a2a_cuda_rows_and_table() -> None:
+def _cuda_result(world: int, **more: object) -> dict[str, object]:
+    """A shape's result as run_shape returns it (every phase 0.1 ms at 1000 GB/s)."""
     phase = {"ms": 0.1, "gbs": 1000.0}
-    res = dict(
+    return dict(
         shape="decode",
         tokens=128,
-        world=1,
+        world=world,
         copy_gbs=4000.0,
         step_ms=0.5,
         torch_native_ms=2.0,
         phases_ms=0.4,
         step_bytes=10**9,
-        graph_step_ms=0.2,
-        graph_span_ms=0.1,
         **{p: dict(phase) for p in a2a_cuda.PHASES},
+        **more,
     )
+
+
+def test_bench_a2a_cuda_rows_and_table() -> None:
+    res = _cuda_result(1, graph_step_ms=0.2, graph_span_ms=0.1)
     rows = a2a_cuda.rows_of([res])
     assert [r["phase"] for r in rows] == [*a2a_cuda.PHASES, "step"]
     step = rows[-1]
@@ -172,6 +176,42 @@ def test_bench_a2a_cuda_rows_and_table() -> None:
             "switches",
         )
     ]
+
+
+def test_bench_a2a_cuda_compares_whole_phases_with_the_engine_alone() -> None:
+    # Samples as run_shape records them with every peer remote (ns of the timed iterations).
+    whole = {"dispatch": [4e6, 5e6, 9e6], "combine": [3e6, 3e6, 4e6]}
+    engine = {"dispatch": [2e6, 2.5e6, 2e6], "combine": [1e6, 2e6, 1.5e6]}
+    rows = a2a_cuda.rows_of([_cuda_result(2, whole_ns=whole, engine_ns=engine)])
+    assert [r["phase"] for r in rows] == [*a2a_cuda.PHASES, "dispatch", "combine", "total", "step"]
+    dispatch, combine, total = rows[4:7]
+    got = [(r["moe_a2a_us"], r["engine_p50_us"], r["phase_engine"]) for r in (dispatch, combine)]
+    assert got == [pytest.approx((5000.0, 2000.0, 2.5)), pytest.approx((3000.0, 1500.0, 2.0))]
+    # total: each iteration's dispatch + combine (7, 8, 13 ms; engine 3, 4.5, 3.5 ms), not sums of medians
+    assert total["moe_a2a_us"] == pytest.approx(8000.0) and total["engine_p50_us"] == pytest.approx(3500.0)
+    assert total["phase_engine"] == pytest.approx(8 / 3.5)
+    # The halves and the step are not compared with the engine; every engine row has the shape.
+    assert all("engine_p50_us" not in r for r in rows[:4] + rows[7:])
+    assert all(r["shape"] == "decode" and r["tokens"] == 128 for r in rows)
+    lines = a2a_cuda.format_table(rows).splitlines()
+    # The same two columns and headers as `bench a2a` on the CPU (times in this table's .1f).
+    assert cells(lines[0]) == [h for _, h in a2a_cuda.COLUMNS + a2a.ENGINE_COLUMNS]
+    assert cells(lines[6])[2:4] == ["dispatch", "5000.0"] and cells(lines[6])[-2:] == ["2000.0", "2.50"]
+    assert cells(lines[2])[-2:] == ["-", "-"]
+    note = a2a_cuda.note_of(rows)
+    assert note.startswith(a2a_cuda.NOTE) and note.endswith(engine_ref.NOTE) and engine_ref.NOTE in a2a.NOTE
+    assert "dispatch, combine: each whole phase (send and recv halves) in one span" in note
+
+
+def test_bench_a2a_cuda_without_remote_peers_has_no_engine_columns() -> None:
+    rows = a2a_cuda.rows_of([_cuda_result(2)])
+    assert cells(a2a_cuda.format_table(rows).splitlines()[0]) == [h for _, h in a2a_cuda.COLUMNS]
+    assert a2a_cuda.note_of(rows) == a2a_cuda.NOTE
+
+
+def test_engine_fields_are_the_p50_and_the_phase_over_it() -> None:
+    assert engine_ref.fields(30.0, [10e3, 20e3, 40e3]) == {"engine_p50_us": 20.0, "phase_engine": 1.5}
+    assert engine_ref.fields(30.0, []) == {"engine_p50_us": None, "phase_engine": None}
 
 
 def test_bench_fabric_columns_use_the_same_words() -> None:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from moe_a2a import report
+from moe_a2a.bench import engine_ref
 from moe_a2a.bench.args import int_at_least
 
 if TYPE_CHECKING:
@@ -147,7 +148,6 @@ def shape_of(name: str, args: argparse.Namespace) -> dict[str, int]:
 def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, device: Any) -> dict[str, Any]:
     """Time one shape; every rank gets the slowest rank's samples (ns) per side and phase."""
     from moe_a2a.all_to_all import AllToAll, Config
-    from moe_a2a.bench import engine_ref
     from moe_a2a.bench.baseline import Baseline
 
     shape = shape_of(name, args)
@@ -175,7 +175,7 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, dev
     ):
         alone = engine_ref.start_for(a2a, comm, args.provider)  # every peer remote: the engine alone too
         if alone is not None:
-            times.update(engine_dispatch=[], engine_combine=[])
+            times.update(engine_dispatch=alone.samples["dispatch"], engine_combine=alone.samples["combine"])
         for it in range(args.warmup + args.iters):
             r = make_round(it, rank, tokens, cfg.hidden, cfg.num_experts, topk)
             r = Round(r.x.to(device), r.ids.to(device), r.weights.to(device))
@@ -193,10 +193,7 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, dev
                 for key, t in zip(SIDES, (t_d, t_c, b_d, b_c), strict=True):
                     times[key].append(t)
             if alone is not None:
-                e_d, e_c = alone.measure(r.ids.cpu().numpy(), cfg.num_experts)
-                if it >= args.warmup:
-                    times["engine_dispatch"].append(e_d)
-                    times["engine_combine"].append(e_c)
+                alone.sample(r.ids.cpu().numpy(), cfg.num_experts, keep=it >= args.warmup)
             bar.update()
         if alone is not None:
             alone.close()
@@ -227,8 +224,7 @@ def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
         row["ratio"] = report.ratio(b["p50"], o["p50"])
         if "engine_dispatch" in t:  # every peer remote: the engine alone moving the phase's bytes
             e = t["engine_dispatch"] + t["engine_combine"] if phase == "total" else t[f"engine_{phase}"]
-            row["engine_p50_us"] = report.percentiles_us(e)["p50"]
-            row["phase_engine"] = report.ratio(o["p50"], row["engine_p50_us"])
+            row.update(engine_ref.fields(o["p50"], e))
         rows.append(row)
     return rows
 
@@ -247,7 +243,7 @@ COLUMNS = (
 
 
 # With every peer remote: the engine alone moving each phase's per-peer bytes (moe_a2a.bench.engine_ref).
-ENGINE_COLUMNS = (("engine_p50_us", "engine alone p50 (us)"), ("phase_engine", "moe-a2a/engine"))
+ENGINE_COLUMNS = engine_ref.COLUMNS
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -263,9 +259,7 @@ BASELINE_WHAT = {
 }
 NOTE = (
     f"{report.RATIO_NOTE}; each phase is the slowest rank's, after a barrier; "
-    "total = dispatch + combine of each iteration; with every peer remote, moe-a2a/engine = the phase "
-    "over the engine alone moving the same per-peer bytes on the same provider "
-    "(above 1: time beyond the fabric's)"
+    f"total = dispatch + combine of each iteration; {engine_ref.NOTE}"
 )
 
 

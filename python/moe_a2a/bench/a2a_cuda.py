@@ -17,7 +17,10 @@ dispatch, bf16 combine; decode 128 tokens per rank, prefill 4096):
   does);
 - the device-to-device copy bandwidth (bytes read plus written), the ceiling;
 - a torch-native version of the same data movement on each rank (quantise,
-  sort copies by expert, index_select; then index_add_ of the weighted rows).
+  sort copies by expert, index_select; then index_add_ of the weighted rows);
+- with every peer remote (`--ranks-per-node 1`), each whole phase (dispatch,
+  combine: both halves in one span) against the transfer engine alone moving
+  that iteration's per-peer bytes, timed alike (`moe_a2a.bench.engine_ref`).
 """
 
 from __future__ import annotations
@@ -30,12 +33,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from moe_a2a import report, switches
+from moe_a2a.bench import engine_ref
 from moe_a2a.bench.args import int_at_least
 
 PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+ENGINE_PHASES = ("dispatch", "combine", "total")  # whole phases, against the engine alone
 MODEL = dict(hidden=7168, num_experts=256, topk=8)
 SHAPES = {"decode": 128, "prefill": 4096}
 COPY_BYTES = 1 << 30
@@ -143,11 +149,14 @@ def timed(comm: Any, fn: Any) -> tuple[Any, float]:
 
     Ranks that share a GPU run by time slices, so per-rank GPU timers would overlap and
     overcount; host clocks (one machine, CLOCK_MONOTONIC) give the span of the whole phase.
+    Without CUDA (the tests' CPU AllToAll) there is no stream to drain.
     """
+    drain = torch.cuda.is_available()
     comm.Barrier()
     start = time.perf_counter_ns()
     out = fn()
-    torch.cuda.current_stream().synchronize()
+    if drain:
+        torch.cuda.current_stream().synchronize()
     end = time.perf_counter_ns()
     first, last = comm.allreduce(start, op=_op("MIN")), comm.allreduce(end, op=_op("MAX"))
     return out, (last - first) / 1e6
@@ -177,8 +186,10 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, copy_gbs: float) -
         y_full = torch.randn(a2a.max_output_rows, MODEL["hidden"], device=device).to(torch.bfloat16)
         times: dict[str, list[float]] = {p: [] for p in PHASES}
         received = []
-        # Two passes: the phases apart, then the whole step against torch-native.
-        bar = report.progress(2 * (args.warmup + args.iters), name, rank=rank, mode=args.progress)
+        # Two passes (three with every peer remote): the phases apart, [each whole phase against
+        # the engine alone,] then the whole step against torch-native.
+        passes = 3 if engine_ref.applies(a2a) else 2
+        bar = report.progress(passes * (args.warmup + args.iters), name, rank=rank, mode=args.progress)
         for it in range(args.warmup + args.iters):
             r = rounds[it % len(rounds)]
             pending, t0 = timed(comm, lambda r=r: a2a.dispatch(r.x, r.ids, r.weights, recv=False))
@@ -197,6 +208,12 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, copy_gbs: float) -
             result[phase] = dict(ms=ms, gbs=comm.allreduce(mine[phase]) / (ms * 1e-3) / 1e9)
         result["phases_ms"] = sum(result[p]["ms"] for p in PHASES)
         result["step_bytes"] = comm.allreduce(sum(mine.values()))
+        # Its own engine only for its own pass: the other passes run as they did without it.
+        alone = engine_ref.start_for(a2a, comm, args.provider)
+        if alone is not None:
+            result["whole_ns"] = whole_phases(a2a, alone, rounds, y_full, comm, args, bar)
+            result["engine_ns"] = alone.samples
+            alone.close()
 
         def step(r: Round) -> None:
             d = a2a.dispatch(r.x, r.ids, r.weights)
@@ -225,6 +242,38 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, copy_gbs: float) -
         result["graph_step_ms"], result["graph_span_ms"] = graph_step_ms(cfg, args, comm, rounds[0], device)
 
     return result
+
+
+def whole_phases(
+    a2a: Any,
+    alone: engine_ref.EngineReference,
+    rounds: list[Round],
+    y_full: torch.Tensor,
+    comm: Any,
+    args: argparse.Namespace,
+    bar: Any,
+) -> dict[str, list[float]]:
+    """Dispatch and combine, each whole in one span, then the engine alone moving that iteration's
+    per-peer bytes on the same clock (`timed`); ns of the timed iterations (the engine's: `alone.samples`).
+
+    Not the halves: a phase's writes are posted in its send half and awaited in its recv half.
+    """
+
+    def clock(fn: Any) -> float:
+        return timed(comm, fn)[1] * 1e6
+
+    whole: dict[str, list[float]] = {"dispatch": [], "combine": []}
+    for it in range(args.warmup + args.iters):
+        r = rounds[it % len(rounds)]
+        d, t_d = timed(comm, lambda r=r: a2a.dispatch(r.x, r.ids, r.weights))
+        _, t_c = timed(comm, lambda d=d: a2a.combine(y_full[: d.expert_x.shape[0]], d))
+        keep = it >= args.warmup
+        alone.sample(r.ids.cpu().numpy(), a2a.cfg.num_experts, keep, timer=clock)
+        if keep:
+            whole["dispatch"].append(t_d * 1e6)
+            whole["combine"].append(t_c * 1e6)
+        bar.update()
+    return whole
 
 
 # Which phase each kernel belongs to (src/a2a/cuda/*.cu).
@@ -309,7 +358,8 @@ def _us(ms: float | None) -> float | None:
 
 
 def rows_of(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per shape and phase, then the whole step against torch-native (the baseline); us."""
+    """One row per shape and phase, [the whole phases against the engine alone,] then the whole
+    step against torch-native (the baseline); us."""
     rows = []
     for res in results:
         lead = {"shape": res["shape"], "tokens": res["tokens"]}
@@ -324,6 +374,8 @@ def rows_of(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "pct_of_copy": 100 * p["gbs"] / res["copy_gbs"],
                 }
             )
+        if "engine_ns" in res:  # every peer remote
+            rows.extend({**lead, **row} for row in engine_rows(res["whole_ns"], res["engine_ns"]))
         step_us, native_us = res["step_ms"] * 1e3, res["torch_native_ms"] * 1e3
         rows.append(
             {
@@ -338,6 +390,20 @@ def rows_of(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "graph_span_us": _us(res.get("graph_span_ms")),
             }
         )
+    return rows
+
+
+def engine_rows(whole_ns: dict[str, list[float]], engine_ns: dict[str, list[float]]) -> list[dict[str, Any]]:
+    """dispatch, combine and total (each iteration's sum): the whole phase's p50 and the engine's."""
+    rows = []
+    for phase in ENGINE_PHASES:
+        if phase == "total":
+            ours = np.add(whole_ns["dispatch"], whole_ns["combine"])
+            engine = np.add(engine_ns["dispatch"], engine_ns["combine"])
+        else:
+            ours, engine = np.asarray(whole_ns[phase]), np.asarray(engine_ns[phase])
+        p50 = report.percentiles_us(ours)["p50"]
+        rows.append({"phase": phase, "moe_a2a_us": p50, **engine_ref.fields(p50, engine)})
     return rows
 
 
@@ -357,15 +423,31 @@ COLUMNS = (
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    return report.columns_table(COLUMNS, rows, {"moe_a2a_gbs": ".0f", "pct_of_copy": ".0f"})
+    columns = COLUMNS + (engine_ref.COLUMNS if any("engine_p50_us" in r for r in rows) else ())
+    formats = {"moe_a2a_gbs": ".0f", "pct_of_copy": ".0f", "phase_engine": ".2f"}
+    return report.columns_table(columns, rows, formats)
 
 
 NOTE = (
-    "(phases: from a barrier until the last rank's stream is idle, median; GB/s: bytes all ranks read "
+    "phases: from a barrier until the last rank's stream is idle, median; GB/s: bytes all ranks read "
     "and wrote over that time; step: dispatch then combine in one span; baseline: the same data "
     f"movement in torch operations; {report.RATIO_NOTE}; copy floor: the step's bytes at the "
-    "device-to-device copy bandwidth; graph replay: one rank, the step in a CUDA graph, from the call)"
+    "device-to-device copy bandwidth; graph replay: one rank, the step in a CUDA graph, from the call"
 )
+# With every peer remote: what the engine columns compare (the halves are not compared: a phase's
+# writes are posted in its send half and awaited in its recv half).
+ENGINE_NOTE = (
+    "dispatch, combine: each whole phase (send and recv halves) in one span, in a pass of its own, "
+    "each iteration followed by the engine alone moving its bytes (dispatch: the routing row and the "
+    "rows to each peer; combine: the rows back to each peer), timed alike; total = dispatch + combine "
+    f"of each iteration; {engine_ref.NOTE}"
+)
+
+
+def note_of(rows: list[dict[str, Any]]) -> str:
+    """The footnote of the table: the engine's part where its columns are there."""
+    engine = any("engine_p50_us" in r for r in rows)
+    return f"{NOTE}; {ENGINE_NOTE}" if engine else NOTE
 
 
 def format_kernels(results: list[dict[str, Any]]) -> str:
@@ -469,7 +551,8 @@ def run(args: argparse.Namespace) -> int:
     if comm.Get_rank() == 0:
         settings = settings_of(args, comm.Get_size(), results)
         rows = rows_of(results)
-        print(format_config(settings), "", format_table(rows), NOTE, sep="\n")
+        note = note_of(rows)
+        print(format_config(settings), "", format_table(rows), f"({note})", sep="\n")
         kernels = format_kernels(results)
         if kernels:
             print(kernels)
@@ -478,7 +561,8 @@ def run(args: argparse.Namespace) -> int:
                 for res in results:
                     f.write(json.dumps({**res, "switches": switches.recorded()}) + "\n")
         if args.output:
-            report.write_output(args.output, rows, report.run_meta("a2a --device cuda", settings))
+            meta = {**report.run_meta("a2a --device cuda", settings), "note": note}
+            report.write_output(args.output, rows, meta)
             print(f"figures written to {args.output}")
     return 0
 

@@ -3,7 +3,9 @@
 With `--ranks-per-node 1` every peer is remote and each phase's bytes go
 through the engine. For each iteration this module moves the same per-peer
 sizes as the phase did, on an engine of its own with the same provider, and
-times it the same way (after an MPI barrier, slowest rank):
+times it with the benchmark's own clock (`bench a2a`: after an MPI barrier,
+the slowest rank; the CUDA benchmark: from a barrier, the first rank's start
+to the last rank's end):
 
 - dispatch: the routing row to every peer (`num_experts` x 4 bytes), then one
   write per peer of the rows sent to it (copies x dispatch row bytes; none
@@ -14,18 +16,34 @@ times it the same way (after an MPI barrier, slowest rank):
 Each ends when every expected write has arrived and our own writes are
 complete. The phase/engine ratio says how far an a2a phase is from the
 fabric time of its own bytes (issue 16: the goal is 1.3x or less).
+
+Both benchmarks, `bench a2a` (`moe_a2a.bench.a2a`) and `bench a2a --device
+cuda` (`moe_a2a.bench.a2a_cuda`), print it with `COLUMNS` and `NOTE` and put
+`fields()` in their rows.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from moe_a2a import report
+
 ROUTE_TAG, DISPATCH_TAG, COMBINE_TAG = 1, 2, 3  # this module's own engine: any fixed tags do
 TIMEOUT_S = 120.0
+
+# (row key, column header) the benchmarks append to their tables where the reference ran.
+COLUMNS = (("engine_p50_us", "engine alone p50 (us)"), ("phase_engine", "moe-a2a/engine"))
+NOTE = (
+    "with every peer remote, moe-a2a/engine = the phase's p50 over the engine alone's, moving the same "
+    "per-peer bytes on the same provider in the same iterations (above 1: time beyond the fabric's)"
+)
+# Runs one phase on every rank and returns its time in ns (the benchmark's own clock).
+Timer = Callable[[Callable[[], None]], float]
 
 
 @dataclass(frozen=True)
@@ -45,9 +63,14 @@ def copies_to(ids: np.ndarray, world: int, num_experts: int) -> np.ndarray:
     return np.bincount(owners, minlength=world)[:world]
 
 
+def applies(a2a: Any) -> bool:
+    """Whether every peer of the AllToAll is remote (one rank per node), so the engine moves every byte."""
+    return bool(a2a.world_size >= 2 and a2a._boot.topology.local_size == 1)
+
+
 def start_for(a2a: Any, comm: Any, provider: str | None) -> EngineReference | None:
-    """The reference for an AllToAll whose peers are all remote (one rank per node); else None."""
-    if a2a.world_size < 2 or a2a._boot.topology.local_size != 1:
+    """The reference for an AllToAll whose peers are all remote (`applies`); else None."""
+    if not applies(a2a):
         return None
     core = a2a._core_cfg
     rows = RowBytes(core.dispatch_row_bytes, core.combine_row_bytes, a2a.cfg.num_experts * 4)
@@ -75,11 +98,17 @@ class EngineReference:
         self.src_region = self.engine.register(self.src)
         remotes = self.engine.exchange_region(self.engine.register(self.recv))
         self.group = self.engine.group(self.peers, remotes)
+        self.samples: dict[str, list[float]] = {"dispatch": [], "combine": []}  # ns, kept iterations
 
-    def measure(self, ids: np.ndarray, num_experts: int) -> tuple[float, float]:
-        """Time (ns, slowest rank) to move one iteration's dispatch and combine bytes."""
-        from mpi4py import MPI
+    def sample(self, ids: np.ndarray, num_experts: int, keep: bool, timer: Timer | None = None) -> None:
+        """Move one iteration's bytes; with `keep` (a timed iteration) add its times to `samples`."""
+        times = self.measure(ids, num_experts, timer)
+        if keep:
+            for phase, t in zip(self.samples, times, strict=True):
+                self.samples[phase].append(t)
 
+    def measure(self, ids: np.ndarray, num_experts: int, timer: Timer | None = None) -> tuple[float, float]:
+        """Time (ns) to move one iteration's dispatch and combine bytes (`timer`, else slowest rank)."""
         from moe_a2a.fabric import ScatterItem
 
         mine = copies_to(ids, self.world, num_experts)
@@ -130,13 +159,17 @@ class EngineReference:
                 core.wait_imm(COMBINE_TAG, s, 1, TIMEOUT_S)
             core.wait_tx(TIMEOUT_S)
 
-        times = []
-        for phase in (dispatch, combine):
-            self.comm.Barrier()
-            start = time.perf_counter_ns()
-            phase()
-            times.append(self.comm.allreduce(time.perf_counter_ns() - start, op=MPI.MAX))
-        return times[0], times[1]
+        timer = timer or self.slowest_rank
+        return timer(dispatch), timer(combine)
+
+    def slowest_rank(self, phase: Callable[[], None]) -> float:
+        """The default clock: after a barrier, the slowest rank's time (ns)."""
+        from mpi4py import MPI
+
+        self.comm.Barrier()
+        start = time.perf_counter_ns()
+        phase()
+        return float(self.comm.allreduce(time.perf_counter_ns() - start, op=MPI.MAX))
 
     def close(self) -> None:
         """Collective: nobody drops the engine while a peer may still write into it."""
@@ -147,3 +180,9 @@ class EngineReference:
 def sent_by(counts: np.ndarray, sender: int, receiver: int) -> int:
     """Where `receiver`'s rows start among `sender`'s sent rows (the copies sender sends to lower ranks)."""
     return int(counts[sender, :receiver].sum())
+
+
+def fields(phase_p50_us: float | None, engine_ns: Any) -> dict[str, float | None]:
+    """A row's engine columns: the engine's p50 (us) over `engine_ns` and the phase's p50 over it."""
+    engine_us = report.percentiles_us(engine_ns)["p50"]
+    return {"engine_p50_us": engine_us, "phase_engine": report.ratio(phase_p50_us, engine_us)}
