@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from ranks import COMM, DEVICE, RANK, WORLD, device_pytestmark, layouts
+from ranks import COMM, RANK, WORLD, device_pytestmark, layouts
 from test_a2a import check_round, expert_fn, make_a2a, make_inputs, mine
 
 from moe_a2a import fabric
