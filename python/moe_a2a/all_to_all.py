@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -307,7 +308,9 @@ class AllToAll:
         self._state = "idle"
         self._calls = 0  # API calls so far, rejected ones included: failures name theirs
         self._failure: str | None = None
-        self._last: Dispatched | None = None
+        # The latest dispatch, weakly: combine checks it is the one in flight, and the
+        # rows stay the caller's (held here, they would outlive the caller's use).
+        self._last: weakref.ref[Dispatched] | None = None
         self._last_cached = False
         self._boot.barrier()  # every proxy runs and every peer is mapped before anyone writes
 
@@ -502,7 +505,7 @@ class AllToAll:
             owner=self.id,
             routing=routing,
         )
-        self._last, self._last_cached = d, handle.routing is not None
+        self._last, self._last_cached = weakref.ref(d), handle.routing is not None
         return d
 
     # -- combine --------------------------------------------------------------------------------
@@ -556,7 +559,7 @@ class AllToAll:
             raise TypeError(
                 f"combine: d: got {type(d).__name__}; expected the Dispatched returned by dispatch"
             )
-        if self._state != "dispatched" or d is not self._last:
+        if self._state != "dispatched" or self._last is None or d is not self._last():
             raise RuntimeError(
                 f"combine: d (epoch {d.epoch}) is not the latest dispatch of this AllToAll "
                 f"(state {self._state}, epoch {self.epoch})"

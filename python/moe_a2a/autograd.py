@@ -452,7 +452,10 @@ class ExpertParallel:
         expert_x = d.expert_x
         if d.expert_x_scale is not None:
             expert_x = dequantize_fp8(expert_x, d.expert_x_scale)
-        return expert_x.to(x_dtype), h
+        # A fresh tensor object for autograd, which sets its grad_fn: the channel's
+        # Dispatched holds d.expert_x, and rows -> grad_fn -> ctx -> self -> channel
+        # would be a cycle through C++ that Python's gc cannot collect.
+        return expert_x.to(x_dtype).detach(), h
 
     def _forward_combine_send(self, y: torch.Tensor, h: RoutingHandle, weighted: bool) -> None:
         """The forward combine's send half; it also closes the side channel's forward round."""

@@ -9,6 +9,8 @@ applies the same fp8 quantisation, with the straight-through gradient).
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -322,3 +324,30 @@ def test_leftover_bytes_in_padding_rows_never_count(
 
     monkeypatch.setattr(side, "dispatch_recv", poisoned)
     run_both(ep, case, seed + 8, weighted)
+
+
+def test_a_step_leaves_nothing_alive(case: str, seed: int) -> None:
+    """After a training step and close, the ExpertParallel, its AllToAlls and the rows are freed.
+
+    Before, each AllToAll kept its latest Dispatched and autograd set grad_fn on that
+    very rows tensor: rows -> grad_fn -> ctx -> ExpertParallel -> AllToAll -> rows, a
+    cycle through C++ that gc never collects (the step's rows and graph, until exit).
+    """
+    if case != "fp32":
+        pytest.skip("one dtype is enough")
+    cfg = Config(MAX_TOKENS, HIDDEN, EXPERTS, TOPK, timeout_s=TIMEOUT_S)  # bf16 rows, fp32 input
+    e = ExpertParallel(cfg, device=DEVICE, provider=PROVIDER, grad_dtype="fp32")
+    pb = problem(seed + 9)
+    x, wt = leaf(pb.xs[RANK]), leaf(pb.weights[RANK])
+    h, rows = x, []
+    for _ in range(3):  # layers
+        routed = e.dispatch(h, pb.ids[RANK].to(DEVICE), wt)
+        rows.append(weakref.ref(routed.expert_x))
+        h = e.combine(routed.expert_x * 2.0, routed)
+    h.sum().backward()
+    refs = [weakref.ref(o) for o in (e, e.forward_a2a, e.backward_a2a, e.side_a2a)]
+    e.close()
+    del e, routed, x, wt, h
+    gc.collect()
+    alive = [type(r()).__name__ for r in refs + rows if r() is not None]
+    assert not alive, f"still alive after the step and close: {alive}"
