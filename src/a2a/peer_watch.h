@@ -23,6 +23,13 @@
 
 namespace moe_a2a::a2a {
 
+// Where a rank is in its call sequence: 2 * epoch for the dispatch of an
+// epoch, 2 * epoch + 1 for its combine. A failed peer that completed our
+// current phase sent us all of its part, so that phase still completes; its
+// failure stops our next one (ranks agree on which calls succeeded).
+inline uint64_t dispatch_stamp(uint64_t epoch) { return 2 * epoch; }
+inline uint64_t combine_stamp(uint64_t epoch) { return 2 * epoch + 1; }
+
 struct PeerWatch {
   static constexpr std::chrono::milliseconds kInterval{20};
   static constexpr std::chrono::milliseconds kPidInterval{100};
@@ -38,6 +45,7 @@ struct PeerWatch {
   std::vector<uint64_t> seen_aborts;
   std::chrono::steady_clock::time_point next{};
   std::chrono::steady_clock::time_point next_pids{};
+  uint64_t at = 0;  // the phase our waits are in (its owner sets it as each phase starts)
 
   PeerWatch() = default;
   PeerWatch(const A2AConfig& c, const Layout& l, uint8_t* ws, fabric::TransferEngine* e, std::vector<int> remotes,
@@ -57,15 +65,19 @@ struct PeerWatch {
     for (int s = 0; s < cfg.world; ++s) {
       if (s == cfg.rank || !cfg.same_node(s)) continue;
       const AbortRecord* rec = abort_at(workspace, layout, s);
-      if (rec->state.load(std::memory_order_acquire) != 0) announced(s, rec);
+      if (rec->state.load(std::memory_order_acquire) != 0 && rec->done < at) announced(s, rec);
     }
     for (size_t i = 0; i < remote_peers.size(); ++i) {
       int s = remote_peers[i];
       // The immediate follows the record's bytes, so the text is whole once it counts.
-      if (engine->imm_count(abort_tag(), s) <= seen_aborts[i]) continue;
+      const uint64_t count = engine->imm_count(abort_tag(), s);
+      if (count <= seen_aborts[i]) continue;
       const AbortRecord* rec = abort_at(workspace, layout, s);
-      if (rec->state.load(std::memory_order_acquire) != 0) announced(s, rec);
-      seen_aborts[i] = engine->imm_count(abort_tag(), s);  // a stale one: its bytes went to an old region
+      if (rec->state.load(std::memory_order_acquire) == 0) {
+        seen_aborts[i] = count;  // a stale one: its bytes went to an old region
+        continue;
+      }
+      if (rec->done < at) announced(s, rec);  // else news for our next phase: look again then
     }
     if (now < next_pids && !force) return;
     next_pids = now + kPidInterval;
@@ -101,22 +113,24 @@ struct PeerWatch {
 };
 
 // Writes `text` as rank cfg.rank's abort record into `dst` (a workspace).
-inline void write_abort_record(uint8_t* dst, const Layout& l, int rank, const std::string& text) {
+// `done`: the last phase this rank completed (its stamp; 0 for none).
+inline void write_abort_record(uint8_t* dst, const Layout& l, int rank, const std::string& text, uint64_t done) {
   AbortRecord* rec = abort_at(dst, l, rank);
   size_t n = std::min(text.size(), sizeof(rec->text) - 1);
   std::memcpy(rec->text, text.data(), n);
   rec->text[n] = '\0';
+  rec->done = done;
   rec->state.store(1, std::memory_order_release);
 }
 
 // Our record in our own workspace (the source of the fabric writes that carry
 // it to remote peers) and in every same-node peer's.
 inline void announce_on_node(const A2AConfig& c, const Layout& l, uint8_t* self,
-                             const std::vector<uint8_t*>& node_workspaces, const std::string& text) {
-  write_abort_record(self, l, c.rank, text);
+                             const std::vector<uint8_t*>& node_workspaces, const std::string& text, uint64_t done) {
+  write_abort_record(self, l, c.rank, text, done);
   for (int r = 0; r < c.world && r < static_cast<int>(node_workspaces.size()); ++r)
     if (r != c.rank && c.same_node(r) && node_workspaces[r] != nullptr)
-      write_abort_record(node_workspaces[r], l, c.rank, text);
+      write_abort_record(node_workspaces[r], l, c.rank, text, done);
 }
 
 }  // namespace moe_a2a::a2a

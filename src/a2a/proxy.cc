@@ -77,10 +77,10 @@ void Proxy::wait_imm(Tag kind, int peer, uint64_t count) {
   ctx_.engine->wait_imm(tag(kind), peer, count, ctx_.config.timeout_s, [this] { on_idle(); });
 }
 
-void Proxy::announce_failure(const std::string& text) {
+void Proxy::announce_failure(const std::string& text, uint64_t done) {
   const A2AConfig& c = ctx_.config;
   const Layout& l = ctx_.layout;
-  announce_on_node(c, l, ctx_.workspace, ctx_.node_workspaces, text);
+  announce_on_node(c, l, ctx_.workspace, ctx_.node_workspaces, text, done);
   if (ctx_.remote_peers.empty()) return;
   std::vector<ScatterItem> items;
   size_t at = l.abort_record(c.rank);
@@ -184,6 +184,7 @@ void Proxy::step(uint64_t epoch) {
   const Layout& l = ctx_.layout;
   const size_t routing_bytes = static_cast<size_t>(c.num_experts) * sizeof(uint32_t);
   // A cached call brings the whole matrix and exchanges no routing row.
+  watch_.at = dispatch_stamp(epoch);
   cached_ = ctx_.signals->cached.get() == epoch;
   if (cached_) {
     const size_t matrix_words = static_cast<size_t>(c.world) * c.num_experts;
@@ -201,6 +202,7 @@ void Proxy::step(uint64_t epoch) {
   }
   if (!dispatch(epoch)) return;
   if (ctx_.signals->overflow.get() == epoch) return;  // no combine follows a call over capacity
+  watch_.at = combine_stamp(epoch);
   combine(epoch);
 }
 

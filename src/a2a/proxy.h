@@ -82,7 +82,8 @@ class Proxy {
   void arm();
   // Tells every peer that this rank failed (`text` says how): they stop at once
   // instead of at their timeout. Best effort: a broken fabric reaches no one.
-  void announce_failure(const std::string& text);
+  // `done`: the last phase the compute side completed (peer_watch.h).
+  void announce_failure(const std::string& text, uint64_t done);
   // Routing rows this proxy wrote to remote peers, and peers' rows (remote
   // arrivals and same-node flags) it waited for; cached calls add none.
   uint64_t routing_rows_sent() const { return rows_sent_.load(std::memory_order_relaxed); }

@@ -16,7 +16,7 @@ from test_a2a import check_round, expert_fn, make_a2a, make_inputs, mine
 
 from moe_a2a import fabric
 from moe_a2a.all_to_all import FabricError, PeerFailedError
-from moe_a2a.reference import dispatch_reference
+from moe_a2a.reference import combine_reference, dispatch_reference
 
 pytestmark = device_pytestmark
 IDLE_LIMIT = 0.05  # CPU-s per s of an idle rank (the issue's bound)
@@ -243,4 +243,39 @@ def test_after_a_timeout_no_call_pairs_with_a_stale_one(rpn: int | None, seed: i
     # The stale routing rows and writes of the failed calls must not pair with these.
     for r in range(3):
         check_round(a2a, make_inputs(seed + 1 + r, a2a.cfg))
+    a2a.close()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rpn", layouts()[:2])
+def test_a_failure_after_a_call_does_not_fail_that_call_elsewhere(rpn: int | None, seed: int) -> None:
+    """Rank 0 completes a round, then fails its next call; the others, still in that round, complete it.
+
+    Ranks agree on which calls succeeded: before, a peer still waiting in the round's
+    combine saw rank 0's abort record and failed a call that rank 0 had completed.
+    """
+    a2a = make_a2a(rpn, timeout_s=30.0)
+    inp = make_inputs(seed, a2a.cfg)
+    x, ids, w = mine(inp)
+    d = a2a.dispatch(x, ids, w)
+    y = expert_fn(d.expert_x, d.expert_x_scale)
+    if RANK == 0:
+        a2a.combine(y, d)
+        with pytest.raises(ValueError, match="topk_weights"):
+            a2a.dispatch(x, ids, w[:, :1])
+    else:
+        pending = a2a.combine(y, d, recv=False)
+        time.sleep(0.5)  # rank 0 has its rows by now and has failed its next call
+        out = a2a.combine(handle=pending, send=False)  # before: PeerFailedError
+        cfg = a2a.cfg
+        ref = dispatch_reference(inp.xs, inp.ids, cfg.num_experts, cfg.dispatch_dtype, cfg.expert_padding)
+        ys = [expert_fn(r.expert_x, r.expert_x_scale) for r in ref]
+        expected = combine_reference(ys, ref, inp.weights, cfg.combine_dtype)[RANK]
+        torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=1.6e-2, atol=1e-2)
+        with pytest.raises(PeerFailedError, match="peer 0 failed .*call 3 \\(dispatch"):
+            a2a.dispatch(x, ids, w)
+    COMM.Barrier()
+    a2a = a2a.reopen()
+    check_round(a2a, make_inputs(seed + 1, a2a.cfg))
     a2a.close()

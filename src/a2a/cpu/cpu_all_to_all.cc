@@ -72,6 +72,7 @@ void CpuAllToAll::wait_node(FlagKind kind, const char* what) {
 
 void CpuAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_scale, const int32_t* topk_ids,
                                 int num_tokens, const uint32_t* routing) {
+  watch_.at = dispatch_stamp(epoch_ + 1);
   check_failed();
   DispatchSendParams p;
   p.cfg = &cfg_;
@@ -196,9 +197,11 @@ void CpuAllToAll::dispatch_unpack(void* out_x, float* out_scale) {
     pending.resize(kept);
   }
   zero_padding(p);
+  done_ = dispatch_stamp(epoch_);
 }
 
 void CpuAllToAll::combine_send(const void* y, DType y_dtype) {
+  watch_.at = combine_stamp(epoch_);
   check_failed();
   CombineSendParams p;
   p.cfg = &cfg_;
@@ -229,6 +232,7 @@ void CpuAllToAll::combine_recv(const float* weights, void* out) {
   p.num_tokens = num_tokens_;
   p.out = out;
   reduce_combine(p);
+  done_ = combine_stamp(epoch_);
 }
 
 void CpuAllToAll::copy_routing(uint32_t* out) const { std::copy(routing_.begin(), routing_.end(), out); }

@@ -44,7 +44,7 @@ class CpuAllToAll {
   std::vector<uint64_t> received_counts() const { return plan_.from; }
   uint64_t epoch() const { return epoch_; }
   // Tells every peer that this rank failed; see Proxy::announce_failure.
-  void announce_failure(const std::string& text) { proxy_->announce_failure(text); }
+  void announce_failure(const std::string& text) { proxy_->announce_failure(text, done_); }
   // The senders in the order the last dispatch_unpack copied their rows.
   const std::vector<int>& unpack_order() const { return unpack_order_; }
   // The routing matrix of the last dispatch_wait, [world][num_experts], into `out`.
@@ -74,6 +74,7 @@ class CpuAllToAll {
   Mappings maps_;
 
   uint64_t epoch_ = 0;
+  uint64_t done_ = 0;  // the last phase whose receive half completed (peer_watch.h stamps)
   int num_tokens_ = 0;
   std::vector<uint32_t> counts_;     // our routing row
   std::vector<int32_t> slots_;       // send row of each (t, k)

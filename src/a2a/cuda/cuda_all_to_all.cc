@@ -338,10 +338,10 @@ void CudaAllToAll::check_proxy() const {
 
 void CudaAllToAll::announce_failure(const std::string& text) {
   if (proxy_) {
-    proxy_->announce_failure(text);  // the node's records too
+    proxy_->announce_failure(text, done_);  // the node's records too
     return;
   }
-  if (host_ws_cpu_ != nullptr) announce_on_node(cfg_, layout_, host_ws_cpu_, node_ws_cpu_, text);
+  if (host_ws_cpu_ != nullptr) announce_on_node(cfg_, layout_, host_ws_cpu_, node_ws_cpu_, text, done_);
 }
 
 void CudaAllToAll::wait_host(FlagKind kind, const Seq& done, const char* what) {
@@ -384,6 +384,7 @@ int64_t CudaAllToAll::max_output_rows() const {
 void CudaAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_scale, const void* topk_ids,
                                  bool ids_64bit, int num_tokens, const int32_t* num_tokens_device,
                                  cudaStream_t stream, const uint32_t* routing) {
+  watch_.at = dispatch_stamp(epoch_ + 1);
   int same_node_peers = 0;
   for (int r = 0; r < cfg_.world; ++r) same_node_peers += r != cfg_.rank && cfg_.same_node(r);
   if (routing != nullptr) {
@@ -468,6 +469,7 @@ void CudaAllToAll::dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_
         throw fabric::TimeoutError(e.what() + std::string(kCachedMismatchHint));
       }
     }
+    done_ = dispatch_stamp(epoch_);  // every peer's part is here
   }
   DispatchRecvParams p = recv_params(out_x, out_scale, tokens_per_expert, routing_out);
   p.wait_in_kernel = host_wait ? 0 : 1;  // and with host_wait the plan kernel signals `planned`
@@ -578,10 +580,12 @@ void CudaAllToAll::dispatch_recv_by_sender(void* out_x, float* out_scale, int32_
     }
     backoff.pause();
   }
+  done_ = dispatch_stamp(epoch_);
 }
 
 void CudaAllToAll::combine_send(const void* y, DType y_dtype, int64_t y_rows, cudaStream_t stream) {
   if (y_rows < 0) throw std::invalid_argument("combine_send: y_rows: got " + std::to_string(y_rows) + "; expected >= 0");
+  watch_.at = combine_stamp(epoch_);
   CombineSendParams p;
   p.inst = instance();
   p.scratch = scratch_;
@@ -592,7 +596,10 @@ void CudaAllToAll::combine_send(const void* y, DType y_dtype, int64_t y_rows, cu
 }
 
 void CudaAllToAll::combine_recv(const float* weights, void* out, bool host_wait, cudaStream_t stream) {
-  if (host_wait) wait_host(kFlagCombine, signals_->combine_done, "combine");
+  if (host_wait) {
+    wait_host(kFlagCombine, signals_->combine_done, "combine");
+    done_ = combine_stamp(epoch_);
+  }
   CombineRecvParams p;
   p.inst = instance();
   p.scratch = scratch_;

@@ -146,6 +146,10 @@ class CudaAllToAll {
   Seq* peer_seqs_ = nullptr;             // mapped host: PeerSignals' arrays
   std::unique_ptr<Proxy> proxy_;
   uint64_t epoch_ = 0;
+  // The last phase whose receive half completed on the host (eager calls; a
+  // peer_watch.h stamp); graph replays leave it behind, which only makes peers
+  // stop a phase earlier.
+  uint64_t done_ = 0;
   std::vector<uint32_t> cached_;                // a cached call's matrix, for the proxy until dispatch_done
   const uint32_t* call_routing_ = nullptr;      // device address of the current cached call's matrix; null if uncached
   uint64_t rows_sent_ = 0, rows_received_ = 0;  // same-node routing rows (kernels)
