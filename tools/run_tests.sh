@@ -10,26 +10,28 @@ LOGS=${MOE_A2A_TEST_LOGS:-$ROOT/out/test-logs}
 rm -rf "$LOGS" && mkdir -p "$LOGS"
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe)
 status=0
+FAILURES=()  # one line per failed step, repeated in the summary (CI shows the end of the output)
+fail() { status=1; FAILURES+=("$1"); }
 
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 
 step "ruff"
-ruff check python tests || status=1
+ruff check python tests || fail "ruff"
 
 # The training tests skip where TorchTitan is absent; here it must be present and import.
 step "TorchTitan imports (the training tests' reference)"
 python -c "import torchtitan.models.common.token_dispatcher, triton; print('torchtitan and triton', triton.__version__)" \
-  || status=1
+  || fail "TorchTitan does not import"
 
 step "unit tests"
-python -m pytest -q -rs -p no:cacheprovider tests/unit --junitxml="$LOGS/unit.xml" || status=1
+python -m pytest -q -rs -p no:cacheprovider tests/unit --junitxml="$LOGS/unit.xml" || fail "unit tests"
 
 # Emulated hosts in network namespaces (tools/testbed.py); they skip, saying why, where namespaces are not allowed.
 step "testbed tests (ranks on emulated hosts, two NICs each)"
-python -m pytest -q -rs -p no:cacheprovider tests/testbed --junitxml="$LOGS/testbed.xml" || status=1
+python -m pytest -q -rs -p no:cacheprovider tests/testbed --junitxml="$LOGS/testbed.xml" || fail "testbed tests"
 
 step "CUDA tests (they run where a GPU is; here they print why they are skipped)"
-python -m pytest -q -rs -p no:cacheprovider tests/cuda --junitxml="$LOGS/cuda.xml" || status=1
+python -m pytest -q -rs -p no:cacheprovider tests/cuda --junitxml="$LOGS/cuda.xml" || fail "CUDA tests"
 
 # provider:world sizes for the multi-rank suites
 MATRIX=("tcp:1 2 3 4 8" "shm:1 2 3 4 8")
@@ -42,7 +44,6 @@ for entry in "${MATRIX[@]}"; do
     if ! MOE_A2A_TEST_PROVIDER=$provider MOE_A2A_RANK_LOGS=$run timeout 1500 \
         "${MPIRUN[@]}" -n "$n" "$ROOT/tools/rank0_console.sh" \
         python -m pytest -q -rs -p no:cacheprovider --with-mpi tests/mpi --junitxml="$run/junit.xml"; then
-      status=1
       # A timed-out rank's log ends with its own stacks, then those of the
       # other ranks on the host (tests/conftest.py): keep room for them.
       for f in "$run"/rank*.log; do
@@ -50,10 +51,14 @@ for entry in "${MATRIX[@]}"; do
         echo "---- $f (last 300 lines)"
         tail -n 300 "$f"
       done
+      # The test that stopped the job, as tests/conftest.py announces it on the failing rank.
+      first=$(grep -ahm1 -o "=== moe-a2a: rank .* FAILED during .*" "$run"/rank*.log | head -1)
+      fail "multi-rank provider=$provider ranks=$n: ${first:-no test reported a failure (see the rank logs above)}"
     fi
   done
 done
 
 step "summary"
 python "$ROOT/tools/sum_junit.py" "$LOGS" || status=1
+for line in "${FAILURES[@]}"; do echo "FAILED: $line"; done
 exit $status

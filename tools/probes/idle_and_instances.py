@@ -1,6 +1,7 @@
 """Probes of issue 17, items 6 and 7 (run under mpirun; figures in docs/reliability.md).
 
-  mpirun -n 2 python tools/probes/idle_and_instances.py idle --provider shm [--rpn 1] [--open 32] [--device cuda]
+  mpirun -n 2 python tools/probes/idle_and_instances.py idle --provider shm [--rpn 1] [--open 32] \
+      [--device cuda]
   mpirun -n 2 python tools/probes/idle_and_instances.py instances --provider tcp --count 32
 
 idle: CPU seconds per second of this process (every thread: /proc/self/stat
