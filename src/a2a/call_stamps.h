@@ -56,7 +56,8 @@ inline void check_node_stamps(const A2AConfig& c, const Layout& l, uint8_t* self
   if (combine > e) call_order_error(c, at, s, "already combined epoch " + std::to_string(combine));
   if (ahead > e + 1 || (ahead == e + 1 && !closed))
     call_order_error(c, at, s, "is already in epoch " + std::to_string(ahead));
-  if (ahead == e + 1 && combined < e && met < e)
+  // Over capacity nobody combines (and without a proxy, CUDA on one node, nobody meets either).
+  if (ahead == e + 1 && combined < e && met < e && !(at.routed && at.overflow))
     call_order_error(c, at, s, "started " + next + " without combining " + call);
   if (at.cached && route == e) call_order_error(c, at, s, "sent a routing row for " + call + ", so it runs that epoch uncached");
   if (!at.cached && dispatch >= e && route < e)
