@@ -38,6 +38,11 @@ std::vector<size_t> serving_order(const ProxyContext& ctx) {
 Proxy::Proxy(ProxyContext ctx)
     : ctx_(std::move(ctx)), order_(serving_order(ctx_)), delay_ms_(env_count("MOE_A2A_TEST_DELAY_WRITES_MS")) {
   watch_ = PeerWatch(ctx_.config, ctx_.layout, ctx_.workspace, ctx_.engine, ctx_.remote_peers, ctx_.pids);
+  const A2AConfig& c = ctx_.config;
+  group_index_.assign(c.world, -1);
+  for (size_t i = 0; i < ctx_.remote_peers.size(); ++i) group_index_[ctx_.remote_peers[i]] = static_cast<int>(i);
+  const uint64_t most_copies = static_cast<uint64_t>(c.max_tokens) * std::min(c.topk, c.num_local_experts());
+  dispatch_max_ = dispatch_writes(most_copies, c.max_private_tokens);
   // Arrivals a failed instance of this tag slot left behind would pair with our first call.
   if (ctx_.engine != nullptr)
     for (Tag kind : {kTagRoute, kTagDispatch, kTagCombine, kTagBarrier}) ctx_.engine->forget_imm(tag(kind));
@@ -68,13 +73,36 @@ bool Proxy::peer_failed() const {
   return peer_failed_;
 }
 
-void Proxy::on_idle() {
+void Proxy::on_idle(bool node) {
   if (stop_.load(std::memory_order_relaxed)) throw Stopped{};
   watch_.check();
+  check_stamps(false, node);
 }
 
 void Proxy::wait_imm(Tag kind, int peer, uint64_t count) {
   ctx_.engine->wait_imm(tag(kind), peer, count, ctx_.config.timeout_s, [this] { on_idle(); });
+  taken_[group_index_[peer]][kind - kTagRoute] += count;
+}
+
+void Proxy::check_stamps(bool force, bool node) {
+  const A2AConfig& c = ctx_.config;
+  auto now = std::chrono::steady_clock::now();
+  if (at_.epoch == 0 || (now < next_stamps_ && !force)) return;
+  next_stamps_ = now + PeerWatch::kInterval;
+  if (node)
+    for (int s = 0; s < c.world; ++s)
+      if (c.same_node(s)) check_node_stamps(c, ctx_.layout, ctx_.workspace, at_, s);
+  RoutingView view{routing_.data(), c.world, c.num_experts, c.num_local_experts()};
+  for (size_t i = 0; i < ctx_.remote_peers.size(); ++i) {
+    const int s = ctx_.remote_peers[i];
+    StampCounts seen = taken_[i];
+    for (int k = 0; k < kStampKinds; ++k) seen[k] += ctx_.engine->imm_count(tag(static_cast<Tag>(kTagRoute + k)), s);
+    RemoteBounds b;
+    b.dispatch = at_.routed ? dispatch_writes(view.to_rank(s, c.rank), c.max_private_tokens) : 0;
+    b.dispatch_max = dispatch_max_;
+    b.fed = posted_[i] == dispatch_writes(to_[s], c.max_private_tokens);
+    check_remote_stamps(c, at_, s, seen, b);
+  }
 }
 
 void Proxy::announce_failure(const std::string& text, uint64_t done) {
@@ -149,7 +177,7 @@ void Proxy::wait_node_flags(FlagKind kind, uint64_t epoch, const char* what) {
   for (int s = 0; s < c.world; ++s) {
     if (!c.same_node(s)) continue;
     auto* flag = flag_at(ctx_.workspace, ctx_.layout, s, kind);
-    if (!wait_at_least(flag, epoch, deadline, [this] { on_idle(); }))
+    if (!wait_at_least(flag, epoch, deadline, [this] { on_idle(true); }))
       throw fabric::TimeoutError("rank " + std::to_string(c.rank) + ": timed out after " +
                                  std::to_string(c.timeout_s) + " s waiting for the " + what + " of same-node peer " +
                                  std::to_string(s) + " (epoch " + std::to_string(epoch) + ")");
@@ -173,10 +201,13 @@ void Proxy::exchange_routing(uint64_t epoch) {
 
 void Proxy::node_barrier(uint64_t epoch) {
   const A2AConfig& c = ctx_.config;
+  at_.combining = true;  // from here a peer may pass this call
   for (int r = 0; r < c.world; ++r)
     if (c.same_node(r)) flag_at(ctx_.node_workspaces[r], ctx_.layout, c.rank, kFlagBarrier)->store(epoch, std::memory_order_release);
   wait_node_flags(kFlagBarrier, epoch, "barrier");
-  if (!ctx_.remote_peers.empty()) ctx_.engine->barrier(ctx_.group, tag(kTagBarrier), c.timeout_s, [this] { on_idle(); });
+  if (ctx_.remote_peers.empty()) return;
+  ctx_.engine->barrier(ctx_.group, tag(kTagBarrier), c.timeout_s, [this] { on_idle(); });
+  for (StampCounts& t : taken_) ++t[kStampBarrier];
 }
 
 void Proxy::step(uint64_t epoch) {
@@ -190,6 +221,11 @@ void Proxy::step(uint64_t epoch) {
     const size_t matrix_words = static_cast<size_t>(c.world) * c.num_experts;
     routing_.assign(ctx_.signals->cached_routing, ctx_.signals->cached_routing + matrix_words);
   }
+  at_ = CallPosition{};
+  at_.epoch = epoch;
+  at_.cached = at_.routed = cached_;
+  taken_.assign(ctx_.remote_peers.size(), StampCounts{});
+  posted_.assign(ctx_.remote_peers.size(), 0);
   // 1. Our routing row, to every remote peer at once (final once route_ready
   //    is raised). No engine is opened when every peer shares our node.
   if (!ctx_.remote_peers.empty() && !cached_) {
@@ -210,6 +246,7 @@ bool Proxy::wait_packed(const Seq& peer, const Seq& all, uint64_t epoch) {
   Backoff backoff;
   while (peer.get() < epoch && all.get() < epoch) {
     if (stop_.load(std::memory_order_relaxed)) return false;
+    check_stamps(false);  // peers' writes keep arriving while our compute side works
     backoff.pause();
   }
   return true;
@@ -254,6 +291,7 @@ bool Proxy::dispatch(uint64_t epoch) {
   ctx_.signals->routed.set(epoch);
   for (; overflow_posted < order_.size(); ++overflow_posted) post_overflow(order_[overflow_posted]);
   wait_dispatch_arrivals(epoch);
+  check_stamps(true);  // before the compute side reads the rows: also where no wait ran
   ctx_.signals->dispatch_done.set(epoch);
   return true;
 }
@@ -280,6 +318,7 @@ bool Proxy::take_routes(uint64_t epoch) {
     const auto* live = reinterpret_cast<const uint32_t*>(ctx_.workspace + ctx_.layout.routing);
     routing_.assign(live, live + static_cast<size_t>(c.world) * c.num_experts);
   }
+  at_.routed = true;
   RoutingView view{routing_.data(), c.world, c.num_experts, c.num_local_experts()};
   int worst_rank = -1;
   uint64_t worst = 0;
@@ -291,6 +330,7 @@ bool Proxy::take_routes(uint64_t epoch) {
     }
   }
   if (worst_rank < 0) return true;
+  at_.overflow = true;
   std::lock_guard<std::mutex> lock(mu_);
   overflow_ = "dispatch would deliver " + std::to_string(worst) + " token copies to rank " +
               std::to_string(worst_rank) + ", more than max_recv_tokens=" + std::to_string(c.max_recv_tokens) +
@@ -326,6 +366,7 @@ void Proxy::post_private(size_t i) {
   ScatterItem item{static_cast<uint32_t>(i), l.send + send_off_[r] * row, n * row,
                    l.private_rows + static_cast<size_t>(c.rank) * c.max_private_tokens * row};
   ctx_.engine->scatter(ctx_.group, ctx_.region, &item, 1, tag(kTagDispatch));
+  ++posted_[i];
 }
 
 // The rest of group peer i's rows, into its shared section after the
@@ -341,6 +382,7 @@ void Proxy::post_overflow(size_t i) {
   ScatterItem item{static_cast<uint32_t>(i), l.send + (send_off_[r] + P) * row, (to_[r] - P) * row,
                    l.shared_rows + view.shared_offset(c.rank, r, P) * row};
   ctx_.engine->scatter(ctx_.group, ctx_.region, &item, 1, tag(kTagDispatch));
+  ++posted_[i];
 }
 
 // Raises landed[s] for each remote sender once all its writes are in, in the
@@ -387,11 +429,16 @@ bool Proxy::combine(uint64_t epoch) {
     const size_t i = order_[k];
     const int s = ctx_.remote_peers[i];
     if (!wait_packed(ctx_.peers.combine_packed[s], ctx_.signals->combine_packed, epoch)) return false;
+    if (k == 0) {
+      check_stamps(true);  // the last look at peers that cannot be past this call yet
+      at_.combining = true;
+    }
     ScatterItem item{static_cast<uint32_t>(i), l.combine_send + recv_base[s] * crow, view.to_rank(s, c.rank) * crow,
                      l.combine_recv + view.send_offset(s, c.rank) * crow};
     ctx_.engine->scatter(ctx_.group, ctx_.region, &item, 1, tag(kTagCombine));
   }
   if (ctx_.remote_peers.empty() && !wait_signal(ctx_.signals->combine_packed, epoch)) return false;
+  at_.combining = true;
   std::vector<int> peers = ctx_.remote_peers;
   std::vector<uint64_t> need(peers.size(), 1);
   while (!peers.empty()) {

@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "call_stamps.h"
 #include "config.h"
 #include "fabric/engine.h"
 #include "layout.h"
@@ -109,8 +110,14 @@ class Proxy {
   void delay_writes();
   void node_barrier(uint64_t epoch);
   void wait_node_flags(FlagKind kind, uint64_t epoch, const char* what);
-  void wait_imm(Tag kind, int peer, uint64_t count);
-  void on_idle();  // in every wait on peers: stop requested, or a peer failed
+  void wait_imm(Tag kind, int peer, uint64_t count);  // and counts what it took (call stamps)
+  // In every wait on peers: stop requested, a peer failed, or runs other calls
+  // (`node`: same-node peers' flags too, see check_stamps).
+  void on_idle(bool node = false);
+  // Remote peers' arrivals against what our call allows (call_stamps.h);
+  // `force`: now, not at the next interval. `node`: same-node peers' flags too
+  // (only where the proxy knows how far the compute side has gone).
+  void check_stamps(bool force, bool node = false);
   void exchange_routing(uint64_t epoch);
   uint32_t tag(Tag kind) const { return wire_tag(ctx_.config.instance, kind); }
 
@@ -134,6 +141,12 @@ class Proxy {
   long delay_ms_ = 0;
   std::atomic<uint64_t> rows_sent_{0}, rows_received_{0};
   bool cached_ = false;  // the current epoch is a cached call (its matrix in routing_)
+  CallPosition at_;                  // of the current epoch
+  std::vector<int> group_index_;     // index = rank: its index in remote_peers, or -1
+  std::vector<StampCounts> taken_;   // index = group index: writes taken in the current epoch
+  std::vector<uint64_t> posted_;     // index = group index: dispatch writes posted in the current epoch
+  uint64_t dispatch_max_ = 0;        // the most dispatch writes one peer sends us in one call
+  std::chrono::steady_clock::time_point next_stamps_{};
   std::thread thread_;
 };
 

@@ -43,6 +43,15 @@ void CpuAllToAll::check_failed() {
     throw fabric::FabricError("rank " + std::to_string(cfg_.rank) + ": " + proxy_->error());
   }
   watch_.check();
+  check_stamps(false);
+}
+
+void CpuAllToAll::check_stamps(bool force) {
+  auto now = std::chrono::steady_clock::now();
+  if (now < next_stamps_ && !force) return;
+  next_stamps_ = now + PeerWatch::kInterval;
+  for (int s = 0; s < cfg_.world; ++s)
+    if (cfg_.same_node(s)) check_node_stamps(cfg_, layout_, maps_.self, at_, s);
 }
 
 void CpuAllToAll::wait_proxy(const Seq& seq, const char* what) {
@@ -92,6 +101,9 @@ void CpuAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_sca
   ++epoch_;
   num_tokens_ = num_tokens;
   cached_call_ = routing != nullptr;
+  at_ = CallPosition{};
+  at_.epoch = epoch_;
+  at_.cached = at_.routed = cached_call_;
 
   if (cached_call_) {
     // The proxy takes the whole matrix from here: nothing to publish.
@@ -128,7 +140,9 @@ void CpuAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_sca
 
 uint64_t CpuAllToAll::dispatch_wait() {
   wait_proxy(signals_.routed, "routing");
-  if (signals_.overflow.get() == epoch_) throw CapacityError("rank " + std::to_string(cfg_.rank) + ": " + proxy_->overflow_message());
+  at_.routed = true;
+  at_.overflow = at_.combining = signals_.overflow.get() == epoch_;  // over capacity: past our barrier
+  if (at_.overflow) throw CapacityError("rank " + std::to_string(cfg_.rank) + ": " + proxy_->overflow_message());
   if (cached_call_) {
     routing_ = cached_;
   } else {
@@ -196,6 +210,7 @@ void CpuAllToAll::dispatch_unpack(void* out_x, float* out_scale) {
     }
     pending.resize(kept);
   }
+  check_stamps(true);  // before the rows go to the caller: also where no wait ran
   zero_padding(p);
   done_ = dispatch_stamp(epoch_);
 }
@@ -203,6 +218,7 @@ void CpuAllToAll::dispatch_unpack(void* out_x, float* out_scale) {
 void CpuAllToAll::combine_send(const void* y, DType y_dtype) {
   watch_.at = combine_stamp(epoch_);
   check_failed();
+  at_.combining = true;  // before the first flag or row a peer could act on
   CombineSendParams p;
   p.cfg = &cfg_;
   p.layout = &layout_;
@@ -223,6 +239,7 @@ void CpuAllToAll::combine_send(const void* y, DType y_dtype) {
 void CpuAllToAll::combine_recv(const float* weights, void* out) {
   wait_proxy(signals_.combine_done, "combine");
   wait_node(kFlagCombine, "combine rows");
+  check_stamps(true);
   CombineRecvParams p;
   p.cfg = &cfg_;
   p.layout = &layout_;

@@ -58,6 +58,9 @@ class CpuAllToAll {
   void wait_node(FlagKind kind, const char* what);
   void signal_node(FlagKind kind);
   void check_failed();
+  // Same-node peers' flags against our position (call_stamps.h); `force`:
+  // now, not at the next interval. Remote peers are the proxy's to check.
+  void check_stamps(bool force);
   // Whether sender s's rows of this epoch are all here.
   bool landed(int s) const;
 
@@ -85,6 +88,8 @@ class CpuAllToAll {
   std::vector<uint32_t> routing_;    // snapshot of the routing matrix
   std::vector<uint32_t> cached_;     // a cached call's matrix, read by the proxy until dispatch_done
   bool cached_call_ = false;         // the current call is cached
+  CallPosition at_;                  // of the current call, for check_stamps
+  std::chrono::steady_clock::time_point next_stamps_{};
   uint64_t rows_sent_ = 0;           // routing rows stored into same-node peers
   RecvPlan plan_;
   std::vector<int64_t> row_of_copy_;

@@ -1,0 +1,191 @@
+"""Call stamps (issue 17): ranks whose call sequences differ fail at once, on every rank.
+
+A rank that runs a call cached while its peers run it uncached (a backward one
+rank skipped, or ran once more) used to be found only at the timeout. Run like
+the other multi-rank tests (tests/conftest.py), tcp or shm, any world size >= 2.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+from ranks import COMM, DEVICE, RANK, WORLD, device_pytestmark, layouts
+from test_a2a import Inputs, check_round, expert_fn, make_a2a, make_inputs, mine
+
+from moe_a2a import FabricError, PeerFailedError
+from moe_a2a.all_to_all import AllToAll, CapacityError, Dispatched, Routing
+
+pytestmark = [
+    device_pytestmark,
+    pytest.mark.skipif(DEVICE != "cpu", reason="the CUDA host waits do not check call stamps yet"),
+]
+ODD = 0  # the rank whose sequence differs
+TIMEOUT_S = 30.0
+NOTICE_S = 2.0  # every rank fails within this, far below TIMEOUT_S
+
+
+def one_round(a2a: AllToAll, inp: Inputs, routing: Routing | None = None) -> Dispatched:
+    """Dispatch (along `routing` when given, keeping the routing otherwise) and combine."""
+    x, ids, w = mine(inp)
+    if routing is not None:
+        d = a2a.dispatch(x, routing=routing)
+    else:
+        d = a2a.dispatch(x, ids, w, keep_routing=True)
+    a2a.combine(expert_fn(d.expert_x, d.expert_x_scale), d)
+    return d
+
+
+def full(seed: int, a2a: AllToAll) -> Inputs:
+    """Every rank at max_tokens: each sends each peer more than one private row (two writes)."""
+    return make_inputs(seed, a2a.cfg, tokens=[a2a.cfg.max_tokens] * WORLD)
+
+
+# Each pattern runs the calls before the mismatch, then the mismatched one.
+def odd_runs_it_cached(a2a: AllToAll, seed: int) -> None:
+    """The odd rank runs call 2 along call 1's routing (a backward the others skipped)."""
+    first = full(seed, a2a)
+    r1 = one_round(a2a, first).routing
+    COMM.Barrier()
+    if RANK == ODD:
+        one_round(a2a, first, routing=r1)
+    else:
+        one_round(a2a, full(seed + 1, a2a))
+
+
+def odd_runs_it_uncached(a2a: AllToAll, seed: int) -> None:
+    """The odd rank skips the backward (call 2 along call 1's routing) that the others run."""
+    first = full(seed, a2a)
+    r1 = one_round(a2a, first).routing
+    COMM.Barrier()
+    if RANK == ODD:
+        one_round(a2a, full(seed + 1, a2a))
+    else:
+        one_round(a2a, first, routing=r1)
+
+
+def odd_runs_a_second_backward(a2a: AllToAll, seed: int) -> None:
+    """Every rank runs call 2 cached; the odd rank runs call 3 cached too, the others their next forward."""
+    first = full(seed, a2a)
+    r1 = one_round(a2a, first).routing
+    one_round(a2a, first, routing=r1)
+    COMM.Barrier()
+    if RANK == ODD:
+        one_round(a2a, first, routing=r1)
+    else:
+        one_round(a2a, full(seed + 2, a2a))
+
+
+PATTERNS = [odd_runs_it_cached, odd_runs_it_uncached, odd_runs_a_second_backward]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("rpn", layouts())
+@pytest.mark.parametrize("pattern", PATTERNS, ids=lambda p: p.__name__)
+def test_different_call_sequences_fail_at_once(
+    rpn: int | None, pattern: Callable[[AllToAll, int], None], seed: int
+) -> None:
+    """Every rank errors within NOTICE_S naming the mismatched call; the next call refuses; reopen() works."""
+    a2a = make_a2a(rpn, timeout_s=TIMEOUT_S, max_private_tokens=1)
+    started = time.monotonic()
+    with pytest.raises((FabricError, PeerFailedError)) as info:
+        pattern(a2a, seed)
+    took = time.monotonic() - started
+    text = str(info.value)
+    # The rank that noticed names its own call and the peer's; the others carry its words.
+    assert "call sequences differ" in text, text
+    noticed = r"rank \d+ is in the (dispatch|combine) of epoch \d+ \((un)?cached\); peer \d+ "
+    assert re.search(noticed, text), text
+    epoch = 3 if pattern is odd_runs_a_second_backward else 2
+    assert f"of epoch {epoch} (" in text, text
+    assert took < NOTICE_S, f"rank {RANK} failed after {took:.1f} s (timeout_s={TIMEOUT_S}): {text}"
+    with pytest.raises(RuntimeError, match="unusable after an earlier failure.*reopen"):
+        one_round(a2a, full(seed + 5, a2a))
+    a2a = a2a.reopen()
+    check_round(a2a, make_inputs(seed + 6, a2a.cfg))
+    check_round(a2a, make_inputs(seed + 7, a2a.cfg))
+    a2a.close()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("rpn", [r for r in layouts() if r != 1])  # the odd rank shares a node
+def test_a_peer_that_skips_its_combine_stops_its_node_at_once(rpn: int | None, seed: int) -> None:
+    """The odd rank dispatches again without its combine (below the front end, which refuses it).
+
+    Its same-node peers see its flags of epoch 2 without its combine of epoch 1;
+    their announcement stops the rest. Remote peers alone cannot see it (its
+    proxy sends nothing of epoch 2 before its combine of epoch 1): the timeout.
+    """
+    a2a = make_a2a(rpn, timeout_s=TIMEOUT_S)
+    inp = full(seed, a2a)
+    x, ids, w = mine(inp)
+    d = a2a.dispatch(x, ids, w)
+    COMM.Barrier()
+    started = time.monotonic()
+    if RANK == ODD:
+        with pytest.raises(PeerFailedError) as info:
+            a2a._backend.dispatch_send(x, None, ids.to(torch.int32), None)
+            a2a._backend.dispatch_recv(torch.bfloat16)
+        a2a.close(wait_for_peers=False)  # its front end saw no failure: no collective close
+    else:
+        with pytest.raises((FabricError, PeerFailedError)) as info:
+            a2a.combine(expert_fn(d.expert_x, d.expert_x_scale), d)
+    took = time.monotonic() - started
+    text = str(info.value)
+    assert "started epoch 2 without combining epoch 1: the ranks' call sequences differ" in text, text
+    assert took < NOTICE_S, f"rank {RANK} failed after {took:.1f} s (timeout_s={TIMEOUT_S}): {text}"
+    a2a = make_a2a(rpn, timeout_s=TIMEOUT_S) if RANK == ODD else a2a.reopen()
+    check_round(a2a, make_inputs(seed + 1, a2a.cfg))
+    a2a.close()
+
+
+def all_to_first_rank(g: torch.Generator, tokens: int, experts: int, topk: int) -> torch.Tensor:
+    """Every token to experts 0..topk-1: rank 0 gets most copies (an over-capacity call)."""
+    return torch.arange(topk).repeat(tokens, 1)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rpn", layouts())
+def test_a_peer_one_call_ahead_never_trips_it(rpn: int | None, seed: int) -> None:
+    """Same sequences, uneven pace: uncached, cached, split and over-capacity calls with random delays."""
+    base = make_a2a(rpn)
+    cfg = base.cfg
+    full_copies = WORLD * cfg.max_tokens * min(cfg.topk, cfg.num_experts // WORLD)
+    base.close()
+    # Room for any random call, not for every token on rank 0's experts.
+    a2a = make_a2a(rpn, timeout_s=TIMEOUT_S, max_private_tokens=2, max_recv_tokens=full_copies - 1)
+    pace = random.Random(seed * 31 + RANK)  # each rank its own delays
+
+    def pause() -> None:
+        time.sleep(pace.choice([0.0, 0.0, 0.0, 0.0005, 0.002, 0.005]))
+
+    rounds = 0
+    for r in range(120):
+        inp = make_inputs(seed + 100 + r, a2a.cfg)
+        pause()
+        if r % 11 == 10:  # over capacity on every rank alike: a barrier instead of a combine
+            over = make_inputs(seed + r, a2a.cfg, router=all_to_first_rank, tokens=[cfg.max_tokens] * WORLD)
+            with pytest.raises(CapacityError):
+                a2a.dispatch(*mine(over))
+            continue
+        check_round(a2a, inp, split=r % 3 == 1)
+        if r % 4 == 0:  # a cached call along the routing of a fresh one, as a backward runs it
+            x, ids, w = mine(inp)
+            d = a2a.dispatch(x, ids, w, keep_routing=True)
+            pause()
+            a2a.combine(expert_fn(d.expert_x, d.expert_x_scale), d)
+            pause()
+            again = a2a.dispatch(x * 2, routing=d.routing)
+            assert torch.equal(again.tokens_per_expert, d.tokens_per_expert)
+            pause()
+            a2a.combine(expert_fn(again.expert_x, again.expert_x_scale), again)
+        rounds += 1
+    assert rounds > 100
+    a2a.close()
