@@ -334,6 +334,18 @@ void CudaAllToAll::check_proxy() const {
     throw fabric::FabricError("rank " + std::to_string(cfg_.rank) + ": " + error);
   }
   watch_.check();
+  check_stamps(false);
+}
+
+void CudaAllToAll::check_stamps(bool force) const {
+  const auto now = std::chrono::steady_clock::now();
+  if (host_ws_cpu_ == nullptr || at_.epoch == 0 || (now < next_stamps_ && !force)) return;
+  // Without a proxy there is no barrier after an over-capacity call: a peer may
+  // pass it before our plan says so.
+  if (!has_remote_ && !at_.routed) return;
+  next_stamps_ = now + PeerWatch::kInterval;
+  for (int s = 0; s < cfg_.world; ++s)
+    if (cfg_.same_node(s)) check_node_stamps(cfg_, layout_, host_ws_cpu_, at_, s);
 }
 
 void CudaAllToAll::announce_failure(const std::string& text) {
@@ -374,7 +386,13 @@ void CudaAllToAll::wait_planned() {
   if (!wait_at_least(&words_->planned.value, epoch_, deadline, [this] { check_proxy(); }))
     throw fabric::TimeoutError("rank " + std::to_string(cfg_.rank) + ": timed out waiting for the plan kernel of epoch " +
                                std::to_string(epoch_) + " (its stream did not reach it)");
-  check();
+  try {
+    check();
+  } catch (const CapacityError&) {
+    at_.routed = at_.overflow = at_.combining = true;  // nobody combines it
+    throw;
+  }
+  at_.routed = true;
 }
 
 int64_t CudaAllToAll::max_output_rows() const {
@@ -415,18 +433,29 @@ void CudaAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_sc
   p.num_tokens_ptr = num_tokens_device;
   p.cached = routing != nullptr ? 1 : 0;
   check_cuda(launch_dispatch_send(p, stream), "dispatch send");
-  if (proxy_) arm_proxy(stream);
+  const bool captured = capturing(stream);
+  if (proxy_) arm_proxy(stream, captured);
   ++epoch_;
+  at_ = CallPosition{};
+  if (!captured) {
+    at_.epoch = epoch_;
+    at_.cached = at_.routed = routing != nullptr;
+    at_.combining = !has_remote_;  // no barrier: a peer may be in our next call once it has our rows
+  }
 }
 
 namespace {
 void CUDART_CB arm_from_stream(void* proxy) { static_cast<Proxy*>(proxy)->arm(); }
 }  // namespace
 
-void CudaAllToAll::arm_proxy(cudaStream_t stream) {
+bool CudaAllToAll::capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
-  if (capture == cudaStreamCaptureStatusNone) {
+  return capture != cudaStreamCaptureStatusNone;
+}
+
+void CudaAllToAll::arm_proxy(cudaStream_t stream, bool captured) {
+  if (!captured) {
     proxy_->arm();
     return;
   }
@@ -457,8 +486,10 @@ void CudaAllToAll::dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_
     return dispatch_recv_by_sender(out_x, out_scale, tokens_per_expert, stream, routing_out);
   if (host_wait) {
     wait_host(kFlagDispatch, signals_->dispatch_done, "dispatch");
-    if (has_remote_ && signals_->overflow.get() == epoch_)
+    if (has_remote_ && signals_->overflow.get() == epoch_) {
+      at_.routed = at_.overflow = at_.combining = true;  // over capacity: past our barrier
       throw CapacityError("rank " + std::to_string(cfg_.rank) + ": " + capacity_message());
+    }
     // With a proxy, it waited for every routing row; without one nobody does in
     // eager calls: a same-node peer that ran this call cached raised its dispatch
     // flag but no route flag, and its row in our workspace is an older call's.
@@ -470,6 +501,12 @@ void CudaAllToAll::dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_
       }
     }
     done_ = dispatch_stamp(epoch_);  // every peer's part is here
+    // With a proxy, whether the call is over capacity is known here; without
+    // one only once the plan kernel has run (wait_planned).
+    if (has_remote_) {
+      at_.routed = true;
+      check_stamps(true);
+    }
   }
   DispatchRecvParams p = recv_params(out_x, out_scale, tokens_per_expert, routing_out);
   p.wait_in_kernel = host_wait ? 0 : 1;  // and with host_wait the plan kernel signals `planned`
@@ -513,7 +550,9 @@ void CudaAllToAll::dispatch_recv_by_sender(void* out_x, float* out_scale, int32_
     throw fabric::TimeoutError(who + "waiting for the proxy to gather the routing rows of epoch " +
                                std::to_string(epoch_));
   check_proxy();
+  at_.routed = true;
   if (signals_->overflow.get() == epoch_) {
+    at_.overflow = at_.combining = true;  // over capacity: past our barrier once dispatch_done
     if (!wait_at_least(&signals_->dispatch_done.value, epoch_, deadline, check))  // everyone met: the next call is clean
       throw fabric::TimeoutError(who + "waiting for the proxy to end the overflowing dispatch of epoch " +
                                  std::to_string(epoch_));
@@ -581,11 +620,13 @@ void CudaAllToAll::dispatch_recv_by_sender(void* out_x, float* out_scale, int32_
     backoff.pause();
   }
   done_ = dispatch_stamp(epoch_);
+  check_stamps(true);
 }
 
 void CudaAllToAll::combine_send(const void* y, DType y_dtype, int64_t y_rows, cudaStream_t stream) {
   if (y_rows < 0) throw std::invalid_argument("combine_send: y_rows: got " + std::to_string(y_rows) + "; expected >= 0");
   watch_.at = combine_stamp(epoch_);
+  at_.combining = true;  // before a peer could see our combine flag
   CombineSendParams p;
   p.inst = instance();
   p.scratch = scratch_;
@@ -598,6 +639,7 @@ void CudaAllToAll::combine_send(const void* y, DType y_dtype, int64_t y_rows, cu
 void CudaAllToAll::combine_recv(const float* weights, void* out, bool host_wait, cudaStream_t stream) {
   if (host_wait) {
     wait_host(kFlagCombine, signals_->combine_done, "combine");
+    check_stamps(true);
     done_ = combine_stamp(epoch_);
   }
   CombineRecvParams p;

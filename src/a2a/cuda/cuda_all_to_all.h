@@ -15,11 +15,13 @@
 
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "../call_stamps.h"
 #include "../proxy.h"
 #include "../workspace.h"
 #include "params.h"
@@ -111,8 +113,12 @@ class CudaAllToAll {
   void dispatch_recv_by_sender(void* out_x, float* out_scale, int32_t* tokens_per_expert, cudaStream_t stream,
                                uint32_t* routing_out);
   void check_proxy() const;
+  // Same-node peers' flags against our call (call_stamps.h); the proxy checks
+  // remote peers. At most every PeerWatch::kInterval unless `force`.
+  void check_stamps(bool force) const;
   // The proxy polls only while a call is under way: tell it one started.
-  void arm_proxy(cudaStream_t stream);
+  void arm_proxy(cudaStream_t stream, bool captured);
+  static bool capturing(cudaStream_t stream);
   std::string capacity_message() const;
 
   A2AConfig cfg_;
@@ -129,6 +135,10 @@ class CudaAllToAll {
   std::vector<uint8_t*> node_ws_cpu_;  // index = rank: the node's host workspaces (host addresses), else null
   // A peer's announced failure or a dead same-host peer ends our host waits.
   mutable PeerWatch watch_;
+  // Our call, for check_stamps: eager calls only (epoch 0, nothing checked,
+  // when captured: the host's epoch does not follow graph replays).
+  CallPosition at_;
+  mutable std::chrono::steady_clock::time_point next_stamps_{};
   bool own_host_ws_ = false;           // allocated here (standalone)
   std::vector<void*> registered_;      // host ranges registered with CUDA
   std::vector<void*> ipc_opened_;      // peer device workspaces opened here
