@@ -28,6 +28,10 @@ struct CallPosition {
   // Our combine (over capacity: barrier) of this call may have reached peers,
   // which may then be in the next call.
   bool combining = false;
+  // Over capacity leaves no mark a peer can see (CUDA on one node: no proxy,
+  // no barrier), so until `routed` a peer in our next call may have skipped
+  // this call's combine rightly.
+  bool silent_overflow = false;
   const char* phase() const { return combining ? "combine" : "dispatch"; }
 };
 
@@ -57,7 +61,8 @@ inline void check_node_stamps(const A2AConfig& c, const Layout& l, uint8_t* self
   if (ahead > e + 1 || (ahead == e + 1 && !closed))
     call_order_error(c, at, s, "is already in epoch " + std::to_string(ahead));
   // Over capacity nobody combines (and without a proxy, CUDA on one node, nobody meets either).
-  if (ahead == e + 1 && combined < e && met < e && !(at.routed && at.overflow))
+  const bool may_skip_combine = at.routed ? at.overflow : at.silent_overflow;
+  if (ahead == e + 1 && combined < e && met < e && !may_skip_combine)
     call_order_error(c, at, s, "started " + next + " without combining " + call);
   if (at.cached && route == e) call_order_error(c, at, s, "sent a routing row for " + call + ", so it runs that epoch uncached");
   if (!at.cached && dispatch >= e && route < e)

@@ -340,9 +340,6 @@ void CudaAllToAll::check_proxy() const {
 void CudaAllToAll::check_stamps(bool force) const {
   const auto now = std::chrono::steady_clock::now();
   if (host_ws_cpu_ == nullptr || at_.epoch == 0 || (now < next_stamps_ && !force)) return;
-  // Without a proxy there is no barrier after an over-capacity call: a peer may
-  // pass it before our plan says so.
-  if (!has_remote_ && !at_.routed) return;
   next_stamps_ = now + PeerWatch::kInterval;
   for (int s = 0; s < cfg_.world; ++s)
     if (cfg_.same_node(s)) check_node_stamps(cfg_, layout_, host_ws_cpu_, at_, s);
@@ -441,6 +438,7 @@ void CudaAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_sc
     at_.epoch = epoch_;
     at_.cached = at_.routed = routing != nullptr;
     at_.combining = !has_remote_;  // no barrier: a peer may be in our next call once it has our rows
+    at_.silent_overflow = !has_remote_;
   }
 }
 
