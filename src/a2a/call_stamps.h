@@ -11,7 +11,9 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstdio>
 #include <string>
+#include <vector>
 
 #include "config.h"
 #include "fabric/error.h"
@@ -113,6 +115,47 @@ inline void check_remote_stamps(const A2AConfig& c, const CallPosition& at, int 
   const uint64_t barrier = at.routed && !at.overflow ? 0 : 1;
   too_many(kStampBarrier, barrier + next, "over-capacity barrier(s)",
            "it found " + call + " over capacity (its routing differs), or is already in " + past);
+}
+
+// Cached calls exchange no routing rows, so ranks that run one along
+// different routings with the same per-peer counts would pair without any
+// count telling. Same-node peers see each other's matrix hash: the sender
+// writes it (routing_stamp_at) before it raises its dispatch flag, the
+// receiver compares once that flag is up. Remote peers are not compared.
+inline uint64_t routing_hash(const uint32_t* matrix, size_t words) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (size_t i = 0; i < words; ++i) {
+    h ^= matrix[i];
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+// Ours, into every same-node peer's workspace (`node[r]`; null for remote ranks).
+inline void publish_routing_stamp(const A2AConfig& c, const Layout& l, const std::vector<uint8_t*>& node,
+                                  uint64_t epoch, uint64_t hash) {
+  for (int r = 0; r < c.world && r < static_cast<int>(node.size()); ++r) {
+    if (r == c.rank || node[r] == nullptr || !c.same_node(r)) continue;
+    RoutingStamp* st = routing_stamp_at(node[r], l, c.rank);
+    st->hash = hash;
+    st->epoch.store(epoch, std::memory_order_release);
+  }
+}
+
+// Same-node sender s, whose dispatch flag of `epoch` is up: a cached call of
+// that epoch along another routing than ours is an error.
+inline void check_routing_stamp(const A2AConfig& c, const Layout& l, uint8_t* self, int s, uint64_t epoch,
+                                uint64_t hash) {
+  if (s == c.rank || !c.same_node(s)) return;
+  const RoutingStamp* st = routing_stamp_at(self, l, s);
+  if (st->epoch.load(std::memory_order_acquire) != epoch || st->hash == hash) return;
+  char ours[20], theirs[20];
+  snprintf(ours, sizeof(ours), "%016llx", static_cast<unsigned long long>(hash));
+  snprintf(theirs, sizeof(theirs), "%016llx", static_cast<unsigned long long>(st->hash));
+  throw fabric::FabricError("rank " + std::to_string(c.rank) + " runs the cached dispatch of epoch " +
+                            std::to_string(epoch) + " along routing " + ours + "; peer " + std::to_string(s) +
+                            " along routing " + theirs +
+                            ": the ranks' call sequences differ (each rank must pass the Routing of the same call)");
 }
 
 }  // namespace moe_a2a::a2a

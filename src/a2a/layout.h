@@ -27,6 +27,14 @@ struct AbortRecord {
 };
 static_assert(sizeof(AbortRecord) == kAbortStride);
 
+// The routing a sender ran a cached call along (call_stamps.h): same-node
+// peers compare it with their own before reading the sender's rows. `epoch`
+// is stored last.
+struct RoutingStamp {
+  std::atomic<uint64_t> epoch;
+  uint64_t hash;
+};
+
 struct Layout {
   size_t flags = 0;
   size_t routing = 0;
@@ -36,6 +44,7 @@ struct Layout {
   size_t combine_send = 0;
   size_t combine_recv = 0;
   size_t aborts = 0;
+  size_t routing_stamps = 0;
   size_t total = 0;
   size_t dispatch_row = 0;
   size_t combine_row = 0;
@@ -59,6 +68,7 @@ struct Layout {
     l.combine_send = section(static_cast<size_t>(c.max_recv_tokens) * l.combine_row);
     l.combine_recv = section(max_copies * l.combine_row);
     l.aborts = section(world * kAbortStride);
+    l.routing_stamps = section(world * kFlagStride);
     l.total = at;
     return l;
   }
@@ -69,6 +79,10 @@ struct Layout {
     return routing + static_cast<size_t>(sender) * num_experts * sizeof(uint32_t);
   }
 };
+
+inline RoutingStamp* routing_stamp_at(uint8_t* workspace, const Layout& l, int sender) {
+  return reinterpret_cast<RoutingStamp*>(workspace + l.routing_stamps + static_cast<size_t>(sender) * kFlagStride);
+}
 
 inline AbortRecord* abort_at(uint8_t* workspace, const Layout& l, int sender) {
   return reinterpret_cast<AbortRecord*>(workspace + l.abort_record(sender));

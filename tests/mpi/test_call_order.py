@@ -109,6 +109,43 @@ def test_different_call_sequences_fail_at_once(
     a2a.close()
 
 
+def rotated_within_owner(inp: Inputs, num_experts: int) -> Inputs:
+    """The same tokens to the next expert of the same rank: equal per-peer counts, another matrix."""
+    per = num_experts // WORLD
+    ids = [(i // per) * per + (i % per + 1) % per for i in inp.ids]
+    return Inputs(inp.xs, ids, inp.weights)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("rpn", [r for r in layouts() if r != 1])  # the odd rank shares a node
+def test_cached_calls_along_different_routings_fail_at_once(rpn: int | None, seed: int) -> None:
+    """The odd rank runs a cached call along another call's routing with the same per-peer counts.
+
+    No count can tell (each peer gets as many rows as it expects): before, the rows
+    were placed by the wrong matrix without an error. Same-node peers compare the
+    routings' hashes; remote peers are not compared (protocol.md, Call order).
+    """
+    a2a = make_a2a(rpn, timeout_s=TIMEOUT_S)
+    first = full(seed, a2a)
+    second = rotated_within_owner(first, a2a.cfg.num_experts)
+    r1 = one_round(a2a, first).routing
+    r2 = one_round(a2a, second).routing
+    assert r1 is not None and r2 is not None
+    assert not torch.equal(r1.matrix, r2.matrix), "the two routings should differ"
+    COMM.Barrier()
+    started = time.monotonic()
+    with pytest.raises((FabricError, PeerFailedError)) as info:
+        one_round(a2a, first, routing=r2 if RANK == ODD else r1)
+    took = time.monotonic() - started
+    text = str(info.value)
+    assert "runs the cached dispatch of epoch 3 along routing" in text, text
+    assert took < NOTICE_S, f"rank {RANK} failed after {took:.1f} s (timeout_s={TIMEOUT_S}): {text}"
+    a2a = a2a.reopen()
+    check_round(a2a, make_inputs(seed + 1, a2a.cfg))
+    a2a.close()
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("rpn", [r for r in layouts() if r != 1])  # the odd rank shares a node

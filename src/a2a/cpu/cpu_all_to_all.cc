@@ -110,6 +110,8 @@ void CpuAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_sca
     cached_.assign(routing, routing + static_cast<size_t>(cfg_.world) * cfg_.num_experts);
     signals_.cached_routing = cached_.data();
     signals_.cached.set(epoch_);
+    cached_hash_ = routing_hash(cached_.data(), cached_.size());
+    publish_routing_stamp(cfg_, layout_, *maps_.node, epoch_, cached_hash_);  // before our dispatch flag
   } else {
     // Our routing row: into every same-node workspace (ours included, where the
     // proxy picks it up for remote peers).
@@ -188,6 +190,7 @@ void CpuAllToAll::dispatch_unpack(void* out_x, float* out_scale) {
     size_t kept = 0;
     for (int s : pending) {
       if (landed(s)) {
+        if (cached_call_) check_routing_stamp(cfg_, layout_, maps_.self, s, epoch_, cached_hash_);
         unpack_sender(p, s);
         unpack_order_.push_back(s);
       } else {

@@ -407,6 +407,8 @@ void CudaAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_sc
       throw std::invalid_argument("dispatch_send: a cached call takes num_tokens from the host, not num_tokens_device");
     check_cached_routing(cfg_, routing, num_tokens);
     call_routing_ = mapped_device_pointer(routing, "routing");
+    cached_hash_ = routing_hash(routing, static_cast<size_t>(cfg_.world) * cfg_.num_experts);
+    publish_routing_stamp(cfg_, layout_, node_ws_cpu_, epoch_ + 1, cached_hash_);  // before our kernels' flags
     if (has_remote_) {  // the proxy starts from the matrix at once: the kernels publish nothing
       cached_.assign(routing, routing + static_cast<size_t>(cfg_.world) * cfg_.num_experts);
       signals_->cached_routing = cached_.data();
@@ -484,6 +486,8 @@ void CudaAllToAll::dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_
     return dispatch_recv_by_sender(out_x, out_scale, tokens_per_expert, stream, routing_out);
   if (host_wait) {
     wait_host(kFlagDispatch, signals_->dispatch_done, "dispatch");
+    if (call_routing_ != nullptr)
+      for (int s = 0; s < cfg_.world; ++s) check_routing_stamp(cfg_, layout_, host_ws_cpu_, s, epoch_, cached_hash_);
     if (has_remote_ && signals_->overflow.get() == epoch_) {
       at_.routed = at_.overflow = at_.combining = true;  // over capacity: past our barrier
       throw CapacityError("rank " + std::to_string(cfg_.rank) + ": " + capacity_message());
@@ -597,6 +601,7 @@ void CudaAllToAll::dispatch_recv_by_sender(void* out_x, float* out_scale, int32_
         continue;
       }
       p.sender = pending[k];
+      if (call_routing_ != nullptr) check_routing_stamp(cfg_, layout_, host_ws_cpu_, p.sender, epoch_, cached_hash_);
       check_cuda(launch_copy_sender(p, rows[k], stream), "dispatch copy");
     }
     const bool idle = kept == pending.size();

@@ -160,6 +160,7 @@ class CudaAllToAll {
   // peer_watch.h stamp); graph replays leave it behind, which only makes peers
   // stop a phase earlier.
   uint64_t done_ = 0;
+  uint64_t cached_hash_ = 0;  // routing_hash of the current cached call's matrix
   std::vector<uint32_t> cached_;                // a cached call's matrix, for the proxy until dispatch_done
   const uint32_t* call_routing_ = nullptr;      // device address of the current cached call's matrix; null if uncached
   uint64_t rows_sent_ = 0, rows_received_ = 0;  // same-node routing rows (kernels)
