@@ -119,9 +119,10 @@ inline void check_remote_stamps(const A2AConfig& c, const CallPosition& at, int 
 
 // Cached calls exchange no routing rows, so ranks that run one along
 // different routings with the same per-peer counts would pair without any
-// count telling. Same-node peers see each other's matrix hash: the sender
-// writes it (routing_stamp_at) before it raises its dispatch flag, the
-// receiver compares once that flag is up. Remote peers are not compared.
+// count telling. Each sender's matrix hash goes to every peer's
+// routing_stamps slot: same-node peers' before the sender raises its dispatch
+// flag (the receiver compares once that flag is up), remote peers' by a write
+// of its own (the proxy compares once it arrived, before the rows are read).
 inline uint64_t routing_hash(const uint32_t* matrix, size_t words) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a
   for (size_t i = 0; i < words; ++i) {
@@ -142,11 +143,12 @@ inline void publish_routing_stamp(const A2AConfig& c, const Layout& l, const std
   }
 }
 
-// Same-node sender s, whose dispatch flag of `epoch` is up: a cached call of
-// that epoch along another routing than ours is an error.
+// Sender s, whose stamp of `epoch` is in (same-node: its dispatch flag is up;
+// remote: the proxy took the stamp's write): a cached call of that epoch along
+// another routing than ours is an error.
 inline void check_routing_stamp(const A2AConfig& c, const Layout& l, uint8_t* self, int s, uint64_t epoch,
                                 uint64_t hash) {
-  if (s == c.rank || !c.same_node(s)) return;
+  if (s == c.rank) return;
   const RoutingStamp* st = routing_stamp_at(self, l, s);
   if (st->epoch.load(std::memory_order_acquire) != epoch || st->hash == hash) return;
   char ours[20], theirs[20];

@@ -45,7 +45,7 @@ Proxy::Proxy(ProxyContext ctx)
   dispatch_max_ = dispatch_writes(most_copies, c.max_private_tokens);
   // Arrivals a failed instance of this tag slot left behind would pair with our first call.
   if (ctx_.engine != nullptr)
-    for (Tag kind : {kTagRoute, kTagDispatch, kTagCombine, kTagBarrier}) ctx_.engine->forget_imm(tag(kind));
+    for (Tag kind : {kTagRoute, kTagDispatch, kTagCombine, kTagBarrier, kTagStamp}) ctx_.engine->forget_imm(tag(kind));
   thread_ = std::thread([this] { run(); });
 }
 
@@ -81,7 +81,8 @@ void Proxy::on_idle(bool node) {
 
 void Proxy::wait_imm(Tag kind, int peer, uint64_t count) {
   ctx_.engine->wait_imm(tag(kind), peer, count, ctx_.config.timeout_s, [this] { on_idle(); });
-  taken_[group_index_[peer]][kind - kTagRoute] += count;
+  // Call stamps count the kinds route..barrier (StampKind); routing stamps are not among them.
+  if (kind >= kTagRoute && kind <= kTagBarrier) taken_[group_index_[peer]][kind - kTagRoute] += count;
 }
 
 void Proxy::check_stamps(bool force, bool node) {
@@ -236,6 +237,7 @@ void Proxy::step(uint64_t epoch) {
     ctx_.engine->scatter(ctx_.group, ctx_.region, items.data(), items.size(), tag(kTagRoute));
     rows_sent_.fetch_add(ctx_.remote_peers.size(), std::memory_order_relaxed);
   }
+  if (!ctx_.remote_peers.empty() && cached_) send_routing_stamp(epoch);
   if (!dispatch(epoch)) return;
   if (ctx_.signals->overflow.get() == epoch) return;  // no combine follows a call over capacity
   watch_.at = combine_stamp(epoch);
@@ -294,6 +296,29 @@ bool Proxy::dispatch(uint64_t epoch) {
   check_stamps(true);  // before the compute side reads the rows: also where no wait ran
   ctx_.signals->dispatch_done.set(epoch);
   return true;
+}
+
+// A cached call: the hash of its matrix to every remote peer, from our own
+// slot (which same-node peers never write), so that a peer running the call
+// along another routing with the same counts fails instead of misplacing rows.
+void Proxy::send_routing_stamp(uint64_t epoch) {
+  const A2AConfig& c = ctx_.config;
+  const Layout& l = ctx_.layout;
+  cached_hash_ = routing_hash(routing_.data(), routing_.size());
+  RoutingStamp* own = routing_stamp_at(ctx_.workspace, l, c.rank);
+  own->hash = cached_hash_;
+  own->epoch.store(epoch, std::memory_order_release);
+  const size_t at = static_cast<size_t>(reinterpret_cast<uint8_t*>(own) - ctx_.workspace);
+  std::vector<ScatterItem> items;
+  for (size_t i = 0; i < ctx_.remote_peers.size(); ++i)
+    items.push_back({static_cast<uint32_t>(i), at, sizeof(RoutingStamp), at});
+  ctx_.engine->scatter(ctx_.group, ctx_.region, items.data(), items.size(), tag(kTagStamp));
+}
+
+// A cached call: remote sender s's stamp is in; it must name our routing.
+void Proxy::take_routing_stamp(uint64_t epoch, int s) {
+  wait_imm(kTagStamp, s, 1);
+  check_routing_stamp(ctx_.config, ctx_.layout, ctx_.workspace, s, epoch, cached_hash_);
 }
 
 // Every routing row has arrived (nothing consumed).
@@ -396,6 +421,7 @@ void Proxy::wait_dispatch_arrivals(uint64_t epoch) {
   for (int s : ctx_.remote_peers) {
     const uint64_t expected = dispatch_writes(view.to_rank(s, c.rank), c.max_private_tokens);
     if (expected == 0) {
+      if (cached_) take_routing_stamp(epoch, s);
       ctx_.peers.landed[s].set(epoch);  // it sends us nothing
       continue;
     }
@@ -405,6 +431,7 @@ void Proxy::wait_dispatch_arrivals(uint64_t epoch) {
   while (!peers.empty()) {
     const size_t k = ctx_.engine->wait_any_imm(tag(kTagDispatch), peers, need, c.timeout_s, [this] { on_idle(); });
     wait_imm(kTagDispatch, peers[k], need[k]);  // there already: consumes them
+    if (cached_) take_routing_stamp(epoch, peers[k]);
     ctx_.peers.landed[peers[k]].set(epoch);
     peers.erase(peers.begin() + static_cast<std::ptrdiff_t>(k));
     need.erase(need.begin() + static_cast<std::ptrdiff_t>(k));

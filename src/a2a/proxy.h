@@ -141,6 +141,9 @@ class Proxy {
   long delay_ms_ = 0;
   std::atomic<uint64_t> rows_sent_{0}, rows_received_{0};
   bool cached_ = false;  // the current epoch is a cached call (its matrix in routing_)
+  uint64_t cached_hash_ = 0;  // routing_hash of that matrix
+  void send_routing_stamp(uint64_t epoch);
+  void take_routing_stamp(uint64_t epoch, int s);
   CallPosition at_;                  // of the current epoch
   std::vector<int> group_index_;     // index = rank: its index in remote_peers, or -1
   std::vector<StampCounts> taken_;   // index = group index: writes taken in the current epoch

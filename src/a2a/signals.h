@@ -56,7 +56,8 @@ inline PeerSignals peer_signals_in(Seq* block, int world) {
 }
 
 // Immediate tags of the protocol's writes (docs/protocol.md, "Signals").
-enum Tag : uint32_t { kTagRoute = 1, kTagDispatch = 2, kTagCombine = 3, kTagBarrier = 4, kTagAbort = 5 };
+// kTagStamp: a cached call's routing stamp (call_stamps.h) to each remote peer.
+enum Tag : uint32_t { kTagRoute = 1, kTagDispatch = 2, kTagCombine = 3, kTagBarrier = 4, kTagAbort = 5, kTagStamp = 6 };
 
 // The tag on the wire: the kind in the low bits, the instance above it
 // (config.h), so instances that share an engine never count each other's writes.

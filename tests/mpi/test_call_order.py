@@ -118,13 +118,13 @@ def rotated_within_owner(inp: Inputs, num_experts: int) -> Inputs:
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("rpn", [r for r in layouts() if r != 1])  # the odd rank shares a node
+@pytest.mark.parametrize("rpn", layouts())
 def test_cached_calls_along_different_routings_fail_at_once(rpn: int | None, seed: int) -> None:
     """The odd rank runs a cached call along another call's routing with the same per-peer counts.
 
     No count can tell (each peer gets as many rows as it expects): before, the rows
-    were placed by the wrong matrix without an error. Same-node peers compare the
-    routings' hashes; remote peers are not compared (protocol.md, Call order).
+    were placed by the wrong matrix without an error. Every peer compares the hash of
+    the sender's routing with its own (protocol.md, Call order).
     """
     a2a = make_a2a(rpn, timeout_s=TIMEOUT_S)
     first = full(seed, a2a)
