@@ -20,7 +20,7 @@ constexpr size_t kFlagStride = 64;
 constexpr size_t kAbortStride = 512;
 struct AbortRecord {
   std::atomic<uint64_t> state;  // 0: nothing; otherwise the sender has failed
-  // The last phase the sender completed (a PhaseStamp, peer_watch.h): a peer
+  // The last phase the sender completed (dispatch_phase, peer_watch.h): a peer
   // still in that phase or an earlier one finishes it first.
   uint64_t done;
   char text[kAbortStride - 2 * sizeof(uint64_t)];

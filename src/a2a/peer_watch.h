@@ -27,8 +27,8 @@ namespace moe_a2a::a2a {
 // epoch, 2 * epoch + 1 for its combine. A failed peer that completed our
 // current phase sent us all of its part, so that phase still completes; its
 // failure stops our next one (ranks agree on which calls succeeded).
-inline uint64_t dispatch_stamp(uint64_t epoch) { return 2 * epoch; }
-inline uint64_t combine_stamp(uint64_t epoch) { return 2 * epoch + 1; }
+inline uint64_t dispatch_phase(uint64_t epoch) { return 2 * epoch; }
+inline uint64_t combine_phase(uint64_t epoch) { return 2 * epoch + 1; }
 
 struct PeerWatch {
   static constexpr std::chrono::milliseconds kInterval{20};
@@ -45,7 +45,7 @@ struct PeerWatch {
   std::vector<uint64_t> seen_aborts;
   std::chrono::steady_clock::time_point next{};
   std::chrono::steady_clock::time_point next_pids{};
-  uint64_t at = 0;  // the phase our waits are in (its owner sets it as each phase starts)
+  uint64_t phase = 0;  // the phase our waits are in (its owner sets it as each phase starts)
 
   PeerWatch() = default;
   PeerWatch(const A2AConfig& c, const Layout& l, uint8_t* ws, fabric::TransferEngine* e, std::vector<int> remotes,
@@ -65,7 +65,7 @@ struct PeerWatch {
     for (int s = 0; s < cfg.world; ++s) {
       if (s == cfg.rank || !cfg.same_node(s)) continue;
       const AbortRecord* rec = abort_at(workspace, layout, s);
-      if (rec->state.load(std::memory_order_acquire) != 0 && rec->done < at) announced(s, rec);
+      if (rec->state.load(std::memory_order_acquire) != 0 && rec->done < phase) announced(s, rec);
     }
     for (size_t i = 0; i < remote_peers.size(); ++i) {
       int s = remote_peers[i];
@@ -77,7 +77,7 @@ struct PeerWatch {
         seen_aborts[i] = count;  // a stale one: its bytes went to an old region
         continue;
       }
-      if (rec->done < at) announced(s, rec);  // else news for our next phase: look again then
+      if (rec->done < phase) announced(s, rec);  // else news for our next phase: look again then
     }
     if (now < next_pids && !force) return;
     next_pids = now + kPidInterval;

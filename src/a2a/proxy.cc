@@ -216,7 +216,7 @@ void Proxy::step(uint64_t epoch) {
   const Layout& l = ctx_.layout;
   const size_t routing_bytes = static_cast<size_t>(c.num_experts) * sizeof(uint32_t);
   // A cached call brings the whole matrix and exchanges no routing row.
-  watch_.at = dispatch_stamp(epoch);
+  watch_.phase = dispatch_phase(epoch);
   cached_ = ctx_.signals->cached.get() == epoch;
   if (cached_) {
     const size_t matrix_words = static_cast<size_t>(c.world) * c.num_experts;
@@ -240,7 +240,7 @@ void Proxy::step(uint64_t epoch) {
   if (!ctx_.remote_peers.empty() && cached_) send_routing_stamp(epoch);
   if (!dispatch(epoch)) return;
   if (ctx_.signals->overflow.get() == epoch) return;  // no combine follows a call over capacity
-  watch_.at = combine_stamp(epoch);
+  watch_.phase = combine_phase(epoch);
   combine(epoch);
 }
 

@@ -103,6 +103,9 @@ class Proxy {
   bool routes_in(uint64_t epoch) const;
   bool take_routes(uint64_t epoch);  // false: over capacity
   void dispatch_overflow(uint64_t epoch);
+  // A cached call's routing stamp (call_stamps.h): ours to every remote peer; a peer's, checked.
+  void send_routing_stamp(uint64_t epoch);
+  void take_routing_stamp(uint64_t epoch, int s);
   void post_private(size_t i);
   void post_overflow(size_t i);
   void wait_dispatch_arrivals(uint64_t epoch);
@@ -142,8 +145,6 @@ class Proxy {
   std::atomic<uint64_t> rows_sent_{0}, rows_received_{0};
   bool cached_ = false;  // the current epoch is a cached call (its matrix in routing_)
   uint64_t cached_hash_ = 0;  // routing_hash of that matrix
-  void send_routing_stamp(uint64_t epoch);
-  void take_routing_stamp(uint64_t epoch, int s);
   CallPosition at_;                  // of the current epoch
   std::vector<int> group_index_;     // index = rank: its index in remote_peers, or -1
   std::vector<StampCounts> taken_;   // index = group index: writes taken in the current epoch

@@ -81,7 +81,7 @@ void CpuAllToAll::wait_node(FlagKind kind, const char* what) {
 
 void CpuAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_scale, const int32_t* topk_ids,
                                 int num_tokens, const uint32_t* routing) {
-  watch_.at = dispatch_stamp(epoch_ + 1);
+  watch_.phase = dispatch_phase(epoch_ + 1);
   check_failed();
   DispatchSendParams p;
   p.cfg = &cfg_;
@@ -215,11 +215,11 @@ void CpuAllToAll::dispatch_unpack(void* out_x, float* out_scale) {
   }
   check_stamps(true);  // before the rows go to the caller: also where no wait ran
   zero_padding(p);
-  done_ = dispatch_stamp(epoch_);
+  done_ = dispatch_phase(epoch_);
 }
 
 void CpuAllToAll::combine_send(const void* y, DType y_dtype) {
-  watch_.at = combine_stamp(epoch_);
+  watch_.phase = combine_phase(epoch_);
   check_failed();
   at_.combining = true;  // before the first flag or row a peer could act on
   CombineSendParams p;
@@ -252,7 +252,7 @@ void CpuAllToAll::combine_recv(const float* weights, void* out) {
   p.num_tokens = num_tokens_;
   p.out = out;
   reduce_combine(p);
-  done_ = combine_stamp(epoch_);
+  done_ = combine_phase(epoch_);
 }
 
 void CpuAllToAll::copy_routing(uint32_t* out) const { std::copy(routing_.begin(), routing_.end(), out); }

@@ -77,8 +77,8 @@ class CpuAllToAll {
   Mappings maps_;
 
   uint64_t epoch_ = 0;
-  uint64_t done_ = 0;
-  uint64_t cached_hash_ = 0;  // routing_hash of a cached call's matrix  // the last phase whose receive half completed (peer_watch.h stamps)
+  uint64_t done_ = 0;         // the last phase whose receive half completed (peer_watch.h)
+  uint64_t cached_hash_ = 0;  // routing_hash of a cached call's matrix
   int num_tokens_ = 0;
   std::vector<uint32_t> counts_;     // our routing row
   std::vector<int32_t> slots_;       // send row of each (t, k)

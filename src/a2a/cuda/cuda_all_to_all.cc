@@ -399,7 +399,7 @@ int64_t CudaAllToAll::max_output_rows() const {
 void CudaAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_scale, const void* topk_ids,
                                  bool ids_64bit, int num_tokens, const int32_t* num_tokens_device,
                                  cudaStream_t stream, const uint32_t* routing) {
-  watch_.at = dispatch_stamp(epoch_ + 1);
+  watch_.phase = dispatch_phase(epoch_ + 1);
   int same_node_peers = 0;
   for (int r = 0; r < cfg_.world; ++r) same_node_peers += r != cfg_.rank && cfg_.same_node(r);
   if (routing != nullptr) {
@@ -502,7 +502,7 @@ void CudaAllToAll::dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_
         throw fabric::TimeoutError(e.what() + std::string(kCachedMismatchHint));
       }
     }
-    done_ = dispatch_stamp(epoch_);  // every peer's part is here
+    done_ = dispatch_phase(epoch_);  // every peer's part is here
     // With a proxy, whether the call is over capacity is known here; without
     // one only once the plan kernel has run (wait_planned).
     if (has_remote_) {
@@ -622,13 +622,13 @@ void CudaAllToAll::dispatch_recv_by_sender(void* out_x, float* out_scale, int32_
     }
     backoff.pause();
   }
-  done_ = dispatch_stamp(epoch_);
+  done_ = dispatch_phase(epoch_);
   check_stamps(true);
 }
 
 void CudaAllToAll::combine_send(const void* y, DType y_dtype, int64_t y_rows, cudaStream_t stream) {
   if (y_rows < 0) throw std::invalid_argument("combine_send: y_rows: got " + std::to_string(y_rows) + "; expected >= 0");
-  watch_.at = combine_stamp(epoch_);
+  watch_.phase = combine_phase(epoch_);
   at_.combining = true;  // before a peer could see our combine flag
   CombineSendParams p;
   p.inst = instance();
@@ -643,7 +643,7 @@ void CudaAllToAll::combine_recv(const float* weights, void* out, bool host_wait,
   if (host_wait) {
     wait_host(kFlagCombine, signals_->combine_done, "combine");
     check_stamps(true);
-    done_ = combine_stamp(epoch_);
+    done_ = combine_phase(epoch_);
   }
   CombineRecvParams p;
   p.inst = instance();

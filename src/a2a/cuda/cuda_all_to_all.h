@@ -157,7 +157,7 @@ class CudaAllToAll {
   std::unique_ptr<Proxy> proxy_;
   uint64_t epoch_ = 0;
   // The last phase whose receive half completed on the host (eager calls; a
-  // peer_watch.h stamp); graph replays leave it behind, which only makes peers
+  // peer_watch.h phase); graph replays leave it behind, which only makes peers
   // stop a phase earlier.
   uint64_t done_ = 0;
   uint64_t cached_hash_ = 0;  // routing_hash of the current cached call's matrix
