@@ -246,12 +246,26 @@ void Proxy::step(uint64_t epoch) {
 
 bool Proxy::wait_packed(const Seq& peer, const Seq& all, uint64_t epoch) {
   Backoff backoff;
-  while (peer.get() < epoch && all.get() < epoch) {
+  for (;;) {
+    // Read before the packed flags: our compute side raises them before it can start the next call.
+    const uint64_t started = ctx_.signals->route_ready.get();
+    if (peer.get() >= epoch || all.get() >= epoch) return true;
     if (stop_.load(std::memory_order_relaxed)) return false;
+    if (started > epoch) skipped_own(epoch, started);
     check_stamps(false);  // peers' writes keep arriving while our compute side works
     backoff.pause();
   }
-  return true;
+}
+
+// Our compute side started call `started` while this one still waits for its
+// rows: it skipped this call's dispatch rows or combine (possible below the
+// Python front end: graph replays, the backend directly). Remote peers cannot
+// tell, as we send them nothing of the next call; they would wait for the timeout.
+void Proxy::skipped_own(uint64_t epoch, uint64_t started) {
+  const char* skipped = watch_.phase == combine_phase(epoch) ? "combining" : "packing its dispatch rows of";
+  throw fabric::FabricError("rank " + std::to_string(ctx_.config.rank) + " started epoch " + std::to_string(started) +
+                            " without " + skipped + " epoch " + std::to_string(epoch) +
+                            ": the ranks' call sequences differ");
 }
 
 void Proxy::delay_writes() {

@@ -96,6 +96,7 @@ class Proxy {
   bool wait_signal(const Seq& seq, uint64_t epoch, bool next_call = false);
   // Peer r's rows are packed: its own flag, or the whole call's.
   bool wait_packed(const Seq& peer, const Seq& all, uint64_t epoch);
+  [[noreturn]] void skipped_own(uint64_t epoch, uint64_t started);
   void step(uint64_t epoch);
   // Dispatch, peer by peer (false when stopping): each remote peer's rows as
   // soon as they are packed, then each sender's arrivals as they complete.
