@@ -18,6 +18,7 @@
 #include "config.h"
 #include "fabric/error.h"
 #include "layout.h"
+#include "signals.h"
 
 namespace moe_a2a::a2a {
 
@@ -75,9 +76,23 @@ inline void check_node_stamps(const A2AConfig& c, const Layout& l, uint8_t* self
     call_order_error(c, at, s, "combined " + call + ", which is over capacity here (its routing differs)");
 }
 
-// Kinds of remote writes, in the order of Tag (signals.h) less one.
-enum StampKind : int { kStampRoute = 0, kStampDispatch = 1, kStampCombine = 2, kStampBarrier = 3, kStampKinds = 4 };
+// Kinds of remote writes the checks count, and their tags (signals.h).
+enum StampKind : int {
+  kStampRoute = 0,
+  kStampDispatch = 1,
+  kStampCombine = 2,
+  kStampBarrier = 3,
+  kStampRouting = 4,  // a cached call's routing stamp
+  kStampKinds = 5
+};
 using StampCounts = std::array<uint64_t, kStampKinds>;
+constexpr Tag kStampTags[kStampKinds] = {kTagRoute, kTagDispatch, kTagCombine, kTagBarrier, kTagStamp};
+// The kind counted for writes of tag `t`; -1 for tags the checks do not count (ABORT).
+constexpr int stamp_kind(Tag t) {
+  for (int k = 0; k < kStampKinds; ++k)
+    if (kStampTags[k] == t) return k;
+  return -1;
+}
 
 // What a remote peer may have sent us of each kind, in our call and (once
 // we combine) its next one.
@@ -115,6 +130,9 @@ inline void check_remote_stamps(const A2AConfig& c, const CallPosition& at, int 
   const uint64_t barrier = at.routed && !at.overflow ? 0 : 1;
   too_many(kStampBarrier, barrier + next, "over-capacity barrier(s)",
            "it found " + call + " over capacity (its routing differs), or is already in " + past);
+  // Sent first in every cached call, to every remote peer, whatever it needs from them.
+  too_many(kStampRouting, (at.cached ? 1 : 0) + next, "routing stamp(s)",
+           at.cached || next ? "it is already in " + past : "it runs " + call + " cached");
 }
 
 // Cached calls exchange no routing rows, so ranks that run one along

@@ -45,7 +45,7 @@ Proxy::Proxy(ProxyContext ctx)
   dispatch_max_ = dispatch_writes(most_copies, c.max_private_tokens);
   // Arrivals a failed instance of this tag slot left behind would pair with our first call.
   if (ctx_.engine != nullptr)
-    for (Tag kind : {kTagRoute, kTagDispatch, kTagCombine, kTagBarrier, kTagStamp}) ctx_.engine->forget_imm(tag(kind));
+    for (Tag kind : kStampTags) ctx_.engine->forget_imm(tag(kind));
   thread_ = std::thread([this] { run(); });
 }
 
@@ -81,8 +81,7 @@ void Proxy::on_idle(bool node) {
 
 void Proxy::wait_imm(Tag kind, int peer, uint64_t count) {
   ctx_.engine->wait_imm(tag(kind), peer, count, ctx_.config.timeout_s, [this] { on_idle(); });
-  // Call stamps count the kinds route..barrier (StampKind); routing stamps are not among them.
-  if (kind >= kTagRoute && kind <= kTagBarrier) taken_[group_index_[peer]][kind - kTagRoute] += count;
+  if (const int k = stamp_kind(kind); k >= 0) taken_[group_index_[peer]][k] += count;
 }
 
 void Proxy::check_stamps(bool force, bool node) {
@@ -97,7 +96,7 @@ void Proxy::check_stamps(bool force, bool node) {
   for (size_t i = 0; i < ctx_.remote_peers.size(); ++i) {
     const int s = ctx_.remote_peers[i];
     StampCounts seen = taken_[i];
-    for (int k = 0; k < kStampKinds; ++k) seen[k] += ctx_.engine->imm_count(tag(static_cast<Tag>(kTagRoute + k)), s);
+    for (int k = 0; k < kStampKinds; ++k) seen[k] += ctx_.engine->imm_count(tag(kStampTags[k]), s);
     RemoteBounds b;
     b.dispatch = at_.routed ? dispatch_writes(view.to_rank(s, c.rank), c.max_private_tokens) : 0;
     b.dispatch_max = dispatch_max_;
@@ -388,6 +387,9 @@ void Proxy::dispatch_overflow(uint64_t epoch) {
   for (int s : ctx_.remote_peers)
     if (private_copies(view.to_rank(s, c.rank), P) > 0) wait_imm(kTagDispatch, s, 1);
   node_barrier(epoch);
+  // Every cached call takes each remote peer's stamp, or the next call would count it.
+  if (cached_)
+    for (int s : ctx_.remote_peers) take_routing_stamp(epoch, s);
   ctx_.signals->overflow.set(epoch);
   ctx_.signals->dispatch_done.set(epoch);
   ctx_.signals->routed.set(epoch);

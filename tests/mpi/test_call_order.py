@@ -146,6 +146,50 @@ def test_cached_calls_along_different_routings_fail_at_once(rpn: int | None, see
     a2a.close()
 
 
+def avoiding_the_odd_rank(g: torch.Generator, tokens: int, experts: int, topk: int) -> torch.Tensor:
+    """Distinct experts per token, none of them the odd rank's: it receives nothing."""
+    per = experts // WORLD
+    others = torch.tensor([e for e in range(experts) if e // per != ODD])
+    if tokens == 0:
+        return torch.empty(0, topk, dtype=torch.int64)
+    return torch.stack([others[torch.randperm(len(others), generator=g)[:topk]] for _ in range(tokens)])
+
+
+LATE_S = 0.5  # how much later than the odd rank the others start the mismatched call
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("rpn", layouts())
+def test_a_cached_rank_that_needs_nothing_stops_a_late_uncached_peer(rpn: int | None, seed: int) -> None:
+    """The odd rank runs call 2 cached, receiving nothing; the others run it uncached, later.
+
+    It finishes its dispatch and posts its combine before their routing rows land,
+    so their rows look like the next call's to it, and its combine like this
+    call's to them. Its routing stamp, sent first in every cached call, is what
+    they see (protocol.md, Call order); before, every rank waited for the timeout.
+    """
+    a2a = make_a2a(rpn, timeout_s=TIMEOUT_S, topk=2)  # within the others' experts at 2 ranks
+    first = make_inputs(seed, a2a.cfg, router=avoiding_the_odd_rank, tokens=[a2a.cfg.max_tokens] * WORLD)
+    r1 = one_round(a2a, first).routing
+    COMM.Barrier()
+    started = time.monotonic()
+    with pytest.raises((FabricError, PeerFailedError)) as info:
+        if RANK == ODD:
+            one_round(a2a, first, routing=r1)
+        else:
+            time.sleep(LATE_S)
+            one_round(a2a, first)
+    took = time.monotonic() - started
+    text = str(info.value)
+    assert "call sequences differ" in text, text
+    assert "of epoch 2 (" in text, text
+    assert took < LATE_S + NOTICE_S, f"rank {RANK} failed after {took:.1f} s (timeout_s={TIMEOUT_S}): {text}"
+    a2a = a2a.reopen()
+    check_round(a2a, make_inputs(seed + 1, a2a.cfg))
+    a2a.close()
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("rpn", layouts())
@@ -169,7 +213,7 @@ def test_a_rank_that_skips_its_combine_stops_everyone_at_once(rpn: int | None, s
                 a2a._backend.dispatch_send(x, None, ids.to(torch.int32), None)
                 a2a._backend.dispatch_recv(torch.bfloat16)
             except Exception as exc:
-                a2a._fail("dispatch", exc)  # what the front end does with any failed call (check() after a replay)
+                a2a._fail("dispatch", exc)  # as the front end does with a failed call (check(), replays)
                 raise
     else:
         with pytest.raises((FabricError, PeerFailedError)) as info:
