@@ -715,7 +715,8 @@ class AllToAll:
         """
         if self._setup is None:
             return
-        if wait_for_peers and self._failure is None:
+        settled = wait_for_peers and self._failure is None
+        if settled:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # our own writes into peers are done
             self._boot.barrier()
@@ -725,7 +726,9 @@ class AllToAll:
         setup, self._setup = self._setup, None
         setup.engine = None
         if self._lease is not None:
-            self._lease.close(setup.region, setup.group)
+            # Unsettled, a peer's call may still write here: for as long as its waits can last.
+            retire_s = 0.0 if settled else 2 * self.cfg.timeout_s + 1
+            self._lease.close(setup.region, setup.group, setup.workspace, retire_s)
         setup.workspace = None
 
     def reopen(self) -> AllToAll:

@@ -9,7 +9,9 @@ import os
 import pickle
 import socket
 import threading
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -148,11 +150,36 @@ _shared: dict[tuple[Any, ...], _SharedEngine] = {}
 _shared_lock = threading.Lock()
 
 
+@dataclass
+class _Retired:
+    """A closed instance's region, memory and tag slot, kept until no peer can still write to them."""
+
+    slot: int
+    region: Region | None
+    group: Group | None
+    memory: object  # what keeps the registered bytes alive
+    until: float  # time.monotonic() after which it goes
+
+
 class _SharedEngine:
     def __init__(self, engine: Engine, token: bytes) -> None:
         self.engine = engine
         self.token = token  # the same on every rank: proof that all ranks hold this engine
-        self.slots: set[int] = set()
+        self.slots: set[int] = set()  # of open instances
+        self.retired: list[_Retired] = []
+
+    def busy(self) -> set[int]:
+        return self.slots | {r.slot for r in self.retired}
+
+    def reap(self, now: float) -> None:
+        """Releases what was retired long enough ago (callers hold _shared_lock)."""
+        keep = []
+        for r in self.retired:
+            if r.until > now:
+                keep.append(r)
+            elif r.region is not None and r.group is not None:
+                self.engine.core.release(r.region, r.group)
+        self.retired = keep
 
 
 class EngineLease:
@@ -162,17 +189,31 @@ class EngineLease:
         self._key, self._shared, self.slot = key, shared, slot
         self.engine: Engine | None = shared.engine
 
-    def close(self, region: Region | None, group: Group | None) -> None:
-        """Release this instance's region and group; the engine closes with its last lease."""
+    def close(
+        self, region: Region | None, group: Group | None, memory: object = None, retire_s: float = 0.0
+    ) -> None:
+        """Release this instance's region and group; the engine closes with its last lease.
+
+        `retire_s` > 0 (a close after a failure, or without waiting for the peers):
+        peers may still have writes to this region in flight, and a write to a
+        deregistered region breaks the provider's connection (tcp drops it) for
+        every instance on the engine. The region, `memory` and the tag slot then
+        stay for that long, and go at a later lease or close.
+        """
         if self.engine is None:
             return
-        if region is not None and group is not None:
-            self.engine.core.release(region, group)
-        self.engine = None
+        now = time.monotonic()
         with _shared_lock:
-            self._shared.slots.discard(self.slot)
-            if not self._shared.slots and _shared.get(self._key) is self._shared:
+            shared = self._shared
+            shared.slots.discard(self.slot)
+            if retire_s > 0:
+                shared.retired.append(_Retired(self.slot, region, group, memory, now + retire_s))
+            elif region is not None and group is not None:
+                self.engine.core.release(region, group)
+            shared.reap(now)
+            if not shared.busy() and _shared.get(self._key) is shared:
                 del _shared[self._key]
+        self.engine = None
         self._shared = None  # type: ignore[assignment]
 
 
@@ -192,7 +233,9 @@ def lease_engine(
         held = _shared.get(key)
         if held is not None and held.engine.core.error:
             held = None  # a fabric error is sticky: new instances get a fresh engine
-        mine = (held.token, sorted(held.slots)) if held is not None else (b"", [])
+        if held is not None:
+            held.reap(time.monotonic())
+        mine = (held.token, sorted(held.busy())) if held is not None else (b"", [])
     # Shared only where every rank holds the same engine: a rank that closed its
     # last instance meanwhile has none, and then all open a new one together.
     offers = [pickle.loads(b) for b in bootstrap.allgather(pickle.dumps(mine))]
