@@ -111,6 +111,14 @@ REGISTRY: dict[str, Switch] = {
             where="core",
         ),
         Switch(
+            "MOE_A2A_CUDA_COMBINE_DMA",
+            "bool",
+            True,
+            "with peers on other nodes, eager calls: copy each remote peer's combine rows to GPU memory "
+            "with the copy engine as they land, so the reduction reads GPU memory only; off for A/B",
+            where="core",
+        ),
+        Switch(
             "MOE_A2A_TEST_DELAY_WRITES_MS",
             "int",
             None,

@@ -78,7 +78,8 @@ __global__ void __launch_bounds__(kMaxThreads) reduce_kernel(CombineRecvParams p
     const int slot = p.scratch.slots[i];
     const uint8_t* rows = nullptr;
     if (slot >= 0) {
-      const uint8_t* ws = same_node(in, p.scratch.copy_rank[i]) ? in.device_ws : in.fabric_ws;
+      const bool on_device = p.remote_on_device || same_node(in, p.scratch.copy_rank[i]);
+      const uint8_t* ws = on_device ? in.device_ws : in.fabric_ws;
       rows = ws + l.combine_recv + static_cast<size_t>(slot) * l.combine_row;
     }
     src[k] = rows;

@@ -93,6 +93,7 @@ void CudaAllToAll::allocate() {
   check_cuda(cudaGetDevice(&device_), "cudaGetDevice");
   for (int r = 0; r < cfg_.world; ++r) has_remote_ = has_remote_ || !cfg_.same_node(r);
   overlap_ = has_remote_ && env_switch("MOE_A2A_CUDA_OVERLAP") != 0;
+  combine_dma_ = overlap_ && env_switch("MOE_A2A_CUDA_COMBINE_DMA") != 0;
   peers_.assign(cfg_.world, PeerWorkspaces{});
 
   check_cuda(cudaMalloc(&device_ws_, layout_.total), "cudaMalloc(device workspace)");
@@ -576,6 +577,16 @@ void CudaAllToAll::dispatch_recv_by_sender(void* out_x, float* out_scale, int32_
   const auto* matrix = call_routing_ != nullptr ? cached_.data()
                                                 : reinterpret_cast<const uint32_t*>(host_ws_cpu_ + layout_.routing);
   RoutingView view{matrix, cfg_.world, cfg_.num_experts, cfg_.num_local_experts()};
+  if (combine_dma_) {  // where each remote peer's combine rows will land (peers may rewrite the matrix by then)
+    combine_blocks_.clear();
+    for (int s = 0; s < cfg_.world; ++s) {
+      const uint64_t c = view.to_rank(cfg_.rank, s);
+      if (cfg_.same_node(s) || c == 0) continue;
+      combine_blocks_.push_back({s, layout_.combine_recv + view.send_offset(cfg_.rank, s) * layout_.combine_row,
+                                 static_cast<size_t>(c) * layout_.combine_row});
+    }
+    combine_blocks_epoch_ = epoch_;
+  }
   std::vector<int> pending;
   std::vector<int64_t> rows;
   for (int d = 0; d < cfg_.world; ++d) {  // ourselves first: our rows are there in stream order
@@ -639,7 +650,42 @@ void CudaAllToAll::combine_send(const void* y, DType y_dtype, int64_t y_rows, cu
   check_cuda(launch_combine_send(p, stream), "combine send");
 }
 
+// Each remote peer's combine rows, from the host workspace (where the fabric
+// put them) to the same offsets of the device workspace, with the copy engine
+// as soon as the proxy saw them land (combine_landed), while later peers' are
+// still on the wire; the reduction then reads GPU memory only.
+void CudaAllToAll::copy_combine_rows_as_they_land(cudaStream_t stream) {
+  const PeerSignals peer = peer_signals_in(peer_seqs_, cfg_.world);
+  const auto deadline = deadline_after(kProxyGrace * cfg_.timeout_s + kGraceSeconds);
+  std::vector<CombineBlock> pending = combine_blocks_;
+  Backoff backoff;
+  while (!pending.empty()) {
+    size_t kept = 0;
+    for (const CombineBlock& b : pending) {
+      if (peer.combine_landed[b.peer].get() < epoch_ && signals_->combine_done.get() < epoch_) {
+        pending[kept++] = b;
+        continue;
+      }
+      check_cuda(cudaMemcpyAsync(device_ws_ + b.offset, host_ws_cpu_ + b.offset, b.bytes, cudaMemcpyHostToDevice,
+                                 stream),
+                 "combine rows to the device");
+    }
+    if (kept < pending.size()) backoff = Backoff{};
+    pending.resize(kept);
+    if (pending.empty()) break;
+    if ((backoff.round & 63) == 0) {
+      check_proxy();
+      if (std::chrono::steady_clock::now() >= deadline)
+        throw fabric::TimeoutError("rank " + std::to_string(cfg_.rank) + ": timed out waiting for the combine rows of peer " +
+                                   std::to_string(pending.front().peer) + " (epoch " + std::to_string(epoch_) + ")");
+    }
+    backoff.pause();
+  }
+}
+
 void CudaAllToAll::combine_recv(const float* weights, void* out, bool host_wait, cudaStream_t stream) {
+  const bool dma = host_wait && combine_dma_ && combine_blocks_epoch_ == epoch_;
+  if (dma) copy_combine_rows_as_they_land(stream);
   if (host_wait) {
     wait_host(kFlagCombine, signals_->combine_done, "combine");
     check_stamps(true);
@@ -651,6 +697,7 @@ void CudaAllToAll::combine_recv(const float* weights, void* out, bool host_wait,
   p.weights = weights;
   p.out = out;
   p.wait_in_kernel = host_wait ? 0 : 1;
+  p.remote_on_device = dma ? 1 : 0;
   check_cuda(launch_combine_recv(p, stream), "combine recv");
 }
 

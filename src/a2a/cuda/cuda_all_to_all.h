@@ -128,6 +128,17 @@ class CudaAllToAll {
   // Fabric peers: stage their rows peer by peer and receive sender by sender
   // (MOE_A2A_CUDA_OVERLAP, on unless 0).
   bool overlap_ = false;
+  // Eager calls with fabric peers: each remote peer's combine rows go to the
+  // device workspace by cudaMemcpyAsync as they land (MOE_A2A_CUDA_COMBINE_DMA,
+  // on unless 0); `combine_blocks_` (from the dispatch's matrix) says where.
+  struct CombineBlock {
+    int peer;
+    size_t offset, bytes;  // in the combine_recv section, the same in both workspaces
+  };
+  bool combine_dma_ = false;
+  uint64_t combine_blocks_epoch_ = 0;  // the call they were taken for
+  std::vector<CombineBlock> combine_blocks_;
+  void copy_combine_rows_as_they_land(cudaStream_t stream);
 
   uint8_t* device_ws_ = nullptr;
   uint8_t* host_ws_ = nullptr;         // device address of our host workspace

@@ -187,6 +187,7 @@ struct CombineRecvParams {
   const float* weights = nullptr;  // [T, topk]
   void* out = nullptr;             // [T, hidden] in combine dtype
   int32_t wait_in_kernel = 1;      // 0: the host already saw every flag up (eager calls)
+  int32_t remote_on_device = 0;    // 1: remote peers' rows were copied to the device workspace (combine DMA)
 };
 
 }  // namespace moe_a2a::a2a::cuda
