@@ -42,6 +42,25 @@ def full(seed: int, a2a: AllToAll) -> Inputs:
     return make_inputs(seed, a2a.cfg, tokens=[a2a.cfg.max_tokens] * WORLD)
 
 
+def stops_at_once_then_reopens(
+    a2a: AllToAll,
+    info: pytest.ExceptionInfo,
+    started: float,
+    words: list[str],
+    seed: int,
+    limit: float = NOTICE_S,
+) -> None:
+    """The error names `words` within `limit` s of `started`; after reopen() a round matches the reference."""
+    took = time.monotonic() - started
+    text = str(info.value)
+    for w in words:
+        assert w in text, text
+    assert took < limit, f"rank {RANK} failed after {took:.1f} s (timeout_s={TIMEOUT_S}): {text}"
+    a2a = a2a.reopen()
+    check_round(a2a, make_inputs(seed + 1, a2a.cfg))
+    a2a.close()
+
+
 # Each pattern runs the calls before the mismatch, then the mismatched one.
 def odd_runs_it_cached(a2a: AllToAll, seed: int) -> None:
     """The odd rank runs call 2 along call 1's routing (a backward the others skipped)."""
@@ -137,13 +156,9 @@ def test_cached_calls_along_different_routings_fail_at_once(rpn: int | None, see
     started = time.monotonic()
     with pytest.raises((FabricError, PeerFailedError)) as info:
         one_round(a2a, first, routing=r2 if RANK == ODD else r1)
-    took = time.monotonic() - started
-    text = str(info.value)
-    assert "runs the cached dispatch of epoch 3 along routing" in text, text
-    assert took < NOTICE_S, f"rank {RANK} failed after {took:.1f} s (timeout_s={TIMEOUT_S}): {text}"
-    a2a = a2a.reopen()
-    check_round(a2a, make_inputs(seed + 1, a2a.cfg))
-    a2a.close()
+    stops_at_once_then_reopens(
+        a2a, info, started, ["runs the cached dispatch of epoch 3 along routing"], seed
+    )
 
 
 def avoiding_the_odd_rank(g: torch.Generator, tokens: int, experts: int, topk: int) -> torch.Tensor:
@@ -180,14 +195,8 @@ def test_a_cached_rank_that_needs_nothing_stops_a_late_uncached_peer(rpn: int | 
         else:
             time.sleep(LATE_S)
             one_round(a2a, first)
-    took = time.monotonic() - started
-    text = str(info.value)
-    assert "call sequences differ" in text, text
-    assert "of epoch 2 (" in text, text
-    assert took < LATE_S + NOTICE_S, f"rank {RANK} failed after {took:.1f} s (timeout_s={TIMEOUT_S}): {text}"
-    a2a = a2a.reopen()
-    check_round(a2a, make_inputs(seed + 1, a2a.cfg))
-    a2a.close()
+    words = ["call sequences differ", "of epoch 2 ("]
+    stops_at_once_then_reopens(a2a, info, started, words, seed, limit=LATE_S + NOTICE_S)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -218,13 +227,8 @@ def test_a_rank_that_skips_its_combine_stops_everyone_at_once(rpn: int | None, s
     else:
         with pytest.raises((FabricError, PeerFailedError)) as info:
             a2a.combine(expert_fn(d.expert_x, d.expert_x_scale), d)
-    took = time.monotonic() - started
-    text = str(info.value)
-    assert "started epoch 2 without combining epoch 1: the ranks' call sequences differ" in text, text
-    assert took < NOTICE_S, f"rank {RANK} failed after {took:.1f} s (timeout_s={TIMEOUT_S}): {text}"
-    a2a = a2a.reopen()
-    check_round(a2a, make_inputs(seed + 1, a2a.cfg))
-    a2a.close()
+    words = ["started epoch 2 without combining epoch 1: the ranks' call sequences differ"]
+    stops_at_once_then_reopens(a2a, info, started, words, seed)
 
 
 def all_to_first_rank(g: torch.Generator, tokens: int, experts: int, topk: int) -> torch.Tensor:
