@@ -20,7 +20,13 @@ MISSING = object()  # a setting a rank did not send (another library version)
 
 
 def all_to_all_settings(
-    cfg: Any, device: str, provider: str, ranks_per_node: int, num_nics: int, graph_safe: bool
+    cfg: Any,
+    device: str,
+    provider: str,
+    ranks_per_node: int,
+    num_nics: int,
+    graph_safe: bool,
+    slice_bytes: int = 0,
 ) -> dict[str, Any]:
     """What must agree between the ranks of one AllToAll; `ranks_per_node` as laid out."""
     return {
@@ -31,6 +37,8 @@ def all_to_all_settings(
         "ranks_per_node": ranks_per_node,
         "num_nics": num_nics,
         "graph_safe": graph_safe,
+        # Both ends of a write cut a peer's rows into slices alike (MOE_A2A_SLICE_BYTES).
+        "slice_bytes": slice_bytes,
         "version": __version__,
     }
 

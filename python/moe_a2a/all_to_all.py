@@ -239,6 +239,7 @@ class AllToAll:
             if cfg.topk > CUDA_MAX_TOPK:
                 raise ValueError(f"topk: got {cfg.topk}; device='cuda' takes at most {CUDA_MAX_TOPK}")
         switches.check_all()  # a mistyped switch is an error, not a silent default
+        self._slice_bytes = switches.slice_bytes()
         num_nics = num_nics_default(num_nics)  # MOE_A2A_NUM_NICS (job presets) where not given
         self.cfg = cfg
         self.id = next(_instance_ids)
@@ -262,9 +263,10 @@ class AllToAll:
             abort_on_error = switches.get("MOE_A2A_ABORT_ON_ERROR")
         self.abort_on_error = self._boot.launched_by_mpi if abort_on_error is None else bool(abort_on_error)
         # Before anything is sized from cfg: ranks that differ would fail apart, or not at all.
-        check_agreement(
-            self._boot, all_to_all_settings(cfg, device, provider, topo.local_size, num_nics, graph_safe)
+        settings = all_to_all_settings(
+            cfg, device, provider, topo.local_size, num_nics, graph_safe, self._slice_bytes
         )
+        check_agreement(self._boot, settings)
         self.max_private_tokens, self.max_recv_tokens = cfg.resolved(self.world_size)
         self.num_local_experts = cfg.num_experts // self.world_size
         self._node = set(topo.node_ranks)
@@ -326,6 +328,7 @@ class AllToAll:
         c.expert_padding = cfg.expert_padding
         c.max_private_tokens, c.max_recv_tokens = self.max_private_tokens, self.max_recv_tokens
         c.timeout_s = float(cfg.timeout_s)
+        c.slice_bytes = self._slice_bytes
         return c
 
     def _open_workspace(self) -> Any:

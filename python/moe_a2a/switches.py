@@ -22,7 +22,7 @@ _OFF = ("0", "false", "no", "off")
 @dataclass(frozen=True)
 class Switch:
     name: str
-    kind: str  # "bool" (on/off words below), "int" (a positive integer), "str", or "choice"
+    kind: str  # "bool" (on/off words below), "int" (a positive integer), "count" (0 or more), "str", "choice"
     default: Any
     doc: str
     where: str = "library"  # who reads it: library, core, jobs, tests or build
@@ -41,6 +41,10 @@ class Switch:
             if raw.strip().isdigit() and int(raw) >= 1:
                 return int(raw)
             expected = "a positive integer"
+        elif self.kind == "count":
+            if raw.strip().isdigit():
+                return int(raw)
+            expected = "a whole number, 0 or more"
         elif self.kind == "choice":
             if raw in self.choices:
                 return raw
@@ -119,6 +123,14 @@ REGISTRY: dict[str, Switch] = {
             where="core",
         ),
         Switch(
+            "MOE_A2A_SLICE_BYTES",
+            "count",
+            1 << 20,
+            "rows to one peer cross the fabric in writes of about this many bytes (at most 16 a part), "
+            "so staging, the fabric and the read-back overlap within a peer; 0: one write a part. "
+            "Every rank must set the same",
+        ),
+        Switch(
             "MOE_A2A_TEST_DELAY_WRITES_MS",
             "int",
             None,
@@ -189,6 +201,11 @@ def get(name: str) -> Any:
     s = REGISTRY[name]
     raw = os.environ.get(name)
     return s.default if raw is None or raw == "" else s.parse(raw)
+
+
+def slice_bytes() -> int:
+    """MOE_A2A_SLICE_BYTES: about how many bytes each write of a peer's rows carries (0: one a part)."""
+    return int(get("MOE_A2A_SLICE_BYTES"))
 
 
 def check_all() -> None:

@@ -15,9 +15,11 @@ constexpr int kFp8Block = 128;       // elements per fp32 scale
 constexpr float kFp8Max = 448.0f;    // largest finite e4m3fn value
 constexpr size_t kRowAlign = 16;     // token rows start on 16 bytes
 constexpr size_t kSectionAlign = 64; // workspace sections start on a cache line
-// Immediate tags are 16 bits: 3 for the kind of write, 13 for the instance.
+// Immediate tags are 16 bits: 3 for the kind of write, 5 for the slice of a
+// peer's rows (slices.h: the part, then the slice in it), 8 for the instance.
 constexpr int kTagKindBits = 3;
-constexpr int kMaxInstances = 1 << (16 - kTagKindBits);
+constexpr int kTagSliceBits = 5;
+constexpr int kMaxInstances = 1 << (16 - kTagKindBits - kTagSliceBits);
 
 inline size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
@@ -43,6 +45,9 @@ struct A2AConfig {
   // on every rank: the high bits of each immediate tag (signals.h), so the
   // arrivals of instances on one engine are counted apart.
   int instance = 0;
+  // Rows to one peer cross the fabric in writes of about this many bytes
+  // (slices.h), at most 16 per part; 0: one write per part.
+  uint64_t slice_bytes = 0;
 
   int num_local_experts() const { return num_experts / world; }
   int node_of(int r) const { return r / ranks_per_node; }

@@ -45,7 +45,7 @@ Proxy::Proxy(ProxyContext ctx)
   dispatch_max_ = dispatch_writes(most_copies, c.max_private_tokens);
   // Arrivals a failed instance of this tag slot left behind would pair with our first call.
   if (ctx_.engine != nullptr)
-    for (Tag kind : kStampTags) ctx_.engine->forget_imm(tag(kind));
+    for (Tag kind : kStampTags) ctx_.engine->forget_imm(tag(kind), kInstanceTagMask | ((1u << kTagKindBits) - 1));
   thread_ = std::thread([this] { run(); });
 }
 
@@ -84,6 +84,11 @@ void Proxy::wait_imm(Tag kind, int peer, uint64_t count) {
   if (const int k = stamp_kind(kind); k >= 0) taken_[group_index_[peer]][k] += count;
 }
 
+void Proxy::take_slice(Tag kind, int peer, int part, uint32_t index) {
+  ctx_.engine->wait_imm(tag(kind, part, index), peer, 1, ctx_.config.timeout_s, [this] { on_idle(); });
+  if (const int k = stamp_kind(kind); k >= 0 && index == 0) ++taken_[group_index_[peer]][k];
+}
+
 void Proxy::check_stamps(bool force, bool node) {
   const A2AConfig& c = ctx_.config;
   auto now = std::chrono::steady_clock::now();
@@ -96,7 +101,8 @@ void Proxy::check_stamps(bool force, bool node) {
   for (size_t i = 0; i < ctx_.remote_peers.size(); ++i) {
     const int s = ctx_.remote_peers[i];
     StampCounts seen = taken_[i];
-    for (int k = 0; k < kStampKinds; ++k) seen[k] += ctx_.engine->imm_count(tag(kStampTags[k]), s);
+    for (int k = 0; k < kStampKinds; ++k)  // the first write of each part (slices.h)
+      for (int part = 0; part < 2; ++part) seen[k] += ctx_.engine->imm_count(tag(kStampTags[k], part, 0), s);
     RemoteBounds b;
     b.dispatch = at_.routed ? dispatch_writes(view.to_rank(s, c.rank), c.max_private_tokens) : 0;
     b.dispatch_max = dispatch_max_;
@@ -244,11 +250,20 @@ void Proxy::step(uint64_t epoch) {
 }
 
 bool Proxy::wait_packed(const Seq& peer, const Seq& all, uint64_t epoch) {
+  return wait_slice_packed(nullptr, peer, all, 0, 0, epoch);
+}
+
+bool Proxy::wait_slice_packed(const std::atomic<uint64_t>* slices, const Seq& peer, const Seq& all, int r,
+                              uint32_t k, uint64_t epoch) {
+  const std::atomic<uint64_t>* slice =
+      slices != nullptr ? slices + static_cast<size_t>(r) * kMaxPeerSlices + k : nullptr;
   Backoff backoff;
   for (;;) {
     // Read before the packed flags: our compute side raises them before it can start the next call.
     const uint64_t started = ctx_.signals->route_ready.get();
-    if (peer.get() >= epoch || all.get() >= epoch) return true;
+    if ((slice != nullptr && slice->load(std::memory_order_acquire) >= epoch) || peer.get() >= epoch ||
+        all.get() >= epoch)
+      return true;
     if (stop_.load(std::memory_order_relaxed)) return false;
     if (started > epoch) skipped_own(epoch, started);
     check_stamps(false);  // peers' writes keep arriving while our compute side works
@@ -290,13 +305,12 @@ bool Proxy::dispatch(uint64_t epoch) {
   enum { kRoutesOut, kRouted, kOverCapacity } state = kRoutesOut;
   size_t overflow_posted = 0;  // order_[0, overflow_posted) have their overflow under way
   for (size_t k = 0; k < order_.size(); ++k) {
-    const int r = ctx_.remote_peers[order_[k]];
-    if (!wait_packed(ctx_.peers.packed[r], ctx_.signals->packed, epoch)) return false;
     if (k == 0) delay_writes();
-    post_private(order_[k]);
+    if (!post_part(order_[k], 0, epoch)) return false;
     if (state == kRoutesOut && routes_in(epoch)) state = take_routes(epoch) ? kRouted : kOverCapacity;
     if (state == kRouted)
-      for (; overflow_posted <= k; ++overflow_posted) post_overflow(order_[overflow_posted]);
+      for (; overflow_posted <= k; ++overflow_posted)
+        if (!post_part(order_[overflow_posted], 1, epoch)) return false;
   }
   if (state == kRoutesOut) state = take_routes(epoch) ? kRouted : kOverCapacity;  // waits for them
   if (state == kOverCapacity) {
@@ -304,7 +318,8 @@ bool Proxy::dispatch(uint64_t epoch) {
     return true;
   }
   ctx_.signals->routed.set(epoch);
-  for (; overflow_posted < order_.size(); ++overflow_posted) post_overflow(order_[overflow_posted]);
+  for (; overflow_posted < order_.size(); ++overflow_posted)
+    if (!post_part(order_[overflow_posted], 1, epoch)) return false;
   wait_dispatch_arrivals(epoch);
   check_stamps(true);  // before the compute side reads the rows: also where no wait ran
   ctx_.signals->dispatch_done.set(epoch);
@@ -383,9 +398,10 @@ bool Proxy::take_routes(uint64_t epoch) {
 void Proxy::dispatch_overflow(uint64_t epoch) {
   const A2AConfig& c = ctx_.config;
   RoutingView view{routing_.data(), c.world, c.num_experts, c.num_local_experts()};
-  const uint64_t P = c.max_private_tokens;
-  for (int s : ctx_.remote_peers)
-    if (private_copies(view.to_rank(s, c.rank), P) > 0) wait_imm(kTagDispatch, s, 1);
+  for (int s : ctx_.remote_peers) {
+    const Slices& own = dispatch_slices_of(view.to_rank(s, c.rank)).part[0];
+    for (uint32_t k = 0; k < own.count; ++k) take_slice(kTagDispatch, s, 0, k);
+  }
   node_barrier(epoch);
   // Every cached call takes each remote peer's stamp, or the next call would count it.
   if (cached_)
@@ -395,62 +411,90 @@ void Proxy::dispatch_overflow(uint64_t epoch) {
   ctx_.signals->routed.set(epoch);
 }
 
-// The private part of group peer i's rows: rows [0, min(c, P)) of ours in its
-// private section; nothing (and none expected) when there are none.
-void Proxy::post_private(size_t i) {
-  const A2AConfig& c = ctx_.config;
-  const Layout& l = ctx_.layout;
-  const int r = ctx_.remote_peers[i];
-  const uint64_t n = private_copies(to_[r], c.max_private_tokens);
-  if (n == 0) return;
-  const size_t row = l.dispatch_row;
-  ScatterItem item{static_cast<uint32_t>(i), l.send + send_off_[r] * row, n * row,
-                   l.private_rows + static_cast<size_t>(c.rank) * c.max_private_tokens * row};
-  ctx_.engine->scatter(ctx_.group, ctx_.region, &item, 1, tag(kTagDispatch));
-  ++posted_[i];
-}
-
-// The rest of group peer i's rows, into its shared section after the
-// overflow of the senders before us.
-void Proxy::post_overflow(size_t i) {
+// Part `part` of group peer i's rows, slice by slice as each is staged:
+// the private part (rows [0, min(c, P)) of ours into its private section),
+// or the overflow (the rest, into its shared section after the overflow of
+// the senders before us, known once every routing row is in).
+bool Proxy::post_part(size_t i, int part, uint64_t epoch) {
   const A2AConfig& c = ctx_.config;
   const Layout& l = ctx_.layout;
   const int r = ctx_.remote_peers[i];
   const uint64_t P = c.max_private_tokens;
-  if (to_[r] <= P) return;
-  RoutingView view{routing_.data(), c.world, c.num_experts, c.num_local_experts()};
+  const DispatchSlices slices = dispatch_slices_of(to_[r]);
+  const Slices& sl = slices.part[part];
+  if (sl.count == 0) return true;
   const size_t row = l.dispatch_row;
-  ScatterItem item{static_cast<uint32_t>(i), l.send + (send_off_[r] + P) * row, (to_[r] - P) * row,
-                   l.shared_rows + view.shared_offset(c.rank, r, P) * row};
-  ctx_.engine->scatter(ctx_.group, ctx_.region, &item, 1, tag(kTagDispatch));
+  // Where the part's first row lands at the peer.
+  size_t dst = l.private_rows + static_cast<size_t>(c.rank) * P * row;
+  if (part == 1) {
+    RoutingView view{routing_.data(), c.world, c.num_experts, c.num_local_experts()};
+    dst = l.shared_rows + view.shared_offset(c.rank, r, P) * row;
+  }
+  for (uint32_t k = 0; k < sl.count; ++k) {
+    const uint32_t at = part == 0 ? k : slices.part[0].count + k;  // the slice's flag among the peer's
+    if (!wait_slice_packed(ctx_.peers.slices_packed, ctx_.peers.packed[r], ctx_.signals->packed, r, at, epoch))
+      return false;
+    const uint64_t b = sl.begin(k), e = sl.end(k);
+    ScatterItem item{static_cast<uint32_t>(i), l.send + (send_off_[r] + b) * row, (e - b) * row,
+                     dst + (b - sl.first) * row};
+    ctx_.engine->scatter(ctx_.group, ctx_.region, &item, 1, tag(kTagDispatch, part, k));
+  }
   ++posted_[i];
+  return true;
 }
 
 // Raises landed[s] for each remote sender once all its writes are in, in the
-// order they complete, so the compute side copies a sender's rows out while
-// later ones are still on the wire.
+// order they complete (and its progress word slice by slice), so the compute
+// side copies a sender's rows out while later ones are still on the wire.
 void Proxy::wait_dispatch_arrivals(uint64_t epoch) {
   const A2AConfig& c = ctx_.config;
   RoutingView view{routing_.data(), c.world, c.num_experts, c.num_local_experts()};
-  std::vector<int> peers;
-  std::vector<uint64_t> need;
+  std::vector<int> senders;
+  std::vector<DispatchSlices> slices;
   for (int s : ctx_.remote_peers) {
-    const uint64_t expected = dispatch_writes(view.to_rank(s, c.rank), c.max_private_tokens);
-    if (expected == 0) {
-      if (cached_) take_routing_stamp(epoch, s);
-      ctx_.peers.landed[s].set(epoch);  // it sends us nothing
+    senders.push_back(s);
+    slices.push_back(dispatch_slices_of(view.to_rank(s, c.rank)));
+  }
+  auto stamp = [&](int s) {
+    if (cached_) take_routing_stamp(epoch, s);
+  };
+  wait_slices(kTagDispatch, senders, slices, ctx_.peers.slices_landed, ctx_.peers.landed, epoch, stamp);
+}
+
+void Proxy::wait_slices(Tag kind, const std::vector<int>& senders, const std::vector<DispatchSlices>& slices,
+                        Seq* progress, Seq* landed, uint64_t epoch, const std::function<void(int)>& on_sender) {
+  std::vector<int> peers;
+  std::vector<DispatchSlices> cut;
+  std::vector<uint32_t> done;  // slices taken, in row order
+  auto finish = [&](int s) {
+    if (on_sender) on_sender(s);
+    landed[s].set(epoch);
+  };
+  for (size_t i = 0; i < senders.size(); ++i) {
+    if (slices[i].count() == 0) {
+      finish(senders[i]);  // it sends us nothing
       continue;
     }
-    peers.push_back(s);
-    need.push_back(expected);
+    peers.push_back(senders[i]);
+    cut.push_back(slices[i]);
+    done.push_back(0);
   }
+  std::vector<uint32_t> tags(peers.size());
   while (!peers.empty()) {
-    const size_t k = ctx_.engine->wait_any_imm(tag(kTagDispatch), peers, need, c.timeout_s, [this] { on_idle(); });
-    wait_imm(kTagDispatch, peers[k], need[k]);  // there already: consumes them
-    if (cached_) take_routing_stamp(epoch, peers[k]);
-    ctx_.peers.landed[peers[k]].set(epoch);
+    for (size_t k = 0; k < peers.size(); ++k)
+      tags[k] = tag(kind, cut[k].part_of(done[k]), cut[k].index_in_part(done[k]));
+    const size_t k = ctx_.engine->wait_any_imm(tags, peers, std::vector<uint64_t>(peers.size(), 1),
+                                               ctx_.config.timeout_s, [this] { on_idle(); });
+    const int s = peers[k];
+    take_slice(kind, s, cut[k].part_of(done[k]), cut[k].index_in_part(done[k]));  // there already
+    ++done[k];
+    if (progress != nullptr) progress[s].set(progress_word(epoch, done[k]));
+    if (done[k] < cut[k].count()) continue;
+    finish(s);
     peers.erase(peers.begin() + static_cast<std::ptrdiff_t>(k));
-    need.erase(need.begin() + static_cast<std::ptrdiff_t>(k));
+    cut.erase(cut.begin() + static_cast<std::ptrdiff_t>(k));
+    done.erase(done.begin() + static_cast<std::ptrdiff_t>(k));
+    tags.pop_back();
   }
 }
 
@@ -471,26 +515,33 @@ bool Proxy::combine(uint64_t epoch) {
   for (size_t k = 0; k < order_.size(); ++k) {
     const size_t i = order_[k];
     const int s = ctx_.remote_peers[i];
-    if (!wait_packed(ctx_.peers.combine_packed[s], ctx_.signals->combine_packed, epoch)) return false;
-    if (k == 0) {
-      check_stamps(true);  // the last look at peers that cannot be past this call yet
-      at_.combining = true;
+    const uint64_t n = view.to_rank(s, c.rank);
+    const Slices sl = combine_slices_of(n).part[0];
+    const uint64_t src = l.combine_send + recv_base[s] * crow, dst = l.combine_recv + view.send_offset(s, c.rank) * crow;
+    // A peer that sent us nothing still gets one (empty) write: it waits for every peer's.
+    for (uint32_t j = 0; j < std::max(sl.count, 1u); ++j) {
+      if (!wait_slice_packed(ctx_.peers.combine_slices_packed, ctx_.peers.combine_packed[s],
+                             ctx_.signals->combine_packed, s, j, epoch))
+        return false;
+      if (k == 0 && j == 0) {
+        check_stamps(true);  // the last look at peers that cannot be past this call yet
+        at_.combining = true;
+      }
+      const uint64_t b = sl.count ? sl.begin(j) : 0, e = sl.count ? sl.end(j) : 0;
+      ScatterItem item{static_cast<uint32_t>(i), src + b * crow, (e - b) * crow, dst + b * crow};
+      ctx_.engine->scatter(ctx_.group, ctx_.region, &item, 1, tag(kTagCombine, 0, j));
     }
-    ScatterItem item{static_cast<uint32_t>(i), l.combine_send + recv_base[s] * crow, view.to_rank(s, c.rank) * crow,
-                     l.combine_recv + view.send_offset(s, c.rank) * crow};
-    ctx_.engine->scatter(ctx_.group, ctx_.region, &item, 1, tag(kTagCombine));
   }
   if (ctx_.remote_peers.empty() && !wait_signal(ctx_.signals->combine_packed, epoch)) return false;
   at_.combining = true;
-  std::vector<int> peers = ctx_.remote_peers;
-  std::vector<uint64_t> need(peers.size(), 1);
-  while (!peers.empty()) {
-    const size_t k = ctx_.engine->wait_any_imm(tag(kTagCombine), peers, need, c.timeout_s, [this] { on_idle(); });
-    wait_imm(kTagCombine, peers[k], 1);
-    ctx_.peers.combine_landed[peers[k]].set(epoch);
-    peers.erase(peers.begin() + static_cast<std::ptrdiff_t>(k));
-    need.erase(need.begin() + static_cast<std::ptrdiff_t>(k));
+  std::vector<DispatchSlices> slices;
+  for (int r : ctx_.remote_peers) {
+    DispatchSlices d = combine_slices_of(view.to_rank(c.rank, r));
+    if (d.part[0].count == 0) d.part[0].count = 1;  // the empty write
+    slices.push_back(d);
   }
+  wait_slices(kTagCombine, ctx_.remote_peers, slices, ctx_.peers.combine_slices_landed, ctx_.peers.combine_landed,
+              epoch, {});
   ctx_.signals->combine_done.set(epoch);
   return true;
 }

@@ -18,6 +18,7 @@
 #include "layout.h"
 #include "peer_watch.h"
 #include "signals.h"
+#include "slices.h"
 #include "workspace.h"
 
 namespace moe_a2a::a2a {
@@ -96,6 +97,10 @@ class Proxy {
   bool wait_signal(const Seq& seq, uint64_t epoch, bool next_call = false);
   // Peer r's rows are packed: its own flag, or the whole call's.
   bool wait_packed(const Seq& peer, const Seq& all, uint64_t epoch);
+  // Slice k (slices.h) of peer r's rows is staged: its flag (`slices`, may be
+  // null), or the peer's, or the whole call's.
+  bool wait_slice_packed(const std::atomic<uint64_t>* slices, const Seq& peer, const Seq& all, int r, uint32_t k,
+                         uint64_t epoch);
   [[noreturn]] void skipped_own(uint64_t epoch, uint64_t started);
   void step(uint64_t epoch);
   // Dispatch, peer by peer (false when stopping): each remote peer's rows as
@@ -107,14 +112,22 @@ class Proxy {
   // A cached call's routing stamp (call_stamps.h): ours to every remote peer; a peer's, checked.
   void send_routing_stamp(uint64_t epoch);
   void take_routing_stamp(uint64_t epoch, int s);
-  void post_private(size_t i);
-  void post_overflow(size_t i);
+  // Part `part` of group peer i's dispatch rows (0: private, 1: overflow),
+  // slice by slice as each is staged; false when stopping.
+  bool post_part(size_t i, int part, uint64_t epoch);
   void wait_dispatch_arrivals(uint64_t epoch);
+  // Each sender's slices (`slices[k]`: how its rows are cut) as they land, in
+  // the order senders complete them: `progress` (may be null) slice by slice,
+  // `landed` once all are in; `on_sender` (cached calls) before `landed`.
+  void wait_slices(Tag kind, const std::vector<int>& senders, const std::vector<DispatchSlices>& slices,
+                   Seq* progress, Seq* landed, uint64_t epoch, const std::function<void(int)>& on_sender);
   bool combine(uint64_t epoch);
   void delay_writes();
   void node_barrier(uint64_t epoch);
   void wait_node_flags(FlagKind kind, uint64_t epoch, const char* what);
   void wait_imm(Tag kind, int peer, uint64_t count);  // and counts what it took (call stamps)
+  // Slice `index` of part `part` from `peer` (one write); the first of a part counts for the call stamps.
+  void take_slice(Tag kind, int peer, int part, uint32_t index);
   // In every wait on peers: stop requested, a peer failed, or runs other calls
   // (`node`: same-node peers' flags too, see check_stamps).
   void on_idle(bool node = false);
@@ -124,6 +137,15 @@ class Proxy {
   void check_stamps(bool force, bool node = false);
   void exchange_routing(uint64_t epoch);
   uint32_t tag(Tag kind) const { return wire_tag(ctx_.config.instance, kind); }
+  uint32_t tag(Tag kind, int part, uint32_t index) const {
+    return slice_tag(ctx_.config.instance, kind, part, index);
+  }
+  DispatchSlices dispatch_slices_of(uint64_t copies) const {
+    return dispatch_slices(copies, ctx_.config.max_private_tokens, ctx_.layout.dispatch_row, ctx_.config.slice_bytes);
+  }
+  DispatchSlices combine_slices_of(uint64_t copies) const {
+    return combine_slices(copies, ctx_.layout.combine_row, ctx_.config.slice_bytes);
+  }
 
   ProxyContext ctx_;
   std::atomic<bool> stop_{false};

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "config.h"
+#include "slices.h"
 
 namespace moe_a2a::a2a {
 
@@ -47,22 +48,47 @@ struct PeerSignals {
   Seq* combine_packed = nullptr;  // compute -> proxy: the combine rows for peer r are staged
   Seq* landed = nullptr;          // proxy -> compute: every dispatch write from peer s has landed
   Seq* combine_landed = nullptr;  // proxy -> compute: the combine write from peer s has landed
+  // proxy -> compute, slice by slice (slices.h): progress_word(epoch, k) once
+  // sender s's first k slices (in row order) have landed.
+  Seq* slices_landed = nullptr;
+  Seq* combine_slices_landed = nullptr;
+  // compute -> proxy, where the compute side stages slice by slice (CUDA):
+  // [world][kMaxPeerSlices] epochs, slice k of peer r staged. Null: the
+  // proxy takes packed[r] for every slice (the CPU backend).
+  std::atomic<uint64_t>* slices_packed = nullptr;
+  std::atomic<uint64_t>* combine_slices_packed = nullptr;
 };
-constexpr int kPeerSignalArrays = 4;
+constexpr int kPeerSignalArrays = 6;
 
-// The four arrays of PeerSignals in one block of kPeerSignalArrays * world Seqs.
+// The Seq arrays of PeerSignals in one block of kPeerSignalArrays * world Seqs.
 inline PeerSignals peer_signals_in(Seq* block, int world) {
-  return PeerSignals{block, block + world, block + 2 * world, block + 3 * world};
+  PeerSignals p;
+  p.packed = block;
+  p.combine_packed = block + world;
+  p.landed = block + 2 * world;
+  p.combine_landed = block + 3 * world;
+  p.slices_landed = block + 4 * world;
+  p.combine_slices_landed = block + 5 * world;
+  return p;
 }
 
 // Immediate tags of the protocol's writes (docs/protocol.md, "Signals").
 // kTagStamp: a cached call's routing stamp (call_stamps.h) to each remote peer.
 enum Tag : uint32_t { kTagRoute = 1, kTagDispatch = 2, kTagCombine = 3, kTagBarrier = 4, kTagAbort = 5, kTagStamp = 6 };
 
-// The tag on the wire: the kind in the low bits, the instance above it
-// (config.h), so instances that share an engine never count each other's writes.
-inline uint32_t wire_tag(int instance, Tag kind) {
-  return (static_cast<uint32_t>(instance) << kTagKindBits) | kind;
+// The tag on the wire: the kind in the low bits, then the slice (slices.h:
+// the part, then the slice in it), the instance above them (config.h), so
+// instances that share an engine never count each other's writes, and a
+// receiver counts each slice of a peer's rows apart.
+static_assert(kTagSliceBits == kSliceBits + 1, "a part bit and the slice index");
+constexpr int kTagInstanceShift = kTagKindBits + kTagSliceBits;
+inline uint32_t slice_tag(int instance, Tag kind, int part, uint32_t slice) {
+  return (static_cast<uint32_t>(instance) << kTagInstanceShift) |
+         (static_cast<uint32_t>(part) << (kTagKindBits + kSliceBits)) | (slice << kTagKindBits) | kind;
 }
+// The first write of a part (of every write that is not sliced).
+inline uint32_t wire_tag(int instance, Tag kind) { return slice_tag(instance, kind, 0, 0); }
+// Every tag of one instance: what forget_imm drops (a mask of the tag's bits).
+constexpr uint32_t kInstanceTagMask = ~((1u << kTagInstanceShift) - 1) & 0xffffu;
 
 }  // namespace moe_a2a::a2a

@@ -92,6 +92,7 @@ void bind_a2a(nb::module_& m) {
       .def_rw("max_recv_tokens", &A2AConfig::max_recv_tokens)
       .def_rw("timeout_s", &A2AConfig::timeout_s)
       .def_rw("instance", &A2AConfig::instance)
+      .def_rw("slice_bytes", &A2AConfig::slice_bytes)
       .def_prop_ro_static("max_instances", [](nb::handle) { return kMaxInstances; })
       .def_prop_ro("dispatch_row_bytes", &A2AConfig::dispatch_row_bytes)
       .def_prop_ro("combine_row_bytes", &A2AConfig::combine_row_bytes)

@@ -352,19 +352,21 @@ void TransferEngine::wait_imm(uint32_t tag, int peer, uint64_t count, double tim
 
 uint64_t TransferEngine::imm_count(uint32_t tag, int peer) const { return imms_.peek(make_imm(tag, peer)); }
 
-void TransferEngine::forget_imm(uint32_t tag) {
-  imms_.erase_if([tag](uint32_t imm) { return imm_tag(imm) == tag; });
+void TransferEngine::forget_imm(uint32_t tag, uint32_t mask) {
+  imms_.erase_if([tag, mask](uint32_t imm) { return (imm_tag(imm) & mask) == tag; });
 }
 
-size_t TransferEngine::wait_any_imm(uint32_t tag, const std::vector<int>& peers, const std::vector<uint64_t>& counts,
-                                    double timeout_s, const std::function<void()>& on_idle) {
-  if (peers.empty() || peers.size() != counts.size())
-    throw std::invalid_argument(where() + ": wait_any_imm: got " + std::to_string(peers.size()) + " peers and " +
-                                std::to_string(counts.size()) + " counts; expected as many of each, at least one");
+size_t TransferEngine::wait_any_imm(const std::vector<uint32_t>& tags, const std::vector<int>& peers,
+                                    const std::vector<uint64_t>& counts, double timeout_s,
+                                    const std::function<void()>& on_idle) {
+  if (peers.empty() || peers.size() != counts.size() || peers.size() != tags.size())
+    throw std::invalid_argument(where() + ": wait_any_imm: got " + std::to_string(tags.size()) + " tags, " +
+                                std::to_string(peers.size()) + " peers and " + std::to_string(counts.size()) +
+                                " counts; expected as many of each, at least one");
   std::vector<uint32_t> imms(peers.size());
   for (size_t i = 0; i < peers.size(); ++i) {
     check_peer(peers[i], "wait_any_imm");
-    imms[i] = make_imm(tag, peers[i]);
+    imms[i] = make_imm(tags[i], peers[i]);
   }
   worker_->nudge();
   auto checks = [&] {
@@ -375,10 +377,10 @@ size_t TransferEngine::wait_any_imm(uint32_t tag, const std::vector<int>& peers,
   if (i >= 0) return static_cast<size_t>(i);
   std::string missing;
   for (size_t k = 0; k < peers.size(); ++k)
-    missing += (k ? ", " : "") + std::to_string(peers[k]) + " (" + std::to_string(imms_.peek(imms[k])) + " of " +
-               std::to_string(counts[k]) + ")";
-  throw TimeoutError(where() + ": timed out after " + std::to_string(timeout_s) + " s waiting for arrivals of tag " +
-                     std::to_string(tag) + " from any of peers " + missing + ". Are they alive and in the same step?");
+    missing += (k ? ", " : "") + std::to_string(peers[k]) + " (tag " + std::to_string(tags[k]) + ": " +
+               std::to_string(imms_.peek(imms[k])) + " of " + std::to_string(counts[k]) + ")";
+  throw TimeoutError(where() + ": timed out after " + std::to_string(timeout_s) +
+                     " s waiting for arrivals from any of peers " + missing + ". Are they alive and in the same step?");
 }
 
 void TransferEngine::wait_tx(double timeout_s) {

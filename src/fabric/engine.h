@@ -89,13 +89,18 @@ class TransferEngine {
   // the wait (a peer that announced a failure, or died).
   void wait_imm(uint32_t tag, int peer, uint64_t count, double timeout_s, const std::function<void()>& on_idle = {});
   uint64_t imm_count(uint32_t tag, int peer) const;
-  // Forgets arrivals of `tag` from every peer, counted but never waited for.
-  void forget_imm(uint32_t tag);
-  // Waits until some peers[i] has sent counts[i] arrivals of `tag`; returns
+  // Forgets arrivals from every peer, counted but never waited for, of each
+  // tag t with (t & mask) == tag (the default: `tag` alone).
+  void forget_imm(uint32_t tag, uint32_t mask = 0xffffu);
+  // Waits until some peers[i] has sent counts[i] arrivals of tags[i]; returns
   // that i, consuming nothing (wait_imm takes them). Receivers use it to
   // serve peers in the order their data completes.
+  size_t wait_any_imm(const std::vector<uint32_t>& tags, const std::vector<int>& peers,
+                      const std::vector<uint64_t>& counts, double timeout_s, const std::function<void()>& on_idle = {});
   size_t wait_any_imm(uint32_t tag, const std::vector<int>& peers, const std::vector<uint64_t>& counts,
-                      double timeout_s, const std::function<void()>& on_idle = {});
+                      double timeout_s, const std::function<void()>& on_idle = {}) {
+    return wait_any_imm(std::vector<uint32_t>(peers.size(), tag), peers, counts, timeout_s, on_idle);
+  }
 
   // Writes posted (a split write counts one per piece) and completed.
   uint64_t tx_submitted() const { return worker_->submitted(); }

@@ -51,6 +51,15 @@ def test_every_switch_is_in_the_docs_table() -> None:
     assert not absent, f"docs/running.md's switch table lacks {absent}"
 
 
+def test_slice_bytes_takes_zero_and_refuses_words(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOE_A2A_SLICE_BYTES", "0")
+    assert switches.slice_bytes() == 0
+    monkeypatch.setenv("MOE_A2A_SLICE_BYTES", "4MB")
+    expected = r"MOE_A2A_SLICE_BYTES: got '4MB'; expected a whole number, 0 or more"
+    with pytest.raises(ValueError, match=expected):
+        switches.check_all()
+
+
 @pytest.mark.parametrize(
     ("raw", "value"), [("1", True), ("ON", True), ("yes", True), ("0", False), ("False", False)]
 )

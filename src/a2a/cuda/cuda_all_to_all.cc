@@ -68,7 +68,7 @@ CudaAllToAll::CudaAllToAll(Workspace* host_workspace, fabric::TransferEngine* en
   // so no thread polls through steps that move nothing.
   if (has_remote_) {
     ProxyContext ctx = proxy_context(*host_workspace, engine, region, group, remote_peers, signals_,
-                                     peer_signals_in(peer_seqs_, cfg_.world), pids);
+                                     peer_signals(), pids);
     ctx.caller_arms = true;  // dispatch_send arms it; kernels cannot wake a thread
     proxy_ = std::make_unique<Proxy>(std::move(ctx));
   }
@@ -115,6 +115,7 @@ void CudaAllToAll::allocate() {
       sizeof(uint64_t),                                 // plan_ready
       sizeof(uint32_t),                                 // plan_ticket
       cfg_.world * sizeof(uint32_t),                    // stage_chunks
+      cfg_.world * kMaxPeerSlices * sizeof(uint32_t),   // stage_slices
       sizeof(uint64_t),                                 // epoch
   };
   size_t total = 0;
@@ -141,6 +142,7 @@ void CudaAllToAll::allocate() {
   scratch_.plan_ready = reinterpret_cast<uint64_t*>(take());
   scratch_.plan_ticket = reinterpret_cast<uint32_t*>(take());
   scratch_.stage_chunks = reinterpret_cast<uint32_t*>(take());
+  scratch_.stage_slices = reinterpret_cast<uint32_t*>(take());
   epoch_device_ = reinterpret_cast<uint64_t*>(take());
 
   void* words = nullptr;
@@ -160,13 +162,25 @@ void CudaAllToAll::allocate() {
   signals_ = new (signals) ProxySignals();
 
   const size_t peer_seqs = static_cast<size_t>(kPeerSignalArrays) * cfg_.world;
+  const size_t slice_flags = 2 * static_cast<size_t>(cfg_.world) * kMaxPeerSlices;  // dispatch, then combine
   void* seqs = nullptr;
-  check_cuda(cudaHostAlloc(&seqs, peer_seqs * sizeof(Seq), cudaHostAllocMapped | cudaHostAllocPortable),
+  check_cuda(cudaHostAlloc(&seqs, peer_seqs * sizeof(Seq) + slice_flags * sizeof(uint64_t),
+                           cudaHostAllocMapped | cudaHostAllocPortable),
              "cudaHostAlloc(peer signals)");
   peer_seqs_ = static_cast<Seq*>(seqs);
   for (size_t i = 0; i < peer_seqs; ++i) new (peer_seqs_ + i) Seq();  // one by one: no array cookie
+  auto* flags = reinterpret_cast<std::atomic<uint64_t>*>(peer_seqs_ + peer_seqs);
+  for (size_t i = 0; i < slice_flags; ++i) new (flags + i) std::atomic<uint64_t>(0);
 
   check_cuda(cudaMalloc(&peers_device_, cfg_.world * sizeof(PeerWorkspaces)), "cudaMalloc(peers)");
+}
+
+PeerSignals CudaAllToAll::peer_signals() const {
+  PeerSignals p = peer_signals_in(peer_seqs_, cfg_.world);
+  auto* flags = reinterpret_cast<std::atomic<uint64_t>*>(peer_seqs_ + static_cast<size_t>(kPeerSignalArrays) * cfg_.world);
+  p.slices_packed = flags;
+  p.combine_slices_packed = flags + static_cast<size_t>(cfg_.world) * kMaxPeerSlices;
+  return p;
 }
 
 void CudaAllToAll::register_host(uint8_t* ptr, size_t bytes, uint8_t** device_ptr) {
@@ -319,9 +333,13 @@ const Instance& CudaAllToAll::instance() {
   in.proxy.overflow = dev(&signals_->overflow.value);
   in.proxy.failed = dev(&signals_->failed.value);
   static_assert(sizeof(Seq) == kPeerFlagStride * sizeof(uint64_t), "per-peer flags are kPeerFlagStride apart");
-  const PeerSignals peer = peer_signals_in(peer_seqs_, cfg_.world);
+  const PeerSignals peer = peer_signals();
   in.proxy.peer_packed = dev(&peer.packed[0].value);
   in.proxy.peer_combine_packed = dev(&peer.combine_packed[0].value);
+  static_assert(sizeof(std::atomic<uint64_t>) == sizeof(uint64_t), "slice flags are plain words to the kernels");
+  in.proxy.slices_packed = dev(reinterpret_cast<uint64_t*>(peer.slices_packed));
+  in.proxy.combine_slices_packed = dev(reinterpret_cast<uint64_t*>(peer.combine_slices_packed));
+  in.slice_bytes = static_cast<int64_t>(cfg_.slice_bytes);
   in.epoch = epoch_device_;
   in.status = status_device_;
   return in;
@@ -587,38 +605,54 @@ void CudaAllToAll::dispatch_recv_by_sender(void* out_x, float* out_scale, int32_
     }
     combine_blocks_epoch_ = epoch_;
   }
-  std::vector<int> pending;
-  std::vector<int64_t> rows;
+  // Each sender's copies in the slices they land in (slices.h): a remote
+  // sender's as the proxy wrote them, anyone else's in one piece. A cached
+  // call copies a remote sender's rows once the proxy took its routing stamp
+  // (with its last slice), so no row of another routing is ever copied out.
+  struct Pending {
+    int sender;
+    DispatchSlices cut;
+    uint32_t next;  // slices copied
+  };
+  std::vector<Pending> pending;
   for (int d = 0; d < cfg_.world; ++d) {  // ourselves first: our rows are there in stream order
     const int s = (cfg_.rank + d) % cfg_.world;
     const uint64_t c = view.to_rank(s, cfg_.rank);
     if (c == 0) continue;
-    pending.push_back(s);
-    rows.push_back(static_cast<int64_t>(c));
+    const bool sliced = !cfg_.same_node(s) && call_routing_ == nullptr;
+    pending.push_back({s, sliced ? dispatch_slices(c, cfg_.max_private_tokens, layout_.dispatch_row, cfg_.slice_bytes)
+                                 : combine_slices(c, layout_.dispatch_row, 0),
+                       0});
   }
-  const PeerSignals peer = peer_signals_in(peer_seqs_, cfg_.world);
-  const auto here = [&](int s) {
-    if (s == cfg_.rank) return true;
-    if (cfg_.same_node(s)) return flag_at(host_ws_cpu_, layout_, s, kFlagDispatch)->load(std::memory_order_acquire) >= epoch_;
-    return peer.landed[s].get() >= epoch_ || signals_->dispatch_done.get() >= epoch_;
+  const PeerSignals peer = peer_signals();
+  const auto landed = [&](const Pending& q) -> uint32_t {
+    const int s = q.sender;
+    const uint32_t all = q.cut.count();
+    if (s == cfg_.rank) return all;
+    if (cfg_.same_node(s))
+      return flag_at(host_ws_cpu_, layout_, s, kFlagDispatch)->load(std::memory_order_acquire) >= epoch_ ? all : 0;
+    return slices_landed(peer.slices_landed[s], peer.landed[s], signals_->dispatch_done, all);
   };
   Backoff backoff;
   while (!pending.empty()) {
     size_t kept = 0;
-    for (size_t k = 0; k < pending.size(); ++k) {
-      if (!here(pending[k])) {
-        pending[kept] = pending[k];
-        rows[kept++] = rows[k];
-        continue;
+    bool moved = false;
+    for (Pending& q : pending) {
+      const uint32_t in = landed(q);
+      if (in > q.next) {
+        p.sender = q.sender;
+        if (call_routing_ != nullptr && q.next == 0)
+          check_routing_stamp(cfg_, layout_, host_ws_cpu_, p.sender, epoch_, cached_hash_);
+        p.sender_first = static_cast<int64_t>(q.cut.begin(q.next));  // consecutive slices are consecutive copies
+        p.sender_end = static_cast<int64_t>(q.cut.end(in - 1));
+        check_cuda(launch_copy_sender(p, stream), "dispatch copy");
+        q.next = in;
+        moved = true;
       }
-      p.sender = pending[k];
-      if (call_routing_ != nullptr) check_routing_stamp(cfg_, layout_, host_ws_cpu_, p.sender, epoch_, cached_hash_);
-      check_cuda(launch_copy_sender(p, rows[k], stream), "dispatch copy");
+      if (q.next < q.cut.count()) pending[kept++] = q;
     }
-    const bool idle = kept == pending.size();
     pending.resize(kept);
-    rows.resize(kept);
-    if (!idle) {
+    if (moved) {
       backoff = Backoff{};
       continue;
     }
@@ -626,7 +660,7 @@ void CudaAllToAll::dispatch_recv_by_sender(void* out_x, float* out_scale, int32_
       check_proxy();
       if (std::chrono::steady_clock::now() >= deadline) {
         std::string senders;
-        for (int s : pending) senders += (senders.empty() ? "" : ", ") + std::to_string(s);
+        for (const Pending& q : pending) senders += (senders.empty() ? "" : ", ") + std::to_string(q.sender);
         throw fabric::TimeoutError(who + "waiting for the tokens of sender(s) " + senders + " (epoch " +
                                    std::to_string(epoch_) + ")");
       }
@@ -655,32 +689,57 @@ void CudaAllToAll::combine_send(const void* y, DType y_dtype, int64_t y_rows, cu
 // as soon as the proxy saw them land (combine_landed), while later peers' are
 // still on the wire; the reduction then reads GPU memory only.
 void CudaAllToAll::copy_combine_rows_as_they_land(cudaStream_t stream) {
-  const PeerSignals peer = peer_signals_in(peer_seqs_, cfg_.world);
+  const PeerSignals peer = peer_signals();
   const auto deadline = deadline_after(kProxyGrace * cfg_.timeout_s + kGraceSeconds);
-  std::vector<CombineBlock> pending = combine_blocks_;
+  struct Pending {
+    CombineBlock block;
+    DispatchSlices cut;  // the peer's write to us, slice by slice (slices.h)
+    uint32_t next;       // slices copied
+  };
+  std::vector<Pending> pending;
+  for (const CombineBlock& b : combine_blocks_)
+    pending.push_back({b, combine_slices(b.bytes / layout_.combine_row, layout_.combine_row, cfg_.slice_bytes), 0});
   Backoff backoff;
   while (!pending.empty()) {
     size_t kept = 0;
-    for (const CombineBlock& b : pending) {
-      if (peer.combine_landed[b.peer].get() < epoch_ && signals_->combine_done.get() < epoch_) {
-        pending[kept++] = b;
-        continue;
+    bool moved = false;
+    for (Pending& q : pending) {
+      const uint32_t all = q.cut.count();
+      const uint32_t in =
+          slices_landed(peer.combine_slices_landed[q.block.peer], peer.combine_landed[q.block.peer],
+                        signals_->combine_done, all);
+      if (in > q.next) {
+        const size_t at = q.block.offset + q.cut.begin(q.next) * layout_.combine_row;
+        const size_t bytes = (q.cut.end(in - 1) - q.cut.begin(q.next)) * layout_.combine_row;
+        check_cuda(cudaMemcpyAsync(device_ws_ + at, host_ws_cpu_ + at, bytes, cudaMemcpyHostToDevice, stream),
+                   "combine rows to the device");
+        q.next = in;
+        moved = true;
       }
-      check_cuda(cudaMemcpyAsync(device_ws_ + b.offset, host_ws_cpu_ + b.offset, b.bytes, cudaMemcpyHostToDevice,
-                                 stream),
-                 "combine rows to the device");
+      if (q.next < all) pending[kept++] = q;
     }
-    if (kept < pending.size()) backoff = Backoff{};
     pending.resize(kept);
+    if (moved) {
+      backoff = Backoff{};
+      continue;
+    }
     if (pending.empty()) break;
     if ((backoff.round & 63) == 0) {
       check_proxy();
       if (std::chrono::steady_clock::now() >= deadline)
         throw fabric::TimeoutError("rank " + std::to_string(cfg_.rank) + ": timed out waiting for the combine rows of peer " +
-                                   std::to_string(pending.front().peer) + " (epoch " + std::to_string(epoch_) + ")");
+                                   std::to_string(pending.front().block.peer) + " (epoch " + std::to_string(epoch_) + ")");
     }
     backoff.pause();
   }
+}
+
+uint32_t CudaAllToAll::slices_landed(const Seq& progress, const Seq& whole, const Seq& all, uint32_t count) const {
+  if (whole.get() >= epoch_ || all.get() >= epoch_) return count;
+  const uint64_t v = progress.get();
+  if (v < progress_word(epoch_, 0)) return 0;  // an earlier call's
+  const uint64_t in = v - progress_word(epoch_, 0);
+  return in < count ? static_cast<uint32_t>(in) : count;
 }
 
 void CudaAllToAll::combine_recv(const float* weights, void* out, bool host_wait, cudaStream_t stream) {

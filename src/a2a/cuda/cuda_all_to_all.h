@@ -139,6 +139,9 @@ class CudaAllToAll {
   uint64_t combine_blocks_epoch_ = 0;  // the call they were taken for
   std::vector<CombineBlock> combine_blocks_;
   void copy_combine_rows_as_they_land(cudaStream_t stream);
+  // Which of remote sender s's slices (slices.h) have landed: every one
+  // when its whole flag (or the call's) is up, else its progress word.
+  uint32_t slices_landed(const Seq& progress, const Seq& whole, const Seq& all, uint32_t count) const;
 
   uint8_t* device_ws_ = nullptr;
   uint8_t* host_ws_ = nullptr;         // device address of our host workspace
@@ -164,7 +167,8 @@ class CudaAllToAll {
   HostWords* words_ = nullptr;           // mapped host
   int32_t* status_device_ = nullptr;     // its status, device address
   ProxySignals* signals_ = nullptr;      // mapped host
-  Seq* peer_seqs_ = nullptr;             // mapped host: PeerSignals' arrays
+  Seq* peer_seqs_ = nullptr;             // mapped host: PeerSignals' Seq arrays, then its slice flags
+  PeerSignals peer_signals() const;
   std::unique_ptr<Proxy> proxy_;
   uint64_t epoch_ = 0;
   // The last phase whose receive half completed on the host (eager calls; a

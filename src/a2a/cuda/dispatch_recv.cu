@@ -275,18 +275,19 @@ __device__ __forceinline__ void copy_rows(const DispatchRecvParams& p, Segment* 
   }
 }
 
-// Copies sender p.sender's rows only (the host launches this as each
-// sender's rows land). Its segments, one per local expert, are in j order;
-// copy j lies in the last one starting at or before it (empty segments
-// start where the next one does).
+// Copies sender p.sender's copies [sender_first, sender_end) only (the host
+// launches this as each slice of a sender's rows lands). Its segments, one
+// per local expert, are in j order; copy j lies in the last one starting at
+// or before it (empty segments start where the next one does).
 __device__ __forceinline__ void copy_sender_rows(const DispatchRecvParams& p, Segment* segs) {
   const Instance& in = p.inst;
   const int N = in.world, L = in.local_experts, s = p.sender;
   for (int i = threadIdx.x; i < L; i += blockDim.x) segs[i] = p.scratch.segments[i * N + s];
   __syncthreads();
-  const int copies = static_cast<int>(p.scratch.senders[s].copies);
-  for (ChunkWalk walk(dispatch_row_chunks(in)); walk.row < copies; walk.next()) {
-    const int j = walk.row;
+  const int first = static_cast<int>(p.sender_first);
+  const int rows = static_cast<int>(p.sender_end - p.sender_first);
+  for (ChunkWalk walk(dispatch_row_chunks(in)); walk.row < rows; walk.next()) {
+    const int j = first + walk.row;
     int lo = 0, hi = L;
     while (hi - lo > 1) {
       const int mid = (lo + hi) / 2;
@@ -359,9 +360,10 @@ cudaError_t launch_dispatch_plan(const DispatchRecvParams& p, cudaStream_t strea
   return launch_kernel(plan_kernel, 1, kPlanThreads, smem, stream, p);
 }
 
-cudaError_t launch_copy_sender(const DispatchRecvParams& p, int64_t rows, cudaStream_t stream) {
+cudaError_t launch_copy_sender(const DispatchRecvParams& p, cudaStream_t stream) {
   const Instance& in = p.inst;
-  if (p.sender < 0 || p.sender >= in.world || rows <= 0) return cudaErrorInvalidValue;
+  const int64_t rows = p.sender_end - p.sender_first;
+  if (p.sender < 0 || p.sender >= in.world || p.sender_first < 0 || rows <= 0) return cudaErrorInvalidValue;
   const size_t smem = static_cast<size_t>(in.local_experts) * sizeof(Segment);
   cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(copy_sender_kernel), smem);
   if (err != cudaSuccess) return err;

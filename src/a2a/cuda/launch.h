@@ -29,14 +29,15 @@ cudaError_t launch_combine_send(const CombineSendParams& p, cudaStream_t stream)
 cudaError_t launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream);
 
 // Staged calls (Instance::staged): rows for remote peers from the device
-// workspace to the fabric's host memory, peer by peer, each peer's flag
-// raised for the proxy once its rows are there (stage.cu).
+// workspace to the fabric's host memory, peer by peer, each slice's and each
+// peer's flag raised for the proxy once its rows are there (stage.cu).
 cudaError_t launch_stage(const StageParams& p, cudaStream_t stream);
 
-// Eager receive, sender by sender (fabric peers): the plan alone, then one
-// copy launch per sender as its rows land (`p.sender`, `rows` its copies).
+// Eager receive, sender by sender (fabric peers): the plan alone, then copy
+// launches as a sender's slices land (`p.sender`, its copies
+// [p.sender_first, p.sender_end)).
 cudaError_t launch_dispatch_plan(const DispatchRecvParams& p, cudaStream_t stream);
-cudaError_t launch_copy_sender(const DispatchRecvParams& p, int64_t rows, cudaStream_t stream);
+cudaError_t launch_copy_sender(const DispatchRecvParams& p, cudaStream_t stream);
 
 // The routing step of large dispatch sends, in two launches (dispatch_route.cu).
 cudaError_t launch_route(const DispatchSendParams& p, cudaStream_t stream);

@@ -22,6 +22,7 @@
 
 #include "../config.h"
 #include "../layout.h"
+#include "../slices.h"
 
 namespace moe_a2a::a2a::cuda {
 
@@ -46,6 +47,10 @@ struct ProxyFlags {
   // peer r's rows are in the fabric's host memory (stage_kernel -> proxy).
   uint64_t* peer_packed = nullptr;
   uint64_t* peer_combine_packed = nullptr;
+  // Per slice (slices.h): [world][kMaxPeerSlices] epochs, slice k of peer r's
+  // rows is in the fabric's host memory (stage_kernel -> proxy).
+  uint64_t* slices_packed = nullptr;
+  uint64_t* combine_slices_packed = nullptr;
 };
 constexpr int kPeerFlagStride = 8;  // a Seq is one 64-byte cache line
 
@@ -82,6 +87,7 @@ struct Instance {
   // to the fabric's host memory peer by peer (stage_kernel), each peer handed
   // to the proxy as soon as its rows are there (MOE_A2A_CUDA_OVERLAP).
   int32_t staged = 0;
+  int64_t slice_bytes = 0;     // A2AConfig::slice_bytes: how the proxy cuts a peer's rows into writes
   int64_t timeout_ns = 0;      // how long a kernel waits for a flag
 
   const PeerWorkspaces* peers = nullptr;  // [world], device memory
@@ -128,6 +134,7 @@ struct Scratch {
   uint64_t* plan_ready = nullptr;  // [1] epoch whose plan plan_copy_kernel's planning block finished (device)
   uint32_t* plan_ticket = nullptr; // [1] plan_copy_kernel's blocks that started this launch (reset by the last)
   uint32_t* stage_chunks = nullptr; // [world] stage_kernel: chunks of each peer copied this launch (reset by the last)
+  uint32_t* stage_slices = nullptr; // [world][kMaxPeerSlices] the same per slice
   int32_t* output_rows_host = nullptr;  // [1] the same, in mapped host memory
   uint64_t* planned_host = nullptr;     // [1] mapped host: epoch whose plan is final (HostWords)
 };
@@ -155,6 +162,8 @@ struct DispatchRecvParams {
   int32_t wait_in_kernel = 1;     // 0: the host already saw every flag up (eager calls)
   int32_t fused = 0;              // eager only: plan and copy in one launch (plan_copy_kernel)
   int32_t sender = -1;            // >= 0: copy only this sender's rows (copy_sender_kernel), after the plan
+  int64_t sender_first = 0;       // ... its copies [sender_first, sender_end) (a slice, slices.h)
+  int64_t sender_end = 0;
   // Cached calls: the handle's matrix [world][num_experts] (mapped host), read
   // instead of the workspace's routing rows.
   const uint32_t* routing = nullptr;

@@ -9,7 +9,9 @@
 // another.
 // Dispatch: our send rows [send_off[r], send_off[r] + c[us][r]) (from our
 // routing row); combine: our combine_send rows [recv_base[s], + c[s][us])
-// (from the plan).
+// (from the plan). Within a peer's block, each slice of it (slices.h: the
+// proxy's writes) gets its own flag once its chunks are in, so the proxy
+// posts a peer's first rows while its later ones are still being copied.
 #include <cuda_runtime.h>
 
 #include "launch.h"
@@ -31,8 +33,11 @@ constexpr int64_t kStageChunkBytes = 64 * 1024;
 struct StagePeer {
   int64_t offset;       // bytes from the section's start
   int64_t bytes;
+  DispatchSlices cut;   // its rows as the proxy writes them
+  int32_t per_slice[2]; // work items of each slice of a part (the last slice may use fewer bytes)
   int32_t rank;
   int32_t first_chunk;  // its first work item
+  int32_t chunks;       // its work items
 };
 
 __device__ __forceinline__ void block_copy(uint8_t* dst, const uint8_t* src, int64_t bytes) {
@@ -51,6 +56,11 @@ __device__ __forceinline__ void block_copy(uint8_t* dst, const uint8_t* src, int
 __device__ __forceinline__ uint64_t* peer_flag(const StageParams& p, int r) {
   uint64_t* base = p.kind == kStageDispatch ? p.inst.proxy.peer_packed : p.inst.proxy.peer_combine_packed;
   return base + static_cast<size_t>(r) * kPeerFlagStride;
+}
+
+__device__ __forceinline__ uint64_t* slice_flag(const StageParams& p, int r, uint32_t k) {
+  uint64_t* base = p.kind == kStageDispatch ? p.inst.proxy.slices_packed : p.inst.proxy.combine_slices_packed;
+  return base + static_cast<size_t>(r) * kMaxPeerSlices + k;
 }
 
 // Thread 0: the remote peers' blocks in serving order; returns the work
@@ -78,9 +88,17 @@ __device__ int plan_peers(const StageParams& p, StagePeer* peers, int64_t* first
     StagePeer& peer = peers[m++];
     peer.offset = begin * static_cast<int64_t>(row);
     peer.bytes = rows * static_cast<int64_t>(row);
+    peer.cut = dispatch ? dispatch_slices(rows, in.max_private, row, in.slice_bytes)
+                        : combine_slices(rows, row, in.slice_bytes);
     peer.rank = r;
     peer.first_chunk = chunks;
-    chunks += static_cast<int>((peer.bytes + kStageChunkBytes - 1) / kStageChunkBytes);
+    peer.chunks = 0;
+    for (int part = 0; part < 2; ++part) {
+      const Slices& sl = peer.cut.part[part];
+      peer.per_slice[part] = static_cast<int32_t>((sl.per * row + kStageChunkBytes - 1) / kStageChunkBytes);
+      peer.chunks += peer.per_slice[part] * static_cast<int32_t>(sl.count);
+    }
+    chunks += peer.chunks;
   }
   *count = m;
   return chunks;
@@ -113,18 +131,34 @@ __global__ void __launch_bounds__(kStageThreads, kStageBlocksPerSm) stage_kernel
     for (int k = 0; k < count; ++k)
       if (peers[k].bytes == 0) st_release_sys(peer_flag(p, peers[k].rank), epoch);
   const size_t section = p.kind == kStageDispatch ? in.layout.send : in.layout.combine_send;
+  const size_t row = p.kind == kStageDispatch ? in.layout.dispatch_row : in.layout.combine_row;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const StagePeer& peer = peers[find_peer(peers, count, item)];
-    const int64_t begin = static_cast<int64_t>(item - peer.first_chunk) * kStageChunkBytes;
-    const int64_t end = begin + kStageChunkBytes < peer.bytes ? begin + kStageChunkBytes : peer.bytes;
+    // The slice (k among the peer's) and the chunk in it that this item copies.
+    const int local = item - peer.first_chunk;
+    const int in_first = peer.per_slice[0] * static_cast<int>(peer.cut.part[0].count);
+    const int part = local < in_first ? 0 : 1;
+    const int rest = part == 0 ? local : local - in_first;
+    const uint32_t index = static_cast<uint32_t>(rest / peer.per_slice[part]);
+    const uint32_t k = part == 0 ? index : peer.cut.part[0].count + index;
+    const Slices& sl = peer.cut.part[part];
+    const int64_t slice_begin = static_cast<int64_t>(sl.begin(index) * row);
+    const int64_t slice_end = static_cast<int64_t>(sl.end(index) * row);
+    const int64_t begin = slice_begin + static_cast<int64_t>(rest % peer.per_slice[part]) * kStageChunkBytes;
+    const int64_t end = begin + kStageChunkBytes < slice_end ? begin + kStageChunkBytes : slice_end;
     const size_t at = section + peer.offset + begin;
-    block_copy(in.fabric_ws + at, in.device_ws + at, end - begin);
+    if (end > begin) block_copy(in.fabric_ws + at, in.device_ws + at, end - begin);
     __syncthreads();  // the block's stores precede thread 0's fence
     if (threadIdx.x == 0) {
       fence_sys();  // our chunk is visible to the proxy and the NIC before it is counted
-      const uint32_t chunks = static_cast<uint32_t>((peer.bytes + kStageChunkBytes - 1) / kStageChunkBytes);
-      if (atomicAdd(p.scratch.stage_chunks + peer.rank, 1u) == chunks - 1) {
-        p.scratch.stage_chunks[peer.rank] = 0;  // ready for the next launch (stream order)
+      uint32_t* slice_count = p.scratch.stage_slices + static_cast<size_t>(peer.rank) * kMaxPeerSlices + k;
+      if (atomicAdd(slice_count, 1u) == static_cast<uint32_t>(peer.per_slice[part]) - 1) {
+        *slice_count = 0;  // ready for the next launch (stream order)
+        fence_sys();  // the slice's other chunks, observed through the count, before its flag
+        st_release_sys(slice_flag(p, peer.rank, k), epoch);
+      }
+      if (atomicAdd(p.scratch.stage_chunks + peer.rank, 1u) == static_cast<uint32_t>(peer.chunks) - 1) {
+        p.scratch.stage_chunks[peer.rank] = 0;
         fence_sys();  // the other blocks' chunks, observed through the count, before the flag
         st_release_sys(peer_flag(p, peer.rank), epoch);
       }
@@ -149,7 +183,8 @@ cudaError_t launch_stage(const StageParams& p, cudaStream_t stream) {
   const int64_t max_bytes = p.kind == kStageDispatch
                                 ? static_cast<int64_t>(in.max_tokens) * in.topk * in.layout.dispatch_row
                                 : in.max_recv * static_cast<int64_t>(in.layout.combine_row);
-  const int64_t items = max_bytes / kStageChunkBytes + in.world;  // each peer's last chunk may be partial
+  // Each slice's last chunk may be partial.
+  const int64_t items = max_bytes / kStageChunkBytes + static_cast<int64_t>(in.world) * kMaxPeerSlices;
   cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(stage_kernel), smem);
   if (err != cudaSuccess) return err;
   return launch_kernel(stage_kernel, persistent_blocks(items, 1, kStageBlocksPerSm), kStageThreads, smem, stream, p);
