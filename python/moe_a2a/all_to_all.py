@@ -333,7 +333,11 @@ class AllToAll:
 
     def _open_workspace(self) -> Any:
         name = f"/moe-a2a-{os.getpid()}-{uuid.uuid4().hex[:12]}-r{self.rank}"
-        workspace = _core.Workspace(self._core_cfg, name)
+        # Same-node peers read our rows only on the CPU backend; elsewhere the rows
+        # are private memory (huge pages where the kernel gives them, which the
+        # fabric moves faster than shared memory's 4 KB pages).
+        share_rows = self._args["device"] == "cpu" and len(self._node) > 1
+        workspace = _core.Workspace(self._core_cfg, name, share_rows)
         names = self._boot.allgather(name.encode())
         workspace.map_node([n.decode() if r in self._node else "" for r, n in enumerate(names)])
         self._boot.barrier()  # everyone has mapped everyone: the names can go

@@ -9,10 +9,20 @@
 
 namespace moe_a2a::a2a {
 
+// Bytes [begin, end) of a created segment that stay private to its creator
+// (page-aligned): anonymous memory the kernel may back with huge pages,
+// instead of the segment's 4 KB shared-memory pages. Peers that map the
+// segment never touch them.
+struct PrivateRange {
+  size_t begin = 0, end = 0;
+  bool empty() const { return end <= begin; }
+};
+
 class ShmSegment {
  public:
-  // create=true: a new segment of `size` bytes (fails if the name exists).
-  ShmSegment(const std::string& name, size_t size, bool create);
+  // create=true: a new segment of `size` bytes (fails if the name exists),
+  // with `keep` private to us.
+  ShmSegment(const std::string& name, size_t size, bool create, PrivateRange keep = {});
   ~ShmSegment();
   ShmSegment(const ShmSegment&) = delete;
   ShmSegment& operator=(const ShmSegment&) = delete;

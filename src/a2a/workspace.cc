@@ -4,9 +4,13 @@
 
 namespace moe_a2a::a2a {
 
-Workspace::Workspace(const A2AConfig& cfg, const std::string& name) : cfg_(cfg), layout_(Layout::of(cfg)) {
+Workspace::Workspace(const A2AConfig& cfg, const std::string& name, bool share_rows)
+    : cfg_(cfg), layout_(Layout::of(cfg)) {
   cfg_.validate();
-  own_ = std::make_unique<ShmSegment>(name, layout_.total, true);
+  constexpr size_t kPage = 4096;
+  PrivateRange rows;
+  if (!share_rows) rows = {align_up(layout_.private_rows, kPage), layout_.aborts / kPage * kPage};
+  own_ = std::make_unique<ShmSegment>(name, layout_.total, true, rows.empty() ? PrivateRange{} : rows);
   node_.assign(cfg.world, nullptr);
   node_[cfg.rank] = own_->data();
 }

@@ -15,7 +15,11 @@ namespace moe_a2a::a2a {
 
 class Workspace {
  public:
-  Workspace(const A2AConfig& cfg, const std::string& name);
+  // share_rows=false: the row sections (between the routing rows and the
+  // abort records) are private memory of ours, which same-node peers do not
+  // read (the CUDA backend, whose same-node rows go through GPU memory, and
+  // any rank without same-node peers); the rest stays shared.
+  Workspace(const A2AConfig& cfg, const std::string& name, bool share_rows = true);
 
   const A2AConfig& config() const { return cfg_; }
   const Layout& layout() const { return layout_; }

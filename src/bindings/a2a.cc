@@ -100,7 +100,8 @@ void bind_a2a(nb::module_& m) {
       .def("validate", &A2AConfig::validate);
 
   nb::class_<Workspace>(m, "Workspace")
-      .def(nb::init<const A2AConfig&, const std::string&>(), nb::arg("config"), nb::arg("name"))
+      .def(nb::init<const A2AConfig&, const std::string&, bool>(), nb::arg("config"), nb::arg("name"),
+           nb::arg("share_rows") = true)
       .def_prop_ro("name", &Workspace::name)
       .def_prop_ro("ptr", [](const Workspace& w) { return reinterpret_cast<uintptr_t>(w.self()); })
       .def_prop_ro("size", &Workspace::size)

@@ -20,6 +20,7 @@ BUILD = {
     "MOE_A2A_HAVE_CUDA",
     "MOE_A2A_VECTOR_CLONES",
     "MOE_A2A_FLAG_ACCESS",
+    "MOE_A2A_HD",
 }
 
 
