@@ -125,10 +125,10 @@ REGISTRY: dict[str, Switch] = {
         Switch(
             "MOE_A2A_SLICE_BYTES",
             "count",
-            1 << 20,
+            0,
             "rows to one peer cross the fabric in writes of about this many bytes (at most 16 a part), "
-            "so staging, the fabric and the read-back overlap within a peer; 0: one write a part. "
-            "Every rank must set the same",
+            "so staging, the fabric and the read-back can overlap within a peer; 0 (the default): one "
+            "write a part. Every rank must set the same",
         ),
         Switch(
             "MOE_A2A_TEST_DELAY_WRITES_MS",
