@@ -28,8 +28,16 @@ _why = testbed.unavailable()
 pytestmark = pytest.mark.skipif(_why is not None, reason=f"testbed: {_why}")
 
 
-def run_ranks(bed: testbed.Testbed, tmp: Path, scenario: str, names: str, **args: object) -> list[dict]:
-    """One rank per host; returns each rank's JSON report (rank order); fails with the ranks' output."""
+def run_ranks(
+    bed: testbed.Testbed,
+    tmp: Path,
+    scenario: str,
+    names: str,
+    env: dict[str, str] | None = None,
+    **args: object,
+) -> list[dict]:
+    """One rank per host (`env`: more variables for each); returns each rank's JSON report (rank
+    order); fails with the ranks' output."""
     world = bed.hosts
     procs, logs = [], []
     for h in range(world):
@@ -37,8 +45,8 @@ def run_ranks(bed: testbed.Testbed, tmp: Path, scenario: str, names: str, **args
         logs.append(log)
         argv = [sys.executable, RANK, scenario, str(tmp / f"{scenario}-{h}.json")]
         argv += [f"{k}={v}" for k, v in args.items()]
-        env = bed.rank_env(h, world, {"MOE_A2A_NICS": names})
-        procs.append(bed.popen(h, argv, env, stdout=log, stderr=subprocess.STDOUT))
+        rank_env = bed.rank_env(h, world, {"MOE_A2A_NICS": names, **(env or {})})
+        procs.append(bed.popen(h, argv, rank_env, stdout=log, stderr=subprocess.STDOUT))
     try:
         codes = [p.wait(timeout=RUN_S) for p in procs]
     except subprocess.TimeoutExpired:
@@ -167,6 +175,16 @@ def test_a2a_over_two_rate_limited_nics(bed3_limited: testbed.Testbed, tmp_path:
 def test_dispatch_combine_across_hosts_equals_reference(bed3: testbed.Testbed, tmp_path: Path) -> None:
     reports = run_ranks(bed3, tmp_path, "a2a", "va1,va2", nics=2, rounds=2)
     assert [r["rounds"] for r in reports] == [2, 2, 2]
+
+
+def test_dispatch_combine_in_slices_across_hosts_equals_reference(
+    bed3: testbed.Testbed, tmp_path: Path
+) -> None:
+    """Every peer's rows in writes of about two rows (MOE_A2A_SLICE_BYTES), peers over two NICs."""
+    reports = run_ranks(
+        bed3, tmp_path, "a2a", "va1,va2", env={"MOE_A2A_SLICE_BYTES": "400"}, nics=2, rounds=3
+    )
+    assert [r["rounds"] for r in reports] == [3, 3, 3]
 
 
 def test_cleanup_removes_stale_namespaces() -> None:
