@@ -72,6 +72,13 @@ MOE_A2A_HD inline DispatchSlices dispatch_slices(uint64_t n, uint64_t P, uint64_
   return d;
 }
 
+// `n` rows in one piece (rows that do not cross the fabric).
+MOE_A2A_HD inline DispatchSlices one_piece(uint64_t n) {
+  DispatchSlices d;
+  d.part[0] = slices_of(0, n, 1, 0);
+  return d;
+}
+
 // Combine: one part.
 MOE_A2A_HD inline DispatchSlices combine_slices(uint64_t n, uint64_t row_bytes, uint64_t slice_bytes) {
   DispatchSlices d;

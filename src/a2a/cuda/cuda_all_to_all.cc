@@ -621,7 +621,7 @@ void CudaAllToAll::dispatch_recv_by_sender(void* out_x, float* out_scale, int32_
     if (c == 0) continue;
     const bool sliced = !cfg_.same_node(s) && call_routing_ == nullptr;
     pending.push_back({s, sliced ? dispatch_slices(c, cfg_.max_private_tokens, layout_.dispatch_row, cfg_.slice_bytes)
-                                 : combine_slices(c, layout_.dispatch_row, 0),
+                                 : one_piece(c),
                        0});
   }
   const PeerSignals peer = peer_signals();
