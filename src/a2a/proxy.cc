@@ -479,8 +479,9 @@ void Proxy::wait_slices(Tag kind, const std::vector<int>& senders, const std::ve
     cut.push_back(slices[i]);
     done.push_back(0);
   }
-  std::vector<uint32_t> tags(peers.size());
+  std::vector<uint32_t> tags;
   while (!peers.empty()) {
+    tags.resize(peers.size());  // each sender's next slice
     for (size_t k = 0; k < peers.size(); ++k)
       tags[k] = tag(kind, cut[k].part_of(done[k]), cut[k].index_in_part(done[k]));
     const size_t k = ctx_.engine->wait_any_imm(tags, peers, std::vector<uint64_t>(peers.size(), 1),
@@ -494,7 +495,6 @@ void Proxy::wait_slices(Tag kind, const std::vector<int>& senders, const std::ve
     peers.erase(peers.begin() + static_cast<std::ptrdiff_t>(k));
     cut.erase(cut.begin() + static_cast<std::ptrdiff_t>(k));
     done.erase(done.begin() + static_cast<std::ptrdiff_t>(k));
-    tags.pop_back();
   }
 }
 

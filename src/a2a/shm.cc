@@ -30,7 +30,7 @@ void* map_with_private_range(int fd, size_t size, PrivateRange keep) {
   auto* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + kHugePage - 1) / kHugePage * kHugePage);
   const size_t before = static_cast<size_t>(base - static_cast<uint8_t*>(raw));
   if (before > 0) munmap(raw, before);
-  if (kHugePage - before > 0) munmap(base + size, kHugePage - before);
+  munmap(base + size, kHugePage - before);  // before < kHugePage: some slack is always left after
   madvise(base + keep.begin, keep.end - keep.begin, MADV_HUGEPAGE);  // a hint: EINVAL without THP is fine
   auto shared = [&](size_t at, size_t bytes) {
     return bytes == 0 || mmap(base + at, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd,
