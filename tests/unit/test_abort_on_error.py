@@ -18,7 +18,17 @@ STUCK_S = 90  # how long rank 1 stays alive without calling
 def _run(provider: str, **env: str) -> tuple[int, float, str]:
     environ = {k: v for k, v in os.environ.items() if k != "MOE_A2A_ABORT_ON_ERROR"} | env
     start = time.monotonic()
-    p = subprocess.run(
+    try:
+        p = _mpirun(provider, environ)
+    except subprocess.TimeoutExpired as e:  # say what the ranks printed, not only that they ran long
+        text = b"".join(x if isinstance(x, bytes) else x.encode() for x in (e.stdout or b"", e.stderr or b""))
+        printed = text.decode(errors="replace")[-4000:]
+        pytest.fail(f"mpirun ran past {e.timeout} s; the ranks printed:\n{printed}")
+    return p.returncode, time.monotonic() - start, p.stdout + p.stderr
+
+
+def _mpirun(provider: str, environ: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [
             "mpirun",
             "--allow-run-as-root",
@@ -35,7 +45,6 @@ def _run(provider: str, **env: str) -> tuple[int, float, str]:
         timeout=STUCK_S + 60,
         env=environ,
     )
-    return p.returncode, time.monotonic() - start, p.stdout + p.stderr
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun")
