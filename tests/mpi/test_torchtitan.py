@@ -261,15 +261,21 @@ def test_fp8_dispatch_hands_titan_usable_rows(ep_mesh: object, seed: int) -> Non
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
+# Small enough that the run never turns unstable: where the reference's loss jumps
+# back up (some seeds at 0.005 and 0.002), the last bit of a sum's order grows into
+# curves that differ by more than the tolerance. At 0.001, over 180 seeds and batches
+# of 1, 2 and 4 ranks, weights perturbed by 1e-4 moved the curve by at most 0.9%.
+LR = 0.001
+
+
 def test_fifty_training_steps_follow_the_reference(ep_mesh: object, seed: int) -> None:
     if WORLD not in (1, 2, 4):
         pytest.skip(f"the loss-curve run is for 1, 2 and 4 ranks (the others take too long); world {WORLD}")
     mine, ref = ours("sigmoid", seed, ep_mesh), reference("sigmoid", seed)
-    opt_m = torch.optim.SGD(mine.parameters(), lr=0.005)
-    opt_r = torch.optim.SGD(ref.parameters(), lr=0.005)
+    opt_m = torch.optim.SGD(mine.parameters(), lr=LR)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=LR)
     losses_m, losses_r = [], []
-    # One batch, fitted: the loss must fall and the routing moves. lr 0.005 kept the
-    # reference finite for every one of 30 seeds tried at 2 and 4 ranks' batches (0.02 did not).
+    # One batch, fitted: the loss must fall and the routing moves.
     xs, gs = batch(seed + 100)
     for _ in range(50):
         total = sum(x.shape[1] for x in xs)
@@ -288,6 +294,8 @@ def test_fifty_training_steps_follow_the_reference(ep_mesh: object, seed: int) -
         f"the reference did not train: {losses_r}"
     )
     err = float((m - r).abs().max())
+    rise = float((r[1:] / r[:-1]).max())
     assert err <= 0.02 * max(1.0, r.abs().max().item()), (
-        f"loss curves differ by {err:.3g}: {losses_m} vs {losses_r}"
+        f"loss curves differ by {err:.3g} (the reference's loss rose at most {rise:.2f}x "
+        f"in a step): {losses_m} vs {losses_r}"
     )
