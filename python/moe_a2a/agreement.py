@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from moe_a2a import __version__
-from moe_a2a.bootstrap import Bootstrap
+from moe_a2a.bootstrap import Bootstrap, ranks_text
 from moe_a2a.fabric import default_provider
 
 MISSING = object()  # a setting a rank did not send (another library version)
@@ -63,16 +63,4 @@ def difference(name: str, values: list[Any]) -> str | None:
         ranks_of.setdefault("(none)" if value is MISSING else repr(value), []).append(rank)
     if len(ranks_of) == 1:
         return None
-    return f"{name}: " + ", ".join(f"{v} on {_ranks(r)}" for v, r in ranks_of.items())
-
-
-def _ranks(ranks: list[int]) -> str:
-    """'rank 3' or 'ranks 0, 2-5' (ascending input)."""
-    spans: list[list[int]] = []
-    for r in ranks:
-        if spans and spans[-1][1] == r - 1:
-            spans[-1][1] = r
-        else:
-            spans.append([r, r])
-    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
-    return ("rank " if len(ranks) == 1 else "ranks ") + text
+    return f"{name}: " + ", ".join(f"{v} on {ranks_text(r)}" for v, r in ranks_of.items())

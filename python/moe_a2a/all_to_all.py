@@ -25,7 +25,7 @@ from moe_a2a import _core, switches
 from moe_a2a.agreement import all_to_all_settings, check_agreement
 from moe_a2a.backends.common import CORE_DTYPE, Backend, Setup, num_scales
 from moe_a2a.bootstrap import Bootstrap
-from moe_a2a.fabric import hint_universe_size, lease_engine
+from moe_a2a.fabric import EngineLease, hint_universe_size, lease_engine
 from moe_a2a.nics import current_gpu_address, num_nics_default
 
 DISPATCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
@@ -221,26 +221,14 @@ class AllToAll:
         nics: Sequence[str] | str | None = None,
         abort_on_error: bool | None = None,
     ) -> None:
-        if abort_on_error is not None and not isinstance(abort_on_error, bool):
-            raise ValueError(f"abort_on_error: got {abort_on_error!r}; expected True, False or None")
-        if not isinstance(cfg, Config):
-            raise TypeError(f"cfg: got {type(cfg).__name__}; expected moe_a2a.Config")
-        if device not in DEVICES:
-            raise ValueError(f"device: got {device!r}; expected one of {list(DEVICES)}")
-        if graph_safe and device != "cuda":
-            raise ValueError("graph_safe: only device='cuda' has CUDA graphs to capture")
-        if device == "cuda":
-            from moe_a2a.backends.cuda import MAX_TOPK as CUDA_MAX_TOPK
-            from moe_a2a.backends.cuda import cuda_available
-
-            reason = cuda_available()
-            if reason is not None:  # before any collective: every rank fails alike
-                raise RuntimeError(f"device='cuda': {reason}")
-            if cfg.topk > CUDA_MAX_TOPK:
-                raise ValueError(f"topk: got {cfg.topk}; device='cuda' takes at most {CUDA_MAX_TOPK}")
-        switches.check_all()  # a mistyped switch is an error, not a silent default
-        self._slice_bytes = switches.slice_bytes()
-        num_nics = num_nics_default(num_nics)  # MOE_A2A_NUM_NICS (job presets) where not given
+        self._boot = Bootstrap(comm, ranks_per_node)
+        # Each local step of start-up fails on every rank if it fails on one (a
+        # missing GPU, a mistyped switch, a NIC name, memory): a rank that only
+        # raised would leave its peers waiting in the next collective.
+        with self._boot.together("checking AllToAll's arguments"):
+            self._check_arguments(cfg, device, graph_safe, abort_on_error)
+            self._slice_bytes = switches.slice_bytes()
+            num_nics = num_nics_default(num_nics)  # MOE_A2A_NUM_NICS (job presets) where not given
         self.cfg = cfg
         self.id = next(_instance_ids)
         self._args: dict[str, Any] = {
@@ -254,7 +242,6 @@ class AllToAll:
             "nics": nics,
             "abort_on_error": abort_on_error,
         }
-        self._boot = Bootstrap(comm, ranks_per_node)
         topo = self._boot.topology
         self.rank, self.world_size = topo.rank, topo.world_size
         hint_universe_size(self.world_size)  # before anything starts libfabric in this process
@@ -271,40 +258,13 @@ class AllToAll:
         self.num_local_experts = cfg.num_experts // self.world_size
         self._node = set(topo.node_ranks)
         self._core_cfg = self._core_config(topo.local_size)
-
-        remote_peers = [r for r in range(self.world_size) if r not in self._node]
-        # No engine (no endpoint, thread or /dev/shm file) where every peer shares our node.
-        chosen = None if provider == "auto" else provider
-        gpu = current_gpu_address() if device == "cuda" else None
-        self._lease = lease_engine(self._boot, chosen, num_nics, nics=nics, gpu=gpu) if remote_peers else None
-        self._core_cfg.instance = self._lease.slot if self._lease else 0
-        engine = self._lease.engine if self._lease else None
-        workspace = self._open_workspace()
-        region = group = None  # no engine: nothing registered
-        if engine is not None:
-            region = engine.core.register_region(workspace.ptr, workspace.size)
-            group = engine.group(remote_peers, engine.exchange_region(region))
-        setup = Setup(
-            cfg=cfg,
-            core_cfg=self._core_cfg,
-            workspace=workspace,
-            engine=engine,
-            region=region,
-            group=group,
-            remote_peers=remote_peers,
-            node=self._node,
-            bootstrap=self._boot,
-            pids=self._boot.local_pids(),
-        )
-        self._setup: Setup | None = setup
-        if device == "cuda":
-            from moe_a2a.backends.cuda import CudaBackend
-
-            self._backend: Backend = CudaBackend(setup, graph_safe)
-        else:
-            from moe_a2a.backends.cpu import CpuBackend
-
-            self._backend = CpuBackend(setup)
+        self._setup: Setup | None = None
+        self._lease: EngineLease | None = None
+        try:
+            self._backend: Backend = self._open(device, provider, num_nics, nics, graph_safe)
+        except BaseException:
+            self._release_partial()  # every rank failed at the same step: nobody wrote yet
+            raise
         self.device = self._backend.device
         self.graph_safe = graph_safe
         self._state = "idle"
@@ -317,6 +277,78 @@ class AllToAll:
         self._boot.barrier()  # every proxy runs and every peer is mapped before anyone writes
 
     # -- start-up -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_arguments(cfg: Config, device: str, graph_safe: bool, abort_on_error: bool | None) -> None:
+        if abort_on_error is not None and not isinstance(abort_on_error, bool):
+            raise ValueError(f"abort_on_error: got {abort_on_error!r}; expected True, False or None")
+        if not isinstance(cfg, Config):
+            raise TypeError(f"cfg: got {type(cfg).__name__}; expected moe_a2a.Config")
+        if device not in DEVICES:
+            raise ValueError(f"device: got {device!r}; expected one of {list(DEVICES)}")
+        if graph_safe and device != "cuda":
+            raise ValueError("graph_safe: only device='cuda' has CUDA graphs to capture")
+        if device == "cuda":
+            from moe_a2a.backends.cuda import MAX_TOPK as CUDA_MAX_TOPK
+            from moe_a2a.backends.cuda import cuda_available
+
+            reason = cuda_available()
+            if reason is not None:
+                raise RuntimeError(f"device='cuda': {reason}")
+            if cfg.topk > CUDA_MAX_TOPK:
+                raise ValueError(f"topk: got {cfg.topk}; device='cuda' takes at most {CUDA_MAX_TOPK}")
+        switches.check_all()  # a mistyped switch is an error, not a silent default
+
+    def _open(
+        self, device: str, provider: str, num_nics: int, nics: Sequence[str] | str | None, graph_safe: bool
+    ) -> Backend:
+        """Lease the engine, open and register the workspace, start the backend (collective)."""
+        remote_peers = [r for r in range(self.world_size) if r not in self._node]
+        # No engine (no endpoint, thread or /dev/shm file) where every peer shares our node.
+        chosen = None if provider == "auto" else provider
+        gpu = current_gpu_address() if device == "cuda" else None
+        self._lease = lease_engine(self._boot, chosen, num_nics, nics=nics, gpu=gpu) if remote_peers else None
+        self._core_cfg.instance = self._lease.slot if self._lease else 0
+        engine = self._lease.engine if self._lease else None
+        setup = Setup(
+            cfg=self.cfg,
+            core_cfg=self._core_cfg,
+            workspace=None,
+            engine=engine,
+            region=None,  # no engine: nothing registered
+            group=None,
+            remote_peers=remote_peers,
+            node=self._node,
+            bootstrap=self._boot,
+            pids=[],
+        )
+        self._setup = setup
+        setup.workspace = self._open_workspace()
+        if engine is not None:
+            with self._boot.together("registering the workspace"):
+                setup.region = engine.core.register_region(setup.workspace.ptr, setup.workspace.size)
+            remotes = engine.exchange_region(setup.region)
+            with self._boot.together("creating the peer group"):
+                setup.group = engine.group(remote_peers, remotes)
+        setup.pids = self._boot.local_pids()
+        if device == "cuda":
+            from moe_a2a.backends.cuda import CudaBackend
+
+            return CudaBackend(setup, graph_safe)
+        from moe_a2a.backends.cpu import CpuBackend
+
+        with self._boot.together("starting the cpu backend"):
+            return CpuBackend(setup)
+
+    def _release_partial(self) -> None:
+        """Undo a start-up that failed on every rank: the engine lease, its registrations, the memory."""
+        setup, self._setup = self._setup, None
+        if self._lease is not None:
+            region, group, workspace = (
+                (setup.region, setup.group, setup.workspace) if setup is not None else (None, None, None)
+            )
+            self._lease.close(region, group, workspace, 0.0)
+            self._lease = None
 
     def _core_config(self, local_size: int) -> Any:
         cfg = self.cfg
@@ -337,9 +369,11 @@ class AllToAll:
         # are private memory (huge pages where the kernel gives them, which the
         # fabric moves faster than shared memory's 4 KB pages).
         share_rows = self._args["device"] == "cpu" and len(self._node) > 1
-        workspace = _core.Workspace(self._core_cfg, name, share_rows)
+        with self._boot.together("allocating the workspace"):
+            workspace = _core.Workspace(self._core_cfg, name, share_rows)
         names = self._boot.allgather(name.encode())
-        workspace.map_node([n.decode() if r in self._node else "" for r, n in enumerate(names)])
+        with self._boot.together("mapping the node's workspaces"):
+            workspace.map_node([n.decode() if r in self._node else "" for r, n in enumerate(names)])
         self._boot.barrier()  # everyone has mapped everyone: the names can go
         workspace.unlink()
         return workspace

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +97,38 @@ class Bootstrap:
 
             dist.barrier(group=self._torch_group)
 
+    @contextmanager
+    def together(self, what: str) -> Iterator[None]:
+        """Collective: a local step of start-up that fails on every rank if it fails on any.
+
+        The failing rank raises its own error; the others raise `PeerFailedError`
+        naming it. The block must hold no collective: a rank that failed before
+        one would leave the others waiting in it.
+        """
+        error: Exception | None = None
+        try:
+            yield
+        except Exception as exc:
+            error = exc
+        mine = b"" if error is None else f"{type(error).__name__}: {error}".encode()
+        failed = [(r, m.decode()) for r, m in enumerate(self.allgather(mine)) if m]
+        if error is not None:
+            others = [r for r, _ in failed if r != self.rank]
+            if others:
+                error.add_note(f"{what} failed on {ranks_text(others)} as well")
+            raise error
+        if failed:
+            from moe_a2a._core import PeerFailedError
+
+            by_error: dict[str, list[int]] = {}
+            for r, message in failed:
+                by_error.setdefault(message, []).append(r)
+            raise PeerFailedError(
+                f"{what} failed on "
+                + "; ".join(f"{ranks_text(r)} ({message})" for message, r in by_error.items())
+                + f"; rank {self.rank} stops with it (start-up fails on every rank together)"
+            )
+
     @property
     def launched_by_mpi(self) -> bool:
         """An mpi4py communicator under an MPI launcher (mpirun, srun), which MPI_Abort ends whole."""
@@ -114,6 +148,18 @@ class Bootstrap:
         if self._comm is not None:
             self._comm.Abort(code)
         os._exit(code)
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """'rank 3' or 'ranks 0, 2-5' (ascending input)."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and spans[-1][1] == r - 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return ("rank " if len(ranks) == 1 else "ranks ") + text
 
 
 def _is_mpi_comm(comm: Any) -> bool:

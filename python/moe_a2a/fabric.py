@@ -74,6 +74,24 @@ class Engine:
         `nics`: domain names for this rank (a list, or a `MOE_A2A_NICS` string); default
         `MOE_A2A_NICS`, else the `num_nics` nearest devices (to `gpu`, an index or PCI
         address, where given; else to this process's NUMA node). See `moe_a2a.nics`."""
+        self.bootstrap = bootstrap
+        with bootstrap.together("opening the fabric engine"):  # a bad NIC name is one rank's
+            self._open(provider, num_nics, split_threshold, nics, gpu, backend)
+        addresses = bootstrap.allgather(self.core.address())
+        with bootstrap.together("connecting the fabric engine"):
+            self.core.connect(addresses)
+
+    def _open(
+        self,
+        provider: str | None,
+        num_nics: int | None,
+        split_threshold: int,
+        nics: Sequence[str] | str | None,
+        gpu: int | str | None,
+        backend: str,
+    ) -> None:
+        """This rank's part of start-up: check the arguments, pick the NICs, open them."""
+        bootstrap = self.bootstrap
         provider = provider or default_provider()
         if not isinstance(provider, str) or not provider:
             raise ValueError(f"provider: got {provider!r}; expected one of {PROVIDERS} or a libfabric name")
@@ -83,7 +101,6 @@ class Engine:
         if not isinstance(num_nics, int) or num_nics < 1:
             raise ValueError(f"num_nics: got {num_nics!r}; expected a positive integer")
         prepare_environment(bootstrap, provider)
-        self.bootstrap = bootstrap
         local_rank = bootstrap.topology.local_rank
         explicit = _nics.parse_spec(nics, local_rank) if isinstance(nics, str) else nics
         if explicit is None:
@@ -104,7 +121,6 @@ class Engine:
             self.nics.names,
             backend,
         )
-        self.core.connect(bootstrap.allgather(self.core.address()))
 
     @property
     def rank(self) -> int:
@@ -127,10 +143,11 @@ class Engine:
     def exchange_region(self, region: Region) -> list[RemoteRegion | None]:
         """All-gather a region's descriptor; returns each peer's remote region (None for ourselves)."""
         blobs = self.bootstrap.allgather(self.core.region_descriptor(region))
-        return [
-            None if peer == self.rank else self.core.add_remote_region(peer, blob)
-            for peer, blob in enumerate(blobs)
-        ]
+        with self.bootstrap.together("adding the peers' regions"):
+            return [
+                None if peer == self.rank else self.core.add_remote_region(peer, blob)
+                for peer, blob in enumerate(blobs)
+            ]
 
     def group(self, peers: Sequence[int], remotes: Sequence[RemoteRegion | None]) -> Group:
         """A peer group whose writes land in each peer's `remotes[peer]` region."""

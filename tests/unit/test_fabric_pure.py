@@ -322,16 +322,20 @@ def test_engine_arguments_are_checked(rank: int, world: int, num_nics: int, mess
 
 
 def test_python_engine_checks_num_nics() -> None:
+    from moe_a2a.bootstrap import Bootstrap, _layout
     from moe_a2a.fabric import Engine
 
-    class OneRank:
-        rank, world_size, single_host = 0, 1, True
+    class OneRank(Bootstrap):
+        """One rank without MPI: an MPI_Init here would break the mpirun of later tests."""
+
+        def __init__(self) -> None:
+            self.topology, self.single_host = _layout(0, 1, ["here"], None), True
 
         def allgather(self, blob: bytes) -> list[bytes]:
             return [blob]
 
     with pytest.raises(ValueError, match="num_nics: got 0; expected a positive integer"):
-        Engine(OneRank(), "tcp", num_nics=0)  # type: ignore[arg-type]
+        Engine(OneRank(), "tcp", num_nics=0)
 
 
 # ---------------------------------------------------------------- benchmark helpers

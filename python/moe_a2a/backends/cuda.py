@@ -75,19 +75,23 @@ class CudaBackend:
     checks_ids = True  # the routing kernel drops out-of-range ids; the receive half raises
 
     def __init__(self, setup: Setup, graph_safe: bool) -> None:
-        reason = cuda_available()
-        if reason is not None:
-            raise RuntimeError(f"device='cuda': {reason}")
         self.cfg = setup.cfg
         self.graph_safe = graph_safe
         self.device = torch.device("cuda", torch.cuda.current_device())
         self._setup = setup
         engine = setup.engine.core if setup.engine is not None else None  # None: no remote peer
-        self._impl = _core.CudaAllToAll(
-            setup.workspace, engine, setup.region, setup.group, setup.remote_peers, setup.pids
-        )
-        handles = setup.bootstrap.allgather(self._impl.ipc_handle())
-        self._impl.open_node([h if r in setup.node else b"" for r, h in enumerate(handles)])
+        boot = setup.bootstrap
+        with boot.together("allocating the cuda backend"):  # GPU memory runs out on one rank
+            reason = cuda_available()
+            if reason is not None:
+                raise RuntimeError(f"device='cuda': {reason}")
+            self._impl = _core.CudaAllToAll(
+                setup.workspace, engine, setup.region, setup.group, setup.remote_peers, setup.pids
+            )
+            handle = self._impl.ipc_handle()
+        handles = boot.allgather(handle)
+        with boot.together("opening the node's GPU memory"):
+            self._impl.open_node([h if r in setup.node else b"" for r, h in enumerate(handles)])
         self.max_output_rows = int(self._impl.max_output_rows)
         self._alive: tuple[torch.Tensor | None, ...] = ()
         self._last_matrix: torch.Tensor | None = None  # the last call's, when it was cached
