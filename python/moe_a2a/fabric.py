@@ -194,7 +194,7 @@ class _SharedEngine:
         for r in self.retired:
             if r.until > now:
                 keep.append(r)
-            elif r.region is not None and r.group is not None:
+            elif r.region is not None:
                 self.engine.core.release(r.region, r.group)
         self.retired = keep
 
@@ -225,7 +225,7 @@ class EngineLease:
             shared.slots.discard(self.slot)
             if retire_s > 0:
                 shared.retired.append(_Retired(self.slot, region, group, memory, now + retire_s))
-            elif region is not None and group is not None:
+            elif region is not None:  # no group: a start-up that failed before making it
                 self.engine.core.release(region, group)
             shared.reap(now)
             if not shared.busy() and _shared.get(self._key) is shared:

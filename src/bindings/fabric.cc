@@ -183,7 +183,7 @@ void bind_fabric(nb::module_& m) {
           [](TransferEngine& e, int peer, const nb::bytes& d) { return e.add_remote_region(peer, from_py(d)); },
           nb::arg("peer"), nb::arg("descriptor"))
       .def("create_group", &TransferEngine::create_group, nb::arg("peers"), nb::arg("remote_regions"))
-      .def("release", &TransferEngine::release, nb::arg("region"), nb::arg("group"))
+      .def("release", &TransferEngine::release, nb::arg("region"), nb::arg("group").none())
       .def("write", &TransferEngine::write, nb::arg("region"), nb::arg("src_offset"), nb::arg("length"),
            nb::arg("remote"), nb::arg("dst_offset"), nb::arg("tag") = nb::none(), release())
       .def(

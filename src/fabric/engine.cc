@@ -164,17 +164,18 @@ GroupId TransferEngine::create_group(const std::vector<int>& peers, const std::v
   return GroupId{static_cast<uint32_t>(groups_.size() - 1)};
 }
 
-void TransferEngine::release(RegionId region_id, GroupId group_id) {
+void TransferEngine::release(RegionId region_id, std::optional<GroupId> group_id) {
   std::unique_lock lock(tables_mu_);
-  const Group& g = group(group_id);  // a clear error for an unknown or released group
+  if (group_id) group(*group_id);  // a clear error for an unknown or released group, before any change
   Region& r = const_cast<Region&>(region(region_id));
   for (size_t i = 0; i < r.nics.size(); ++i) backends_[i]->deregister_memory(r.nics[i]);
   r.live = false;
+  if (!group_id) return;
+  Group& g = groups_[group_id->value];
   for (const auto& e : g.peers) remotes_[e.remote.value].live = false;
   group_writes_ -= g.peers.size() * backends_.size();
-  Group& mutable_group = groups_[group_id.value];
-  mutable_group.peers.clear();
-  mutable_group.live = false;
+  g.peers.clear();
+  g.live = false;
 }
 
 size_t TransferEngine::group_size(GroupId id) const {

@@ -71,8 +71,8 @@ class TransferEngine {
   GroupId create_group(const std::vector<int>& peers, const std::vector<RemoteRegionId>& remote_regions);
   // Deregisters a local region and drops a group (and the remote regions it
   // binds): what one user of a shared engine releases when it closes. Ids are
-  // not reused.
-  void release(RegionId region, GroupId group);
+  // not reused. Without a group: a start-up that failed before its group was made.
+  void release(RegionId region, std::optional<GroupId> group);
   size_t group_size(GroupId group) const;
   int group_peer(GroupId group, uint32_t index) const;
 
