@@ -89,6 +89,18 @@ def _address_of(buf: bytearray) -> int:
     return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
 
 
+def test_a_region_is_released_without_a_group() -> None:
+    """What a start-up that failed before making its peer group releases."""
+    engine = _core.TransferEngine(0, 2, "tcp")
+    buf = bytearray(4096)
+    region = engine.register_region(_address_of(buf), len(buf))
+    engine.release(region, None)
+    with pytest.raises(FabricError, match=f"unknown local region {region.value} \\(released\\)"):
+        engine.region_descriptor(region)
+    with pytest.raises(FabricError, match="released"):
+        engine.release(region, None)
+
+
 def test_region_descriptor_round_trip_and_errors() -> None:
     engine = _core.TransferEngine(0, 2, "tcp")
     buf = bytearray(65536)
