@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,22 +22,15 @@ from mpi4py import MPI
 from ranks import COMM, DEVICE, PROVIDER, RANK, WORLD, device_pytestmark
 
 pytestmark = device_pytestmark
-titan_moe = pytest.importorskip("torchtitan.models.common.moe", reason="TorchTitan 0.3.0 is not installed")
-from torchtitan.models.common.feed_forward import FeedForward  # noqa: E402
-from torchtitan.models.common.linear import Linear  # noqa: E402
-from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher  # noqa: E402
+pytest.importorskip("torchtitan.models.common.moe", reason="TorchTitan 0.3.0 is not installed")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import titan_case as tc  # noqa: E402
+from moe_a2a.integrations.torchtitan import close_shared  # noqa: E402
+from titan_case import DIM, loss_of, max_err, scale  # noqa: E402
 
-from moe_a2a.integrations.torchtitan import MoeA2ATokenDispatcher, close_shared  # noqa: E402
-
-DIM, FFN, EXPERTS, TOPK = 64, 32, 24, 4  # 24 experts: every CI world size (1, 2, 3, 4, 8) divides it
-MAX_TOKENS = 16
 # tcp: every rank its own node (all traffic over the fabric); shm: one node.
 RANKS_PER_NODE = 1 if PROVIDER == "tcp" else None
-ROUTERS = {
-    "softmax": dict(score_func="softmax"),
-    "sigmoid": dict(score_func="sigmoid", route_norm=True),
-    "node-limited": dict(score_func="sigmoid", num_expert_groups=4, num_limited_groups=2),
-}
+ROUTERS = list(tc.ROUTERS)
 
 
 @pytest.fixture(scope="module")
@@ -60,43 +55,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def build(router: str, dispatcher: object, seed: int) -> torch.nn.Module:
-    """TorchTitan's MoE with a shared expert, its weights drawn from `seed`."""
-    lin = Linear.Config
-    cfg = titan_moe.MoE.Config(
-        num_experts=EXPERTS,
-        routed_experts=titan_moe.RoutedExperts.Config(
-            inner_experts=titan_moe.GroupedExperts.Config(dim=DIM, hidden_dim=FFN, num_experts=EXPERTS),
-            token_dispatcher=dispatcher,
-        ),
-        router=titan_moe.TokenChoiceTopKRouter.Config(
-            num_experts=EXPERTS,
-            gate=lin(in_features=DIM, out_features=EXPERTS),
-            top_k=TOPK,
-            **ROUTERS[router],
-        ),
-        shared_experts=FeedForward.Config(
-            w1=lin(in_features=DIM, out_features=FFN),
-            w2=lin(in_features=FFN, out_features=DIM),
-            w3=lin(in_features=DIM, out_features=FFN),
-        ),
-        load_balance_coeff=1e-3,
-    )
-    moe = cfg.build()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-        # a bias that changes the routing, to check it is applied alike
-        moe.expert_bias_E.copy_(torch.randn(EXPERTS, generator=g) * 0.05)
-    return moe.to(DEVICE)
-
-
-def local_experts() -> slice:
-    per = EXPERTS // WORLD
-    return slice(RANK * per, (RANK + 1) * per)
-
-
 def ours(
     router: str, seed: int, mesh: object, dispatch_dtype: str = "fp32", sized: bool = True
 ) -> torch.nn.Module:
@@ -104,52 +62,27 @@ def ours(
 
     `sized=False` leaves hidden_dim and num_max_tokens_per_rank to the first dispatch.
     """
-    disp = MoeA2ATokenDispatcher.Config(
-        num_experts=EXPERTS,
-        top_k=TOPK,
-        hidden_dim=DIM if sized else None,
-        num_max_tokens_per_rank=MAX_TOKENS if sized else None,
+    unsized = {} if sized else {"hidden_dim": None, "num_max_tokens_per_rank": None}
+    return tc.ours(
+        router,
+        seed,
+        mesh,
+        RANK,
+        WORLD,
+        DEVICE,
         dispatch_dtype=dispatch_dtype,
-        combine_dtype="fp32",
-        grad_dtype="fp32",
         provider=PROVIDER,
         ranks_per_node=RANKS_PER_NODE,
-        timeout_s=120.0,
+        **unsized,
     )
-    moe = build(router, disp, seed)
-    inner = moe.routed_experts.inner_experts
-    sl = local_experts()
-    for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
-        setattr(inner, name, torch.nn.Parameter(getattr(inner, name).detach()[sl].clone()))
-    moe.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
-    return moe
 
 
 def reference(router: str, seed: int) -> torch.nn.Module:
-    return build(router, LocalTokenDispatcher.Config(num_experts=EXPERTS, top_k=TOPK), seed)
-
-
-def tokens_per_rank(g: torch.Generator) -> list[int]:
-    """Uneven, and one rank (of several) with no tokens at all."""
-    t = [int(torch.randint(1, MAX_TOKENS + 1, (1,), generator=g)) for _ in range(WORLD)]
-    if WORLD > 1:
-        t[-1] = 0
-    return t
+    return tc.reference(router, seed, DEVICE)
 
 
 def batch(seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    tokens = tokens_per_rank(g)
-    xs = [torch.randn(1, t, DIM, generator=g) for t in tokens]
-    gs = [torch.randn(1, t, DIM, generator=g) for t in tokens]
-    return xs, gs
-
-
-def loss_of(out: torch.Tensor, g: torch.Tensor, mse_over: int | None) -> torch.Tensor:
-    """A linear loss (every output element's gradient is g), or squared error over the global batch."""
-    if mse_over is None:
-        return (out * g).sum()
-    return ((out - g) ** 2).sum() / max(1, mse_over)
+    return tc.batch(seed, WORLD)
 
 
 def step(
@@ -171,32 +104,11 @@ def reduce_replicated(moe: torch.nn.Module) -> None:
         p.grad.copy_(torch.from_numpy(t))
 
 
-def max_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.detach().float().cpu() - want.float().cpu()).abs().max()) if want.numel() else 0.0
-
-
-def scale(t: torch.Tensor) -> float:
-    """What errors are measured against: the largest magnitude, and at least 1."""
-    return max(1.0, float(t.abs().amax()) if t.numel() else 0.0)
-
-
 def compare_grads(mine: torch.nn.Module, ref: torch.nn.Module, tol: float) -> None:
-    ref_params = dict(ref.named_parameters())
-    sl = local_experts()
-    for name, p in mine.named_parameters():
-        want = ref_params[name].grad
-        if "inner_experts" in name and want is not None:
-            want = want[sl]
-        if want is not None and bool(want.abs().gt(0).any()):
-            assert p.grad is not None, f"{name}: no gradient, but the reference has one"
-        if want is None:
-            continue
-        got = p.grad.float().cpu() if p.grad is not None else torch.zeros_like(want)
-        err = max_err(got, want)
-        assert err <= tol * scale(want), f"{name}.grad: max abs error {err:.3g}"
+    tc.compare_grads(mine, ref, RANK, WORLD, tol)
 
 
-@pytest.mark.parametrize("router", list(ROUTERS))
+@pytest.mark.parametrize("router", ROUTERS)
 def test_forward_and_every_gradient_match_local_dispatcher(ep_mesh: object, router: str, seed: int) -> None:
     mine, ref = ours(router, seed, ep_mesh), reference(router, seed)
     xs, gs = batch(seed)

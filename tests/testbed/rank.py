@@ -10,6 +10,10 @@ management veth. Scenarios:
         receiver has checked.
   a2a   dispatch and combine with one rank per emulated host, compared with
         moe_a2a.reference on every rank.
+  titan TorchTitan's own MoE with MoeA2ATokenDispatcher, one rank per emulated host,
+        against the whole module with its LocalTokenDispatcher in this process:
+        the output, the input's gradient and every parameter's gradient, then
+        `steps` SGD steps whose global losses must follow the reference's.
   a2a_rate
         timed dispatch + combine steps (after one untimed step) with one rank per
         emulated host; each rank reports its seconds and the payload bytes it sent
@@ -21,6 +25,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -92,6 +97,53 @@ def a2a(group: object, rank: int, world: int, args: dict[str, str]) -> dict[str,
     return {"rounds": rounds, "tokens": tokens[rank]}
 
 
+def titan(group: object, rank: int, world: int, args: dict[str, str]) -> dict[str, object]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import titan_case as tc
+
+    seed, steps = int(args["seed"]), int(args["steps"])
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    mine = tc.ours(
+        args["router"], seed, mesh, rank, world, provider="tcp", ranks_per_node=1, num_nics=int(args["nics"])
+    )
+    ref = tc.reference(args["router"], seed)
+    xs, gs = tc.batch(seed, world)
+    total = sum(x.shape[1] for x in xs)
+    lo = sum(x.shape[1] for x in xs[:rank])
+    opt_m = torch.optim.SGD(mine.parameters(), lr=0.001)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.001)
+    losses_m, losses_r = [], []
+    for step in range(steps + 1):
+        opt_m.zero_grad()
+        x = xs[rank].clone().requires_grad_()
+        loss = tc.loss_of(mine(x), gs[rank], total)
+        loss.backward()
+        for name, p in mine.named_parameters():  # data parallelism's sum of the replicated ones
+            if "inner_experts" not in name and p.grad is not None:
+                dist.all_reduce(p.grad, group=group)
+        opt_r.zero_grad()
+        ref_x = torch.cat(xs, dim=1).requires_grad_()
+        ref_loss = tc.loss_of(ref(ref_x), torch.cat(gs, dim=1), total)
+        ref_loss.backward()
+        if step == 0:  # every gradient, before any step changes the weights
+            assert x.grad is not None and ref_x.grad is not None
+            want = ref_x.grad[:, lo : lo + x.shape[1]]
+            assert tc.max_err(x.grad, want) <= 2e-2 * tc.scale(want), "the input's gradient differs"
+            tc.compare_grads(mine, ref, rank, world, 2e-2)
+        opt_m.step()
+        opt_r.step()
+        total_loss = loss.detach().clone()
+        dist.all_reduce(total_loss, group=group)
+        losses_m.append(float(total_loss))
+        losses_r.append(float(ref_loss))
+    err = max(abs(a - b) for a, b in zip(losses_m, losses_r, strict=True))
+    assert err <= 0.02 * max(1.0, max(abs(r) for r in losses_r)), f"{losses_m} vs {losses_r}"
+    assert losses_r[-1] < losses_r[0], f"the reference did not train: {losses_r}"
+    return {"losses": losses_m, "reference": losses_r, "tokens": xs[rank].shape[1]}
+
+
 def a2a_rate(group: object, rank: int, world: int, args: dict[str, str]) -> dict[str, object]:
     from moe_a2a.all_to_all import AllToAll, Config
 
@@ -130,7 +182,8 @@ def main() -> int:
     dist.init_process_group("gloo", init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(range(world)), backend="gloo")
-    result = {"send": send, "a2a": a2a, "a2a_rate": a2a_rate}[scenario](group, rank, world, args)
+    scenarios = {"send": send, "a2a": a2a, "a2a_rate": a2a_rate, "titan": titan}
+    result = scenarios[scenario](group, rank, world, args)
     with open(out, "w") as f:
         json.dump({"rank": rank, **result}, f)
     dist.barrier(group)

@@ -187,6 +187,22 @@ def test_dispatch_combine_in_slices_across_hosts_equals_reference(
     assert [r["rounds"] for r in reports] == [3, 3, 3]
 
 
+@pytest.mark.parametrize("router", ["softmax", "node-limited"])
+def test_torchtitan_moe_trains_across_hosts_as_in_one_process(
+    bed3: testbed.Testbed, tmp_path: Path, router: str
+) -> None:
+    """TorchTitan's MoE with moe-a2a's dispatcher, peers over two NICs: every gradient and
+    20 SGD steps' losses against the whole module in one process (tests/titan_case.py)."""
+    pytest.importorskip("torchtitan.models.common.moe", reason="TorchTitan 0.3.0 is not installed")
+    before = [_tx(bed3, h) for h in range(3)]
+    reports = run_ranks(bed3, tmp_path, "titan", "va1,va2", router=router, seed=7, steps=20, nics=2)
+    sent = [{nic: n - before[h][nic] for nic, n in _tx(bed3, h).items()} for h in range(3)]
+    assert all(s["va1"] > 0 and s["va2"] > 0 for s in sent), sent  # each host's peers over both NICs
+    assert [len(r["losses"]) for r in reports] == [21] * 3
+    assert reports[0]["losses"] == reports[1]["losses"] == reports[2]["losses"]  # one global loss
+    assert [r["tokens"] > 0 for r in reports] == [True, True, False]  # the last host has none
+
+
 def test_cleanup_removes_stale_namespaces() -> None:
     prefix = f"{testbed.PREFIX}stale{os.getpid()}-"
     subprocess.run(["ip", "netns", "add", f"{prefix}x"], check=True)
