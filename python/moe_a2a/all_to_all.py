@@ -267,6 +267,9 @@ class AllToAll:
             raise
         self.device = self._backend.device
         self.graph_safe = graph_safe
+        # An unweighted combine's weights: views of one buffer, made here and never
+        # regrown, so that a captured graph's view stays valid.
+        self._ones_buf = torch.ones(cfg.max_tokens, cfg.topk, dtype=torch.float32, device=self.device)
         self._state = "idle"
         self._calls = 0  # API calls so far, rejected ones included: failures name theirs
         self._failure: str | None = None
@@ -617,10 +620,13 @@ class AllToAll:
         self._backend.combine_send(y.contiguous())
         self._state = "combine_sent"
         assert d.topk_weights is not None
-        weights = d.topk_weights if weighted else torch.ones_like(d.topk_weights)
+        weights = d.topk_weights if weighted else self._ones(d.topk_weights.shape[0])
         return PendingCombine(epoch=d.epoch, num_tokens=d.num_tokens, topk_weights=weights, owner=self.id)
 
     # -- validation and state ---------------------------------------------------------------------
+
+    def _ones(self, tokens: int) -> torch.Tensor:
+        return self._ones_buf[:tokens]
 
     def _on_device(self, name: str, t: torch.Tensor) -> None:
         if t.device != self.device:

@@ -242,6 +242,9 @@ class ExpertParallel:
         self.rank, self.world_size = self.forward_a2a.rank, self.forward_a2a.world_size
         self.num_local_experts = self.forward_a2a.num_local_experts
         self.device = self.forward_a2a.device
+        self._ids_dtypes = self.forward_a2a._backend.ids_dtypes  # what the core takes unconverted
+        self._local_experts = torch.arange(self.num_local_experts, device=self.device)
+        self._zero_rows = torch.zeros(0, 2 * cfg.topk, dtype=torch.float32, device=self.device)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -374,16 +377,19 @@ class ExpertParallel:
     def _new_handle(
         self, ids: torch.Tensor, weights: torch.Tensor, d: Dispatched, x_dtype: torch.dtype
     ) -> RoutingHandle:
-        counts = d.tokens_per_expert.to(self.device, torch.int64)
+        # Few torch calls: on a slow host each costs more than its kernel (docs/benchmarks.md).
+        counts = d.tokens_per_expert
         pad = self.cfg.expert_padding
-        padded = (counts + pad - 1) // pad * pad
         rows = d.expert_x.shape[0]
-        local = torch.arange(self.num_local_experts, device=self.device)
-        row_expert = torch.repeat_interleave(local, padded, output_size=rows)
         real = None
         if pad > 1:
+            counts = counts.to(torch.int64)
+            padded = (counts + pad - 1) // pad * pad
+            row_expert = torch.repeat_interleave(self._local_experts, padded, output_size=rows)
             start = torch.cumsum(padded, 0) - padded
             real = torch.arange(rows, device=self.device) - start[row_expert] < counts[row_expert]
+        else:
+            row_expert = torch.repeat_interleave(self._local_experts, counts, output_size=rows)
         h = RoutingHandle(
             owner=self.id,
             seq=next(self._seq),
@@ -435,18 +441,18 @@ class ExpertParallel:
         if side:
             rows = self._side.dispatch_recv().expert_x
             self._side.open = h
-            # A row's k is where its token's expert ids name this row's expert.
-            expert = (h.row_expert + self.rank * self.num_local_experts).to(torch.float32)
+            # A row's k is where its token's expert ids name this row's expert (the
+            # only match: _check_ids refused repeats).
+            first = self.rank * self.num_local_experts
+            expert = h.row_expert + first if first else h.row_expert
             match = rows[:, K:] == expert[:, None]
-            k = torch.argmax(match.to(torch.int8), dim=1)
-            w = torch.gather(rows[:, :K], 1, k[:, None]).squeeze(1)
             # Padding rows hold leftover bytes, which can be an earlier call's ids and
             # weights: only the plan says which rows are real.
-            real = match.any(dim=1)
             if h.real_rows is not None:
-                real &= h.real_rows
-            h.row_k = torch.where(real, k, torch.zeros_like(k))
-            h.row_weights = torch.where(real, w, torch.zeros_like(w))
+                match &= h.real_rows[:, None]
+            # A row without a match (padding) gets k 0 from argmax and weight 0 from the sum.
+            h.row_k = torch.argmax(match.to(torch.int8), dim=1)
+            h.row_weights = torch.where(match, rows[:, :K], 0.0).sum(dim=1)
         elif cached is not None:
             h.row_k, h.row_weights = cached.row_k, cached.row_weights
         expert_x = d.expert_x
@@ -462,7 +468,7 @@ class ExpertParallel:
         self._fwd.combine_send(y.contiguous(), h, weighted)
         if self._side.is_open_for(h):
             assert self._side._d is not None
-            self._side.combine_send(torch.zeros_like(self._side._d.expert_x), h, weighted=False)
+            self._side.combine_send(self._zeros(self._side._d.expert_x.shape[0]), h, weighted=False)
 
     def _forward_combine_recv(self, h: RoutingHandle) -> torch.Tensor:
         out = self._fwd.combine_recv()
@@ -517,7 +523,14 @@ class ExpertParallel:
         return grad_x, grad_w
 
     def _side_zeros(self, h: RoutingHandle) -> torch.Tensor:
-        return torch.zeros(h.num_tokens, 2 * self.cfg.topk, dtype=torch.float32, device=self.device)
+        return self._zeros(h.num_tokens)
+
+    def _zeros(self, rows: int) -> torch.Tensor:
+        """`rows` side-channel rows of zeros, read only: a view of one buffer, grown on demand
+        (a torch call fewer per side round than allocating them)."""
+        if self._zero_rows.shape[0] < rows:
+            self._zero_rows = torch.zeros(rows, 2 * self.cfg.topk, dtype=torch.float32, device=self.device)
+        return self._zero_rows[:rows]
 
     # -- validation -----------------------------------------------------------------------------
 
@@ -539,13 +552,22 @@ class ExpertParallel:
             raise ValueError(
                 f"dispatch: topk_ids: got {_describe(topk_ids)}; expected an integer [T, topk] tensor"
             )
-        if topk_ids.shape[0] > 0 and topk_ids.shape[1] > 1:
-            s = torch.sort(topk_ids, dim=1).values
-            if bool((s[:, 1:] == s[:, :-1]).any()):
+        tokens, k = topk_ids.shape
+        if tokens > 0 and k > 1:
+            # One stream synchronisation either way; for small k, comparing every pair
+            # takes fewer torch calls than a sort (each one costs a slow host tens of us).
+            if k <= 16:
+                repeats = int((topk_ids[:, :, None] == topk_ids[:, None, :]).sum()) != tokens * k
+            else:
+                s = torch.sort(topk_ids, dim=1).values
+                repeats = bool((s[:, 1:] == s[:, :-1]).any())
+            if repeats:
                 raise ValueError(
                     "dispatch: topk_ids: a token picks one expert twice; expected distinct experts per token"
                 )
-        return topk_ids.to(torch.int32).contiguous()
+        if topk_ids.dtype not in self._ids_dtypes:
+            topk_ids = topk_ids.to(self._ids_dtypes[-1])
+        return topk_ids.contiguous()
 
 
 class _DispatchFn(torch.autograd.Function):

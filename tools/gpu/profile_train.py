@@ -1,12 +1,14 @@
 """Where one rank's training step of dispatch + combine spends its GPU time (one process, no mpirun).
 
-    python3 tools/gpu/profile_train.py [--dispatch-dtype bf16|fp8] [--steps 3]
+    python3 tools/gpu/profile_train.py [--dispatch-dtype bf16|fp8] [--steps 3] [--trace FILE.json]
 
 The step of `moe-a2a bench a2a --train` at the DeepSeek-V3 training shape
 (4096 tokens, hidden 7168, 256 experts, top-8, bf16 gradients, the identity
 expert): prints the median forward and backward time of 10 steps, then the
 torch profiler's table of kernels over `--steps` steps (divide by the steps
-for a step's share).
+for a step's share). `--trace` also writes the profiled steps as a Chrome
+trace (host calls and kernels on one clock), where the host waits show as
+gaps between kernels.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dispatch-dtype", choices=("bf16", "fp8"), default="bf16")
     p.add_argument("--steps", type=int, default=3, help="profiled steps")
+    p.add_argument("--trace", help="write the profiled steps as a Chrome trace to this file")
     args = p.parse_args()
     torch.cuda.set_device(0)
     cfg = Config(
@@ -64,6 +67,10 @@ def main() -> None:
             step()
     print(f"kernels over {args.steps} steps:")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=70))
+    print("host calls over the same steps:")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
     ep.close()
 
 
