@@ -1,7 +1,8 @@
 """Remove the shared-memory files a dead job left behind (`moe-a2a cleanup`).
 
 libfabric's shm provider backs each endpoint with a 16 MiB file in /dev/shm
-named `<pid>:<n>:<m>`, unlinked when the endpoint closes. A rank killed by
+named `<pid>:<n>:<m>` (ours `<pid>:<random>:<n>`: src/fabric/libfabric_backend.cc),
+unlinked when the endpoint closes. A rank killed by
 SIGKILL (or the OOM killer) never closes it, and nothing the library runs can
 then remove it. The library avoids the endpoint where it can (no engine is
 opened when every peer shares the node); where it cannot, this removes the

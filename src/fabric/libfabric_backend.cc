@@ -15,6 +15,8 @@
 #include <set>
 #include <sstream>
 
+#include <unistd.h>
+
 #include "backend.h"
 #include "error.h"
 
@@ -34,6 +36,19 @@ uint64_t random_key(size_t key_bytes) {
   uint64_t key = (static_cast<uint64_t>(device()) << 32) | device();
   if (key_bytes > 0 && key_bytes < sizeof(key)) key &= (uint64_t{1} << (8 * key_bytes)) - 1;
   return key;
+}
+
+// shm names an endpoint's /dev/shm file `<pid>:<uid>:<n>` and refuses to enable
+// it when that file exists. A rank killed by SIGKILL leaves its file behind, and
+// a later process given the same pid (pid_max can be 32768) could then open no
+// shm endpoint: ours get a random middle part instead. The pid stays first, so
+// `moe-a2a cleanup` still knows whose file it is.
+std::string shm_endpoint_name() {
+  static std::mutex mu;
+  static const uint32_t nonce = static_cast<uint32_t>(random_key(4) & 0x7fffffff);
+  static uint32_t next = 0;
+  std::lock_guard<std::mutex> lock(mu);
+  return std::to_string(getpid()) + ":" + std::to_string(nonce) + ":" + std::to_string(next++);
 }
 
 std::string fi_message(int rc) { return std::string(fi_strerror(-rc)) + " (" + std::to_string(rc) + ")"; }
@@ -112,6 +127,10 @@ class LibfabricBackend final : public Backend {
     av_attr.type = FI_AV_TABLE;
     check(fi_av_open(domain_, &av_attr, &av_, nullptr), "fi_av_open");
     check(fi_endpoint(domain_, info_.get(), &ep_, nullptr), "fi_endpoint");
+    if (caps_.provider == "shm") {
+      std::string name = shm_endpoint_name();
+      check(fi_setname(&ep_->fid, name.data(), name.size() + 1), "fi_setname");
+    }
     check(fi_ep_bind(ep_, &cq_->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind(cq)");
     check(fi_ep_bind(ep_, &av_->fid, 0), "fi_ep_bind(av)");
     check(fi_enable(ep_), "fi_enable");

@@ -49,6 +49,29 @@ def test_killed_rank_files_are_removed() -> None:
             child.wait(timeout=30)
 
 
+# A process whose pid a killed rank had: that rank's file, under the name libfabric's
+# shm would give this process's first endpoint, is still there.
+REUSED_PID = """
+import os
+stale = f"/dev/shm/{os.getpid()}:{os.getuid()}:0"
+with open(stale, "wb") as f:
+    f.write(b"x" * 64)
+try:
+    from moe_a2a import _core
+    _core.TransferEngine(0, 1, "shm")
+    print("opened", flush=True)
+finally:
+    os.unlink(stale)
+"""
+
+
+@pytest.mark.skipif("shm" not in _core.libfabric_providers(), reason="libfabric offers no shm provider here")
+@pytest.mark.timeout(120)
+def test_a_dead_process_file_under_this_pid_does_not_block_an_endpoint() -> None:
+    out = subprocess.run([sys.executable, "-c", REUSED_PID], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "opened", out.stderr[-2000:]
+
+
 def test_only_dead_processes_files_go(tmp_path) -> None:  # type: ignore[no-untyped-def]
     dead, live = _dead_pid(), os.getpid()
     names = [f"{dead}:0:0", f"{dead}:3:1", f"moe-a2a-{dead}-0123456789ab-r1", f"{live}:0:0",
