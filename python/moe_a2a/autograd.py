@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from moe_a2a.all_to_all import AllToAll, Config, Dispatched, Routing, _describe
+from moe_a2a.kernels.dequant import dequantize_fp8_as
 from moe_a2a.kernels.scale_dot import scale_dot
-from moe_a2a.reference import dequantize_fp8
 
 GRAD_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _ids = itertools.count(1)
@@ -457,7 +457,7 @@ class ExpertParallel:
             h.row_k, h.row_weights = cached.row_k, cached.row_weights
         expert_x = d.expert_x
         if d.expert_x_scale is not None:
-            expert_x = dequantize_fp8(expert_x, d.expert_x_scale)
+            expert_x = dequantize_fp8_as(expert_x, d.expert_x_scale, x_dtype)
         # A fresh tensor object for autograd, which sets its grad_fn: the channel's
         # Dispatched holds d.expert_x, and rows -> grad_fn -> ctx -> self -> channel
         # would be a cycle through C++ that Python's gc cannot collect.
