@@ -1,4 +1,4 @@
-"""tools/gpu/run_cuda_tests.sh answers --help and a wrong stage without building or running anything."""
+"""tools/gpu/run_cuda_tests.sh and ab_python.sh answer --help and bad arguments, building nothing."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "gpu" / "run_cuda_tests.sh"
+AB = ROOT / "tools" / "gpu" / "ab_python.sh"
 
 
-def _run(*args: str, out: Path) -> subprocess.CompletedProcess[str]:
+def _run(*args: str, out: Path, script: Path = SCRIPT) -> subprocess.CompletedProcess[str]:
     env = {"PATH": "/usr/bin:/bin", "OUT": str(out)}
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=30)
+    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, env=env, timeout=30)
 
 
 def test_help_prints_usage_and_makes_nothing(tmp_path: Path) -> None:
@@ -29,3 +30,17 @@ def test_unknown_stage_is_a_usage_error(tmp_path: Path) -> None:
         "(see --help)"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_ab_python_help_and_bad_arguments_make_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = _run("--help", out=out, script=AB)
+    assert done.returncode == 0 and "git archive REV python/moe_a2a" in done.stdout, done.stderr
+    done = _run(out=out, script=AB)
+    assert done.returncode == 2 and "usage: ab_python.sh OLD_PACKAGE_DIR" in done.stderr
+    done = _run(str(tmp_path), out=out, script=AB)
+    assert done.returncode == 2
+    assert f"OLD_PACKAGE_DIR: got '{tmp_path}', which holds no moe_a2a package" in done.stderr
+    done = _run(str(ROOT / "python" / "moe_a2a"), "0", out=out, script=AB)
+    assert done.returncode == 2 and "ROUNDS: got '0'; expected a whole number >= 1" in done.stderr
+    assert not out.exists()
