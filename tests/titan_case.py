@@ -63,6 +63,16 @@ def local_experts(rank: int, world: int) -> slice:
     return slice(rank * per, (rank + 1) * per)
 
 
+# moe-a2a's dispatcher as the tests build it, unless a test says otherwise.
+DISPATCHER_DEFAULTS: dict[str, object] = {
+    "hidden_dim": DIM,
+    "num_max_tokens_per_rank": MAX_TOKENS,
+    "combine_dtype": "fp32",
+    "grad_dtype": "fp32",
+    "timeout_s": 120.0,
+}
+
+
 def ours(
     router: str,
     seed: int,
@@ -74,18 +84,8 @@ def ours(
 ) -> torch.nn.Module:
     """The same module on this rank: moe-a2a's dispatcher (`dispatcher`: its Config's
     fields), only the local experts' weights."""
-    disp = MoeA2ATokenDispatcher.Config(
-        num_experts=EXPERTS,
-        top_k=TOPK,
-        **{
-            "hidden_dim": DIM,
-            "num_max_tokens_per_rank": MAX_TOKENS,
-            "combine_dtype": "fp32",
-            "grad_dtype": "fp32",
-            "timeout_s": 120.0,
-            **dispatcher,
-        },
-    )
+    fields = {**DISPATCHER_DEFAULTS, **dispatcher}
+    disp = MoeA2ATokenDispatcher.Config(num_experts=EXPERTS, top_k=TOPK, **fields)
     moe = build(router, disp, seed, device)
     inner = moe.routed_experts.inner_experts
     sl = local_experts(rank, world)
