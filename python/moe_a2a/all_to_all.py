@@ -132,6 +132,9 @@ class Routing:
     rank: int = field(repr=False)
     world_size: int = field(repr=False)
     max_tokens: int = field(repr=False)
+    # topk_ids' version counter when dispatch returned it: a call along the routing does not
+    # check its ids again (on CUDA that would cost a wait), so an in-place change is refused.
+    ids_version: int | None = field(repr=False, default=None)
 
 
 @dataclass
@@ -479,6 +482,11 @@ class AllToAll:
                 f"dispatch: routing: made for (rank, world size, num_experts, topk) = {got} and "
                 f"max_tokens {routing.max_tokens}; expected {want} and at most {self.cfg.max_tokens}"
             )
+        if routing.ids_version is not None and routing.topk_ids._version != routing.ids_version:
+            raise ValueError(
+                "dispatch: routing: its topk_ids were changed in place after dispatch returned it; "
+                "expected the Routing unchanged"
+            )
         if routing.topk_ids.device != self.device:
             raise ValueError(
                 f"dispatch: routing: its topk_ids are on {routing.topk_ids.device}; expected {self.device}"
@@ -538,6 +546,7 @@ class AllToAll:
                 rank=self.rank,
                 world_size=self.world_size,
                 max_tokens=self.cfg.max_tokens,
+                ids_version=handle.topk_ids._version,
             )
         d = Dispatched(
             expert_x=expert_x,

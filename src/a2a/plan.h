@@ -101,6 +101,16 @@ inline RecvPlan make_recv_plan(const RoutingView& v, int rank, uint64_t private_
   return p;
 }
 
+// Whether some rank would receive more than max_recv_tokens copies: a cached
+// call knows it from its matrix when it starts, before any peer's stamp about
+// it can arrive (the proxy and the kernels find the same).
+inline bool over_capacity(const A2AConfig& c, const uint32_t* routing) {
+  RoutingView v{routing, c.world, c.num_experts, c.num_local_experts()};
+  for (int r = 0; r < c.world; ++r)
+    if (v.received(r) > static_cast<uint64_t>(c.max_recv_tokens)) return true;
+  return false;
+}
+
 // Appended to a timeout waiting for a routing row: a peer running the call
 // cached publishes none (docs/protocol.md, "Cached calls", Agreement).
 inline constexpr const char* kCachedMismatchHint =

@@ -19,7 +19,7 @@ import pytest
 import torch
 from ranks import DEVICE, PROVIDER, RANK, WORLD, device_pytestmark, layouts
 
-from moe_a2a import AllToAll, Config, Routing
+from moe_a2a import AllToAll, CapacityError, Config, Routing
 from moe_a2a.autograd import ExpertParallel
 
 pytestmark = device_pytestmark
@@ -118,6 +118,33 @@ def test_a_routing_travels_to_an_instance_of_the_same_shape(
         want = round_trip(other, rows.float(), topk_ids=ids, topk_weights=w)
         assert other.routing_rows() == (WORLD - 1, WORLD - 1), "only the full dispatch exchanged rows"
     assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+
+
+def test_a_routing_over_another_instances_capacity(a2a: AllToAll, rpn: int | None, seed: int) -> None:
+    """Along a routing that overfills this instance's receive buffers: a CapacityError on every
+    rank (on CUDA the receive half then waits for the plan kernel, which finds it), and the
+    instance stays usable."""
+    x, ids, w, rows = layer_inputs(seed, 8)
+    ids = torch.arange(TOPK, device=DEVICE).repeat(x.shape[0], 1)  # every copy to rank 0's experts
+    *_, d = round_trip(a2a, x, topk_ids=ids, topk_weights=w, keep_routing=True)
+    copies = int(d.routing.matrix[:, : EXPERTS // WORLD].sum())
+    if copies < 2:
+        pytest.skip("the world's tokens make fewer than two copies")
+    cfg = Config(MAX_TOKENS, HIDDEN, EXPERTS, TOPK, max_recv_tokens=copies - 1, max_private_tokens=1)
+    with AllToAll(cfg, device=DEVICE, provider=PROVIDER, ranks_per_node=rpn) as small:
+        with pytest.raises(CapacityError, match=f"max_recv_tokens={copies - 1}"):
+            small.dispatch(rows, routing=d.routing)
+        got = round_trip(small, rows[:0], topk_ids=ids[:0], topk_weights=w[:0])  # usable: an empty call
+        assert got[0].shape[0] == 0
+
+
+def test_a_changed_routing_is_refused(a2a: AllToAll, seed: int) -> None:
+    """topk_ids changed in place after dispatch returned the routing: refused, on every rank alike."""
+    x, ids, w, rows = layer_inputs(seed, 10)
+    *_, d = round_trip(a2a, x, topk_ids=ids.clone(), topk_weights=w, keep_routing=True)
+    d.routing.topk_ids.add_(0)
+    with pytest.raises(ValueError, match="topk_ids were changed in place"):
+        a2a.dispatch(rows, routing=d.routing)
 
 
 def test_bad_routing_names_the_argument(rpn: int | None, seed: int) -> None:

@@ -9,7 +9,9 @@ run, to learn how many rows arrived (the output's shape) and to raise what the
 kernels reported (an expert id out of range: those copies were dropped, and the
 instance is unusable afterwards, as after any failure but a capacity error);
 it does not synchronise the stream, so the rows are still being copied when it
-returns, in stream order before anything the caller enqueues next.
+returns, in stream order before anything the caller enqueues next. A call
+along a cached routing waits for nothing: its rows follow from the matrix on
+the host, and its ids were checked by the call that made the routing.
 Combine's receive half waits for its peers on the host, where timeouts and
 proxy failures are raised, and returns without synchronising: the result is
 ready in stream order. With `graph_safe=True` nothing synchronises: dispatch
@@ -158,13 +160,32 @@ class CudaBackend:
         if self.cfg.expert_padding > 1:
             _zero_unfilled_rows(expert_x, scale, counts, self.cfg.expert_padding)
         if not self.graph_safe:
-            # Not a stream synchronisation: the plan kernel raises a host word once the
-            # output rows and the status are final, and the copy kernel goes on meanwhile.
-            self._impl.wait_planned()
-            filled = int(self._impl.output_rows)
+            filled = self._known_rows(self._last_matrix) if self._last_matrix is not None else None
+            if filled is None:
+                # Not a stream synchronisation: the plan kernel raises a host word once the
+                # output rows and the status are final, and the copy kernel goes on meanwhile.
+                self._impl.wait_planned()
+                filled = int(self._impl.output_rows)
             expert_x = expert_x[:filled]
             scale = scale[:filled] if scale is not None else None
         return expert_x, scale, counts
+
+    def _known_rows(self, matrix: torch.Tensor) -> int | None:
+        """A cached call's output rows, from its matrix on the host: its receive half then waits
+        for nothing, and the host runs ahead of the GPU (the backward's dispatches are cached).
+
+        None where some rank would be over capacity: the plan kernel says so, and every rank
+        waits for it to raise the CapacityError. Computed per call, never cached: the plan
+        kernel reads the matrix as it is now.
+        """
+        world, rank = self._setup.bootstrap.world_size, self._setup.bootstrap.rank
+        per_expert = matrix.numpy().sum(axis=0, dtype=np.int64)  # [num_experts] copies
+        local = per_expert.shape[0] // world
+        if int(per_expert.reshape(world, local).sum(axis=1).max()) > self._setup.core_cfg.max_recv_tokens:
+            return None
+        pad = self.cfg.expert_padding
+        mine = per_expert[rank * local : (rank + 1) * local]
+        return int(((mine + pad - 1) // pad * pad).sum())
 
     def combine_send(self, y: torch.Tensor) -> None:
         self._impl.combine_send(y.data_ptr(), CORE_DTYPE[y.dtype], y.shape[0], self._stream())

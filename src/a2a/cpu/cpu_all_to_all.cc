@@ -104,6 +104,7 @@ void CpuAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_sca
   at_ = CallPosition{};
   at_.epoch = epoch_;
   at_.cached = at_.routed = cached_call_;
+  at_.overflow = cached_call_ && over_capacity(cfg_, routing);  // `routed`: whether it overflows is known
 
   if (cached_call_) {
     // The proxy takes the whole matrix from here: nothing to publish.

@@ -458,6 +458,7 @@ void CudaAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_sc
   if (!captured) {
     at_.epoch = epoch_;
     at_.cached = at_.routed = routing != nullptr;
+    at_.overflow = routing != nullptr && over_capacity(cfg_, routing);  // `routed`: whether it overflows is known
     at_.combining = !has_remote_;  // no barrier: a peer may be in our next call once it has our rows
     at_.silent_overflow = !has_remote_;
   }
