@@ -34,6 +34,7 @@ import torch
 from moe_a2a.all_to_all import AllToAll, Config, Dispatched, Routing, _describe
 from moe_a2a.kernels.dequant import dequantize_fp8_as
 from moe_a2a.kernels.scale_dot import scale_dot
+from moe_a2a.kernels.side_rows import RowRoute, pack_side_rows, route_rows
 
 GRAD_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _ids = itertools.count(1)
@@ -96,6 +97,7 @@ class PendingRouted:
     topk_weights: torch.Tensor
     cached: RoutingHandle | None
     track: bool  # gradients were enabled at the send half
+    side_rows: torch.Tensor | None = None  # the side channel's rows, sent once the main plan is known
 
 
 @dataclass
@@ -243,8 +245,15 @@ class ExpertParallel:
         self.num_local_experts = self.forward_a2a.num_local_experts
         self.device = self.forward_a2a.device
         self._ids_dtypes = self.forward_a2a._backend.ids_dtypes  # what the core takes unconverted
-        self._local_experts = torch.arange(self.num_local_experts, device=self.device)
+        self._all = list({id(a): a for a in (self.forward_a2a, self.backward_a2a, self.side_a2a)}.values())
         self._zero_rows = torch.zeros(0, 2 * cfg.topk, dtype=torch.float32, device=self.device)
+        # The last forward dispatch whose ids had a token pick one expert twice (pack_side_rows),
+        # and on CUDA its copy in pinned memory, read after the plan wait of the call it checks.
+        self._call = 0
+        self._repeats = torch.zeros(1, dtype=torch.int64, device=self.device)
+        cuda = self.device.type == "cuda"
+        self._repeats_host = torch.zeros(1, dtype=torch.int64, pin_memory=True) if cuda else None
+        self._repeats_due = 0
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -296,14 +305,14 @@ class ExpertParallel:
         p = PendingRouted(x, ids, weights, handle, torch.is_grad_enabled())
         if recv:
             return self._dispatch_recv(p, sent=False)
-        self._forward_dispatch_send(x, ids, weights, p.track and handle is None, handle)
+        p.side_rows = self._forward_dispatch_send(x, ids, weights, p.track and handle is None, handle)
         return p
 
     def _dispatch_recv(self, p: PendingRouted, sent: bool) -> Routed:
         box: dict[str, Any] = {}
         with torch.set_grad_enabled(p.track):
             expert_x, row_weights = _DispatchFn.apply(
-                self, box, p.x, p.topk_weights, p.topk_ids, p.cached, p.track, sent
+                self, box, p.x, p.topk_weights, p.topk_ids, p.cached, p.track, p if sent else None
             )
         h: RoutingHandle = box["handle"]
         if not p.track or p.cached is not None:
@@ -363,8 +372,12 @@ class ExpertParallel:
         return self._live
 
     def close(self) -> None:
-        for a2a in {id(a): a for a in (self.forward_a2a, self.backward_a2a, self.side_a2a)}.values():
-            a2a.close()
+        # A failure stops every instance alike, whichever one a rank saw it in: on the
+        # failing rank all of them, on a peer the one whose call raised PeerFailedError.
+        # Closing waits for the peers only where none failed, the same choice on every rank.
+        healthy = all(a._failure is None for a in self._all if a._setup is not None)
+        for a2a in self._all:
+            a2a.close(wait_for_peers=healthy)
 
     def __enter__(self) -> ExpertParallel:
         return self
@@ -375,29 +388,33 @@ class ExpertParallel:
     # -- the work behind the autograd functions ---------------------------------------------------
 
     def _new_handle(
-        self, ids: torch.Tensor, weights: torch.Tensor, d: Dispatched, x_dtype: torch.dtype
+        self,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        d: Dispatched,
+        x_dtype: torch.dtype,
+        cached: RoutingHandle | None,
+        side_rows: torch.Tensor | None,
     ) -> RoutingHandle:
-        # Few torch calls: on a slow host each costs more than its kernel (docs/benchmarks.md).
-        counts = d.tokens_per_expert
-        pad = self.cfg.expert_padding
-        rows = d.expert_x.shape[0]
-        real = None
-        if pad > 1:
-            counts = counts.to(torch.int64)
-            padded = (counts + pad - 1) // pad * pad
-            row_expert = torch.repeat_interleave(self._local_experts, padded, output_size=rows)
-            start = torch.cumsum(padded, 0) - padded
-            real = torch.arange(rows, device=self.device) - start[row_expert] < counts[row_expert]
+        """The handle of a dispatch just received; with `side_rows` (the side channel's
+        received rows) each row's k and weight too, in the same launch on CUDA."""
+        if cached is not None:  # the same routing: the same rows
+            route = RowRoute(cached.row_expert, cached.real_rows)
+            route.k, route.weight = cached.row_k, cached.row_weights
         else:
-            row_expert = torch.repeat_interleave(self._local_experts, counts, output_size=rows)
+            first = self.rank * self.num_local_experts
+            rows = d.expert_x.shape[0]
+            route = route_rows(d.tokens_per_expert, self.cfg.expert_padding, rows, first, side_rows)
         h = RoutingHandle(
             owner=self.id,
             seq=next(self._seq),
             topk_ids=ids,
             topk_weights=weights.detach().to(torch.float32).contiguous(),
             tokens_per_expert=d.tokens_per_expert,
-            row_expert=row_expert,
-            real_rows=real,
+            row_expert=route.expert,
+            real_rows=route.real,
+            row_k=route.k,
+            row_weights=route.weight,
             x_dtype=x_dtype,
             routing=d.routing,
         )
@@ -415,14 +432,23 @@ class ExpertParallel:
         weights: torch.Tensor,
         side: bool,
         cached: RoutingHandle | None = None,
-    ) -> None:
-        """The forward dispatch's send half, along `cached`'s routing when given; the side
-        channel's rows travel alongside the main ones."""
+    ) -> torch.Tensor | None:
+        """The forward dispatch's send half, along `cached`'s routing when given; returns the
+        side channel's rows (with `side`), which the receive half sends."""
         routing = cached.routing if cached is not None else None
         self._fwd.dispatch_send(x, ids, weights, closable=False, routing=routing, keep_routing=True)
-        if side:
-            meta = torch.cat([weights.detach().to(torch.float32), ids.to(torch.float32)], dim=1)
-            self._side.dispatch_send(meta.contiguous(), ids, weights, closable=True)
+        if not side:
+            return None
+        # Built while the GPU packs the main rows, with the check that no token picks one
+        # expert twice (the receivers find a row's k by its expert id).
+        self._call += 1
+        rows = pack_side_rows(ids, weights, self._repeats, self._call)
+        if self._repeats_host is None:  # on the CPU the check is done
+            self._check_repeats(self._call, self._repeats)
+        else:  # read once the receive half has waited for the plan, which the stream runs later
+            self._repeats_host.copy_(self._repeats, non_blocking=True)
+            self._repeats_due = self._call
+        return rows
 
     def _forward_dispatch_recv(
         self,
@@ -430,31 +456,24 @@ class ExpertParallel:
         ids: torch.Tensor,
         weights: torch.Tensor,
         cached: RoutingHandle | None,
-        side: bool,
+        side_rows: torch.Tensor | None,
         weights_grad: bool,
     ) -> tuple[torch.Tensor, RoutingHandle]:
-        K = self.cfg.topk
         d = self._fwd.dispatch_recv()
-        h = self._new_handle(ids, weights, d, x_dtype)
+        if self._repeats_due:
+            due, self._repeats_due = self._repeats_due, 0
+            self._check_repeats(due, self._repeats_host)
+        received = None
+        if side_rows is not None:
+            # Along the routing the main exchange just gathered: the side round exchanges no
+            # routing, and its receive half waits for nothing (its rows follow from the matrix).
+            self._side.dispatch_send(side_rows, ids, weights, closable=True, routing=d.routing)
+            received = self._side.dispatch_recv().expert_x
+        h = self._new_handle(ids, weights, d, x_dtype, cached, received)
         h.weights_grad = weights_grad
         self._fwd.open = h
-        if side:
-            rows = self._side.dispatch_recv().expert_x
+        if side_rows is not None:
             self._side.open = h
-            # A row's k is where its token's expert ids name this row's expert (the
-            # only match: _check_ids refused repeats).
-            first = self.rank * self.num_local_experts
-            expert = h.row_expert + first if first else h.row_expert
-            match = rows[:, K:] == expert[:, None]
-            # Padding rows hold leftover bytes, which can be an earlier call's ids and
-            # weights: only the plan says which rows are real.
-            if h.real_rows is not None:
-                match &= h.real_rows[:, None]
-            # A row without a match (padding) gets k 0 from argmax and weight 0 from the sum.
-            h.row_k = torch.argmax(match.to(torch.int8), dim=1)
-            h.row_weights = torch.where(match, rows[:, :K], 0.0).sum(dim=1)
-        elif cached is not None:
-            h.row_k, h.row_weights = cached.row_k, cached.row_weights
         expert_x = d.expert_x
         if d.expert_x_scale is not None:
             expert_x = dequantize_fp8_as(expert_x, d.expert_x_scale, x_dtype)
@@ -534,9 +553,29 @@ class ExpertParallel:
 
     # -- validation -----------------------------------------------------------------------------
 
+    def _check_repeats(self, call: int, flag: torch.Tensor) -> None:
+        """Refuse call `call` if `flag` (host memory) says one of its tokens repeats an expert."""
+        if int(flag[0]) == call:
+            self._refuse_repeats()
+
+    def _refuse_repeats(self) -> None:
+        """A token picks one expert twice: fail on every rank, whose calls cannot pair with ours.
+
+        Every instance stops and tells its peers, as AllToAll does after a bad argument, so
+        a peer waiting in any of them gets an error instead of a timeout.
+        """
+        exc = ValueError(
+            "dispatch: topk_ids: a token picks one expert twice; expected distinct experts per token"
+        )
+        for a2a in self._all:
+            a2a._fail("dispatch", exc)
+        raise exc
+
     def _check_open(self) -> None:
         if self.forward_a2a._setup is None:
             raise RuntimeError("ExpertParallel is closed")
+        for a2a in self._all:  # a failure in any of them stops them all
+            a2a._check_usable()
 
     def _check_handle(self, what: str, h: Any) -> None:
         if not isinstance(h, RoutingHandle):
@@ -547,24 +586,12 @@ class ExpertParallel:
             )
 
     def _check_ids(self, topk_ids: Any) -> torch.Tensor:
-        """The side channel finds a row's k by its expert id: a token must not pick one expert twice."""
+        """Integer [T, topk] ids, in a dtype the core takes as it is (the repeat check is
+        pack_side_rows', where the side channel runs)."""
         if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.dtype.is_floating_point:
             raise ValueError(
                 f"dispatch: topk_ids: got {_describe(topk_ids)}; expected an integer [T, topk] tensor"
             )
-        tokens, k = topk_ids.shape
-        if tokens > 0 and k > 1:
-            # One stream synchronisation either way; for small k, comparing every pair
-            # takes fewer torch calls than a sort (each one costs a slow host tens of us).
-            if k <= 16:
-                repeats = int((topk_ids[:, :, None] == topk_ids[:, None, :]).sum()) != tokens * k
-            else:
-                s = torch.sort(topk_ids, dim=1).values
-                repeats = bool((s[:, 1:] == s[:, :-1]).any())
-            if repeats:
-                raise ValueError(
-                    "dispatch: topk_ids: a token picks one expert twice; expected distinct experts per token"
-                )
         if topk_ids.dtype not in self._ids_dtypes:
             topk_ids = topk_ids.to(self._ids_dtypes[-1])
         return topk_ids.contiguous()
@@ -581,13 +608,15 @@ class _DispatchFn(torch.autograd.Function):
         ids: torch.Tensor,
         cached: RoutingHandle | None,
         track: bool,
-        sent: bool,
+        sent: PendingRouted | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         side = track and cached is None
-        if not sent:
-            ep._forward_dispatch_send(x, ids, weights, side, cached)
+        if sent is None:
+            side_rows = ep._forward_dispatch_send(x, ids, weights, side, cached)
+        else:
+            side_rows = sent.side_rows
         weights_grad = side and ctx.needs_input_grad[3]
-        expert_x, h = ep._forward_dispatch_recv(x.dtype, ids, weights, cached, side, weights_grad)
+        expert_x, h = ep._forward_dispatch_recv(x.dtype, ids, weights, cached, side_rows, weights_grad)
         box["handle"] = h
         ctx.ep, ctx.handle = ep, h
         row_weights = h.row_weights if h.row_weights is not None else torch.empty(0, device=x.device)

@@ -19,6 +19,7 @@ import torch
 from ranks import DEVICE, PROVIDER, RANK, WORLD, device_pytestmark, layouts
 from torch.utils.checkpoint import checkpoint
 
+from moe_a2a import PeerFailedError
 from moe_a2a.all_to_all import Config
 from moe_a2a.autograd import ExpertParallel
 from moe_a2a.reference import dequantize_fp8, quantize_fp8
@@ -263,12 +264,32 @@ def test_foreign_handle_is_refused(ep: ExpertParallel, case: str, seed: int) -> 
 
 def test_bad_input_names_the_argument(ep: ExpertParallel) -> None:
     x = torch.zeros(2, HIDDEN, device=DEVICE)
-    same = torch.tensor([[0, 0, 1], [1, 2, 3]], device=DEVICE)
+    ids = torch.tensor([[0, 4, 1], [1, 2, 3]], device=DEVICE)
     w = torch.ones(2, TOPK, device=DEVICE)
-    with pytest.raises(ValueError, match="topk_ids: a token picks one expert twice"):
-        ep.dispatch(x, same, w)
     with pytest.raises(ValueError, match="x: got a torch.int64"):
-        ep.dispatch(x.long(), same, w)
+        ep.dispatch(x.long(), ids, w)
+
+
+@pytest.mark.parametrize("who", ["every rank", "rank 0 only"])
+def test_a_repeated_expert_fails_every_rank(who: str) -> None:
+    """A token that picks one expert twice (the side channel could not tell its rows apart) is
+    refused, and the peers of a rank that passed it fail too instead of waiting for it.
+    On CUDA the check is read after the plan wait (no synchronisation of its own)."""
+    cfg = Config(MAX_TOKENS, HIDDEN, EXPERTS, TOPK, timeout_s=TIMEOUT_S)
+    with ExpertParallel(cfg, device=DEVICE, provider=PROVIDER, grad_dtype="fp32") as e:
+        x = torch.zeros(2, HIDDEN, device=DEVICE, requires_grad=True)
+        w = torch.ones(2, TOPK, device=DEVICE, requires_grad=True)
+        bad = who == "every rank" or RANK == 0
+        ids = torch.tensor([[0, 0, 1] if bad else [0, 4, 1], [1, 2, 3]], device=DEVICE)
+        if bad:
+            with pytest.raises(ValueError, match="topk_ids: a token picks one expert twice"):
+                e.dispatch(x, ids, w)
+        else:
+            with pytest.raises((PeerFailedError, RuntimeError), match="picks one expert twice"):
+                routed = e.dispatch(x, ids, w)
+                e.combine(routed.expert_x * 1.0, routed)
+        with pytest.raises(RuntimeError, match="unusable after an earlier failure"):
+            e.dispatch(x, torch.tensor([[0, 4, 1], [1, 2, 3]], device=DEVICE), w)
 
 
 def test_split_halves_match_whole_calls(ep: ExpertParallel, case: str, seed: int) -> None:
