@@ -399,8 +399,7 @@ class ExpertParallel:
         """The handle of a dispatch just received; with `side_rows` (the side channel's
         received rows) each row's k and weight too, in the same launch on CUDA."""
         if cached is not None:  # the same routing: the same rows
-            route = RowRoute(cached.row_expert, cached.real_rows)
-            route.k, route.weight = cached.row_k, cached.row_weights
+            route = RowRoute(cached.row_expert, cached.real_rows, cached.row_k, cached.row_weights)
         else:
             first = self.rank * self.num_local_experts
             rows = d.expert_x.shape[0]
