@@ -435,11 +435,17 @@ class ExpertParallel:
         """The forward dispatch's send half, along `cached`'s routing when given; returns the
         side channel's rows (with `side`), which the receive half sends."""
         routing = cached.routing if cached is not None else None
+        rows = None
+        if side and self._repeats_host is None:  # CPU: checked before anything is sent
+            rows = self._pack_side(ids, weights)
         self._fwd.dispatch_send(x, ids, weights, closable=False, routing=routing, keep_routing=True)
-        if not side:
-            return None
-        # Built while the GPU packs the main rows, with the check that no token picks one
-        # expert twice (the receivers find a row's k by its expert id).
+        if side and rows is None:  # CUDA: built while the GPU packs the main rows
+            rows = self._pack_side(ids, weights)
+        return rows
+
+    def _pack_side(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The side rows, with the check that no token picks one expert twice (the receivers
+        find a row's k by its expert id)."""
         self._call += 1
         rows = pack_side_rows(ids, weights, self._repeats, self._call)
         if self._repeats_host is None:  # on the CPU the check is done

@@ -282,7 +282,10 @@ def test_a_repeated_expert_fails_every_rank(who: str) -> None:
         bad = who == "every rank" or RANK == 0
         ids = torch.tensor([[0, 0, 1] if bad else [0, 4, 1], [1, 2, 3]], device=DEVICE)
         if bad:
-            with pytest.raises(ValueError, match="topk_ids: a token picks one expert twice"):
+            # On the CPU the check runs before anything is sent; on CUDA after the send half,
+            # where a faster rank's announcement can reach this one first.
+            own = ValueError if DEVICE == "cpu" else (ValueError, PeerFailedError)
+            with pytest.raises(own, match="a token picks one expert twice"):
                 e.dispatch(x, ids, w)
         else:
             with pytest.raises((PeerFailedError, RuntimeError), match="picks one expert twice"):
