@@ -195,6 +195,17 @@ def _counted(what: str) -> Callable[[F], F]:
     return wrap
 
 
+def _resolve_in_place(what: str, in_place: Any, send: bool, recv: bool) -> bool:
+    """A whole call reads its input in place unless told otherwise; a send half only when asked."""
+    if in_place is None:
+        return send and recv
+    if not isinstance(in_place, bool):
+        raise ValueError(f"{what}: in_place: got {in_place!r}; expected True, False or None")
+    if not send:
+        raise ValueError(f"{what}: in_place= belongs to the send half (send=True)")
+    return in_place
+
+
 def _describe(t: Any) -> str:
     """How an argument looks, for error messages."""
     if not isinstance(t, torch.Tensor):
@@ -410,6 +421,7 @@ class AllToAll:
         handle: PendingDispatch | None = None,
         routing: Routing | None = None,
         keep_routing: bool = False,
+        in_place: bool | None = None,
     ) -> Dispatched | PendingDispatch:
         """Send tokens to their experts' ranks and/or receive this rank's share.
 
@@ -417,13 +429,17 @@ class AllToAll:
         `dispatch(handle=pending, send=False)` finishes it. `keep_routing=True`
         returns the call's `Routing` in `Dispatched.routing`; `routing=r` sends `x`
         along it (its ids and, unless given, its weights) with no routing exchange.
+        `in_place=True` promises that `x` stays unchanged until the receive half is
+        called, which may then read this rank's own copies from `x` (one pass over them
+        instead of two); the default is True for a whole call, False for a send half.
         """
         if not send and not recv:
             raise ValueError("dispatch: send and recv are both False; nothing to do")
+        in_place = _resolve_in_place("dispatch", in_place, send, recv)
         if send:
             if handle is not None:
                 raise ValueError("dispatch: handle= is only for the receive half (send=False)")
-            handle = self._dispatch_send(x, topk_ids, topk_weights, x_scale, routing, keep_routing)
+            handle = self._dispatch_send(x, topk_ids, topk_weights, x_scale, routing, keep_routing, in_place)
         elif routing is not None or keep_routing:
             raise ValueError("dispatch: routing= and keep_routing= belong to the send half (send=True)")
         if not recv:
@@ -435,7 +451,14 @@ class AllToAll:
         return self._dispatch_recv(handle)
 
     def _dispatch_send(
-        self, x: Any, topk_ids: Any, topk_weights: Any, x_scale: Any, routing: Any, keep_routing: Any
+        self,
+        x: Any,
+        topk_ids: Any,
+        topk_weights: Any,
+        x_scale: Any,
+        routing: Any,
+        keep_routing: Any,
+        in_place: bool,
     ) -> PendingDispatch:
         if self._state != "idle":
             raise RuntimeError(
@@ -457,7 +480,7 @@ class AllToAll:
         if routing is not None and not self._backend.checks_ids:
             self._check_own_row(routing, ids)
         matrix = routing.matrix if routing is not None else None
-        self._backend.dispatch_send(x, scale, ids, matrix)
+        self._backend.dispatch_send(x, scale, ids, matrix, in_place)
         self._state = "dispatch_sent"
         return PendingDispatch(
             epoch=self.epoch,
@@ -573,21 +596,24 @@ class AllToAll:
         recv: bool = True,
         handle: PendingCombine | None = None,
         weighted: bool = True,
+        in_place: bool | None = None,
     ) -> torch.Tensor | PendingCombine:
         """Return expert outputs to their tokens' ranks.
 
         Weighted (the default): `out[t] = sum_k w[t,k] * y[row of (t,k)]` with the
         dispatch's `topk_weights`; `weighted=False`: the plain sum over k, for callers
         that apply the routing weights themselves (as TorchTitan does, under autograd).
+        `in_place`: as for dispatch, with `y`.
         """
         if not send and not recv:
             raise ValueError("combine: send and recv are both False; nothing to do")
+        in_place = _resolve_in_place("combine", in_place, send, recv)
         if send:
             if handle is not None:
                 raise ValueError("combine: handle= is only for the receive half (send=False)")
             if not isinstance(weighted, bool):
                 raise ValueError(f"combine: weighted: got {weighted!r}; expected True or False")
-            handle = self._combine_send(y, d, weighted)
+            handle = self._combine_send(y, d, weighted, in_place)
         if not recv:
             return handle
         if handle is None or not isinstance(handle, PendingCombine):
@@ -607,7 +633,7 @@ class AllToAll:
         self._state = "idle"
         return out
 
-    def _combine_send(self, y: Any, d: Any, weighted: bool) -> PendingCombine:
+    def _combine_send(self, y: Any, d: Any, weighted: bool, in_place: bool) -> PendingCombine:
         if not isinstance(d, Dispatched):
             raise TypeError(
                 f"combine: d: got {type(d).__name__}; expected the Dispatched returned by dispatch"
@@ -626,7 +652,7 @@ class AllToAll:
             raise ValueError(f"combine: y: got dtype {y.dtype}; expected torch.bfloat16 or torch.float32")
         if y.device != self.device:
             raise ValueError(f"combine: y is on {y.device}; expected {self.device}")
-        self._backend.combine_send(y.contiguous())
+        self._backend.combine_send(y.contiguous(), in_place)
         self._state = "combine_sent"
         assert d.topk_weights is not None
         weights = d.topk_weights if weighted else self._ones(d.topk_weights.shape[0])

@@ -136,8 +136,10 @@ class _Channel:
         closable: bool,
         routing: Routing | None = None,
         keep_routing: bool = False,
+        in_place: bool = True,
     ) -> None:
-        """With `routing`, along it (no routing exchange); `keep_routing` returns this call's."""
+        """With `routing`, along it (no routing exchange); `keep_routing` returns this call's.
+        `in_place`: `x` stays as it is until dispatch_recv (true of every tensor made here)."""
         if self._d is not None and self._closable:
             assert self.open is not None
             self.combine_send(torch.zeros_like(self._d.expert_x), self.open, weighted=False)
@@ -149,9 +151,13 @@ class _Channel:
                 "every dispatch must be followed by its combine"
             )
         if routing is not None:
-            self._pending = self.a2a.dispatch(x, topk_weights=weights, routing=routing, recv=False)
+            self._pending = self.a2a.dispatch(
+                x, topk_weights=weights, routing=routing, recv=False, in_place=in_place
+            )
         else:
-            self._pending = self.a2a.dispatch(x, ids, weights, recv=False, keep_routing=keep_routing)
+            self._pending = self.a2a.dispatch(
+                x, ids, weights, recv=False, keep_routing=keep_routing, in_place=in_place
+            )
         self._closable = closable
 
     def dispatch_recv(self) -> Dispatched:
@@ -165,13 +171,13 @@ class _Channel:
         self.open = h
         return self.dispatch_recv()
 
-    def combine_send(self, y: torch.Tensor, h: RoutingHandle, weighted: bool) -> None:
+    def combine_send(self, y: torch.Tensor, h: RoutingHandle, weighted: bool, in_place: bool = True) -> None:
         if not self.is_open_for(h):
             raise RuntimeError(
                 f"combine: handle #{h.seq} is not the dispatch in flight on this instance; "
                 "combine each dispatch before the next one"
             )
-        self._pending = self.a2a.combine(y, self._d, weighted=weighted, recv=False)
+        self._pending = self.a2a.combine(y, self._d, weighted=weighted, recv=False, in_place=in_place)
         self._d = None
 
     def combine_recv(self) -> torch.Tensor:
@@ -305,7 +311,10 @@ class ExpertParallel:
         p = PendingRouted(x, ids, weights, handle, torch.is_grad_enabled())
         if recv:
             return self._dispatch_recv(p, sent=False)
-        p.side_rows = self._forward_dispatch_send(x, ids, weights, p.track and handle is None, handle)
+        # The caller's x, which it may change before the receive half: not read in place.
+        p.side_rows = self._forward_dispatch_send(
+            x, ids, weights, p.track and handle is None, handle, in_place=False
+        )
         return p
 
     def _dispatch_recv(self, p: PendingRouted, sent: bool) -> Routed:
@@ -359,7 +368,7 @@ class ExpertParallel:
         p = PendingCombined(y, routed, weighted)
         if recv:
             return self._combine_apply(p, sent=False)
-        self._forward_combine_send(y, h, weighted)
+        self._forward_combine_send(y, h, weighted, in_place=False)  # as dispatch's send half
         return p
 
     def _combine_apply(self, p: PendingCombined, sent: bool) -> torch.Tensor:
@@ -431,14 +440,18 @@ class ExpertParallel:
         weights: torch.Tensor,
         side: bool,
         cached: RoutingHandle | None = None,
+        in_place: bool = True,
     ) -> torch.Tensor | None:
         """The forward dispatch's send half, along `cached`'s routing when given; returns the
-        side channel's rows (with `side`), which the receive half sends."""
+        side channel's rows (with `side`), which the receive half sends. `in_place`: the
+        receive half follows with no caller's code between (x unchanged)."""
         routing = cached.routing if cached is not None else None
         rows = None
         if side and self._repeats_host is None:  # CPU: checked before anything is sent
             rows = self._pack_side(ids, weights)
-        self._fwd.dispatch_send(x, ids, weights, closable=False, routing=routing, keep_routing=True)
+        self._fwd.dispatch_send(
+            x, ids, weights, closable=False, routing=routing, keep_routing=True, in_place=in_place
+        )
         if side and rows is None:  # CUDA: built while the GPU packs the main rows
             rows = self._pack_side(ids, weights)
         return rows
@@ -487,9 +500,11 @@ class ExpertParallel:
         # would be a cycle through C++ that Python's gc cannot collect.
         return expert_x.to(x_dtype).detach(), h
 
-    def _forward_combine_send(self, y: torch.Tensor, h: RoutingHandle, weighted: bool) -> None:
+    def _forward_combine_send(
+        self, y: torch.Tensor, h: RoutingHandle, weighted: bool, in_place: bool = True
+    ) -> None:
         """The forward combine's send half; it also closes the side channel's forward round."""
-        self._fwd.combine_send(y.contiguous(), h, weighted)
+        self._fwd.combine_send(y.contiguous(), h, weighted, in_place)
         if self._side.is_open_for(h):
             assert self._side._d is not None
             self._side.combine_send(self._zeros(self._side._d.expert_x.shape[0]), h, weighted=False)

@@ -91,14 +91,16 @@ void bind_cuda(nb::module_& m) {
       .def(
           "dispatch_send",
           [](CudaAllToAll& a, uintptr_t x, DType x_dtype, uintptr_t x_scale, uintptr_t topk_ids, bool ids_64bit,
-             int num_tokens, uintptr_t num_tokens_device, uintptr_t stream, uintptr_t routing) {
+             int num_tokens, uintptr_t num_tokens_device, uintptr_t stream, uintptr_t routing, bool in_place) {
             a.dispatch_send(ptr<const void>(x), x_dtype, ptr<const float>(x_scale), ptr<const void>(topk_ids), ids_64bit,
                             num_tokens, ptr<const int32_t>(num_tokens_device), stream_of(stream),
-                            ptr<const uint32_t>(routing));
+                            ptr<const uint32_t>(routing), in_place);
           },
           nb::arg("x"), nb::arg("x_dtype"), nb::arg("x_scale"), nb::arg("topk_ids"), nb::arg("ids_64bit"),
           nb::arg("num_tokens"), nb::arg("num_tokens_device"), nb::arg("stream"), nb::arg("routing") = 0,
-          "routing: a cached call's matrix in pinned host memory (0: exchange the routing rows).")
+          nb::arg("in_place") = false,
+          "routing: a cached call's matrix in pinned host memory (0: exchange the routing rows). "
+          "in_place: x stays unchanged until the receive half, which reads this rank's own copies from it.")
       .def(
           "dispatch_recv",
           [](CudaAllToAll& a, uintptr_t out_x, uintptr_t out_scale, uintptr_t tokens_per_expert, bool host_wait,
@@ -110,10 +112,11 @@ void bind_cuda(nb::module_& m) {
           nb::arg("routing_out") = 0, release())
       .def(
           "combine_send",
-          [](CudaAllToAll& a, uintptr_t y, DType y_dtype, int64_t y_rows, uintptr_t stream) {
-            a.combine_send(ptr<const void>(y), y_dtype, y_rows, stream_of(stream));
+          [](CudaAllToAll& a, uintptr_t y, DType y_dtype, int64_t y_rows, uintptr_t stream, bool in_place) {
+            a.combine_send(ptr<const void>(y), y_dtype, y_rows, stream_of(stream), in_place);
           },
-          nb::arg("y"), nb::arg("y_dtype"), nb::arg("y_rows"), nb::arg("stream"))
+          nb::arg("y"), nb::arg("y_dtype"), nb::arg("y_rows"), nb::arg("stream"), nb::arg("in_place") = false,
+          "in_place: y stays unchanged until the receive half, which reads this rank's own rows from it.")
       .def(
           "combine_recv",
           [](CudaAllToAll& a, uintptr_t weights, uintptr_t out, bool host_wait, uintptr_t stream) {

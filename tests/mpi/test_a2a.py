@@ -107,12 +107,22 @@ def expert_fn(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     return (xf * 0.75 + 0.5).to(torch.bfloat16)
 
 
-def check_round(a2a: AllToAll, inp: Inputs, split: bool = False) -> torch.Tensor:
-    """One dispatch + combine on this rank, compared with the reference; returns the output (on the CPU)."""
+def check_round(
+    a2a: AllToAll, inp: Inputs, split: bool = False, in_place: bool | None = None
+) -> torch.Tensor:
+    """One dispatch + combine on this rank, compared with the reference; returns the output (on the CPU).
+
+    Split halves not `in_place` get their inputs overwritten between the halves: the receive
+    half must not read them.
+    """
     cfg = a2a.cfg
     x, ids, w = mine(inp)
+    clobber = split and not in_place
     if split:
-        pending = a2a.dispatch(x, ids, w, recv=False)
+        x = x.clone()  # on the CPU, mine() hands out the reference's own tensor
+        pending = a2a.dispatch(x, ids, w, recv=False, in_place=in_place)
+        if clobber:
+            x.fill_(float("nan"))
         other_work()  # while bytes fly
         d = a2a.dispatch(handle=pending, send=False)
     else:
@@ -132,7 +142,9 @@ def check_round(a2a: AllToAll, inp: Inputs, split: bool = False) -> torch.Tensor
 
     y = expert_fn(d.expert_x, d.expert_x_scale)
     if split:
-        pending_c = a2a.combine(y, d, recv=False)
+        pending_c = a2a.combine(y, d, recv=False, in_place=in_place)
+        if clobber:
+            y.fill_(float("nan"))
         other_work()
         out = a2a.combine(handle=pending_c, send=False)
     else:
@@ -157,6 +169,23 @@ def test_matches_reference(rpn: int | None, dispatch_dtype: str, combine_dtype: 
     ) as a2a:
         for it in range(4):
             check_round(a2a, make_inputs(1000 + it, a2a.cfg))
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("rpn", layouts())
+@pytest.mark.parametrize(
+    ("dispatch_dtype", "combine_dtype"), [("bf16", "bf16"), ("fp32", "fp32"), ("fp8", "bf16")]
+)
+@pytest.mark.parametrize("in_place", [True, False], ids=["in place", "copied"])
+def test_split_halves_in_place_or_copied(
+    rpn: int | None, dispatch_dtype: str, combine_dtype: str, in_place: bool
+) -> None:
+    """Split halves with in_place=True read this rank's own rows from x and y (left as they
+    are); with in_place=False x and y are overwritten between the halves and the result holds."""
+    with make_a2a(rpn, dispatch_dtype=dispatch_dtype, combine_dtype=combine_dtype) as a2a:
+        for it in range(3):
+            check_round(a2a, make_inputs(600 + it, a2a.cfg), split=True, in_place=in_place)
+        check_round(a2a, make_inputs(610, a2a.cfg, tokens=[0] * WORLD), split=True, in_place=in_place)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -258,6 +287,16 @@ def test_validation_errors() -> None:
         ),
         (ValueError, "dtype", lambda: a2a.dispatch(x.to(torch.float16), ids, w)),
         (ValueError, "topk_weights", lambda: a2a.dispatch(x, ids, w[:, :1])),
+        (
+            ValueError,
+            "in_place: got 'yes'; expected True, False or None",
+            lambda: a2a.dispatch(x, ids, w, in_place="yes"),
+        ),
+        (
+            ValueError,
+            "in_place= belongs to the send half",
+            lambda: a2a.dispatch(send=False, in_place=True),
+        ),
         (
             RuntimeError,
             "latest dispatch|not the latest",
@@ -380,9 +419,11 @@ def test_silent_peer_times_out_with_clear_error() -> None:
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graph capture needs MOE_A2A_TEST_DEVICE=cuda")
 @pytest.mark.parametrize("rpn", layouts())
-def test_graph_capture_replays(rpn: int | None) -> None:
-    """A whole step (dispatch, experts, combine) captured once and replayed with new inputs."""
-    with make_a2a(rpn, graph_safe=True, dispatch_dtype="fp8") as a2a:
+@pytest.mark.parametrize("dispatch_dtype", ["fp8", "bf16"])
+def test_graph_capture_replays(rpn: int | None, dispatch_dtype: str) -> None:
+    """A whole step (dispatch, experts, combine) captured once and replayed with new inputs
+    (bf16: this rank's own rows read in place, in the graph too)."""
+    with make_a2a(rpn, graph_safe=True, dispatch_dtype=dispatch_dtype) as a2a:
         cfg = a2a.cfg
         tokens = [cfg.max_tokens - r % 3 for r in range(WORLD)]
         x, ids, w = mine(make_inputs(300, cfg, tokens=tokens))

@@ -51,14 +51,22 @@ class Backend(Protocol):
     def epoch(self) -> int: ...
 
     def dispatch_send(
-        self, x: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor, routing: torch.Tensor | None
-    ) -> None: ...
+        self,
+        x: torch.Tensor,
+        scale: torch.Tensor | None,
+        ids: torch.Tensor,
+        routing: torch.Tensor | None,
+        in_place: bool = False,
+    ) -> None:
+        """`in_place`: `x` stays unchanged until the receive half, which may read this rank's
+        own copies from it instead of a copy the send half made."""
 
     def dispatch_recv(
         self, dtype: torch.dtype, routing_out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]: ...
 
-    def combine_send(self, y: torch.Tensor) -> None: ...
+    def combine_send(self, y: torch.Tensor, in_place: bool = False) -> None:
+        """`in_place`: as for dispatch_send, with `y`."""
 
     def combine_recv(self, weights: torch.Tensor, out: torch.Tensor) -> None: ...
 

@@ -28,9 +28,15 @@ class CpuBackend:
         return int(self._impl.epoch)
 
     def dispatch_send(
-        self, x: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor, routing: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        scale: torch.Tensor | None,
+        ids: torch.Tensor,
+        routing: torch.Tensor | None,
+        in_place: bool = False,
     ) -> None:
-        """`routing`: a cached call's matrix (the core copies it before returning)."""
+        """`routing`: a cached call's matrix (the core copies it before returning). `in_place`
+        changes nothing here: the CPU send half packs every row before it returns."""
         self._impl.dispatch_send(
             x.data_ptr(),
             CORE_DTYPE[x.dtype],
@@ -54,7 +60,7 @@ class CpuBackend:
         self._impl.dispatch_unpack(expert_x.data_ptr(), scale.data_ptr() if scale is not None else 0)
         return expert_x, scale, torch.tensor(self._impl.tokens_per_expert, dtype=torch.int32)
 
-    def combine_send(self, y: torch.Tensor) -> None:
+    def combine_send(self, y: torch.Tensor, in_place: bool = False) -> None:  # in_place: as dispatch_send
         self._impl.combine_send(y.data_ptr(), CORE_DTYPE[y.dtype])
 
     def combine_recv(self, weights: torch.Tensor, out: torch.Tensor) -> None:

@@ -111,9 +111,15 @@ class CudaBackend:
         return torch.cuda.current_stream(self.device).cuda_stream
 
     def dispatch_send(
-        self, x: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor, routing: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        scale: torch.Tensor | None,
+        ids: torch.Tensor,
+        routing: torch.Tensor | None,
+        in_place: bool = False,
     ) -> None:
-        """`routing`: a cached call's matrix, pinned host memory that the plan kernel reads."""
+        """`routing`: a cached call's matrix, pinned host memory that the plan kernel reads.
+        `in_place`: this rank's copies to itself are read from `x` by the receive half."""
         self._impl.dispatch_send(
             x.data_ptr(),
             CORE_DTYPE[x.dtype],
@@ -124,6 +130,7 @@ class CudaBackend:
             0,
             self._stream(),
             routing.data_ptr() if routing is not None else 0,
+            in_place,
         )
         # Until the kernels that read them have run; detached, so no autograd graph
         # (and no routing handle behind it) outlives its step.
@@ -187,8 +194,8 @@ class CudaBackend:
         mine = per_expert[rank * local : (rank + 1) * local]
         return int(((mine + pad - 1) // pad * pad).sum())
 
-    def combine_send(self, y: torch.Tensor) -> None:
-        self._impl.combine_send(y.data_ptr(), CORE_DTYPE[y.dtype], y.shape[0], self._stream())
+    def combine_send(self, y: torch.Tensor, in_place: bool = False) -> None:
+        self._impl.combine_send(y.data_ptr(), CORE_DTYPE[y.dtype], y.shape[0], self._stream(), in_place)
         self._alive = (*self._alive, y.detach())
 
     def combine_recv(self, weights: torch.Tensor, out: torch.Tensor) -> None:

@@ -69,6 +69,7 @@ __global__ void __launch_bounds__(kMaxThreads) reduce_kernel(CombineRecvParams p
   const Layout& l = in.layout;
   const int K = in.topk, H = in.hidden;
   const int t = blockIdx.x;
+  constexpr int kOutBytes = kDtype == static_cast<int>(DType::kFp32) ? 4 : 2;  // combine rows and out
   kernel_prologue();
   if (t >= *p.scratch.num_tokens) return;
   __shared__ const uint8_t* src[kMaxTopk];
@@ -77,8 +78,13 @@ __global__ void __launch_bounds__(kMaxThreads) reduce_kernel(CombineRecvParams p
     const int64_t i = static_cast<int64_t>(t) * K + k;
     const int slot = p.scratch.slots[i];
     const uint8_t* rows = nullptr;
-    if (slot >= 0) {
-      const bool on_device = p.remote_on_device || same_node(in, p.scratch.copy_rank[i]);
+    const int r = slot >= 0 ? p.scratch.copy_rank[i] : -1;
+    if (r == in.rank && p.self_y != nullptr) {  // left in y: its row is the one our dispatch noted
+      const int row = p.scratch.self_row[slot - p.scratch.senders[in.rank].send_off];
+      if (row >= 0 && row < p.self_y_rows)  // never past y, even after a failed dispatch
+        rows = static_cast<const uint8_t*>(p.self_y) + static_cast<size_t>(row) * H * kOutBytes;
+    } else if (slot >= 0) {
+      const bool on_device = p.remote_on_device || same_node(in, r);
       const uint8_t* ws = on_device ? in.device_ws : in.fabric_ws;
       rows = ws + l.combine_recv + static_cast<size_t>(slot) * l.combine_row;
     }
@@ -87,7 +93,6 @@ __global__ void __launch_bounds__(kMaxThreads) reduce_kernel(CombineRecvParams p
   }
   __syncthreads();
 
-  constexpr int kOutBytes = kDtype == static_cast<int>(DType::kFp32) ? 4 : 2;
   uint8_t* out_row = static_cast<uint8_t*>(p.out) + static_cast<size_t>(t) * H * kOutBytes;
   const int pieces = (H + kVec - 1) / kVec;
   for (int piece = threadIdx.x; piece < pieces; piece += blockDim.x) {

@@ -79,15 +79,21 @@ __global__ void __launch_bounds__(kReturnThreads, kReturnBlocksPerSm) return_ker
   const int rows = filled < p.y_rows ? filled : static_cast<int>(p.y_rows);  // never past y (the caller's contract)
   load_segments(segs, p.scratch.segments, in.num_experts);
   __syncthreads();
-  const auto destination = [&]() -> uint8_t* {  // nullptr: a padding row, which goes nowhere
+  // nullptr: a padding row, which goes nowhere, or one of ours left in place
+  // (the reduction reads it from y).
+  const auto destination = [&]() -> uint8_t* {
     int s, j;
-    return locate(segs, in.num_experts, walk.row, &s, &j) ? return_row(in, p.scratch.senders, s, j) : nullptr;
+    if (!locate(segs, in.num_experts, walk.row, &s, &j) || (s == in.rank && p.self_in_place)) return nullptr;
+    return return_row(in, p.scratch.senders, s, j);
   };
   if (plain) {
+    uint8_t* dst = walk.row < rows ? destination() : nullptr;
     while (walk.row < rows) {
-      if (uint8_t* dst = destination()) store_round(dst + walk.chunk * chunk_stride, v, round_pieces(), walk.lane);
+      if (dst != nullptr) store_round(dst + walk.chunk * chunk_stride, v, round_pieces(), walk.lane);
       walk.next();
-      if (walk.row < rows) load_round(v, y_chunk(), round_pieces(), walk.lane);
+      if (walk.row >= rows) break;
+      dst = destination();
+      if (dst != nullptr) load_round(v, y_chunk(), round_pieces(), walk.lane);
     }
   } else {
     for (; walk.row < rows; walk.next()) {
@@ -103,6 +109,7 @@ __global__ void __launch_bounds__(kReturnThreads, kReturnBlocksPerSm) return_ker
 
 cudaError_t launch_combine_send(const CombineSendParams& p, cudaStream_t stream) {
   const Instance& in = p.inst;
+  if (p.self_in_place && in.world == 1) return cudaSuccess;  // alone, every row stays where it is
   const size_t seg_smem = static_cast<size_t>(in.num_experts) * sizeof(Segment);
   cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(return_kernel), seg_smem);
   if (err != cudaSuccess) return err;

@@ -117,6 +117,8 @@ void CudaAllToAll::allocate() {
       cfg_.world * sizeof(uint32_t),                    // stage_chunks
       cfg_.world * kMaxPeerSlices * sizeof(uint32_t),   // stage_slices
       sizeof(uint64_t),                                 // epoch
+      copies * sizeof(int32_t),                         // self_token
+      copies * sizeof(int32_t),                         // self_row
   };
   size_t total = 0;
   for (size_t s : sizes) total += aligned_size(s);
@@ -144,6 +146,8 @@ void CudaAllToAll::allocate() {
   scratch_.stage_chunks = reinterpret_cast<uint32_t*>(take());
   scratch_.stage_slices = reinterpret_cast<uint32_t*>(take());
   epoch_device_ = reinterpret_cast<uint64_t*>(take());
+  scratch_.self_token = reinterpret_cast<int32_t*>(take());
+  scratch_.self_row = reinterpret_cast<int32_t*>(take());
 
   void* words = nullptr;
   check_cuda(cudaHostAlloc(&words, sizeof(HostWords), cudaHostAllocMapped | cudaHostAllocPortable),
@@ -417,7 +421,7 @@ int64_t CudaAllToAll::max_output_rows() const {
 
 void CudaAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_scale, const void* topk_ids,
                                  bool ids_64bit, int num_tokens, const int32_t* num_tokens_device,
-                                 cudaStream_t stream, const uint32_t* routing) {
+                                 cudaStream_t stream, const uint32_t* routing, bool in_place) {
   watch_.phase = dispatch_phase(epoch_ + 1);
   int same_node_peers = 0;
   for (int r = 0; r < cfg_.world; ++r) same_node_peers += r != cfg_.rank && cfg_.same_node(r);
@@ -450,6 +454,10 @@ void CudaAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_sc
   p.num_tokens = num_tokens;
   p.num_tokens_ptr = num_tokens_device;
   p.cached = routing != nullptr ? 1 : 0;
+  // In place only where the receive half's copy is a plain copy of x's row.
+  in_place = in_place && x_dtype == cfg_.dispatch_dtype && x_dtype != DType::kFp8;
+  p.self_in_place = in_place ? 1 : 0;
+  self_x_ = in_place ? x : nullptr;
   check_cuda(launch_dispatch_send(p, stream), "dispatch send");
   const bool captured = capturing(stream);
   if (proxy_) arm_proxy(stream, captured);
@@ -495,6 +503,7 @@ DispatchRecvParams CudaAllToAll::recv_params(void* out_x, float* out_scale, int3
   p.max_output_rows = max_output_rows();
   p.routing = call_routing_;
   p.routing_out = routing_out != nullptr ? mapped_device_pointer(routing_out, "routing_out") : nullptr;
+  p.self_x = self_x_;
   return p;
 }
 
@@ -672,7 +681,7 @@ void CudaAllToAll::dispatch_recv_by_sender(void* out_x, float* out_scale, int32_
   check_stamps(true);
 }
 
-void CudaAllToAll::combine_send(const void* y, DType y_dtype, int64_t y_rows, cudaStream_t stream) {
+void CudaAllToAll::combine_send(const void* y, DType y_dtype, int64_t y_rows, cudaStream_t stream, bool in_place) {
   if (y_rows < 0) throw std::invalid_argument("combine_send: y_rows: got " + std::to_string(y_rows) + "; expected >= 0");
   watch_.phase = combine_phase(epoch_);
   at_.combining = true;  // before a peer could see our combine flag
@@ -682,6 +691,10 @@ void CudaAllToAll::combine_send(const void* y, DType y_dtype, int64_t y_rows, cu
   p.y = y;
   p.y_dtype = static_cast<int32_t>(y_dtype);
   p.y_rows = y_rows;
+  in_place = in_place && y_dtype == cfg_.combine_dtype;  // the reduction reads rows in the combine dtype
+  p.self_in_place = in_place ? 1 : 0;
+  self_y_ = in_place ? y : nullptr;
+  self_y_rows_ = y_rows;
   check_cuda(launch_combine_send(p, stream), "combine send");
 }
 
@@ -758,6 +771,8 @@ void CudaAllToAll::combine_recv(const float* weights, void* out, bool host_wait,
   p.out = out;
   p.wait_in_kernel = host_wait ? 0 : 1;
   p.remote_on_device = dma ? 1 : 0;
+  p.self_y = self_y_;
+  p.self_y_rows = self_y_rows_;
   check_cuda(launch_combine_recv(p, stream), "combine recv");
 }
 

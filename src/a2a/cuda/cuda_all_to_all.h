@@ -64,12 +64,16 @@ class CudaAllToAll {
   // cached call: no routing row is published or awaited (docs/protocol.md,
   // "Cached calls"); its dispatch_recv needs host_wait. `routing_out`
   // (pinned host) receives the plan's matrix, final after wait_planned.
+  // `in_place`: the caller leaves x (combine: y) unchanged until the receive
+  // half's kernels have run (in stream order: until it is called), so this
+  // rank's copies to itself are read from there instead of copied twice;
+  // taken where x is in the dispatch dtype (y in the combine dtype).
   void dispatch_send(const void* x, DType x_dtype, const float* x_scale, const void* topk_ids, bool ids_64bit,
                      int num_tokens, const int32_t* num_tokens_device, cudaStream_t stream,
-                     const uint32_t* routing = nullptr);
+                     const uint32_t* routing = nullptr, bool in_place = false);
   void dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_per_expert, bool host_wait, cudaStream_t stream,
                      uint32_t* routing_out = nullptr);
-  void combine_send(const void* y, DType y_dtype, int64_t y_rows, cudaStream_t stream);
+  void combine_send(const void* y, DType y_dtype, int64_t y_rows, cudaStream_t stream, bool in_place = false);
   void combine_recv(const float* weights, void* out, bool host_wait, cudaStream_t stream);
 
   // After the caller synchronised with the stream (or wait_planned): the
@@ -180,6 +184,10 @@ class CudaAllToAll {
   const uint32_t* call_routing_ = nullptr;      // device address of the current cached call's matrix; null if uncached
   uint64_t rows_sent_ = 0, rows_received_ = 0;  // same-node routing rows (kernels)
   bool plan_signals_host_ = false;  // the last dispatch_recv's plan raises `planned` (host_wait)
+  // The call's inputs where their own rows were left in place (`in_place`), else null.
+  const void* self_x_ = nullptr;
+  const void* self_y_ = nullptr;
+  int64_t self_y_rows_ = 0;
   // Eager dispatch_recv plans and copies in one launch, unless another rank
   // of the node runs on our GPU: there the copy blocks that wait for the plan
   // hold multiprocessors the other ranks' kernels need (8 ranks under MPS:

@@ -238,13 +238,19 @@ __device__ __forceinline__ const uint8_t* source_row(const Instance& in, const S
   return in.fabric_ws + l.shared_rows + (senders[s].shared_off + j - P) * row;
 }
 
-// One warp: chunk `chunk` of copy (s, j) into output row `row`.
+// One warp: chunk `chunk` of copy (s, j) into output row `row`. Our copies to
+// ourselves come from x itself when the send half left them in place; every
+// one's output row is noted for a combine that reads it in place.
 __device__ __forceinline__ void copy_chunk(const DispatchRecvParams& p, int s, int j, int row, int chunk, int lane) {
   const Instance& in = p.inst;
   const int64_t payload = in.payload_bytes;
   const int64_t scale_bytes = static_cast<int64_t>(in.num_scales) * sizeof(float);
   const int64_t row_bytes = payload + scale_bytes;
-  const uint8_t* src = source_row(in, p.scratch.senders, s, j);
+  const bool self = s == in.rank;
+  if (self && chunk == 0 && lane == 0) p.scratch.self_row[j] = row;
+  const uint8_t* src = self && p.self_x != nullptr
+                           ? static_cast<const uint8_t*>(p.self_x) + static_cast<int64_t>(p.scratch.self_token[j]) * payload
+                           : source_row(in, p.scratch.senders, s, j);
   uint8_t* dst_x = static_cast<uint8_t*>(p.out_x) + row * payload;
   uint8_t* dst_scale = reinterpret_cast<uint8_t*>(p.out_scale) + row * scale_bytes;
   if (split_copyable(dst_x, dst_scale, src, payload, scale_bytes)) {

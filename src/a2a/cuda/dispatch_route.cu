@@ -107,9 +107,12 @@ __global__ void __launch_bounds__(kLargeThreads) slot_kernel(DispatchSendParams 
       ids, begin, end, hist + warp * E, nullptr,
       [&](int64_t i, int slot, int e) {
         const int r = e >= 0 ? e / in.local_experts : -1;
+        const int64_t send_start = e >= 0 ? first[r * in.local_experts] : 0;
+        const bool in_place = r == in.rank && p.self_in_place;  // the receive half reads x
         s.slots[i] = slot;
         s.copy_rank[i] = r;
-        s.copy_dst[i] = e >= 0 ? destination(in, slot, r, first[r * in.local_experts]) : nullptr;
+        if (in_place) s.self_token[slot - send_start] = static_cast<int32_t>(i / in.topk);
+        s.copy_dst[i] = e >= 0 && !in_place ? destination(in, slot, r, send_start) : nullptr;
       },
       lane);
 }

@@ -208,7 +208,10 @@ __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) rout
         ids, run_begin, run_end, hist + warp * E, first,
         [&](int64_t i, int slot, int e) {
           table[i] = make_int2(slot, e);
-          if (leader) s.slots[i] = slot, s.copy_rank[i] = e >= 0 ? e / L : -1;
+          if (!leader) return;
+          const int r = e >= 0 ? e / L : -1;
+          s.slots[i] = slot, s.copy_rank[i] = r;
+          if (r == in.rank && p.self_in_place) s.self_token[slot - first[r * L]] = static_cast<int32_t>(i / in.topk);
         },
         lane);
   }
@@ -225,6 +228,7 @@ __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) rout
         const int2 copy = table[c];
         if (copy.y < 0) return nullptr;  // dropped
         const int r = copy.y / L;
+        if (r == in.rank && p.self_in_place) return nullptr;  // the receive half reads x
         return destination(in, copy.x, r, first[r * L]);
       });
   signal_when_grid_done(in, s.done_blocks, kFlagDispatch, packed_flag(in, in.proxy.packed));
@@ -245,6 +249,9 @@ cudaError_t launch_pack(const DispatchSendParams& p, cudaStream_t stream) {
   }
   cudaError_t err = launch_route(p, stream);
   if (err != cudaSuccess) return err;
+  // Alone, with our copies left in place, there is nothing to pack (and no
+  // peer waits for a dispatch flag).
+  if (p.self_in_place && in.world == 1) return cudaSuccess;
   if (bulk_pack_fits(p)) return launch_bulk_pack(p, stream);
   const int blocks = persistent_blocks(items, kPackWarps, kPackBlocksPerSm);
   return launch_kernel(pack_kernel<kMode>, blocks, kPackThreads, 0, stream, p);

@@ -137,6 +137,11 @@ struct Scratch {
   uint32_t* stage_slices = nullptr; // [world][kMaxPeerSlices] the same per slice
   int32_t* output_rows_host = nullptr;  // [1] the same, in mapped host memory
   uint64_t* planned_host = nullptr;     // [1] mapped host: epoch whose plan is final (HostWords)
+  // Our copies to ourselves, by j (their index among them): the token each
+  // one is (written by routing when the call sends them in place), and the
+  // output row the receive half gave it (written by every copy kernel).
+  int32_t* self_token = nullptr;   // [max_tokens * topk]
+  int32_t* self_row = nullptr;     // [max_tokens * topk]
 };
 
 struct DispatchSendParams {
@@ -150,6 +155,10 @@ struct DispatchSendParams {
   int32_t num_tokens = 0;                  // T, unless num_tokens_ptr is set
   const int32_t* num_tokens_ptr = nullptr; // device T (graph replays with a varying T)
   int32_t cached = 0;  // along a cached routing: publish no routing row, raise no route flag
+  // Our copies to ourselves are not packed: the receive half reads them from
+  // x where they are (DispatchRecvParams::self_x), one pass instead of a
+  // pack and a copy. Only where x is already in the dispatch dtype.
+  int32_t self_in_place = 0;
 };
 
 struct DispatchRecvParams {
@@ -170,6 +179,9 @@ struct DispatchRecvParams {
   // When set (mapped host, [world][num_experts]): the plan's matrix, for a
   // handle to keep; final once the plan signals the host.
   uint32_t* routing_out = nullptr;
+  // The send half's x when it left our copies to ourselves in place
+  // (DispatchSendParams::self_in_place): [T, hidden] in the dispatch dtype.
+  const void* self_x = nullptr;
 };
 
 // What stage_kernel copies from the device workspace to the fabric's host
@@ -188,6 +200,9 @@ struct CombineSendParams {
   const void* y = nullptr;  // [y_rows, hidden] in y_dtype (bf16 or fp32); y_rows >= output rows
   int64_t y_rows = 0;
   int32_t y_dtype = 0;
+  // Rows that go back to ourselves are not returned: the reduction reads
+  // them from y where the expert left them (CombineRecvParams::self_y).
+  int32_t self_in_place = 0;
 };
 
 struct CombineRecvParams {
@@ -197,6 +212,10 @@ struct CombineRecvParams {
   void* out = nullptr;             // [T, hidden] in combine dtype
   int32_t wait_in_kernel = 1;      // 0: the host already saw every flag up (eager calls)
   int32_t remote_on_device = 0;    // 1: remote peers' rows were copied to the device workspace (combine DMA)
+  // The send half's y when it left our own rows in place
+  // (CombineSendParams::self_in_place): [self_y_rows, hidden], combine dtype.
+  const void* self_y = nullptr;
+  int64_t self_y_rows = 0;
 };
 
 }  // namespace moe_a2a::a2a::cuda
