@@ -23,7 +23,7 @@ import torch
 
 from moe_a2a import _core, switches
 from moe_a2a.agreement import all_to_all_settings, check_agreement
-from moe_a2a.backends.common import CORE_DTYPE, Backend, Setup, num_scales
+from moe_a2a.backends.common import CORE_DTYPE, Backend, RowMath, Setup, num_scales, routing_rows
 from moe_a2a.bootstrap import Bootstrap
 from moe_a2a.fabric import EngineLease, hint_universe_size, lease_engine
 from moe_a2a.nics import current_gpu_address, num_nics_default
@@ -162,6 +162,7 @@ class Dispatched:
     topk_weights: torch.Tensor | None = field(repr=False, default=None)
     owner: int = field(repr=False, default=0)
     routing: Routing | None = None  # with keep_routing=True, or the cached call's
+    row_dot: torch.Tensor | None = None  # [rows] float32, with dispatch(row_dot=...)
 
 
 @dataclass
@@ -422,6 +423,8 @@ class AllToAll:
         routing: Routing | None = None,
         keep_routing: bool = False,
         in_place: bool | None = None,
+        row_scale: torch.Tensor | None = None,
+        row_dot: torch.Tensor | None = None,
     ) -> Dispatched | PendingDispatch:
         """Send tokens to their experts' ranks and/or receive this rank's share.
 
@@ -432,10 +435,20 @@ class AllToAll:
         `in_place=True` promises that `x` stays unchanged until the receive half is
         called, which may then read this rank's own copies from `x` (one pass over them
         instead of two); the default is True for a whole call, False for a send half.
+        A call along `routing=` (so its rows are known) with bf16 or fp32 rows can do the
+        weighted combine's backward in the pass that receives them: `row_scale` ([rows]
+        float32) delivers row r times `row_scale[r]`, and `row_dot` ([rows, hidden], bf16 or
+        float32) also gives `Dispatched.row_dot[r]`, the float32 dot product of row r as it
+        arrived with `row_dot[r]`.
         """
         if not send and not recv:
             raise ValueError("dispatch: send and recv are both False; nothing to do")
         in_place = _resolve_in_place("dispatch", in_place, send, recv)
+        if not recv and (row_scale is not None or row_dot is not None):
+            raise ValueError("dispatch: row_scale= and row_dot= belong to the receive half (recv=True)")
+        row_math = None
+        if send and recv:  # checked before anything is sent
+            row_math = self._row_math(routing, row_scale, row_dot)
         if send:
             if handle is not None:
                 raise ValueError("dispatch: handle= is only for the receive half (send=False)")
@@ -448,7 +461,9 @@ class AllToAll:
             raise ValueError(
                 f"dispatch: the receive half needs handle= from dispatch(..., recv=False); got {handle!r}"
             )
-        return self._dispatch_recv(handle)
+        if not send:
+            row_math = self._row_math(handle.routing, row_scale, row_dot)
+        return self._dispatch_recv(handle, row_math)
 
     def _dispatch_send(
         self,
@@ -491,6 +506,46 @@ class AllToAll:
             keep_routing=keep_routing and routing is None,
             topk_ids=ids,
         )
+
+    def _row_math(self, routing: Any, row_scale: Any, row_dot: Any) -> RowMath | None:
+        """The receive half's row_scale and row_dot, checked against the rows `routing` delivers."""
+        if row_scale is None:
+            if row_dot is not None:
+                raise ValueError(
+                    "dispatch: row_dot= needs row_scale= (pass ones to only take the dot products)"
+                )
+            return None
+        if not isinstance(routing, Routing):
+            raise ValueError(
+                "dispatch: row_scale= needs a call along routing= (whose rows are known before they arrive)"
+            )
+        if self.cfg.dispatch_dtype == "fp8":
+            raise ValueError("dispatch: row_scale=: the rows are fp8; expected dispatch_dtype bf16 or fp32")
+        rows, _ = routing_rows(routing.matrix, self.rank, self.cfg.expert_padding)
+        if (
+            not isinstance(row_scale, torch.Tensor)
+            or row_scale.dtype != torch.float32
+            or tuple(row_scale.shape) != (rows,)
+            or row_scale.device != self.device
+        ):
+            raise ValueError(
+                f"dispatch: row_scale: got {_describe(row_scale)}; expected float32 of shape ({rows},) "
+                f"on {self.device} (one per row this rank receives)"
+            )
+        if row_dot is not None and (
+            not isinstance(row_dot, torch.Tensor)
+            or row_dot.dtype not in (torch.bfloat16, torch.float32)
+            or tuple(row_dot.shape) != (rows, self.cfg.hidden)
+            or row_dot.device != self.device
+        ):
+            raise ValueError(
+                f"dispatch: row_dot: got {_describe(row_dot)}; expected bfloat16 or float32 of shape "
+                f"({rows}, {self.cfg.hidden}) on {self.device}"
+            )
+        # Detached: the backend keeps them until its kernels ran, and no autograd graph (with
+        # the routing handles behind it) may outlive its step.
+        dot_y = row_dot.detach().contiguous() if row_dot is not None else None
+        return RowMath(row_scale.detach().contiguous(), dot_y)
 
     def _check_routing(self, routing: Any, x: Any, topk_ids: Any) -> None:
         """A Routing made by an instance of the same ranks and shape, and no ids beside it."""
@@ -537,7 +592,7 @@ class AllToAll:
                 "a handle is only valid on the instance that returned it"
             )
 
-    def _dispatch_recv(self, handle: PendingDispatch) -> Dispatched:
+    def _dispatch_recv(self, handle: PendingDispatch, row_math: RowMath | None) -> Dispatched:
         self._check_owner("dispatch", handle)
         if self._state != "dispatch_sent" or handle.epoch != self.epoch:
             raise RuntimeError(
@@ -554,7 +609,7 @@ class AllToAll:
             )
         try:
             dtype = DISPATCH_DTYPES[self.cfg.dispatch_dtype]
-            expert_x, scale, counts = self._backend.dispatch_recv(dtype, keep)
+            expert_x, scale, counts, dot = self._backend.dispatch_recv(dtype, keep, row_math)
         except CapacityError:
             self._state = "idle"  # every rank failed this call alike; the next one starts clean
             raise
@@ -580,6 +635,7 @@ class AllToAll:
             topk_weights=handle.topk_weights,
             owner=self.id,
             routing=routing,
+            row_dot=dot,
         )
         self._last, self._last_cached = weakref.ref(d), handle.routing is not None
         return d

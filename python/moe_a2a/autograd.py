@@ -33,7 +33,6 @@ import torch
 
 from moe_a2a.all_to_all import AllToAll, Config, Dispatched, Routing, _describe
 from moe_a2a.kernels.dequant import dequantize_fp8_as
-from moe_a2a.kernels.scale_dot import scale_dot
 from moe_a2a.kernels.side_rows import RowRoute, pack_side_rows, route_rows
 
 GRAD_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -160,8 +159,10 @@ class _Channel:
             )
         self._closable = closable
 
-    def dispatch_recv(self) -> Dispatched:
-        d = self.a2a.dispatch(handle=self._pending, send=False)
+    def dispatch_recv(
+        self, row_scale: torch.Tensor | None = None, row_dot: torch.Tensor | None = None
+    ) -> Dispatched:
+        d = self.a2a.dispatch(handle=self._pending, send=False, row_scale=row_scale, row_dot=row_dot)
         assert isinstance(d, Dispatched)
         self._pending, self._d = None, d
         return d
@@ -515,8 +516,12 @@ class ExpertParallel:
             self._side.combine_recv()
         return out
 
-    def _backward_combine(self, grad_out: torch.Tensor, h: RoutingHandle) -> torch.Tensor:
-        """Combine's backward: the output gradient dispatched along h (rows of every copy), in grad_dtype.
+    def _backward_combine(
+        self, grad_out: torch.Tensor, h: RoutingHandle, weighted: bool, y: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Combine's backward: the output gradient dispatched along h (rows of every copy), in
+        grad_dtype; `weighted`, each row times its weight and, with `y`, <row, y[row]> (the
+        weights' gradient) in the same pass.
 
         It also opens the side channel's backward round, which the dispatch's
         backward closes with the weights' gradients.
@@ -528,12 +533,18 @@ class ExpertParallel:
             self._side.dispatch_send(
                 self._side_zeros(h), h.topk_ids, h.topk_weights, closable=True, routing=h.routing
             )
-        d = self._bwd.dispatch_recv()
+        scale = dot = None
+        if weighted:
+            assert h.row_weights is not None
+            scale = h.row_weights
+            if y is not None:  # bf16 or fp32 as they are (the kernel sums in fp32)
+                dot = y if y.dtype in GRAD_DTYPES.values() else y.to(gd)
+        d = self._bwd.dispatch_recv(row_scale=scale, row_dot=dot)
         self._bwd.open = h
         if h.weights_grad:
             self._side.dispatch_recv()
             self._side.open = h
-        return d.expert_x
+        return d.expert_x, d.row_dot
 
     def _backward_dispatch(
         self, grad_rows: torch.Tensor | None, grad_row_weights: torch.Tensor | None, h: RoutingHandle
@@ -680,17 +691,13 @@ class _CombineFn(torch.autograd.Function):
         ep: ExpertParallel = ctx.ep
         h: RoutingHandle = ctx.handle
         (y,) = ctx.saved_tensors
-        rows = ep._backward_combine(grad_out, h)  # [R, H] in grad_dtype
-        grad_y = grad_w = None
-        if ctx.weighted:
-            if h.row_weights is None:
-                raise RuntimeError(
-                    "backward: this combine's dispatch ran with gradients disabled, so its per-row "
-                    "weights were never delivered; dispatch with torch.enable_grad() to train"
-                )
-            # In grad_dtype, one pass over the rows (an fp32 copy of every row would cost
-            # more than the exchange itself).
-            grad_y, grad_w = scale_dot(rows, h.row_weights, y if ctx.needs_input_grad[3] else None)
-        else:
-            grad_y = rows
+        if ctx.weighted and h.row_weights is None:
+            raise RuntimeError(
+                "backward: this combine's dispatch ran with gradients disabled, so its per-row "
+                "weights were never delivered; dispatch with torch.enable_grad() to train"
+            )
+        # Weighted: the rows arrive scaled by their weights, with the weights' gradient
+        # <row, y> beside them, in the pass that receives them (in grad_dtype).
+        dot_y = y if ctx.weighted and ctx.needs_input_grad[3] else None
+        grad_y, grad_w = ep._backward_combine(grad_out, h, ctx.weighted, dot_y)
         return None, None, grad_y.to(ctx.y_dtype), grad_w, None, None

@@ -104,12 +104,21 @@ void bind_cuda(nb::module_& m) {
       .def(
           "dispatch_recv",
           [](CudaAllToAll& a, uintptr_t out_x, uintptr_t out_scale, uintptr_t tokens_per_expert, bool host_wait,
-             uintptr_t stream, uintptr_t routing_out) {
+             uintptr_t stream, uintptr_t routing_out, uintptr_t row_scale, uintptr_t dot_y, DType dot_y_dtype,
+             uintptr_t dot_out) {
+            CudaAllToAll::RowMath math;
+            math.scale = ptr<const float>(row_scale);
+            math.dot_y = ptr<const void>(dot_y);
+            math.dot_y_dtype = dot_y_dtype;
+            math.dot_out = ptr<float>(dot_out);
             a.dispatch_recv(ptr<void>(out_x), ptr<float>(out_scale), ptr<int32_t>(tokens_per_expert), host_wait,
-                            stream_of(stream), ptr<uint32_t>(routing_out));
+                            stream_of(stream), ptr<uint32_t>(routing_out), row_scale != 0 ? &math : nullptr);
           },
           nb::arg("out_x"), nb::arg("out_scale"), nb::arg("tokens_per_expert"), nb::arg("host_wait"), nb::arg("stream"),
-          nb::arg("routing_out") = 0, release())
+          nb::arg("routing_out") = 0, nb::arg("row_scale") = 0, nb::arg("dot_y") = 0,
+          nb::arg("dot_y_dtype") = DType::kBf16, nb::arg("dot_out") = 0, release(),
+          "row_scale (fp32, one per output row): rows delivered times it; dot_y ([rows, hidden], dot_y_dtype): "
+          "dot_out[r] = <row r as received, dot_y[r]> in fp32.")
       .def(
           "combine_send",
           [](CudaAllToAll& a, uintptr_t y, DType y_dtype, int64_t y_rows, uintptr_t stream, bool in_place) {

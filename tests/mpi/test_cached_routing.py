@@ -21,6 +21,7 @@ from ranks import DEVICE, PROVIDER, RANK, WORLD, device_pytestmark, layouts
 
 from moe_a2a import AllToAll, CapacityError, Config, Routing
 from moe_a2a.autograd import ExpertParallel
+from moe_a2a.backends.common import RowMath, apply_row_math
 
 pytestmark = device_pytestmark
 HIDDEN = 160  # two fp8 scale blocks, the second short
@@ -138,6 +139,40 @@ def test_a_routing_over_another_instances_capacity(a2a: AllToAll, rpn: int | Non
         assert got[0].shape[0] == 0
 
 
+@pytest.mark.parametrize(("dtype", "pad"), [("bf16", 2), ("fp32", 1)])
+def test_a_weighted_receive_scales_rows_and_takes_dots(
+    rpn: int | None, seed: int, dtype: str, pad: int
+) -> None:
+    """row_scale/row_dot on a cached receive: the rows of a plain call times their scale (the
+    torch form's values: a padding row may be -0 there) and each row's dot product with row_dot
+    (fp32, to summation order)."""
+    x, ids, w, rows = layer_inputs(seed, 11)
+    gd = torch.float32 if dtype == "fp32" else torch.bfloat16
+    cfg = Config(MAX_TOKENS, HIDDEN, EXPERTS, TOPK, dispatch_dtype=dtype, expert_padding=pad)
+    with AllToAll(cfg, device=DEVICE, provider=PROVIDER, ranks_per_node=rpn) as a:
+        *_, d = round_trip(a, x, topk_ids=ids, topk_weights=w, keep_routing=True)
+        plain = a.dispatch(rows.to(gd), routing=d.routing)
+        n = plain.expert_x.shape[0]
+        g = torch.Generator().manual_seed(seed * 10 + RANK)
+        scale = torch.randn(n, generator=g).to(DEVICE)
+        ys = torch.randn(n, HIDDEN, generator=g).to(torch.bfloat16).to(DEVICE)
+        want_rows, want_dot = apply_row_math(plain.expert_x, RowMath(scale, ys))
+        assert plain.row_dot is None
+        a.combine(torch.zeros_like(plain.expert_x), plain)
+        got = a.dispatch(rows.to(gd), routing=d.routing, row_scale=scale, row_dot=ys)
+        a.combine(torch.zeros_like(got.expert_x), got)
+        only = a.dispatch(rows.to(gd), routing=d.routing, row_scale=scale)  # no dot: rows only
+        a.combine(torch.zeros_like(only.expert_x), only)
+    assert got.expert_x.dtype == gd and torch.equal(
+        got.tokens_per_expert.cpu(), plain.tokens_per_expert.cpu()
+    )
+    for r in (got.expert_x, only.expert_x):
+        assert torch.equal(r.cpu(), want_rows.cpu()), f"rank {RANK}"
+    assert got.row_dot is not None and got.row_dot.dtype == torch.float32 and only.row_dot is None
+    assert want_dot is not None
+    torch.testing.assert_close(got.row_dot.cpu(), want_dot.cpu(), rtol=1e-5, atol=1e-4)
+
+
 def test_a_changed_routing_is_refused(a2a: AllToAll, seed: int) -> None:
     """topk_ids changed in place after dispatch returned the routing: refused, on every rank alike."""
     x, ids, w, rows = layer_inputs(seed, 10)
@@ -156,12 +191,21 @@ def test_bad_routing_names_the_argument(rpn: int | None, seed: int) -> None:
         *_, d = round_trip(a2a, x, topk_ids=ids, topk_weights=w, keep_routing=True)
         assert d.routing is not None
         wrong = torch.zeros(rows.shape[0] + 1, HIDDEN, dtype=rows.dtype, device=DEVICE)
+        ones3 = torch.ones(3, device=DEVICE)
         bad: list[tuple[type[Exception], str, Any]] = [
             (TypeError, "routing: got Tensor", lambda a: a.dispatch(rows, routing=d.routing.matrix)),
             (ValueError, "leave topk_ids out", lambda a: a.dispatch(rows, ids, routing=d.routing)),
             (ValueError, "x: got", lambda a: a.dispatch(wrong, routing=d.routing)),
             (ValueError, "keep_routing: got", lambda a: a.dispatch(x, ids, w, keep_routing=1)),
-        ]
+            (ValueError, r"row_scale: got .* expected float32 of shape \(",
+             lambda a: a.dispatch(rows, routing=d.routing, row_scale=torch.ones(999, device=DEVICE))),
+            (ValueError, "row_dot= needs row_scale=",
+             lambda a: a.dispatch(rows, routing=d.routing, row_dot=torch.ones(1, HIDDEN, device=DEVICE))),
+            (ValueError, "row_scale= needs a call along routing=",
+             lambda a: a.dispatch(x, ids, w, row_scale=ones3)),
+            (ValueError, "row_scale= and row_dot= belong to the receive half",
+             lambda a: a.dispatch(rows, routing=d.routing, recv=False, row_scale=ones3)),
+        ]  # fmt: skip
         if DEVICE == "cpu":  # where checking costs no stream synchronisation: a changed row of ours
             changed = d.routing.matrix.clone()
             changed[RANK, 0] += 1

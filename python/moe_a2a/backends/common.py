@@ -19,9 +19,37 @@ CORE_DTYPE = {
 }
 
 
+def routing_rows(matrix: torch.Tensor, rank: int, padding: int) -> tuple[int, int]:
+    """Along a routing matrix ([world, num_experts] copies, on the host): the output rows
+    `rank` receives (each expert's padded to `padding`), and the most copies any rank receives."""
+    per_expert = matrix.numpy().sum(axis=0, dtype=np.int64)  # [num_experts] copies
+    world = matrix.shape[0]
+    local = per_expert.shape[0] // world
+    most = int(per_expert.reshape(world, local).sum(axis=1).max())
+    mine = per_expert[rank * local : (rank + 1) * local]
+    return int(((mine + padding - 1) // padding * padding).sum()), most
+
+
 def num_scales(hidden: int) -> int:
     """fp32 scales per token for fp8 (one per 128-element block)."""
     return (hidden + FP8_BLOCK - 1) // FP8_BLOCK
+
+
+@dataclass
+class RowMath:
+    """A weighted receive: each output row delivered times `scale[r]` and, with `dot_y`,
+    `dot[r]` = <row r as received, dot_y[r]> in fp32 (the weighted combine's backward)."""
+
+    scale: torch.Tensor  # [rows] fp32
+    dot_y: torch.Tensor | None  # [rows, hidden], bf16 or fp32
+
+
+def apply_row_math(rows: torch.Tensor, math: RowMath) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The torch form of a weighted receive (the CPU's; the CUDA kernel stores the same scaled
+    rows, and sums the same products in another order)."""
+    f = rows.float()
+    dot = (f * math.dot_y.float()).sum(dim=1) if math.dot_y is not None else None
+    return (f * math.scale[:, None]).to(rows.dtype), dot
 
 
 @dataclass
@@ -62,8 +90,9 @@ class Backend(Protocol):
         own copies from it instead of a copy the send half made."""
 
     def dispatch_recv(
-        self, dtype: torch.dtype, routing_out: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]: ...
+        self, dtype: torch.dtype, routing_out: torch.Tensor | None = None, math: RowMath | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """(rows, fp8 scales, tokens per local expert, math's dot products or None)."""
 
     def combine_send(self, y: torch.Tensor, in_place: bool = False) -> None:
         """`in_place`: as for dispatch_send, with `y`."""

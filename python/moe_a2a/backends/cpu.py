@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from moe_a2a import _core
-from moe_a2a.backends.common import CORE_DTYPE, Setup, num_scales
+from moe_a2a.backends.common import CORE_DTYPE, RowMath, Setup, apply_row_math, num_scales
 
 
 class CpuBackend:
@@ -47,8 +47,8 @@ class CpuBackend:
         )
 
     def dispatch_recv(
-        self, dtype: torch.dtype, routing_out: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        self, dtype: torch.dtype, routing_out: torch.Tensor | None = None, math: RowMath | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """`routing_out`: [world, num_experts] int32 that receives the call's routing matrix."""
         rows = self._impl.dispatch_wait()
         if routing_out is not None:
@@ -58,7 +58,10 @@ class CpuBackend:
         if dtype == torch.float8_e4m3fn:
             scale = torch.empty(rows, num_scales(self.cfg.hidden), dtype=torch.float32)
         self._impl.dispatch_unpack(expert_x.data_ptr(), scale.data_ptr() if scale is not None else 0)
-        return expert_x, scale, torch.tensor(self._impl.tokens_per_expert, dtype=torch.int32)
+        dot = None
+        if math is not None:
+            expert_x, dot = apply_row_math(expert_x, math)
+        return expert_x, scale, torch.tensor(self._impl.tokens_per_expert, dtype=torch.int32), dot
 
     def combine_send(self, y: torch.Tensor, in_place: bool = False) -> None:  # in_place: as dispatch_send
         self._impl.combine_send(y.data_ptr(), CORE_DTYPE[y.dtype])

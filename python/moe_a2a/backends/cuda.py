@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from moe_a2a import _core
-from moe_a2a.backends.common import CORE_DTYPE, Setup, num_scales
+from moe_a2a.backends.common import CORE_DTYPE, RowMath, Setup, num_scales, routing_rows
 
 
 def cuda_available() -> str | None:
@@ -138,9 +138,10 @@ class CudaBackend:
         self._last_matrix = routing
 
     def dispatch_recv(
-        self, dtype: torch.dtype, routing_out: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """`routing_out`: pinned [world, num_experts] int32, the call's matrix once this returns."""
+        self, dtype: torch.dtype, routing_out: torch.Tensor | None = None, math: RowMath | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """`routing_out`: pinned [world, num_experts] int32, the call's matrix once this returns.
+        `math`: applied by the receive kernel itself, in the pass that delivers the rows."""
         if routing_out is not None and not routing_out.is_pinned():
             raise ValueError(
                 "dispatch: routing_out: expected pinned host memory, which the plan kernel writes"
@@ -155,6 +156,10 @@ class CudaBackend:
             dtype=torch.int32,
             device=self.device,
         )
+        dot = dot_y = None
+        if math is not None and math.dot_y is not None:
+            dot_y = math.dot_y
+            dot = torch.zeros(rows, dtype=torch.float32, device=self.device)  # padding rows: 0
         self._impl.dispatch_recv(
             expert_x.data_ptr(),
             scale.data_ptr() if scale is not None else 0,
@@ -162,8 +167,12 @@ class CudaBackend:
             not self.graph_safe,
             self._stream(),
             routing_out.data_ptr() if routing_out is not None else 0,
+            math.scale.data_ptr() if math is not None else 0,
+            dot_y.data_ptr() if dot_y is not None else 0,
+            CORE_DTYPE[dot_y.dtype] if dot_y is not None else _core.DType.bf16,
+            dot.data_ptr() if dot is not None else 0,
         )
-        self._alive = (*self._alive, routing_out)
+        self._alive = (*self._alive, routing_out, math)
         if self.cfg.expert_padding > 1:
             _zero_unfilled_rows(expert_x, scale, counts, self.cfg.expert_padding)
         if not self.graph_safe:
@@ -175,7 +184,8 @@ class CudaBackend:
                 filled = int(self._impl.output_rows)
             expert_x = expert_x[:filled]
             scale = scale[:filled] if scale is not None else None
-        return expert_x, scale, counts
+            dot = dot[:filled] if dot is not None else None
+        return expert_x, scale, counts, dot
 
     def _known_rows(self, matrix: torch.Tensor) -> int | None:
         """A cached call's output rows, from its matrix on the host: its receive half then waits
@@ -185,14 +195,8 @@ class CudaBackend:
         waits for it to raise the CapacityError. Computed per call, never cached: the plan
         kernel reads the matrix as it is now.
         """
-        world, rank = self._setup.bootstrap.world_size, self._setup.bootstrap.rank
-        per_expert = matrix.numpy().sum(axis=0, dtype=np.int64)  # [num_experts] copies
-        local = per_expert.shape[0] // world
-        if int(per_expert.reshape(world, local).sum(axis=1).max()) > self._setup.core_cfg.max_recv_tokens:
-            return None
-        pad = self.cfg.expert_padding
-        mine = per_expert[rank * local : (rank + 1) * local]
-        return int(((mine + pad - 1) // pad * pad).sum())
+        rows, most = routing_rows(matrix, self._setup.bootstrap.rank, self.cfg.expert_padding)
+        return None if most > self._setup.core_cfg.max_recv_tokens else rows
 
     def combine_send(self, y: torch.Tensor, in_place: bool = False) -> None:
         self._impl.combine_send(y.data_ptr(), CORE_DTYPE[y.dtype], y.shape[0], self._stream(), in_place)

@@ -504,13 +504,25 @@ DispatchRecvParams CudaAllToAll::recv_params(void* out_x, float* out_scale, int3
   p.routing = call_routing_;
   p.routing_out = routing_out != nullptr ? mapped_device_pointer(routing_out, "routing_out") : nullptr;
   p.self_x = self_x_;
+  p.row_scale = row_math_.scale;
+  p.dot_y = row_math_.dot_y;
+  p.dot_y_dtype = static_cast<int32_t>(row_math_.dot_y_dtype);
+  p.dot_out = row_math_.dot_out;
   return p;
 }
 
 void CudaAllToAll::dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_per_expert, bool host_wait,
-                                 cudaStream_t stream, uint32_t* routing_out) {
+                                 cudaStream_t stream, uint32_t* routing_out, const RowMath* math) {
   if (!host_wait && (call_routing_ != nullptr || routing_out != nullptr))
     throw std::invalid_argument("dispatch_recv: a cached call and routing_out need host_wait (eager calls)");
+  row_math_ = math != nullptr ? *math : RowMath{};
+  if (math != nullptr) {
+    if (math->scale == nullptr) throw std::invalid_argument("dispatch_recv: math: got no scale; expected one per output row");
+    if (cfg_.dispatch_dtype == DType::kFp8)
+      throw std::invalid_argument("dispatch_recv: math: the rows are fp8; expected a bf16 or fp32 dispatch dtype");
+    if (math->dot_y != nullptr && (math->dot_out == nullptr || math->dot_y_dtype == DType::kFp8))
+      throw std::invalid_argument("dispatch_recv: math: dot_y needs dot_out and a bf16 or fp32 dot_y_dtype");
+  }
   if (host_wait && overlap_)
     return dispatch_recv_by_sender(out_x, out_scale, tokens_per_expert, stream, routing_out);
   if (host_wait) {

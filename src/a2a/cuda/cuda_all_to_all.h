@@ -71,8 +71,17 @@ class CudaAllToAll {
   void dispatch_send(const void* x, DType x_dtype, const float* x_scale, const void* topk_ids, bool ids_64bit,
                      int num_tokens, const int32_t* num_tokens_device, cudaStream_t stream,
                      const uint32_t* routing = nullptr, bool in_place = false);
+  // `math` (bf16 or fp32 rows): each output row delivered times a per-row
+  // scale, and its dot product with a row of another tensor (the weighted
+  // combine's backward, in the pass that delivers its rows).
+  struct RowMath {
+    const float* scale = nullptr;  // [output rows]
+    const void* dot_y = nullptr;   // [output rows, hidden], or null for no dot
+    DType dot_y_dtype = DType::kBf16;
+    float* dot_out = nullptr;      // [output rows] fp32, with dot_y
+  };
   void dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_per_expert, bool host_wait, cudaStream_t stream,
-                     uint32_t* routing_out = nullptr);
+                     uint32_t* routing_out = nullptr, const RowMath* math = nullptr);
   void combine_send(const void* y, DType y_dtype, int64_t y_rows, cudaStream_t stream, bool in_place = false);
   void combine_recv(const float* weights, void* out, bool host_wait, cudaStream_t stream);
 
@@ -188,6 +197,7 @@ class CudaAllToAll {
   const void* self_x_ = nullptr;
   const void* self_y_ = nullptr;
   int64_t self_y_rows_ = 0;
+  RowMath row_math_;  // the current dispatch_recv's (scale null: none)
   // Eager dispatch_recv plans and copies in one launch, unless another rank
   // of the node runs on our GPU: there the copy blocks that wait for the plan
   // hold multiprocessors the other ranks' kernels need (8 ranks under MPS:

@@ -238,19 +238,25 @@ __device__ __forceinline__ const uint8_t* source_row(const Instance& in, const S
   return in.fabric_ws + l.shared_rows + (senders[s].shared_off + j - P) * row;
 }
 
-// One warp: chunk `chunk` of copy (s, j) into output row `row`. Our copies to
-// ourselves come from x itself when the send half left them in place; every
-// one's output row is noted for a combine that reads it in place.
+// Where copy (s, j) is read from: our copies to ourselves from x itself when
+// the send half left them in place. Every one of ours has its output row
+// noted (once, by the warp's lane 0 of its first chunk) for a combine that
+// reads it in place.
+__device__ __forceinline__ const uint8_t* row_source(const DispatchRecvParams& p, int s, int j, int row, bool note) {
+  const Instance& in = p.inst;
+  if (s != in.rank) return source_row(in, p.scratch.senders, s, j);
+  if (note) p.scratch.self_row[j] = row;
+  if (p.self_x == nullptr) return source_row(in, p.scratch.senders, s, j);
+  return static_cast<const uint8_t*>(p.self_x) + static_cast<int64_t>(p.scratch.self_token[j]) * in.payload_bytes;
+}
+
+// One warp: chunk `chunk` of copy (s, j) into output row `row`.
 __device__ __forceinline__ void copy_chunk(const DispatchRecvParams& p, int s, int j, int row, int chunk, int lane) {
   const Instance& in = p.inst;
   const int64_t payload = in.payload_bytes;
   const int64_t scale_bytes = static_cast<int64_t>(in.num_scales) * sizeof(float);
   const int64_t row_bytes = payload + scale_bytes;
-  const bool self = s == in.rank;
-  if (self && chunk == 0 && lane == 0) p.scratch.self_row[j] = row;
-  const uint8_t* src = self && p.self_x != nullptr
-                           ? static_cast<const uint8_t*>(p.self_x) + static_cast<int64_t>(p.scratch.self_token[j]) * payload
-                           : source_row(in, p.scratch.senders, s, j);
+  const uint8_t* src = row_source(p, s, j, row, chunk == 0 && lane == 0);
   uint8_t* dst_x = static_cast<uint8_t*>(p.out_x) + row * payload;
   uint8_t* dst_scale = reinterpret_cast<uint8_t*>(p.out_scale) + row * scale_bytes;
   if (split_copyable(dst_x, dst_scale, src, payload, scale_bytes)) {
@@ -264,20 +270,86 @@ __device__ __forceinline__ void copy_chunk(const DispatchRecvParams& p, int s, i
   }
 }
 
-__device__ __forceinline__ int dispatch_row_chunks(const Instance& in) {
-  return row_chunks(in.payload_bytes + static_cast<int64_t>(in.num_scales) * sizeof(float));
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(kFullMask, v, offset);
+  return v;
+}
+
+// A weighted receive (row_scale set; bf16 or fp32 rows): one warp stores row
+// `row` as copy (s, j) times row_scale[row] and, with dot_y, sums
+// <copy, dot_y[row]> into dot_out[row] (fp32 products and sums, the lane's
+// pieces in order, then across lanes in a fixed order: the same every run).
+// The weighted combine's backward in the pass that delivers its rows.
+constexpr int kScaledUnroll = 2;  // pieces a lane loads before it uses the first
+__device__ __forceinline__ void copy_row_scaled(const DispatchRecvParams& p, int s, int j, int row, int lane) {
+  const Instance& in = p.inst;
+  const int H = in.hidden, dtype = in.dispatch_dtype;
+  const int elem = dtype_size(dtype);
+  const uint8_t* src = row_source(p, s, j, row, lane == 0);
+  uint8_t* dst = static_cast<uint8_t*>(p.out_x) + static_cast<int64_t>(row) * in.payload_bytes;
+  const uint8_t* y = p.dot_y == nullptr ? nullptr
+                                        : static_cast<const uint8_t*>(p.dot_y) +
+                                              static_cast<int64_t>(row) * H * dtype_size(p.dot_y_dtype);
+  const float w = p.row_scale[row];
+  const int pieces = (H + kVec - 1) / kVec;
+  float dot = 0.0f;
+  for (int base = 0; base < pieces; base += kScaledUnroll * kWarp) {
+    float v[kScaledUnroll][kVec], yv[kScaledUnroll][kVec];
+#pragma unroll
+    for (int u = 0; u < kScaledUnroll; ++u) {
+      const int piece = base + u * kWarp + lane;
+      if (piece >= pieces) continue;
+      const int64_t first = static_cast<int64_t>(piece) * kVec;
+      const int n = H - first < kVec ? static_cast<int>(H - first) : kVec;
+      load_piece(src, dtype, first, n, v[u]);
+      if (y != nullptr) load_piece(y, p.dot_y_dtype, first, n, yv[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kScaledUnroll; ++u) {
+      const int piece = base + u * kWarp + lane;
+      if (piece >= pieces) continue;
+      const int64_t first = static_cast<int64_t>(piece) * kVec;
+      const int n = H - first < kVec ? static_cast<int>(H - first) : kVec;
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        if (y != nullptr) dot = __fadd_rn(dot, __fmul_rn(v[u][i], yv[u][i]));  // zeros past the row
+        v[u][i] = __fmul_rn(v[u][i], w);
+      }
+      store_piece(dst + first * elem, elem == 4 ? encode_fp32(v[u]) : encode_bf16(v[u]), elem, n);
+    }
+  }
+  dot = warp_sum(dot);
+  if (lane == 0 && p.dot_out != nullptr) p.dot_out[row] = dot;
+}
+
+// Chunks a warp takes of each output row: one whole row when weighted (its
+// dot sums in one warp). The host sizes the grid by it too.
+__host__ __device__ __forceinline__ int recv_row_chunks(const DispatchRecvParams& p) {
+  if (p.row_scale != nullptr) return 1;
+  return row_chunks(p.inst.payload_bytes + static_cast<int64_t>(p.inst.num_scales) * sizeof(float));
+}
+
+// Copy (s, j) into output row `row`: the walk's chunk of it, or (weighted) all
+// of it. Weighted receives are kernels of their own, so that the plain copy
+// keeps its registers.
+template <bool kScaled>
+__device__ __forceinline__ void receive_row(const DispatchRecvParams& p, int s, int j, int row, const ChunkWalk& walk) {
+  if constexpr (kScaled) copy_row_scaled(p, s, j, row, walk.lane);
+  else copy_chunk(p, s, j, row, walk.chunk, walk.lane);
 }
 
 // Copies every received row into the output, from the plan in scratch.
+template <bool kScaled>
 __device__ __forceinline__ void copy_rows(const DispatchRecvParams& p, Segment* segs) {
   const Instance& in = p.inst;
   load_segments(segs, p.scratch.segments, in.num_experts);
   __syncthreads();
   const int rows = *p.scratch.output_rows;
-  for (ChunkWalk walk(dispatch_row_chunks(in)); walk.row < rows; walk.next()) {
+  for (ChunkWalk walk(recv_row_chunks(p)); walk.row < rows; walk.next()) {
     int s, j;
     if (!locate(segs, in.num_experts, walk.row, &s, &j)) continue;  // padding
-    copy_chunk(p, s, j, walk.row, walk.chunk, walk.lane);
+    receive_row<kScaled>(p, s, j, walk.row, walk);
   }
 }
 
@@ -285,6 +357,7 @@ __device__ __forceinline__ void copy_rows(const DispatchRecvParams& p, Segment* 
 // launches this as each slice of a sender's rows lands). Its segments, one
 // per local expert, are in j order; copy j lies in the last one starting at
 // or before it (empty segments start where the next one does).
+template <bool kScaled>
 __device__ __forceinline__ void copy_sender_rows(const DispatchRecvParams& p, Segment* segs) {
   const Instance& in = p.inst;
   const int N = in.world, L = in.local_experts, s = p.sender;
@@ -292,7 +365,7 @@ __device__ __forceinline__ void copy_sender_rows(const DispatchRecvParams& p, Se
   __syncthreads();
   const int first = static_cast<int>(p.sender_first);
   const int rows = static_cast<int>(p.sender_end - p.sender_first);
-  for (ChunkWalk walk(dispatch_row_chunks(in)); walk.row < rows; walk.next()) {
+  for (ChunkWalk walk(recv_row_chunks(p)); walk.row < rows; walk.next()) {
     const int j = first + walk.row;
     int lo = 0, hi = L;
     while (hi - lo > 1) {
@@ -300,25 +373,28 @@ __device__ __forceinline__ void copy_sender_rows(const DispatchRecvParams& p, Se
       if (segs[mid].first_j <= j) lo = mid;
       else hi = mid;
     }
-    copy_chunk(p, s, j, segs[lo].out_row + (j - segs[lo].first_j), walk.chunk, walk.lane);
+    receive_row<kScaled>(p, s, j, segs[lo].out_row + (j - segs[lo].first_j), walk);
   }
 }
 
+template <bool kScaled>
 __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) copy_kernel(DispatchRecvParams p) {
   extern __shared__ Segment segs[];
   kernel_prologue();
-  copy_rows(p, segs);
+  copy_rows<kScaled>(p, segs);
 }
 
+template <bool kScaled>
 __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) copy_sender_kernel(DispatchRecvParams p) {
   extern __shared__ Segment segs[];  // the sender's [local experts]
   kernel_prologue();  // the plan, and the copies of earlier senders
-  copy_sender_rows(p, segs);
+  copy_sender_rows<kScaled>(p, segs);
 }
 
 // Eager calls: the first block to start plans while the others wait for its
 // word in device scratch, then every block copies.
 static_assert(kCopyThreads == kPlanThreads, "a block of plan_copy_kernel runs the plan");
+template <bool kScaled>
 __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) plan_copy_kernel(DispatchRecvParams p) {
   extern __shared__ int32_t smem[];  // the planner: the plan's matrix; then every block's segment table
   kernel_prologue();  // the routing before us reported its status
@@ -350,7 +426,7 @@ __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) plan_copy_kern
   }
   __syncthreads();
   if (!planned || ld_acquire_gpu(p.scratch.plan_ready) < epoch) return;  // each thread acquires the plan
-  copy_rows(p, reinterpret_cast<Segment*>(smem));
+  copy_rows<kScaled>(p, reinterpret_cast<Segment*>(smem));
 }
 
 size_t plan_smem_bytes(const Instance& in) {
@@ -371,31 +447,32 @@ cudaError_t launch_copy_sender(const DispatchRecvParams& p, cudaStream_t stream)
   const int64_t rows = p.sender_end - p.sender_first;
   if (p.sender < 0 || p.sender >= in.world || p.sender_first < 0 || rows <= 0) return cudaErrorInvalidValue;
   const size_t smem = static_cast<size_t>(in.local_experts) * sizeof(Segment);
-  cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(copy_sender_kernel), smem);
+  const auto kernel = p.row_scale != nullptr ? copy_sender_kernel<true> : copy_sender_kernel<false>;
+  cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   if (err != cudaSuccess) return err;
-  const int chunks = row_chunks(in.payload_bytes + static_cast<int64_t>(in.num_scales) * sizeof(float));
-  const int blocks = persistent_blocks(rows * chunks, kCopyThreads / kWarp, kCopyBlocksPerSm);
-  return launch_kernel(copy_sender_kernel, blocks, kCopyThreads, smem, stream, p);
+  const int blocks = persistent_blocks(rows * recv_row_chunks(p), kCopyThreads / kWarp, kCopyBlocksPerSm);
+  return launch_kernel(kernel, blocks, kCopyThreads, smem, stream, p);
 }
 
 cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream) {
   const Instance& in = p.inst;
   const size_t plan_smem = plan_smem_bytes(in);
   const size_t seg_smem = static_cast<size_t>(in.num_experts) * sizeof(Segment);
-  const int chunks = row_chunks(in.payload_bytes + static_cast<int64_t>(in.num_scales) * sizeof(float));
-  const int blocks = persistent_blocks(p.max_output_rows * chunks, kCopyThreads / kWarp, kCopyBlocksPerSm);
+  const int blocks = persistent_blocks(p.max_output_rows * recv_row_chunks(p), kCopyThreads / kWarp, kCopyBlocksPerSm);
   if (p.fused) {
     const size_t smem = plan_smem > seg_smem ? plan_smem : seg_smem;
-    cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(plan_copy_kernel), smem);
+    const auto kernel = p.row_scale != nullptr ? plan_copy_kernel<true> : plan_copy_kernel<false>;
+    cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
     if (err != cudaSuccess) return err;
-    return launch_kernel(plan_copy_kernel, blocks, kCopyThreads, smem, stream, p);
+    return launch_kernel(kernel, blocks, kCopyThreads, smem, stream, p);
   }
   cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(plan_kernel), plan_smem);
   if (err != cudaSuccess) return err;
   if ((err = launch_kernel(plan_kernel, 1, kPlanThreads, plan_smem, stream, p)) != cudaSuccess) return err;
-  err = allow_dynamic_smem(reinterpret_cast<const void*>(copy_kernel), seg_smem);
+  const auto copy = p.row_scale != nullptr ? copy_kernel<true> : copy_kernel<false>;
+  err = allow_dynamic_smem(reinterpret_cast<const void*>(copy), seg_smem);
   if (err != cudaSuccess) return err;
-  return launch_kernel(copy_kernel, blocks, kCopyThreads, seg_smem, stream, p);
+  return launch_kernel(copy, blocks, kCopyThreads, seg_smem, stream, p);
 }
 
 }  // namespace moe_a2a::a2a::cuda

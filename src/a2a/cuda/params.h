@@ -182,6 +182,12 @@ struct DispatchRecvParams {
   // The send half's x when it left our copies to ourselves in place
   // (DispatchSendParams::self_in_place): [T, hidden] in the dispatch dtype.
   const void* self_x = nullptr;
+  // A weighted receive (bf16 or fp32 rows; RowMath): output row r is stored
+  // times row_scale[r], and with dot_y, dot_out[r] = <row as received, dot_y[r]>.
+  const float* row_scale = nullptr;  // [output rows]
+  const void* dot_y = nullptr;       // [output rows, hidden] in dot_y_dtype (bf16 or fp32)
+  int32_t dot_y_dtype = 0;
+  float* dot_out = nullptr;          // [output rows]
 };
 
 // What stage_kernel copies from the device workspace to the fabric's host
