@@ -281,43 +281,121 @@ __device__ __forceinline__ float warp_sum(float v) {
 // <copy, dot_y[row]> into dot_out[row] (fp32 products and sums, the lane's
 // pieces in order, then across lanes in a fixed order: the same every run).
 // The weighted combine's backward in the pass that delivers its rows.
-constexpr int kScaledUnroll = 2;  // pieces a lane loads before it uses the first
+constexpr int kBf16 = static_cast<int>(DType::kBf16);
+constexpr int kFp32 = static_cast<int>(DType::kFp32);
+
+// kVec elements as loaded: 16 bytes of bf16 or 32 of fp32.
+template <int kDtype>
+struct Piece8 {
+  static constexpr int kWords = kDtype == kFp32 ? 2 : 1;
+  static constexpr int kBytes = 16 * kWords;
+  uint4 w[kWords];
+};
+
+template <int kDtype>
+__device__ __forceinline__ Piece8<kDtype> load8(const uint8_t* p) {
+  Piece8<kDtype> r;
+#pragma unroll
+  for (int i = 0; i < Piece8<kDtype>::kWords; ++i) r.w[i] = ld_16_stream(p + 16 * i);
+  return r;
+}
+
+template <int kDtype>
+__device__ __forceinline__ void unpack8(const Piece8<kDtype>& r, float (&v)[kVec]) {
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) {
+    const uint4& q = r.w[kDtype == kFp32 ? i / 4 : 0];
+    const int at = kDtype == kFp32 ? i % 4 : i / 2;
+    const uint32_t word = at == 0 ? q.x : at == 1 ? q.y : at == 2 ? q.z : q.w;
+    v[i] = kDtype == kFp32 ? __uint_as_float(word) : __uint_as_float(i % 2 == 0 ? word << 16 : word & 0xffff0000u);
+  }
+}
+
+// One piece's products and sums: dot += v * y (with kDot), then v * w, stored.
+template <int kSrc, int kY, bool kDot>
+__device__ __forceinline__ void scale_piece(const Piece8<kSrc>& a, const Piece8<kY>& b, float w, uint8_t* dst,
+                                            float& dot) {
+  float v[kVec];
+  unpack8<kSrc>(a, v);
+  if constexpr (kDot) {
+    float y[kVec];
+    unpack8<kY>(b, y);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) dot = __fadd_rn(dot, __fmul_rn(v[i], y[i]));
+  }
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) v[i] = __fmul_rn(v[i], w);
+  store_full_piece(dst, kSrc == kFp32 ? encode_fp32(v) : encode_bf16(v), kSrc == kFp32 ? 4 : 2);
+}
+
+// Whole, aligned rows: raw pieces, several a lane in flight before the first
+// is used. As many as fit the copy kernel's 80 registers with no spill:
+// three of bf16 (96 bytes a lane with their y), one where either is fp32.
+template <int kSrc, int kY, bool kDot>
+__device__ __forceinline__ void scale_row_fast(const uint8_t* src, uint8_t* dst, const uint8_t* y, float w,
+                                               int pieces, int lane, float& dot) {
+  constexpr int kUnroll = kSrc == kFp32 || kY == kFp32 ? 1 : 3;
+  for (int base = lane; base < pieces; base += kUnroll * kWarp) {
+    Piece8<kSrc> a[kUnroll];
+    Piece8<kY> b[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int piece = base + u * kWarp;
+      if (piece >= pieces) continue;
+      a[u] = load8<kSrc>(src + static_cast<int64_t>(piece) * Piece8<kSrc>::kBytes);
+      if constexpr (kDot) b[u] = load8<kY>(y + static_cast<int64_t>(piece) * Piece8<kY>::kBytes);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int piece = base + u * kWarp;
+      if (piece < pieces)
+        scale_piece<kSrc, kY, kDot>(a[u], b[u], w, dst + static_cast<int64_t>(piece) * Piece8<kSrc>::kBytes, dot);
+    }
+  }
+}
+
+template <int kSrc>
+__device__ __forceinline__ void scale_row_fast_y(const DispatchRecvParams& p, const uint8_t* src, uint8_t* dst,
+                                                 const uint8_t* y, float w, int pieces, int lane, float& dot) {
+  if (y == nullptr) scale_row_fast<kSrc, kBf16, false>(src, dst, y, w, pieces, lane, dot);
+  else if (p.dot_y_dtype == kFp32) scale_row_fast<kSrc, kFp32, true>(src, dst, y, w, pieces, lane, dot);
+  else scale_row_fast<kSrc, kBf16, true>(src, dst, y, w, pieces, lane, dot);
+}
+
+// Any row: element by element where a piece is short or unaligned.
+__device__ __forceinline__ void scale_row_any(const DispatchRecvParams& p, const uint8_t* src, uint8_t* dst,
+                                              const uint8_t* y, float w, int lane, float& dot) {
+  const int H = p.inst.hidden, dtype = p.inst.dispatch_dtype, elem = dtype_size(dtype);
+  for (int piece = lane; piece < (H + kVec - 1) / kVec; piece += kWarp) {
+    const int64_t first = static_cast<int64_t>(piece) * kVec;
+    const int n = H - first < kVec ? static_cast<int>(H - first) : kVec;
+    float v[kVec], yv[kVec];
+    load_piece(src, dtype, first, n, v);
+    if (y != nullptr) load_piece(y, p.dot_y_dtype, first, n, yv);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      if (y != nullptr) dot = __fadd_rn(dot, __fmul_rn(v[i], yv[i]));  // zeros past the row
+      v[i] = __fmul_rn(v[i], w);
+    }
+    store_piece(dst + first * elem, elem == 4 ? encode_fp32(v) : encode_bf16(v), elem, n);
+  }
+}
+
 __device__ __forceinline__ void copy_row_scaled(const DispatchRecvParams& p, int s, int j, int row, int lane) {
   const Instance& in = p.inst;
-  const int H = in.hidden, dtype = in.dispatch_dtype;
-  const int elem = dtype_size(dtype);
+  const int H = in.hidden;
   const uint8_t* src = row_source(p, s, j, row, lane == 0);
   uint8_t* dst = static_cast<uint8_t*>(p.out_x) + static_cast<int64_t>(row) * in.payload_bytes;
   const uint8_t* y = p.dot_y == nullptr ? nullptr
                                         : static_cast<const uint8_t*>(p.dot_y) +
                                               static_cast<int64_t>(row) * H * dtype_size(p.dot_y_dtype);
   const float w = p.row_scale[row];
-  const int pieces = (H + kVec - 1) / kVec;
   float dot = 0.0f;
-  for (int base = 0; base < pieces; base += kScaledUnroll * kWarp) {
-    float v[kScaledUnroll][kVec], yv[kScaledUnroll][kVec];
-#pragma unroll
-    for (int u = 0; u < kScaledUnroll; ++u) {
-      const int piece = base + u * kWarp + lane;
-      if (piece >= pieces) continue;
-      const int64_t first = static_cast<int64_t>(piece) * kVec;
-      const int n = H - first < kVec ? static_cast<int>(H - first) : kVec;
-      load_piece(src, dtype, first, n, v[u]);
-      if (y != nullptr) load_piece(y, p.dot_y_dtype, first, n, yv[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < kScaledUnroll; ++u) {
-      const int piece = base + u * kWarp + lane;
-      if (piece >= pieces) continue;
-      const int64_t first = static_cast<int64_t>(piece) * kVec;
-      const int n = H - first < kVec ? static_cast<int>(H - first) : kVec;
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) {
-        if (y != nullptr) dot = __fadd_rn(dot, __fmul_rn(v[u][i], yv[u][i]));  // zeros past the row
-        v[u][i] = __fmul_rn(v[u][i], w);
-      }
-      store_piece(dst + first * elem, elem == 4 ? encode_fp32(v[u]) : encode_bf16(v[u]), elem, n);
-    }
+  if (H % kVec == 0 && aligned(src, 16) && aligned(dst, 16) && (y == nullptr || aligned(y, 16))) {
+    if (in.dispatch_dtype == kFp32) scale_row_fast_y<kFp32>(p, src, dst, y, w, H / kVec, lane, dot);
+    else scale_row_fast_y<kBf16>(p, src, dst, y, w, H / kVec, lane, dot);
+  } else {
+    scale_row_any(p, src, dst, y, w, lane, dot);
   }
   dot = warp_sum(dot);
   if (lane == 0 && p.dot_out != nullptr) p.dot_out[row] = dot;
