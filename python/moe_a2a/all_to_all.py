@@ -163,6 +163,7 @@ class Dispatched:
     owner: int = field(repr=False, default=0)
     routing: Routing | None = None  # with keep_routing=True, or the cached call's
     row_dot: torch.Tensor | None = None  # [rows] float32, with dispatch(row_dot=...)
+    row_weights: torch.Tensor | None = None  # [rows] float32, with dispatch(row_weights=True)
 
 
 @dataclass
@@ -425,6 +426,7 @@ class AllToAll:
         in_place: bool | None = None,
         row_scale: torch.Tensor | None = None,
         row_dot: torch.Tensor | None = None,
+        row_weights: bool = False,
     ) -> Dispatched | PendingDispatch:
         """Send tokens to their experts' ranks and/or receive this rank's share.
 
@@ -440,12 +442,18 @@ class AllToAll:
         float32) delivers row r times `row_scale[r]`, and `row_dot` ([rows, hidden], bf16 or
         float32) also gives `Dispatched.row_dot[r]`, the float32 dot product of row r as it
         arrived with `row_dot[r]`.
+        `row_weights=True` (receive half) also returns `Dispatched.row_weights`: each row's
+        routing weight (its copy's `topk_weights` entry, carried with the row; 0 on padding).
         """
         if not send and not recv:
             raise ValueError("dispatch: send and recv are both False; nothing to do")
         in_place = _resolve_in_place("dispatch", in_place, send, recv)
-        if not recv and (row_scale is not None or row_dot is not None):
-            raise ValueError("dispatch: row_scale= and row_dot= belong to the receive half (recv=True)")
+        if not recv and (row_scale is not None or row_dot is not None or row_weights is not False):
+            raise ValueError(
+                "dispatch: row_scale=, row_dot= and row_weights= belong to the receive half (recv=True)"
+            )
+        if not isinstance(row_weights, bool):
+            raise ValueError(f"dispatch: row_weights: got {row_weights!r}; expected True or False")
         row_math = None
         if send and recv:  # checked before anything is sent
             row_math = self._row_math(routing, row_scale, row_dot)
@@ -463,7 +471,7 @@ class AllToAll:
             )
         if not send:
             row_math = self._row_math(handle.routing, row_scale, row_dot)
-        return self._dispatch_recv(handle, row_math)
+        return self._dispatch_recv(handle, row_math, row_weights)
 
     def _dispatch_send(
         self,
@@ -495,7 +503,7 @@ class AllToAll:
         if routing is not None and not self._backend.checks_ids:
             self._check_own_row(routing, ids)
         matrix = routing.matrix if routing is not None else None
-        self._backend.dispatch_send(x, scale, ids, matrix, in_place)
+        self._backend.dispatch_send(x, scale, ids, matrix, in_place, weights)
         self._state = "dispatch_sent"
         return PendingDispatch(
             epoch=self.epoch,
@@ -592,7 +600,9 @@ class AllToAll:
                 "a handle is only valid on the instance that returned it"
             )
 
-    def _dispatch_recv(self, handle: PendingDispatch, row_math: RowMath | None) -> Dispatched:
+    def _dispatch_recv(
+        self, handle: PendingDispatch, row_math: RowMath | None, row_weights: bool = False
+    ) -> Dispatched:
         self._check_owner("dispatch", handle)
         if self._state != "dispatch_sent" or handle.epoch != self.epoch:
             raise RuntimeError(
@@ -609,7 +619,9 @@ class AllToAll:
             )
         try:
             dtype = DISPATCH_DTYPES[self.cfg.dispatch_dtype]
-            expert_x, scale, counts, dot = self._backend.dispatch_recv(dtype, keep, row_math)
+            expert_x, scale, counts, dot, weights = self._backend.dispatch_recv(
+                dtype, keep, row_math, row_weights
+            )
         except CapacityError:
             self._state = "idle"  # every rank failed this call alike; the next one starts clean
             raise
@@ -636,6 +648,7 @@ class AllToAll:
             owner=self.id,
             routing=routing,
             row_dot=dot,
+            row_weights=weights,
         )
         self._last, self._last_cached = weakref.ref(d), handle.routing is not None
         return d
@@ -653,6 +666,8 @@ class AllToAll:
         handle: PendingCombine | None = None,
         weighted: bool = True,
         in_place: bool | None = None,
+        row_values: torch.Tensor | None = None,
+        values_out: torch.Tensor | None = None,
     ) -> torch.Tensor | PendingCombine:
         """Return expert outputs to their tokens' ranks.
 
@@ -660,16 +675,23 @@ class AllToAll:
         dispatch's `topk_weights`; `weighted=False`: the plain sum over k, for callers
         that apply the routing weights themselves (as TorchTitan does, under autograd).
         `in_place`: as for dispatch, with `y`.
+        `row_values` (send half, [rows] float32) travel back with the rows, one per row,
+        and land unreduced in `values_out` (receive half, [T, topk] float32): entry (t, k)
+        is the value of the row of copy (t, k) (0 where the sender passed none).
         """
         if not send and not recv:
             raise ValueError("combine: send and recv are both False; nothing to do")
         in_place = _resolve_in_place("combine", in_place, send, recv)
+        if not send and row_values is not None:
+            raise ValueError("combine: row_values= belongs to the send half (send=True)")
+        if not recv and values_out is not None:
+            raise ValueError("combine: values_out= belongs to the receive half (recv=True)")
         if send:
             if handle is not None:
                 raise ValueError("combine: handle= is only for the receive half (send=False)")
             if not isinstance(weighted, bool):
                 raise ValueError(f"combine: weighted: got {weighted!r}; expected True or False")
-            handle = self._combine_send(y, d, weighted, in_place)
+            handle = self._combine_send(y, d, weighted, in_place, row_values)
         if not recv:
             return handle
         if handle is None or not isinstance(handle, PendingCombine):
@@ -679,17 +701,32 @@ class AllToAll:
         self._check_owner("combine", handle)
         if self._state != "combine_sent" or handle.epoch != self.epoch:
             raise RuntimeError(f"combine: handle of epoch {handle.epoch} is not the combine in flight")
+        if values_out is not None:
+            want = (handle.num_tokens, self.cfg.topk)
+            if (
+                not isinstance(values_out, torch.Tensor)
+                or values_out.dtype != torch.float32
+                or tuple(values_out.shape) != want
+                or values_out.device != self.device
+                or not values_out.is_contiguous()
+            ):
+                raise ValueError(
+                    f"combine: values_out: got {_describe(values_out)}; expected a contiguous float32 "
+                    f"tensor of shape {want} on {self.device}"
+                )
         out = torch.empty(
             handle.num_tokens,
             self.cfg.hidden,
             dtype=COMBINE_DTYPES[self.cfg.combine_dtype],
             device=self.device,
         )
-        self._backend.combine_recv(handle.topk_weights, out)
+        self._backend.combine_recv(handle.topk_weights, out, values_out)
         self._state = "idle"
         return out
 
-    def _combine_send(self, y: Any, d: Any, weighted: bool, in_place: bool) -> PendingCombine:
+    def _combine_send(
+        self, y: Any, d: Any, weighted: bool, in_place: bool, row_values: Any = None
+    ) -> PendingCombine:
         if not isinstance(d, Dispatched):
             raise TypeError(
                 f"combine: d: got {type(d).__name__}; expected the Dispatched returned by dispatch"
@@ -708,7 +745,18 @@ class AllToAll:
             raise ValueError(f"combine: y: got dtype {y.dtype}; expected torch.bfloat16 or torch.float32")
         if y.device != self.device:
             raise ValueError(f"combine: y is on {y.device}; expected {self.device}")
-        self._backend.combine_send(y.contiguous(), in_place)
+        if row_values is not None and (
+            not isinstance(row_values, torch.Tensor)
+            or row_values.dtype != torch.float32
+            or tuple(row_values.shape) != (expected[0],)
+            or row_values.device != self.device
+        ):
+            raise ValueError(
+                f"combine: row_values: got {_describe(row_values)}; expected float32 of shape "
+                f"({expected[0]},) on {self.device} (one per row of d.expert_x)"
+            )
+        values = row_values.detach().contiguous() if row_values is not None else None
+        self._backend.combine_send(y.contiguous(), in_place, values)
         self._state = "combine_sent"
         assert d.topk_weights is not None
         weights = d.topk_weights if weighted else self._ones(d.topk_weights.shape[0])

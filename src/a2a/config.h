@@ -15,6 +15,11 @@ constexpr int kFp8Block = 128;       // elements per fp32 scale
 constexpr float kFp8Max = 448.0f;    // largest finite e4m3fn value
 constexpr size_t kRowAlign = 16;     // token rows start on 16 bytes
 constexpr size_t kSectionAlign = 64; // workspace sections start on a cache line
+// Every row ends with a tail of its own after its body: a dispatch row's holds
+// its copy's routing weight, a combine row's one value the expert side returns
+// for it (fp32 each; docs/protocol.md, "Row tails"). A whole 16 bytes, so the
+// body can leave in bulk copies and the tail in a store of its own.
+constexpr size_t kRowTail = 16;
 // Immediate tags are 16 bits: 3 for the kind of write, 5 for the slice of a
 // peer's rows (slices.h: the part, then the slice in it), 8 for the instance.
 constexpr int kTagKindBits = 3;
@@ -54,8 +59,10 @@ struct A2AConfig {
   bool same_node(int r) const { return node_of(r) == node_of(rank); }
   int num_scales() const { return dispatch_dtype == DType::kFp8 ? (hidden + kFp8Block - 1) / kFp8Block : 0; }
   size_t payload_bytes() const { return static_cast<size_t>(hidden) * dtype_bytes(dispatch_dtype); }
-  size_t dispatch_row_bytes() const { return align_up(payload_bytes() + num_scales() * sizeof(float), kRowAlign); }
-  size_t combine_row_bytes() const { return align_up(static_cast<size_t>(hidden) * dtype_bytes(combine_dtype), kRowAlign); }
+  size_t dispatch_body_bytes() const { return align_up(payload_bytes() + num_scales() * sizeof(float), kRowAlign); }
+  size_t dispatch_row_bytes() const { return dispatch_body_bytes() + kRowTail; }
+  size_t combine_body_bytes() const { return align_up(static_cast<size_t>(hidden) * dtype_bytes(combine_dtype), kRowAlign); }
+  size_t combine_row_bytes() const { return combine_body_bytes() + kRowTail; }
 
   // The Python layer validates with friendlier messages; this guards the core.
   void validate() const {

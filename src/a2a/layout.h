@@ -48,11 +48,15 @@ struct Layout {
   size_t total = 0;
   size_t dispatch_row = 0;
   size_t combine_row = 0;
+  size_t dispatch_tail = 0;  // offset of a dispatch row's tail (its copy's weight, fp32)
+  size_t combine_tail = 0;   // offset of a combine row's tail (its returned value, fp32)
 
   static Layout of(const A2AConfig& c) {
     Layout l;
     l.dispatch_row = c.dispatch_row_bytes();
     l.combine_row = c.combine_row_bytes();
+    l.dispatch_tail = c.dispatch_body_bytes();
+    l.combine_tail = c.combine_body_bytes();
     size_t at = 0;
     auto section = [&at](size_t bytes) {
       size_t start = at;

@@ -125,29 +125,37 @@ void bind_a2a(nb::module_& m) {
       .def(
           "dispatch_send",
           [](cpu::CpuAllToAll& a, uintptr_t x, DType x_dtype, uintptr_t x_scale, uintptr_t topk_ids, int num_tokens,
-             uintptr_t routing) {
+             uintptr_t routing, uintptr_t weights) {
             a.dispatch_send(ptr<const void>(x), x_dtype, ptr<const float>(x_scale), ptr<const int32_t>(topk_ids),
-                            num_tokens, ptr<const uint32_t>(routing));
+                            num_tokens, ptr<const uint32_t>(routing), ptr<const float>(weights));
           },
           nb::arg("x"), nb::arg("x_dtype"), nb::arg("x_scale"), nb::arg("topk_ids"), nb::arg("num_tokens"),
-          nb::arg("routing") = 0, release(), "routing: a cached call's matrix (0: exchange the routing rows).")
+          nb::arg("routing") = 0, nb::arg("weights") = 0, release(),
+          "routing: a cached call's matrix (0: exchange the routing rows); weights: [T, topk] fp32, each copy's "
+          "weight into its row's tail (0: zeros).")
       .def("dispatch_wait", &cpu::CpuAllToAll::dispatch_wait, release())
       .def("unpack_order", &cpu::CpuAllToAll::unpack_order)
       .def(
           "dispatch_unpack",
-          [](cpu::CpuAllToAll& a, uintptr_t out_x, uintptr_t out_scale) {
-            a.dispatch_unpack(ptr<void>(out_x), ptr<float>(out_scale));
+          [](cpu::CpuAllToAll& a, uintptr_t out_x, uintptr_t out_scale, uintptr_t out_weight) {
+            a.dispatch_unpack(ptr<void>(out_x), ptr<float>(out_scale), ptr<float>(out_weight));
           },
-          nb::arg("out_x"), nb::arg("out_scale"), release())
+          nb::arg("out_x"), nb::arg("out_scale"), nb::arg("out_weight") = 0, release(),
+          "out_weight: [output rows] fp32, each row's weight from its tail (0: not wanted).")
       .def(
-          "combine_send", [](cpu::CpuAllToAll& a, uintptr_t y, DType y_dtype) { a.combine_send(ptr<const void>(y), y_dtype); },
-          nb::arg("y"), nb::arg("y_dtype"), release())
+          "combine_send",
+          [](cpu::CpuAllToAll& a, uintptr_t y, DType y_dtype, uintptr_t row_values) {
+            a.combine_send(ptr<const void>(y), y_dtype, ptr<const float>(row_values));
+          },
+          nb::arg("y"), nb::arg("y_dtype"), nb::arg("row_values") = 0, release(),
+          "row_values: [output rows] fp32, one per row back in its tail (0: zeros).")
       .def(
           "combine_recv",
-          [](cpu::CpuAllToAll& a, uintptr_t weights, uintptr_t out) {
-            a.combine_recv(ptr<const float>(weights), ptr<void>(out));
+          [](cpu::CpuAllToAll& a, uintptr_t weights, uintptr_t out, uintptr_t values_out) {
+            a.combine_recv(ptr<const float>(weights), ptr<void>(out), ptr<float>(values_out));
           },
-          nb::arg("weights"), nb::arg("out"), release())
+          nb::arg("weights"), nb::arg("out"), nb::arg("values_out") = 0, release(),
+          "values_out: [T, topk] fp32, each copy's returned value, unreduced (0: not wanted).")
       .def_prop_ro("tokens_per_expert", &cpu::CpuAllToAll::tokens_per_expert)
       .def(
           "copy_routing", [](const cpu::CpuAllToAll& a, uintptr_t out) { a.copy_routing(ptr<uint32_t>(out)); },

@@ -91,47 +91,57 @@ void bind_cuda(nb::module_& m) {
       .def(
           "dispatch_send",
           [](CudaAllToAll& a, uintptr_t x, DType x_dtype, uintptr_t x_scale, uintptr_t topk_ids, bool ids_64bit,
-             int num_tokens, uintptr_t num_tokens_device, uintptr_t stream, uintptr_t routing, bool in_place) {
+             int num_tokens, uintptr_t num_tokens_device, uintptr_t stream, uintptr_t routing, bool in_place,
+             uintptr_t weights) {
             a.dispatch_send(ptr<const void>(x), x_dtype, ptr<const float>(x_scale), ptr<const void>(topk_ids), ids_64bit,
                             num_tokens, ptr<const int32_t>(num_tokens_device), stream_of(stream),
-                            ptr<const uint32_t>(routing), in_place);
+                            ptr<const uint32_t>(routing), in_place, ptr<const float>(weights));
           },
           nb::arg("x"), nb::arg("x_dtype"), nb::arg("x_scale"), nb::arg("topk_ids"), nb::arg("ids_64bit"),
           nb::arg("num_tokens"), nb::arg("num_tokens_device"), nb::arg("stream"), nb::arg("routing") = 0,
-          nb::arg("in_place") = false,
+          nb::arg("in_place") = false, nb::arg("weights") = 0,
           "routing: a cached call's matrix in pinned host memory (0: exchange the routing rows). "
-          "in_place: x stays unchanged until the receive half, which reads this rank's own copies from it.")
+          "in_place: x stays unchanged until the receive half, which reads this rank's own copies from it. "
+          "weights: [T, topk] fp32, each copy's weight into its row's tail (0: zeros).")
       .def(
           "dispatch_recv",
           [](CudaAllToAll& a, uintptr_t out_x, uintptr_t out_scale, uintptr_t tokens_per_expert, bool host_wait,
              uintptr_t stream, uintptr_t routing_out, uintptr_t row_scale, uintptr_t dot_y, DType dot_y_dtype,
-             uintptr_t dot_out) {
+             uintptr_t dot_out, uintptr_t out_weight) {
             CudaAllToAll::RowMath math;
             math.scale = ptr<const float>(row_scale);
             math.dot_y = ptr<const void>(dot_y);
             math.dot_y_dtype = dot_y_dtype;
             math.dot_out = ptr<float>(dot_out);
             a.dispatch_recv(ptr<void>(out_x), ptr<float>(out_scale), ptr<int32_t>(tokens_per_expert), host_wait,
-                            stream_of(stream), ptr<uint32_t>(routing_out), row_scale != 0 ? &math : nullptr);
+                            stream_of(stream), ptr<uint32_t>(routing_out), row_scale != 0 ? &math : nullptr,
+                            ptr<float>(out_weight));
           },
           nb::arg("out_x"), nb::arg("out_scale"), nb::arg("tokens_per_expert"), nb::arg("host_wait"), nb::arg("stream"),
           nb::arg("routing_out") = 0, nb::arg("row_scale") = 0, nb::arg("dot_y") = 0,
-          nb::arg("dot_y_dtype") = DType::kBf16, nb::arg("dot_out") = 0, release(),
+          nb::arg("dot_y_dtype") = DType::kBf16, nb::arg("dot_out") = 0, nb::arg("out_weight") = 0, release(),
           "row_scale (fp32, one per output row): rows delivered times it; dot_y ([rows, hidden], dot_y_dtype): "
-          "dot_out[r] = <row r as received, dot_y[r]> in fp32.")
+          "dot_out[r] = <row r as received, dot_y[r]> in fp32; out_weight ([rows] fp32): each row's weight.")
       .def(
           "combine_send",
-          [](CudaAllToAll& a, uintptr_t y, DType y_dtype, int64_t y_rows, uintptr_t stream, bool in_place) {
-            a.combine_send(ptr<const void>(y), y_dtype, y_rows, stream_of(stream), in_place);
+          [](CudaAllToAll& a, uintptr_t y, DType y_dtype, int64_t y_rows, uintptr_t stream, bool in_place,
+             uintptr_t row_values) {
+            a.combine_send(ptr<const void>(y), y_dtype, y_rows, stream_of(stream), in_place,
+                           ptr<const float>(row_values));
           },
           nb::arg("y"), nb::arg("y_dtype"), nb::arg("y_rows"), nb::arg("stream"), nb::arg("in_place") = false,
-          "in_place: y stays unchanged until the receive half, which reads this rank's own rows from it.")
+          nb::arg("row_values") = 0,
+          "in_place: y stays unchanged until the receive half, which reads this rank's own rows from it. "
+          "row_values: [y_rows] fp32, one per row back in its tail (0: zeros).")
       .def(
           "combine_recv",
-          [](CudaAllToAll& a, uintptr_t weights, uintptr_t out, bool host_wait, uintptr_t stream) {
-            a.combine_recv(ptr<const float>(weights), ptr<void>(out), host_wait, stream_of(stream));
+          [](CudaAllToAll& a, uintptr_t weights, uintptr_t out, bool host_wait, uintptr_t stream,
+             uintptr_t values_out) {
+            a.combine_recv(ptr<const float>(weights), ptr<void>(out), host_wait, stream_of(stream),
+                           ptr<float>(values_out));
           },
-          nb::arg("weights"), nb::arg("out"), nb::arg("host_wait"), nb::arg("stream"), release())
+          nb::arg("weights"), nb::arg("out"), nb::arg("host_wait"), nb::arg("stream"), nb::arg("values_out") = 0,
+          release(), "values_out: [T, topk] fp32, each copy's returned value, unreduced (0: not wanted).")
       .def("check", &CudaAllToAll::check, "Raise the outcome of the last call (after synchronising its stream).")
       .def("announce_failure", &CudaAllToAll::announce_failure, nb::arg("text"), release(),
            "Tell every peer that this rank failed, so their waits end at once.")

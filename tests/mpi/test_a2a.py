@@ -107,6 +107,12 @@ def expert_fn(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     return (xf * 0.75 + 0.5).to(torch.bfloat16)
 
 
+def tail_value(origin: torch.Tensor) -> torch.Tensor:
+    """A value per row, known to its sender from (rank, token, k) alone; 0 on padding rows."""
+    s, t, k = origin.unbind(1)
+    return torch.where(s >= 0, s * 1000.0 + t * 10.0 + k + 0.5, 0.0).float()
+
+
 def check_round(
     a2a: AllToAll, inp: Inputs, split: bool = False, in_place: bool | None = None
 ) -> torch.Tensor:
@@ -124,9 +130,9 @@ def check_round(
         if clobber:
             x.fill_(float("nan"))
         other_work()  # while bytes fly
-        d = a2a.dispatch(handle=pending, send=False)
+        d = a2a.dispatch(handle=pending, send=False, row_weights=True)
     else:
-        d = a2a.dispatch(x, ids, w)
+        d = a2a.dispatch(x, ids, w, row_weights=True)
     ref = dispatch_reference(inp.xs, inp.ids, cfg.num_experts, cfg.dispatch_dtype, cfg.expert_padding)
     ours = ref[RANK]
     assert d.expert_x.device.type == d.tokens_per_expert.device.type == DEVICE
@@ -139,16 +145,34 @@ def check_round(
         assert torch.equal(d.expert_x_scale.cpu()[valid], ours.expert_x_scale[valid])
     else:
         assert d.expert_x_scale is None
+    # Row tails: each row carries its copy's weight (0 on padding rows) ...
+    assert d.row_weights is not None and d.row_weights.shape == (d.expert_x.shape[0],)
+    s, t, k = ours.origin[valid].unbind(1)
+    want_w = torch.zeros(d.expert_x.shape[0])
+    if valid.any():
+        want_w[valid] = torch.stack([inp.weights[q][tt, kk] for q, tt, kk in zip(s, t, k, strict=True)])
+    assert torch.equal(d.row_weights.cpu(), want_w), "a row's weight is not its copy's"
+    # ... and takes one value back, unreduced, to the (t, k) it came from.
+    values = tail_value(ours.origin).to(DEVICE)
+    values_out = torch.full((x.shape[0], cfg.topk), float("nan"), device=DEVICE)
 
     y = expert_fn(d.expert_x, d.expert_x_scale)
     if split:
-        pending_c = a2a.combine(y, d, recv=False, in_place=in_place)
+        pending_c = a2a.combine(y, d, recv=False, in_place=in_place, row_values=values)
         if clobber:
             y.fill_(float("nan"))
+            values.fill_(float("nan"))
         other_work()
-        out = a2a.combine(handle=pending_c, send=False)
+        out = a2a.combine(handle=pending_c, send=False, values_out=values_out)
     else:
-        out = a2a.combine(y, d)
+        out = a2a.combine(y, d, row_values=values, values_out=values_out)
+    tokens = torch.arange(x.shape[0])[:, None].expand(-1, cfg.topk)
+    mine_origin = torch.stack(
+        [torch.full_like(tokens, RANK), tokens, torch.arange(cfg.topk).expand_as(tokens)], -1
+    )
+    assert torch.equal(values_out.cpu(), tail_value(mine_origin.reshape(-1, 3)).reshape(tokens.shape)), (
+        "a copy's returned value is not its row's"
+    )
     ys = [expert_fn(r.expert_x, r.expert_x_scale) for r in ref]
     expected = combine_reference(ys, ref, inp.weights, cfg.combine_dtype)[RANK]
     assert out.device.type == DEVICE and out.dtype == expected.dtype and out.shape == expected.shape

@@ -203,7 +203,7 @@ def test_bad_routing_names_the_argument(rpn: int | None, seed: int) -> None:
              lambda a: a.dispatch(rows, routing=d.routing, row_dot=torch.ones(1, HIDDEN, device=DEVICE))),
             (ValueError, "row_scale= needs a call along routing=",
              lambda a: a.dispatch(x, ids, w, row_scale=ones3)),
-            (ValueError, "row_scale= and row_dot= belong to the receive half",
+            (ValueError, "row_scale=, row_dot= and row_weights= belong to the receive half",
              lambda a: a.dispatch(rows, routing=d.routing, recv=False, row_scale=ones3)),
         ]  # fmt: skip
         if DEVICE == "cpu":  # where checking costs no stream synchronisation: a changed row of ours
@@ -230,7 +230,7 @@ def ep(rpn: int | None) -> Iterator[ExpertParallel]:
 
 def test_backward_exchanges_no_routing(ep: ExpertParallel, seed: int) -> None:
     """Layers 1..L forward, then one backward: every dispatch of the backward goes along a handle."""
-    instances = {id(a): a for a in (ep.forward_a2a, ep.backward_a2a, ep.side_a2a)}.values()
+    instances = {id(a): a for a in (ep.forward_a2a, ep.backward_a2a)}.values()
     x = layer_inputs(seed, 0)[0].float().requires_grad_()
     h = x
     for layer in range(LAYERS):

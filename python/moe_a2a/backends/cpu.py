@@ -34,9 +34,11 @@ class CpuBackend:
         ids: torch.Tensor,
         routing: torch.Tensor | None,
         in_place: bool = False,
+        weights: torch.Tensor | None = None,
     ) -> None:
         """`routing`: a cached call's matrix (the core copies it before returning). `in_place`
-        changes nothing here: the CPU send half packs every row before it returns."""
+        changes nothing here: the CPU send half packs every row before it returns. `weights`
+        ([T, topk] float32) go with the copies' rows."""
         self._impl.dispatch_send(
             x.data_ptr(),
             CORE_DTYPE[x.dtype],
@@ -44,12 +46,18 @@ class CpuBackend:
             ids.data_ptr(),
             x.shape[0],
             routing.data_ptr() if routing is not None else 0,
+            weights.data_ptr() if weights is not None else 0,
         )
 
     def dispatch_recv(
-        self, dtype: torch.dtype, routing_out: torch.Tensor | None = None, math: RowMath | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-        """`routing_out`: [world, num_experts] int32 that receives the call's routing matrix."""
+        self,
+        dtype: torch.dtype,
+        routing_out: torch.Tensor | None = None,
+        math: RowMath | None = None,
+        row_weights: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """`routing_out`: [world, num_experts] int32 that receives the call's routing matrix.
+        Returns (rows, fp8 scales, tokens per expert, row_dot, row weights)."""
         rows = self._impl.dispatch_wait()
         if routing_out is not None:
             self._impl.copy_routing(routing_out.data_ptr())
@@ -57,17 +65,31 @@ class CpuBackend:
         scale = None
         if dtype == torch.float8_e4m3fn:
             scale = torch.empty(rows, num_scales(self.cfg.hidden), dtype=torch.float32)
-        self._impl.dispatch_unpack(expert_x.data_ptr(), scale.data_ptr() if scale is not None else 0)
+        weights = torch.empty(rows, dtype=torch.float32) if row_weights else None
+        self._impl.dispatch_unpack(
+            expert_x.data_ptr(),
+            scale.data_ptr() if scale is not None else 0,
+            weights.data_ptr() if weights is not None else 0,
+        )
         dot = None
         if math is not None:
             expert_x, dot = apply_row_math(expert_x, math)
-        return expert_x, scale, torch.tensor(self._impl.tokens_per_expert, dtype=torch.int32), dot
+        counts = torch.tensor(self._impl.tokens_per_expert, dtype=torch.int32)
+        return expert_x, scale, counts, dot, weights
 
-    def combine_send(self, y: torch.Tensor, in_place: bool = False) -> None:  # in_place: as dispatch_send
-        self._impl.combine_send(y.data_ptr(), CORE_DTYPE[y.dtype])
+    def combine_send(
+        self, y: torch.Tensor, in_place: bool = False, row_values: torch.Tensor | None = None
+    ) -> None:  # in_place: as dispatch_send
+        self._impl.combine_send(
+            y.data_ptr(), CORE_DTYPE[y.dtype], row_values.data_ptr() if row_values is not None else 0
+        )
 
-    def combine_recv(self, weights: torch.Tensor, out: torch.Tensor) -> None:
-        self._impl.combine_recv(weights.data_ptr(), out.data_ptr())
+    def combine_recv(
+        self, weights: torch.Tensor, out: torch.Tensor, values_out: torch.Tensor | None = None
+    ) -> None:
+        self._impl.combine_recv(
+            weights.data_ptr(), out.data_ptr(), values_out.data_ptr() if values_out is not None else 0
+        )
 
     def unpack_order(self) -> list[int]:
         """The senders in the order the last dispatch copied their rows out (each as soon as they landed)."""

@@ -117,9 +117,11 @@ class CudaBackend:
         ids: torch.Tensor,
         routing: torch.Tensor | None,
         in_place: bool = False,
+        weights: torch.Tensor | None = None,
     ) -> None:
         """`routing`: a cached call's matrix, pinned host memory that the plan kernel reads.
-        `in_place`: this rank's copies to itself are read from `x` by the receive half."""
+        `in_place`: this rank's copies to itself are read from `x` by the receive half.
+        `weights` ([T, topk] float32) go with the copies' rows."""
         self._impl.dispatch_send(
             x.data_ptr(),
             CORE_DTYPE[x.dtype],
@@ -131,17 +133,23 @@ class CudaBackend:
             self._stream(),
             routing.data_ptr() if routing is not None else 0,
             in_place,
+            weights.data_ptr() if weights is not None else 0,
         )
         # Until the kernels that read them have run; detached, so no autograd graph
         # (and no routing handle behind it) outlives its step.
-        self._alive = (x.detach(), ids, scale, routing)
+        self._alive = (x.detach(), ids, scale, routing, weights)
         self._last_matrix = routing
 
     def dispatch_recv(
-        self, dtype: torch.dtype, routing_out: torch.Tensor | None = None, math: RowMath | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        self,
+        dtype: torch.dtype,
+        routing_out: torch.Tensor | None = None,
+        math: RowMath | None = None,
+        row_weights: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """`routing_out`: pinned [world, num_experts] int32, the call's matrix once this returns.
-        `math`: applied by the receive kernel itself, in the pass that delivers the rows."""
+        `math`: applied by the receive kernel itself, in the pass that delivers the rows.
+        Returns (rows, fp8 scales, tokens per expert, row_dot, row weights)."""
         if routing_out is not None and not routing_out.is_pinned():
             raise ValueError(
                 "dispatch: routing_out: expected pinned host memory, which the plan kernel writes"
@@ -160,6 +168,12 @@ class CudaBackend:
         if math is not None and math.dot_y is not None:
             dot_y = math.dot_y
             dot = torch.zeros(rows, dtype=torch.float32, device=self.device)  # padding rows: 0
+        weights = None
+        if row_weights:  # the copy kernel skips padding rows (and, graph-safe, rows past the last)
+            unfilled = self.cfg.expert_padding > 1 or self.graph_safe
+            weights = (torch.zeros if unfilled else torch.empty)(
+                rows, dtype=torch.float32, device=self.device
+            )
         self._impl.dispatch_recv(
             expert_x.data_ptr(),
             scale.data_ptr() if scale is not None else 0,
@@ -171,6 +185,7 @@ class CudaBackend:
             dot_y.data_ptr() if dot_y is not None else 0,
             CORE_DTYPE[dot_y.dtype] if dot_y is not None else _core.DType.bf16,
             dot.data_ptr() if dot is not None else 0,
+            weights.data_ptr() if weights is not None else 0,
         )
         self._alive = (*self._alive, routing_out, math)
         if self.cfg.expert_padding > 1:
@@ -185,7 +200,8 @@ class CudaBackend:
             expert_x = expert_x[:filled]
             scale = scale[:filled] if scale is not None else None
             dot = dot[:filled] if dot is not None else None
-        return expert_x, scale, counts, dot
+            weights = weights[:filled] if weights is not None else None
+        return expert_x, scale, counts, dot, weights
 
     def _known_rows(self, matrix: torch.Tensor) -> int | None:
         """A cached call's output rows, from its matrix on the host: its receive half then waits
@@ -198,14 +214,24 @@ class CudaBackend:
         rows, most = routing_rows(matrix, self._setup.bootstrap.rank, self.cfg.expert_padding)
         return None if most > self._setup.core_cfg.max_recv_tokens else rows
 
-    def combine_send(self, y: torch.Tensor, in_place: bool = False) -> None:
-        self._impl.combine_send(y.data_ptr(), CORE_DTYPE[y.dtype], y.shape[0], self._stream(), in_place)
-        self._alive = (*self._alive, y.detach())
+    def combine_send(
+        self, y: torch.Tensor, in_place: bool = False, row_values: torch.Tensor | None = None
+    ) -> None:
+        values = row_values.data_ptr() if row_values is not None else 0
+        self._impl.combine_send(
+            y.data_ptr(), CORE_DTYPE[y.dtype], y.shape[0], self._stream(), in_place, values
+        )
+        self._alive = (*self._alive, y.detach(), row_values)
 
-    def combine_recv(self, weights: torch.Tensor, out: torch.Tensor) -> None:
+    def combine_recv(
+        self, weights: torch.Tensor, out: torch.Tensor, values_out: torch.Tensor | None = None
+    ) -> None:
         # Eager: the host saw every flag up before the launch, so the kernel has
         # nothing to report; inputs stay referenced until the next dispatch.
-        self._impl.combine_recv(weights.data_ptr(), out.data_ptr(), not self.graph_safe, self._stream())
+        values = values_out.data_ptr() if values_out is not None else 0
+        self._impl.combine_recv(
+            weights.data_ptr(), out.data_ptr(), not self.graph_safe, self._stream(), values
+        )
         self._alive = (*self._alive, weights)
 
     def announce_failure(self, text: str) -> None:

@@ -18,7 +18,9 @@ void reduce_combine(const CombineRecvParams& p) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int k = 0; k < K; ++k) {
       const float w = p.weights[t * K + k];
-      accumulate_row(acc.data(), w, rows + static_cast<size_t>(p.slots[t * K + k]) * crow, c.combine_dtype, H);
+      const uint8_t* row = rows + static_cast<size_t>(p.slots[t * K + k]) * crow;
+      accumulate_row(acc.data(), w, row, c.combine_dtype, H);
+      if (p.values_out != nullptr) std::memcpy(p.values_out + t * K + k, row + p.layout->combine_tail, sizeof(float));
     }
     if (c.combine_dtype == DType::kFp32) {
       std::memcpy(static_cast<float*>(p.out) + static_cast<size_t>(t) * H, acc.data(), H * sizeof(float));

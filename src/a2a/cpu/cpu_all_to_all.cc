@@ -80,7 +80,7 @@ void CpuAllToAll::wait_node(FlagKind kind, const char* what) {
 }
 
 void CpuAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_scale, const int32_t* topk_ids,
-                                int num_tokens, const uint32_t* routing) {
+                                int num_tokens, const uint32_t* routing, const float* weights) {
   watch_.phase = dispatch_phase(epoch_ + 1);
   check_failed();
   DispatchSendParams p;
@@ -91,6 +91,7 @@ void CpuAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_sca
   p.x_dtype = x_dtype;
   p.x_scale = x_scale;
   p.topk_ids = topk_ids;
+  p.weights = weights;
   p.num_tokens = num_tokens;
   p.counts = counts_.data();
   p.slots = slots_.data();
@@ -164,7 +165,7 @@ bool CpuAllToAll::landed(int s) const {
   return peers_.landed[s].get() >= epoch_;
 }
 
-void CpuAllToAll::dispatch_unpack(void* out_x, float* out_scale) {
+void CpuAllToAll::dispatch_unpack(void* out_x, float* out_scale, float* out_weight) {
   RoutingView view{routing_.data(), cfg_.world, cfg_.num_experts, cfg_.num_local_experts()};
   row_of_copy_.assign(plan_.total_received, 0);
   DispatchRecvParams p;
@@ -175,6 +176,7 @@ void CpuAllToAll::dispatch_unpack(void* out_x, float* out_scale) {
   p.plan = &plan_;
   p.out_x = out_x;
   p.out_scale = out_scale;
+  p.out_weight = out_weight;
   p.row_of_copy = row_of_copy_.data();
   p.sender_base = sender_base_.data();
   // Each sender's rows as soon as they are here (the proxy raises landed[s]
@@ -219,7 +221,7 @@ void CpuAllToAll::dispatch_unpack(void* out_x, float* out_scale) {
   done_ = dispatch_phase(epoch_);
 }
 
-void CpuAllToAll::combine_send(const void* y, DType y_dtype) {
+void CpuAllToAll::combine_send(const void* y, DType y_dtype, const float* row_values) {
   watch_.phase = combine_phase(epoch_);
   check_failed();
   at_.combining = true;  // before the first flag or row a peer could act on
@@ -231,6 +233,7 @@ void CpuAllToAll::combine_send(const void* y, DType y_dtype) {
   p.row_of_copy = row_of_copy_.data();
   p.y = y;
   p.y_dtype = y_dtype;
+  p.row_values = row_values;
   for (int s : send_order_) {  // our peers as senders: their rows go back in the proxy's order
     pack_combine_for(p, s);
     if (cfg_.same_node(s)) flag_at(maps_.of(s), layout_, cfg_.rank, kFlagCombine)->store(epoch_, std::memory_order_release);
@@ -240,7 +243,7 @@ void CpuAllToAll::combine_send(const void* y, DType y_dtype) {
   proxy_->wake();
 }
 
-void CpuAllToAll::combine_recv(const float* weights, void* out) {
+void CpuAllToAll::combine_recv(const float* weights, void* out, float* values_out) {
   wait_proxy(signals_.combine_done, "combine");
   wait_node(kFlagCombine, "combine rows");
   check_stamps(true);
@@ -252,6 +255,7 @@ void CpuAllToAll::combine_recv(const float* weights, void* out) {
   p.weights = weights;
   p.num_tokens = num_tokens_;
   p.out = out;
+  p.values_out = values_out;
   reduce_combine(p);
   done_ = combine_phase(epoch_);
 }

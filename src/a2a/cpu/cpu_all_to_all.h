@@ -26,17 +26,20 @@ class CpuAllToAll {
   // With `routing` (the matrix [world][num_experts] of an earlier dispatch of
   // these topk_ids, from copy_routing) it is a cached call: no routing row is
   // published or awaited (docs/protocol.md, "Cached calls").
+  // `weights` ([T, topk] fp32, or null for zeros) go in the tails of the copies' rows.
   void dispatch_send(const void* x, DType x_dtype, const float* x_scale, const int32_t* topk_ids, int num_tokens,
-                     const uint32_t* routing = nullptr);
+                     const uint32_t* routing = nullptr, const float* weights = nullptr);
   // First step of the receive half: waits for every routing row (not for the
   // tokens); returns the number of (padded) output rows. tokens_per_expert()
   // is valid after it.
   uint64_t dispatch_wait();
   // Second step: fills the caller's output, each sender's rows as soon as
-  // they have landed.
-  void dispatch_unpack(void* out_x, float* out_scale);
-  void combine_send(const void* y, DType y_dtype);
-  void combine_recv(const float* weights, void* out);
+  // they have landed; `out_weight` ([output rows] or null): each row's weight.
+  void dispatch_unpack(void* out_x, float* out_scale, float* out_weight = nullptr);
+  // `row_values` ([output rows] fp32, or null for zeros) go back in the rows' tails.
+  void combine_send(const void* y, DType y_dtype, const float* row_values = nullptr);
+  // `values_out` ([T, topk] or null): each copy's returned value, unreduced.
+  void combine_recv(const float* weights, void* out, float* values_out = nullptr);
 
   const std::vector<int32_t>& tokens_per_expert() const { return plan_.tokens_per_expert; }
   // Copies this rank sent to / received from each rank in the last dispatch.

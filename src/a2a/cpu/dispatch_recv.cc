@@ -1,6 +1,7 @@
 // Dispatch, receive half: gather every received copy into the expert-major,
 // padded output, one sender at a time, in whatever order their rows land.
 // Same-node overflow is pulled from the sender's send section.
+#include <algorithm>
 #include <cstring>
 
 #include "kernels.h"
@@ -43,6 +44,7 @@ void unpack_sender(const DispatchRecvParams& p, int s) {
       const uint64_t out_row = base + q;
       std::memcpy(static_cast<uint8_t*>(p.out_x) + out_row * payload, src, payload);
       if (scale_bytes > 0) std::memcpy(p.out_scale + out_row * c.num_scales(), src + payload, scale_bytes);
+      if (p.out_weight != nullptr) std::memcpy(p.out_weight + out_row, src + l.dispatch_tail, sizeof(float));
       p.row_of_copy[plan.recv_base[s] + j] = static_cast<int64_t>(out_row);
     }
   }
@@ -63,6 +65,7 @@ void zero_padding(const DispatchRecvParams& p) {
     if (end <= begin) continue;
     std::memset(static_cast<uint8_t*>(p.out_x) + begin * payload, 0, (end - begin) * payload);
     if (scale_bytes > 0) std::memset(p.out_scale + begin * c.num_scales(), 0, (end - begin) * scale_bytes);
+    if (p.out_weight != nullptr) std::fill(p.out_weight + begin, p.out_weight + end, 0.0f);
   }
 }
 

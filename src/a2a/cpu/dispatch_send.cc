@@ -46,8 +46,10 @@ void pack_rank(const DispatchSendParams& p, int r, uint64_t first_row, uint64_t 
     const int t = p.row_copy[slot] / c.topk;
     uint8_t* dst = near && j < P ? p.ws.of(r) + l.private_rows + (static_cast<size_t>(c.rank) * P + j) * row
                                  : p.ws.self + l.send + slot * row;  // fabric, or pulled by a same-node peer
+    const float weight = p.weights != nullptr ? p.weights[p.row_copy[slot]] : 0.0f;
+    std::memcpy(dst + l.dispatch_tail, &weight, sizeof(weight));  // the copy's own, whatever its body
     if (p.encoded[t] != nullptr) {
-      std::memcpy(dst, p.encoded[t], row);
+      std::memcpy(dst, p.encoded[t], l.dispatch_tail);
       continue;
     }
     const void* x = static_cast<const uint8_t*>(p.x) + t * x_row_bytes;

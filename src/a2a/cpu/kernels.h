@@ -27,6 +27,7 @@ struct DispatchSendParams {
   DType x_dtype = DType::kBf16;
   const float* x_scale = nullptr;  // [T, num_scales] when x is fp8
   const int32_t* topk_ids = nullptr;  // [T, topk]
+  const float* weights = nullptr;     // [T, topk]: each copy's weight, into its row's tail (null: zeros)
   int num_tokens = 0;
   uint32_t* counts = nullptr;  // out: [num_experts], our routing row
   int32_t* slots = nullptr;    // out: [T * topk], send row of each (t, k)
@@ -54,6 +55,7 @@ struct DispatchRecvParams {
   const RecvPlan* plan = nullptr;
   void* out_x = nullptr;         // [output_rows, hidden] in dispatch dtype
   float* out_scale = nullptr;    // [output_rows, num_scales] for fp8
+  float* out_weight = nullptr;   // [output_rows]: each row's tail, its copy's weight (null: not wanted)
   int64_t* row_of_copy = nullptr;  // out: [total_received], output row of copy (s, j) at recv_base[s] + j
   const uint64_t* sender_base = nullptr;  // [world][local experts]: output row of sender s's first copy of expert i
 };
@@ -74,6 +76,7 @@ struct CombineSendParams {
   const int64_t* row_of_copy = nullptr;
   const void* y = nullptr;  // [output_rows, hidden]
   DType y_dtype = DType::kBf16;
+  const float* row_values = nullptr;  // [output_rows]: into each returned row's tail (null: zeros)
 };
 
 // Returns sender s's copies: into its combine_recv (same node) or our
@@ -88,6 +91,7 @@ struct CombineRecvParams {
   const float* weights = nullptr;  // [T, topk]
   int num_tokens = 0;
   void* out = nullptr;  // [T, hidden] in combine dtype
+  float* values_out = nullptr;  // [T, topk]: the tail of each copy's returned row (null: not wanted)
 };
 
 void reduce_combine(const CombineRecvParams& p);

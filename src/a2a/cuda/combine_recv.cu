@@ -78,18 +78,23 @@ __global__ void __launch_bounds__(kMaxThreads) reduce_kernel(CombineRecvParams p
     const int64_t i = static_cast<int64_t>(t) * K + k;
     const int slot = p.scratch.slots[i];
     const uint8_t* rows = nullptr;
+    float value = 0.0f;  // the row's returned value: 0 for a dropped copy
     const int r = slot >= 0 ? p.scratch.copy_rank[i] : -1;
     if (r == in.rank && p.self_y != nullptr) {  // left in y: its row is the one our dispatch noted
       const int row = p.scratch.self_row[slot - p.scratch.senders[in.rank].send_off];
-      if (row >= 0 && row < p.self_y_rows)  // never past y, even after a failed dispatch
+      if (row >= 0 && row < p.self_y_rows) {  // never past y, even after a failed dispatch
         rows = static_cast<const uint8_t*>(p.self_y) + static_cast<size_t>(row) * H * kOutBytes;
+        if (p.self_values != nullptr) value = p.self_values[row];
+      }
     } else if (slot >= 0) {
       const bool on_device = p.remote_on_device || same_node(in, r);
       const uint8_t* ws = on_device ? in.device_ws : in.fabric_ws;
       rows = ws + l.combine_recv + static_cast<size_t>(slot) * l.combine_row;
+      if (p.values_out != nullptr) value = load_f32(rows + l.combine_tail);
     }
     src[k] = rows;
     weight[k] = p.weights[i];
+    if (p.values_out != nullptr) p.values_out[i] = value;
   }
   __syncthreads();
 

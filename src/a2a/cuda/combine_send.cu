@@ -86,10 +86,18 @@ __global__ void __launch_bounds__(kReturnThreads, kReturnBlocksPerSm) return_ker
     if (!locate(segs, in.num_experts, walk.row, &s, &j) || (s == in.rank && p.self_in_place)) return nullptr;
     return return_row(in, p.scratch.senders, s, j);
   };
+  // The row's value into its tail, once per row (its first chunk's lane 0).
+  const auto store_value = [&](uint8_t* dst) {
+    if (walk.chunk == 0 && walk.lane == 0)
+      store_f32(dst + in.layout.combine_tail, p.row_values != nullptr ? p.row_values[walk.row] : 0.0f);
+  };
   if (plain) {
     uint8_t* dst = walk.row < rows ? destination() : nullptr;
     while (walk.row < rows) {
-      if (dst != nullptr) store_round(dst + walk.chunk * chunk_stride, v, round_pieces(), walk.lane);
+      if (dst != nullptr) {
+        store_round(dst + walk.chunk * chunk_stride, v, round_pieces(), walk.lane);
+        store_value(dst);
+      }
       walk.next();
       if (walk.row >= rows) break;
       dst = destination();
@@ -98,8 +106,10 @@ __global__ void __launch_bounds__(kReturnThreads, kReturnBlocksPerSm) return_ker
   } else {
     for (; walk.row < rows; walk.next()) {
       const int e0 = walk.chunk * chunk_elems;
-      if (uint8_t* dst = destination())
+      if (uint8_t* dst = destination()) {
         convert_range(dst, y + walk.row * y_row, e0, chunk_end(e0), p.y_dtype, in.combine_dtype, walk.lane);
+        store_value(dst);
+      }
     }
   }
   signal_when_grid_done(in, p.scratch.done_blocks, kFlagCombine, packed_flag(in, in.proxy.combine_packed));

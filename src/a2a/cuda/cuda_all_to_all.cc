@@ -117,7 +117,7 @@ void CudaAllToAll::allocate() {
       cfg_.world * sizeof(uint32_t),                    // stage_chunks
       cfg_.world * kMaxPeerSlices * sizeof(uint32_t),   // stage_slices
       sizeof(uint64_t),                                 // epoch
-      copies * sizeof(int32_t),                         // self_token
+      copies * sizeof(int32_t),                         // self_copy
       copies * sizeof(int32_t),                         // self_row
   };
   size_t total = 0;
@@ -146,7 +146,7 @@ void CudaAllToAll::allocate() {
   scratch_.stage_chunks = reinterpret_cast<uint32_t*>(take());
   scratch_.stage_slices = reinterpret_cast<uint32_t*>(take());
   epoch_device_ = reinterpret_cast<uint64_t*>(take());
-  scratch_.self_token = reinterpret_cast<int32_t*>(take());
+  scratch_.self_copy = reinterpret_cast<int32_t*>(take());
   scratch_.self_row = reinterpret_cast<int32_t*>(take());
 
   void* words = nullptr;
@@ -421,7 +421,7 @@ int64_t CudaAllToAll::max_output_rows() const {
 
 void CudaAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_scale, const void* topk_ids,
                                  bool ids_64bit, int num_tokens, const int32_t* num_tokens_device,
-                                 cudaStream_t stream, const uint32_t* routing, bool in_place) {
+                                 cudaStream_t stream, const uint32_t* routing, bool in_place, const float* weights) {
   watch_.phase = dispatch_phase(epoch_ + 1);
   int same_node_peers = 0;
   for (int r = 0; r < cfg_.world; ++r) same_node_peers += r != cfg_.rank && cfg_.same_node(r);
@@ -451,6 +451,7 @@ void CudaAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_sc
   p.x_scale = x_scale;
   p.topk_ids = topk_ids;
   p.ids_are_64bit = ids_64bit ? 1 : 0;
+  p.weights = weights;
   p.num_tokens = num_tokens;
   p.num_tokens_ptr = num_tokens_device;
   p.cached = routing != nullptr ? 1 : 0;
@@ -458,6 +459,7 @@ void CudaAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_sc
   in_place = in_place && x_dtype == cfg_.dispatch_dtype && x_dtype != DType::kFp8;
   p.self_in_place = in_place ? 1 : 0;
   self_x_ = in_place ? x : nullptr;
+  self_weights_ = in_place ? weights : nullptr;
   check_cuda(launch_dispatch_send(p, stream), "dispatch send");
   const bool captured = capturing(stream);
   if (proxy_) arm_proxy(stream, captured);
@@ -504,6 +506,8 @@ DispatchRecvParams CudaAllToAll::recv_params(void* out_x, float* out_scale, int3
   p.routing = call_routing_;
   p.routing_out = routing_out != nullptr ? mapped_device_pointer(routing_out, "routing_out") : nullptr;
   p.self_x = self_x_;
+  p.out_weight = out_weight_;
+  p.self_weights = self_weights_;
   p.row_scale = row_math_.scale;
   p.dot_y = row_math_.dot_y;
   p.dot_y_dtype = static_cast<int32_t>(row_math_.dot_y_dtype);
@@ -512,10 +516,12 @@ DispatchRecvParams CudaAllToAll::recv_params(void* out_x, float* out_scale, int3
 }
 
 void CudaAllToAll::dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_per_expert, bool host_wait,
-                                 cudaStream_t stream, uint32_t* routing_out, const RowMath* math) {
+                                 cudaStream_t stream, uint32_t* routing_out, const RowMath* math,
+                                 float* out_weight) {
   if (!host_wait && (call_routing_ != nullptr || routing_out != nullptr))
     throw std::invalid_argument("dispatch_recv: a cached call and routing_out need host_wait (eager calls)");
   row_math_ = math != nullptr ? *math : RowMath{};
+  out_weight_ = out_weight;
   if (math != nullptr) {
     if (math->scale == nullptr) throw std::invalid_argument("dispatch_recv: math: got no scale; expected one per output row");
     if (cfg_.dispatch_dtype == DType::kFp8)
@@ -693,7 +699,8 @@ void CudaAllToAll::dispatch_recv_by_sender(void* out_x, float* out_scale, int32_
   check_stamps(true);
 }
 
-void CudaAllToAll::combine_send(const void* y, DType y_dtype, int64_t y_rows, cudaStream_t stream, bool in_place) {
+void CudaAllToAll::combine_send(const void* y, DType y_dtype, int64_t y_rows, cudaStream_t stream, bool in_place,
+                                const float* row_values) {
   if (y_rows < 0) throw std::invalid_argument("combine_send: y_rows: got " + std::to_string(y_rows) + "; expected >= 0");
   watch_.phase = combine_phase(epoch_);
   at_.combining = true;  // before a peer could see our combine flag
@@ -703,10 +710,12 @@ void CudaAllToAll::combine_send(const void* y, DType y_dtype, int64_t y_rows, cu
   p.y = y;
   p.y_dtype = static_cast<int32_t>(y_dtype);
   p.y_rows = y_rows;
+  p.row_values = row_values;
   in_place = in_place && y_dtype == cfg_.combine_dtype;  // the reduction reads rows in the combine dtype
   p.self_in_place = in_place ? 1 : 0;
   self_y_ = in_place ? y : nullptr;
   self_y_rows_ = y_rows;
+  self_values_ = in_place ? row_values : nullptr;
   check_cuda(launch_combine_send(p, stream), "combine send");
 }
 
@@ -768,7 +777,8 @@ uint32_t CudaAllToAll::slices_landed(const Seq& progress, const Seq& whole, cons
   return in < count ? static_cast<uint32_t>(in) : count;
 }
 
-void CudaAllToAll::combine_recv(const float* weights, void* out, bool host_wait, cudaStream_t stream) {
+void CudaAllToAll::combine_recv(const float* weights, void* out, bool host_wait, cudaStream_t stream,
+                                float* values_out) {
   const bool dma = host_wait && combine_dma_ && combine_blocks_epoch_ == epoch_;
   if (dma) copy_combine_rows_as_they_land(stream);
   if (host_wait) {
@@ -785,6 +795,8 @@ void CudaAllToAll::combine_recv(const float* weights, void* out, bool host_wait,
   p.remote_on_device = dma ? 1 : 0;
   p.self_y = self_y_;
   p.self_y_rows = self_y_rows_;
+  p.values_out = values_out;
+  p.self_values = self_values_;
   check_cuda(launch_combine_recv(p, stream), "combine recv");
 }
 

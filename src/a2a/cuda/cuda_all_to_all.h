@@ -68,9 +68,13 @@ class CudaAllToAll {
   // half's kernels have run (in stream order: until it is called), so this
   // rank's copies to itself are read from there instead of copied twice;
   // taken where x is in the dispatch dtype (y in the combine dtype).
+  // Row tails: `weights` ([T, topk] fp32) go with the copies' rows and come
+  // out as `out_weight` ([output rows]); `row_values` ([y_rows] fp32) go back
+  // with the combine's rows and come out unreduced as `values_out` ([T,
+  // topk]). Null where not wanted (a tail not sent holds zero).
   void dispatch_send(const void* x, DType x_dtype, const float* x_scale, const void* topk_ids, bool ids_64bit,
                      int num_tokens, const int32_t* num_tokens_device, cudaStream_t stream,
-                     const uint32_t* routing = nullptr, bool in_place = false);
+                     const uint32_t* routing = nullptr, bool in_place = false, const float* weights = nullptr);
   // `math` (bf16 or fp32 rows): each output row delivered times a per-row
   // scale, and its dot product with a row of another tensor (the weighted
   // combine's backward, in the pass that delivers its rows).
@@ -81,9 +85,11 @@ class CudaAllToAll {
     float* dot_out = nullptr;      // [output rows] fp32, with dot_y
   };
   void dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_per_expert, bool host_wait, cudaStream_t stream,
-                     uint32_t* routing_out = nullptr, const RowMath* math = nullptr);
-  void combine_send(const void* y, DType y_dtype, int64_t y_rows, cudaStream_t stream, bool in_place = false);
-  void combine_recv(const float* weights, void* out, bool host_wait, cudaStream_t stream);
+                     uint32_t* routing_out = nullptr, const RowMath* math = nullptr, float* out_weight = nullptr);
+  void combine_send(const void* y, DType y_dtype, int64_t y_rows, cudaStream_t stream, bool in_place = false,
+                    const float* row_values = nullptr);
+  void combine_recv(const float* weights, void* out, bool host_wait, cudaStream_t stream,
+                    float* values_out = nullptr);
 
   // After the caller synchronised with the stream (or wait_planned): the
   // outcome of the last call (throws CapacityError, fabric errors), and the
@@ -197,6 +203,9 @@ class CudaAllToAll {
   const void* self_x_ = nullptr;
   const void* self_y_ = nullptr;
   int64_t self_y_rows_ = 0;
+  const float* self_weights_ = nullptr;  // the send half's weights, for our copies read in place
+  const float* self_values_ = nullptr;   // the combine send's row_values, for our rows left in place
+  float* out_weight_ = nullptr;          // the current dispatch_recv's
   RowMath row_math_;  // the current dispatch_recv's (scale null: none)
   // Eager dispatch_recv plans and copies in one launch, unless another rank
   // of the node runs on our GPU: there the copy blocks that wait for the plan

@@ -130,6 +130,7 @@ __global__ void __launch_bounds__(kBulkThreads, kBulkBlocksPerSm) bulk_pack_kern
   const int pieces = in.hidden / kVec;
   const int out_bytes = pack_out_bytes(in, kMode);
   const uint32_t row_bytes = static_cast<uint32_t>(in.layout.dispatch_row);
+  const uint32_t body_bytes = static_cast<uint32_t>(in.layout.dispatch_tail);  // the tail is stored apart
   const int lane = threadIdx.x % kWarp;
   const bool issuer = threadIdx.x == 0;
   const int first_t = blockIdx.x, stride = gridDim.x;
@@ -156,9 +157,14 @@ __global__ void __launch_bounds__(kBulkThreads, kBulkBlocksPerSm) bulk_pack_kern
     if (threadIdx.x < kWarp) {
       for (int k = 0; k < K; ++k) {
         uint8_t* dst = reinterpret_cast<uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(mine), k));
-        if (issuer && dst != nullptr) bulk_store(dst, row, row_bytes);  // null: a dropped copy
+        if (issuer && dst != nullptr) bulk_store(dst, row, body_bytes);  // null: a dropped copy
       }
       if (issuer) bulk_commit();
+      // Each copy's weight into its row's tail: bytes no bulk write touches.
+      if (mine != nullptr) {
+        const int64_t copy = static_cast<int64_t>(t) * K + lane;
+        store_f32(mine + body_bytes, p.weights != nullptr ? p.weights[copy] : 0.0f);
+      }
     }
   }
   if (issuer) bulk_wait_written();

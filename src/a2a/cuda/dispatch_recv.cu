@@ -247,7 +247,21 @@ __device__ __forceinline__ const uint8_t* row_source(const DispatchRecvParams& p
   if (s != in.rank) return source_row(in, p.scratch.senders, s, j);
   if (note) p.scratch.self_row[j] = row;
   if (p.self_x == nullptr) return source_row(in, p.scratch.senders, s, j);
-  return static_cast<const uint8_t*>(p.self_x) + static_cast<int64_t>(p.scratch.self_token[j]) * in.payload_bytes;
+  const int64_t token = p.scratch.self_copy[j] / in.topk;
+  return static_cast<const uint8_t*>(p.self_x) + token * in.payload_bytes;
+}
+
+// Output row `row`'s weight, copy (s, j)'s: from its row's tail, or for one
+// of ours read in place from the send half's weights.
+__device__ __forceinline__ void deliver_weight(const DispatchRecvParams& p, int s, int j, int row) {
+  if (p.out_weight == nullptr) return;
+  const Instance& in = p.inst;
+  float w;
+  if (s == in.rank && p.self_x != nullptr)
+    w = p.self_weights != nullptr ? p.self_weights[p.scratch.self_copy[j]] : 0.0f;
+  else
+    w = load_f32(source_row(in, p.scratch.senders, s, j) + in.layout.dispatch_tail);
+  p.out_weight[row] = w;
 }
 
 // One warp: chunk `chunk` of copy (s, j) into output row `row`.
@@ -257,6 +271,7 @@ __device__ __forceinline__ void copy_chunk(const DispatchRecvParams& p, int s, i
   const int64_t scale_bytes = static_cast<int64_t>(in.num_scales) * sizeof(float);
   const int64_t row_bytes = payload + scale_bytes;
   const uint8_t* src = row_source(p, s, j, row, chunk == 0 && lane == 0);
+  if (chunk == 0 && lane == 0) deliver_weight(p, s, j, row);
   uint8_t* dst_x = static_cast<uint8_t*>(p.out_x) + row * payload;
   uint8_t* dst_scale = reinterpret_cast<uint8_t*>(p.out_scale) + row * scale_bytes;
   if (split_copyable(dst_x, dst_scale, src, payload, scale_bytes)) {
@@ -385,6 +400,7 @@ __device__ __forceinline__ void copy_row_scaled(const DispatchRecvParams& p, int
   const Instance& in = p.inst;
   const int H = in.hidden;
   const uint8_t* src = row_source(p, s, j, row, lane == 0);
+  if (lane == 0) deliver_weight(p, s, j, row);
   uint8_t* dst = static_cast<uint8_t*>(p.out_x) + static_cast<int64_t>(row) * in.payload_bytes;
   const uint8_t* y = p.dot_y == nullptr ? nullptr
                                         : static_cast<const uint8_t*>(p.dot_y) +

@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(kLargeThreads) slot_kernel(DispatchSendParams 
         const bool in_place = r == in.rank && p.self_in_place;  // the receive half reads x
         s.slots[i] = slot;
         s.copy_rank[i] = r;
-        if (in_place) s.self_token[slot - send_start] = static_cast<int32_t>(i / in.topk);
+        if (in_place) s.self_copy[slot - send_start] = static_cast<int32_t>(i);
         s.copy_dst[i] = e >= 0 && !in_place ? destination(in, slot, r, send_start) : nullptr;
       },
       lane);

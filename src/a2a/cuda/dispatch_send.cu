@@ -110,6 +110,19 @@ __device__ __forceinline__ void store_item(const DispatchSendParams& p, const Pa
   }
 }
 
+// Each copy's weight into the tail of its row, once per token (by the warp
+// that packs its first slice): lane k stores copy copy0 + k's.
+template <typename DstOf>
+__device__ __forceinline__ void store_weights(const DispatchSendParams& p, int64_t copy0, uint8_t* mine,
+                                              DstOf dst_of) {
+  const int K = p.inst.topk, lane = threadIdx.x % kWarp;
+  for (int k0 = 0; k0 < K; k0 += kWarp) {
+    uint8_t* row = k0 == 0 ? mine : (k0 + lane < K ? dst_of(copy0 + k0 + lane) : nullptr);
+    if (k0 + lane < K && row != nullptr)
+      store_f32(row + p.inst.layout.dispatch_tail, p.weights != nullptr ? p.weights[copy0 + k0 + lane] : 0.0f);
+  }
+}
+
 // Fetches the lane's piece of the cursor's item into L2.
 __device__ __forceinline__ void prefetch_item(const DispatchSendParams& p, const PackCursor& at) {
   const int64_t first = static_cast<int64_t>(at.slice * kWarp + threadIdx.x % kWarp) * kVec;
@@ -133,6 +146,7 @@ __device__ __forceinline__ void pack_items(const DispatchSendParams& p, int toke
     uint8_t* mine = lane < K ? dst_of(copy0 + lane) : nullptr;
     const PackPiece piece = load_item<kMode>(p, at.t, at.slice, out_bytes);
     store_item<kMode>(p, piece, copy0, mine, out_bytes, dst_of);
+    if (at.slice == 0) store_weights(p, copy0, mine, dst_of);
   }
 }
 
@@ -211,7 +225,7 @@ __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) rout
           if (!leader) return;
           const int r = e >= 0 ? e / L : -1;
           s.slots[i] = slot, s.copy_rank[i] = r;
-          if (r == in.rank && p.self_in_place) s.self_token[slot - first[r * L]] = static_cast<int32_t>(i / in.topk);
+          if (r == in.rank && p.self_in_place) s.self_copy[slot - first[r * L]] = static_cast<int32_t>(i);
         },
         lane);
   }

@@ -137,10 +137,11 @@ struct Scratch {
   uint32_t* stage_slices = nullptr; // [world][kMaxPeerSlices] the same per slice
   int32_t* output_rows_host = nullptr;  // [1] the same, in mapped host memory
   uint64_t* planned_host = nullptr;     // [1] mapped host: epoch whose plan is final (HostWords)
-  // Our copies to ourselves, by j (their index among them): the token each
-  // one is (written by routing when the call sends them in place), and the
-  // output row the receive half gave it (written by every copy kernel).
-  int32_t* self_token = nullptr;   // [max_tokens * topk]
+  // Our copies to ourselves, by j (their index among them): the copy t *
+  // topk + k each one is (written by routing when the call sends them in
+  // place), and the output row the receive half gave it (written by every
+  // copy kernel).
+  int32_t* self_copy = nullptr;    // [max_tokens * topk]
   int32_t* self_row = nullptr;     // [max_tokens * topk]
 };
 
@@ -152,6 +153,7 @@ struct DispatchSendParams {
   const float* x_scale = nullptr;  // [T, num_scales] when x is fp8
   const void* topk_ids = nullptr;  // [T, topk], int32 or int64
   int32_t ids_are_64bit = 0;
+  const float* weights = nullptr;  // [T, topk]: each copy's weight, into its row's tail (null: zeros)
   int32_t num_tokens = 0;                  // T, unless num_tokens_ptr is set
   const int32_t* num_tokens_ptr = nullptr; // device T (graph replays with a varying T)
   int32_t cached = 0;  // along a cached routing: publish no routing row, raise no route flag
@@ -182,6 +184,10 @@ struct DispatchRecvParams {
   // The send half's x when it left our copies to ourselves in place
   // (DispatchSendParams::self_in_place): [T, hidden] in the dispatch dtype.
   const void* self_x = nullptr;
+  // Each output row's weight, from its row's tail (null: not wanted); our
+  // copies read in place take theirs from the send half's weights.
+  float* out_weight = nullptr;          // [max_output_rows]
+  const float* self_weights = nullptr;  // [T, topk]
   // A weighted receive (bf16 or fp32 rows; RowMath): output row r is stored
   // times row_scale[r], and with dot_y, dot_out[r] = <row as received, dot_y[r]>.
   const float* row_scale = nullptr;  // [output rows]
@@ -209,6 +215,7 @@ struct CombineSendParams {
   // Rows that go back to ourselves are not returned: the reduction reads
   // them from y where the expert left them (CombineRecvParams::self_y).
   int32_t self_in_place = 0;
+  const float* row_values = nullptr;  // [y_rows]: one per row, into its tail (null: zeros)
 };
 
 struct CombineRecvParams {
@@ -222,6 +229,10 @@ struct CombineRecvParams {
   // (CombineSendParams::self_in_place): [self_y_rows, hidden], combine dtype.
   const void* self_y = nullptr;
   int64_t self_y_rows = 0;
+  // Each copy's returned value, unreduced (null: not wanted); our rows left
+  // in place take theirs from the send half's row_values (null: zeros).
+  float* values_out = nullptr;         // [T, topk]
+  const float* self_values = nullptr;  // [self_y_rows]
 };
 
 }  // namespace moe_a2a::a2a::cuda
