@@ -6,7 +6,8 @@
 - gradients that travel in `grad_dtype` (bf16 or fp32) whatever the forward
   dispatch dtype (an fp8 forward gets its own gradient instance);
 - per-row routing weights on the expert side, and their gradients back to
-  `topk_weights`, through a small fp32 side channel (`2*topk` floats a token).
+  `topk_weights`, in the tails of the rows themselves (each dispatched row
+  carries its copy's weight; each returned row one value, unreduced).
 
 Backward of dispatch is an unweighted combine of the row gradients; backward of
 combine is a dispatch of the output gradient along the handle's routing, scaled
@@ -16,8 +17,7 @@ straight-through gradient (the identity). docs/training.md has the details.
 The core keeps one dispatch in flight per instance: every dispatch is followed
 by its combine. The forward pair (dispatch, combine) and the backward pair
 (combine's backward, then dispatch's backward) of a layer each keep that order,
-because autograd runs a layer's combine backward before its dispatch backward;
-the side channel runs whole rounds inside one operation.
+because autograd runs a layer's combine backward before its dispatch backward.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import torch
 
 from moe_a2a.all_to_all import AllToAll, Config, Dispatched, Routing, _describe
 from moe_a2a.kernels.dequant import dequantize_fp8_as
-from moe_a2a.kernels.side_rows import RowRoute, pack_side_rows, route_rows
 
 GRAD_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _ids = itertools.count(1)
@@ -54,12 +53,10 @@ class RoutingHandle:
     topk_ids: torch.Tensor  # [T, K], as the core takes them
     topk_weights: torch.Tensor  # [T, K] fp32, detached
     tokens_per_expert: torch.Tensor  # [local experts] int32
-    row_expert: torch.Tensor  # [R] local expert of each output row
-    real_rows: torch.Tensor | None  # [R] bool, False on padding rows; None when there are none
-    row_k: torch.Tensor | None = None  # [R] which k of its token a row is (0 on padding rows)
-    row_weights: torch.Tensor | None = None  # [R] fp32 (0 on padding rows)
+    num_rows: int  # R, padding rows included
+    expert_padding: int = 1
+    row_weights: torch.Tensor | None = None  # [R] fp32, each row's routing weight (0 on padding rows)
     x_dtype: torch.dtype = torch.bfloat16
-    weights_grad: bool = False  # topk_weights wanted a gradient: the backward needs the side channel
     routing: Routing | None = None  # the forward's gathered routing: later dispatches along it exchange none
     _finalizer: Any = field(default=None, repr=False)
 
@@ -68,8 +65,19 @@ class RoutingHandle:
         return int(self.topk_ids.shape[0])
 
     @property
-    def num_rows(self) -> int:
-        return int(self.row_expert.shape[0])
+    def real_rows(self) -> torch.Tensor | None:
+        """[R] bool, False on padding rows; None when there are none (expert_padding 1)."""
+        if self.expert_padding == 1:
+            return None
+        n = self.tokens_per_expert.to(torch.int64)
+        pad = self.expert_padding
+        padded = (n + pad - 1) // pad * pad
+        start = torch.cumsum(padded, 0) - padded
+        row = torch.arange(self.num_rows, device=n.device)
+        seg = torch.repeat_interleave(
+            torch.arange(n.numel(), device=n.device), padded, output_size=self.num_rows
+        )
+        return row - start[seg] < n[seg]
 
     def release(self) -> None:
         """Give the handle's slot back now instead of when it is garbage-collected."""
@@ -96,7 +104,6 @@ class PendingRouted:
     topk_weights: torch.Tensor
     cached: RoutingHandle | None
     track: bool  # gradients were enabled at the send half
-    side_rows: torch.Tensor | None = None  # the side channel's rows, sent once the main plan is known
 
 
 @dataclass
@@ -112,8 +119,8 @@ class _Channel:
     """One AllToAll, in halves, and the dispatch of it that waits for its combine (and whose).
 
     A dispatch opened with `closable=True` is one nobody may come back for (a
-    backward whose counterpart autograd skipped, a side-channel round): the next
-    dispatch closes it with a combine of zeros. Every rank runs the same autograd
+    backward whose counterpart autograd skipped): the next dispatch closes it
+    with a combine of zeros. Every rank runs the same autograd
     graph, so every rank closes alike.
     """
 
@@ -160,9 +167,14 @@ class _Channel:
         self._closable = closable
 
     def dispatch_recv(
-        self, row_scale: torch.Tensor | None = None, row_dot: torch.Tensor | None = None
+        self,
+        row_scale: torch.Tensor | None = None,
+        row_dot: torch.Tensor | None = None,
+        row_weights: bool = False,
     ) -> Dispatched:
-        d = self.a2a.dispatch(handle=self._pending, send=False, row_scale=row_scale, row_dot=row_dot)
+        d = self.a2a.dispatch(
+            handle=self._pending, send=False, row_scale=row_scale, row_dot=row_dot, row_weights=row_weights
+        )
         assert isinstance(d, Dispatched)
         self._pending, self._d = None, d
         return d
@@ -172,17 +184,26 @@ class _Channel:
         self.open = h
         return self.dispatch_recv()
 
-    def combine_send(self, y: torch.Tensor, h: RoutingHandle, weighted: bool, in_place: bool = True) -> None:
+    def combine_send(
+        self,
+        y: torch.Tensor,
+        h: RoutingHandle,
+        weighted: bool,
+        in_place: bool = True,
+        row_values: torch.Tensor | None = None,
+    ) -> None:
         if not self.is_open_for(h):
             raise RuntimeError(
                 f"combine: handle #{h.seq} is not the dispatch in flight on this instance; "
                 "combine each dispatch before the next one"
             )
-        self._pending = self.a2a.combine(y, self._d, weighted=weighted, recv=False, in_place=in_place)
+        self._pending = self.a2a.combine(
+            y, self._d, weighted=weighted, recv=False, in_place=in_place, row_values=row_values
+        )
         self._d = None
 
-    def combine_recv(self) -> torch.Tensor:
-        out = self.a2a.combine(handle=self._pending, send=False)
+    def combine_recv(self, values_out: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.a2a.combine(handle=self._pending, send=False, values_out=values_out)
         assert isinstance(out, torch.Tensor)
         self._pending, self.open = None, None
         return out
@@ -242,25 +263,13 @@ class ExpertParallel:
         else:
             grad_cfg = dataclasses.replace(cfg, dispatch_dtype=grad_dtype, combine_dtype=grad_dtype)
             self.backward_a2a = AllToAll(grad_cfg, **opts)
-        # Per-token (weights | expert ids as floats): exact in fp32 for ids below 2**24.
-        side_cfg = dataclasses.replace(cfg, hidden=2 * cfg.topk, dispatch_dtype="fp32", combine_dtype="fp32")
-        self.side_a2a = AllToAll(side_cfg, **opts)
         self._fwd = _Channel(self.forward_a2a)
         self._bwd = self._fwd if self.backward_a2a is self.forward_a2a else _Channel(self.backward_a2a)
-        self._side = _Channel(self.side_a2a)
         self.rank, self.world_size = self.forward_a2a.rank, self.forward_a2a.world_size
         self.num_local_experts = self.forward_a2a.num_local_experts
         self.device = self.forward_a2a.device
         self._ids_dtypes = self.forward_a2a._backend.ids_dtypes  # what the core takes unconverted
-        self._all = list({id(a): a for a in (self.forward_a2a, self.backward_a2a, self.side_a2a)}.values())
-        self._zero_rows = torch.zeros(0, 2 * cfg.topk, dtype=torch.float32, device=self.device)
-        # The last forward dispatch whose ids had a token pick one expert twice (pack_side_rows),
-        # and on CUDA its copy in pinned memory, read after the plan wait of the call it checks.
-        self._call = 0
-        self._repeats = torch.zeros(1, dtype=torch.int64, device=self.device)
-        cuda = self.device.type == "cuda"
-        self._repeats_host = torch.zeros(1, dtype=torch.int64, pin_memory=True) if cuda else None
-        self._repeats_due = 0
+        self._all = list({id(a): a for a in (self.forward_a2a, self.backward_a2a)}.values())
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -313,16 +322,14 @@ class ExpertParallel:
         if recv:
             return self._dispatch_recv(p, sent=False)
         # The caller's x, which it may change before the receive half: not read in place.
-        p.side_rows = self._forward_dispatch_send(
-            x, ids, weights, p.track and handle is None, handle, in_place=False
-        )
+        self._forward_dispatch_send(x, ids, weights, handle, in_place=False)
         return p
 
     def _dispatch_recv(self, p: PendingRouted, sent: bool) -> Routed:
         box: dict[str, Any] = {}
         with torch.set_grad_enabled(p.track):
             expert_x, row_weights = _DispatchFn.apply(
-                self, box, p.x, p.topk_weights, p.topk_ids, p.cached, p.track, p if sent else None
+                self, box, p.x, p.topk_weights, p.topk_ids, p.cached, sent
             )
         h: RoutingHandle = box["handle"]
         if not p.track or p.cached is not None:
@@ -404,26 +411,17 @@ class ExpertParallel:
         d: Dispatched,
         x_dtype: torch.dtype,
         cached: RoutingHandle | None,
-        side_rows: torch.Tensor | None,
     ) -> RoutingHandle:
-        """The handle of a dispatch just received; with `side_rows` (the side channel's
-        received rows) each row's k and weight too, in the same launch on CUDA."""
-        if cached is not None:  # the same routing: the same rows
-            route = RowRoute(cached.row_expert, cached.real_rows, cached.row_k, cached.row_weights)
-        else:
-            first = self.rank * self.num_local_experts
-            rows = d.expert_x.shape[0]
-            route = route_rows(d.tokens_per_expert, self.cfg.expert_padding, rows, first, side_rows)
+        """The handle of a dispatch just received (along `cached`'s routing: the same rows)."""
         h = RoutingHandle(
             owner=self.id,
             seq=next(self._seq),
             topk_ids=ids,
             topk_weights=weights.detach().to(torch.float32).contiguous(),
             tokens_per_expert=d.tokens_per_expert,
-            row_expert=route.expert,
-            real_rows=route.real,
-            row_k=route.k,
-            row_weights=route.weight,
+            num_rows=int(d.expert_x.shape[0]),
+            expert_padding=self.cfg.expert_padding,
+            row_weights=cached.row_weights if cached is not None else d.row_weights,
             x_dtype=x_dtype,
             routing=d.routing,
         )
@@ -439,60 +437,23 @@ class ExpertParallel:
         x: torch.Tensor,
         ids: torch.Tensor,
         weights: torch.Tensor,
-        side: bool,
         cached: RoutingHandle | None = None,
         in_place: bool = True,
-    ) -> torch.Tensor | None:
-        """The forward dispatch's send half, along `cached`'s routing when given; returns the
-        side channel's rows (with `side`), which the receive half sends. `in_place`: the
-        receive half follows with no caller's code between (x unchanged)."""
+    ) -> None:
+        """The forward dispatch's send half, along `cached`'s routing when given. `in_place`:
+        the receive half follows with no caller's code between (x unchanged)."""
         routing = cached.routing if cached is not None else None
-        rows = None
-        if side and self._repeats_host is None:  # CPU: checked before anything is sent
-            rows = self._pack_side(ids, weights)
         self._fwd.dispatch_send(
             x, ids, weights, closable=False, routing=routing, keep_routing=True, in_place=in_place
         )
-        if side and rows is None:  # CUDA: built while the GPU packs the main rows
-            rows = self._pack_side(ids, weights)
-        return rows
-
-    def _pack_side(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The side rows, with the check that no token picks one expert twice (the receivers
-        find a row's k by its expert id)."""
-        self._call += 1
-        rows = pack_side_rows(ids, weights, self._repeats, self._call)
-        if self._repeats_host is None:  # on the CPU the check is done
-            self._check_repeats(self._call, self._repeats)
-        else:  # read once the receive half has waited for the plan, which the stream runs later
-            self._repeats_host.copy_(self._repeats, non_blocking=True)
-            self._repeats_due = self._call
-        return rows
 
     def _forward_dispatch_recv(
-        self,
-        x_dtype: torch.dtype,
-        ids: torch.Tensor,
-        weights: torch.Tensor,
-        cached: RoutingHandle | None,
-        side_rows: torch.Tensor | None,
-        weights_grad: bool,
+        self, x_dtype: torch.dtype, ids: torch.Tensor, weights: torch.Tensor, cached: RoutingHandle | None
     ) -> tuple[torch.Tensor, RoutingHandle]:
-        d = self._fwd.dispatch_recv()
-        if self._repeats_due:
-            due, self._repeats_due = self._repeats_due, 0
-            self._check_repeats(due, self._repeats_host)
-        received = None
-        if side_rows is not None:
-            # Along the routing the main exchange just gathered: the side round exchanges no
-            # routing, and its receive half waits for nothing (its rows follow from the matrix).
-            self._side.dispatch_send(side_rows, ids, weights, closable=True, routing=d.routing)
-            received = self._side.dispatch_recv().expert_x
-        h = self._new_handle(ids, weights, d, x_dtype, cached, received)
-        h.weights_grad = weights_grad
+        # Each row's weight rides in its tail; along a cached routing they are the handle's.
+        d = self._fwd.dispatch_recv(row_weights=cached is None)
+        h = self._new_handle(ids, weights, d, x_dtype, cached)
         self._fwd.open = h
-        if side_rows is not None:
-            self._side.open = h
         expert_x = d.expert_x
         if d.expert_x_scale is not None:
             expert_x = dequantize_fp8_as(expert_x, d.expert_x_scale, x_dtype)
@@ -504,35 +465,20 @@ class ExpertParallel:
     def _forward_combine_send(
         self, y: torch.Tensor, h: RoutingHandle, weighted: bool, in_place: bool = True
     ) -> None:
-        """The forward combine's send half; it also closes the side channel's forward round."""
         self._fwd.combine_send(y.contiguous(), h, weighted, in_place)
-        if self._side.is_open_for(h):
-            assert self._side._d is not None
-            self._side.combine_send(self._zeros(self._side._d.expert_x.shape[0]), h, weighted=False)
 
     def _forward_combine_recv(self, h: RoutingHandle) -> torch.Tensor:
-        out = self._fwd.combine_recv()
-        if self._side.open is h:
-            self._side.combine_recv()
-        return out
+        return self._fwd.combine_recv()
 
     def _backward_combine(
         self, grad_out: torch.Tensor, h: RoutingHandle, weighted: bool, y: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Combine's backward: the output gradient dispatched along h (rows of every copy), in
         grad_dtype; `weighted`, each row times its weight and, with `y`, <row, y[row]> (the
-        weights' gradient) in the same pass.
-
-        It also opens the side channel's backward round, which the dispatch's
-        backward closes with the weights' gradients.
-        """
+        weights' gradient) in the same pass."""
         gd = GRAD_DTYPES[self.grad_dtype]
         grad = grad_out.to(gd).contiguous()
         self._bwd.dispatch_send(grad, h.topk_ids, h.topk_weights, closable=True, routing=h.routing)
-        if h.weights_grad:
-            self._side.dispatch_send(
-                self._side_zeros(h), h.topk_ids, h.topk_weights, closable=True, routing=h.routing
-            )
         scale = dot = None
         if weighted:
             assert h.row_weights is not None
@@ -541,66 +487,35 @@ class ExpertParallel:
                 dot = y if y.dtype in GRAD_DTYPES.values() else y.to(gd)
         d = self._bwd.dispatch_recv(row_scale=scale, row_dot=dot)
         self._bwd.open = h
-        if h.weights_grad:
-            self._side.dispatch_recv()
-            self._side.open = h
         return d.expert_x, d.row_dot
 
     def _backward_dispatch(
-        self, grad_rows: torch.Tensor | None, grad_row_weights: torch.Tensor | None, h: RoutingHandle
+        self,
+        grad_rows: torch.Tensor | None,
+        grad_row_weights: torch.Tensor | None,
+        h: RoutingHandle,
+        weights_grad: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Dispatch's backward: the row gradients summed onto their tokens, and the weights' gradients."""
+        """Dispatch's backward: the row gradients summed onto their tokens and, with
+        `weights_grad`, the weights' gradients: each row's returns in its tail, unreduced, to
+        the (t, k) it came from (zero from a rank whose rows' weights had no gradient)."""
         gd = GRAD_DTYPES[self.grad_dtype]
-        K = self.cfg.topk
         if not self._bwd.is_open_for(h):  # combine's backward did not run (rows used without combine)
             zeros = torch.zeros(h.num_tokens, self.cfg.hidden, dtype=gd, device=self.device)
             self._bwd.dispatch(zeros, h, closable=True)
         if grad_rows is None:
             grad_rows = torch.zeros(h.num_rows, self.cfg.hidden, dtype=gd, device=self.device)
-        self._bwd.combine_send(grad_rows.to(gd).contiguous(), h, weighted=False)
-        weights = grad_row_weights is not None and grad_row_weights.numel() == h.num_rows
-        if weights:
-            assert grad_row_weights is not None and h.row_k is not None
-            if not self._side.is_open_for(h):
-                self._side.dispatch(self._side_zeros(h), h, closable=True)
-            # Row r's gradient in column k_r: summing a token's rows gives [T, K] exactly.
-            back = torch.zeros(h.num_rows, 2 * K, dtype=torch.float32, device=self.device)
-            g = grad_row_weights.to(torch.float32)
-            back.scatter_(1, h.row_k[:, None], g[:, None])
-            self._side.combine_send(back, h, weighted=False)
-        grad_x = self._bwd.combine_recv()
-        grad_w = self._side.combine_recv()[:, :K] if weights else None
+        values = None
+        if grad_row_weights is not None and grad_row_weights.numel() == h.num_rows:
+            values = grad_row_weights.to(torch.float32).contiguous()
+        self._bwd.combine_send(grad_rows.to(gd).contiguous(), h, weighted=False, row_values=values)
+        grad_w = None
+        if weights_grad:
+            grad_w = torch.empty(h.num_tokens, self.cfg.topk, dtype=torch.float32, device=self.device)
+        grad_x = self._bwd.combine_recv(values_out=grad_w)
         return grad_x, grad_w
 
-    def _side_zeros(self, h: RoutingHandle) -> torch.Tensor:
-        return self._zeros(h.num_tokens)
-
-    def _zeros(self, rows: int) -> torch.Tensor:
-        """`rows` side-channel rows of zeros, read only: a view of one buffer, grown on demand
-        (a torch call fewer per side round than allocating them)."""
-        if self._zero_rows.shape[0] < rows:
-            self._zero_rows = torch.zeros(rows, 2 * self.cfg.topk, dtype=torch.float32, device=self.device)
-        return self._zero_rows[:rows]
-
     # -- validation -----------------------------------------------------------------------------
-
-    def _check_repeats(self, call: int, flag: torch.Tensor) -> None:
-        """Refuse call `call` if `flag` (host memory) says one of its tokens repeats an expert."""
-        if int(flag[0]) == call:
-            self._refuse_repeats()
-
-    def _refuse_repeats(self) -> None:
-        """A token picks one expert twice: fail on every rank, whose calls cannot pair with ours.
-
-        Every instance stops and tells its peers, as AllToAll does after a bad argument, so
-        a peer waiting in any of them gets an error instead of a timeout.
-        """
-        exc = ValueError(
-            "dispatch: topk_ids: a token picks one expert twice; expected distinct experts per token"
-        )
-        for a2a in self._all:
-            a2a._fail("dispatch", exc)
-        raise exc
 
     def _check_open(self) -> None:
         if self.forward_a2a._setup is None:
@@ -617,8 +532,7 @@ class ExpertParallel:
             )
 
     def _check_ids(self, topk_ids: Any) -> torch.Tensor:
-        """Integer [T, topk] ids, in a dtype the core takes as it is (the repeat check is
-        pack_side_rows', where the side channel runs)."""
+        """Integer [T, topk] ids, in a dtype the core takes as it is."""
         if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.dtype.is_floating_point:
             raise ValueError(
                 f"dispatch: topk_ids: got {_describe(topk_ids)}; expected an integer [T, topk] tensor"
@@ -638,33 +552,28 @@ class _DispatchFn(torch.autograd.Function):
         weights: torch.Tensor,
         ids: torch.Tensor,
         cached: RoutingHandle | None,
-        track: bool,
-        sent: PendingRouted | None,
+        sent: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        side = track and cached is None
-        if sent is None:
-            side_rows = ep._forward_dispatch_send(x, ids, weights, side, cached)
-        else:
-            side_rows = sent.side_rows
-        weights_grad = side and ctx.needs_input_grad[3]
-        expert_x, h = ep._forward_dispatch_recv(x.dtype, ids, weights, cached, side_rows, weights_grad)
+        if not sent:
+            ep._forward_dispatch_send(x, ids, weights, cached)
+        expert_x, h = ep._forward_dispatch_recv(x.dtype, ids, weights, cached)
         box["handle"] = h
         ctx.ep, ctx.handle = ep, h
-        row_weights = h.row_weights if h.row_weights is not None else torch.empty(0, device=x.device)
+        assert h.row_weights is not None
+        row_weights = h.row_weights.clone()  # the handle keeps its own, whatever the caller does
         if cached is not None:
             ctx.mark_non_differentiable(row_weights)
-        return expert_x, row_weights.clone()
+        return expert_x, row_weights
 
     @staticmethod
     def backward(
         ctx: Any, grad_rows: torch.Tensor | None, grad_row_weights: torch.Tensor | None
     ) -> tuple[Any, ...]:
         h: RoutingHandle = ctx.handle
-        if not ctx.needs_input_grad[3]:
-            grad_row_weights = None
-        grad_x, grad_w = ctx.ep._backward_dispatch(grad_rows, grad_row_weights, h)
+        weights_grad = bool(ctx.needs_input_grad[3])
+        grad_x, grad_w = ctx.ep._backward_dispatch(grad_rows, grad_row_weights, h, weights_grad)
         grad_x = grad_x.to(h.x_dtype) if ctx.needs_input_grad[2] else None
-        return None, None, grad_x, grad_w, None, None, None, None
+        return None, None, grad_x, grad_w, None, None, None
 
 
 class _CombineFn(torch.autograd.Function):

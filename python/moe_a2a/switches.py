@@ -166,7 +166,7 @@ REGISTRY: dict[str, Switch] = {
             "MOE_A2A_TEST_DEVICE",
             "choice",
             "cpu",
-            "device of the multi-rank tests (and of tests/unit/test_side_rows.py's kernels)",
+            "device of the multi-rank tests",
             where="tests",
             choices=("cpu", "cuda"),
         ),

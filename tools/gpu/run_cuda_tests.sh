@@ -63,10 +63,6 @@ if has kernels; then
   timeout 240 "$PY" -m pytest -q -rs -p no:cacheprovider "$ROOT/tests/cuda/test_kernels.py" "$ROOT/tests/cuda/test_dequant_cuda.py" \
     --junitxml="$OUT/kernels.xml" 2>&1 | tee "$OUT/kernels.log" | tail -25
   note "kernel tests: $(grep -aE "(passed|failed|error)" "$OUT/kernels.log" | tail -1)"
-  # The side channel's Triton kernels, compiled (in .ci/run they run in Triton's interpreter).
-  MOE_A2A_TEST_DEVICE=cuda timeout 240 "$PY" -m pytest -q -rs -p no:cacheprovider "$ROOT/tests/unit/test_side_rows.py" \
-    --junitxml="$OUT/side-rows.xml" 2>&1 | tee "$OUT/side-rows.log" | tail -5
-  note "side-row kernel tests: $(grep -aE "(passed|failed|error)" "$OUT/side-rows.log" | tail -1)"
 fi
 
 # One multi-rank run: multirank N LABEL [VAR=VALUE...] (extra environment for the ranks);
