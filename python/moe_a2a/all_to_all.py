@@ -23,7 +23,15 @@ import torch
 
 from moe_a2a import _core, switches
 from moe_a2a.agreement import all_to_all_settings, check_agreement
-from moe_a2a.backends.common import CORE_DTYPE, Backend, RowMath, Setup, num_scales, routing_rows
+from moe_a2a.backends.common import (
+    CORE_DTYPE,
+    Backend,
+    RecvRequest,
+    RowMath,
+    Setup,
+    num_scales,
+    routing_rows,
+)
 from moe_a2a.bootstrap import Bootstrap
 from moe_a2a.fabric import EngineLease, hint_universe_size, lease_engine
 from moe_a2a.nics import current_gpu_address, num_nics_default
@@ -135,6 +143,15 @@ class Routing:
     # topk_ids' version counter when dispatch returned it: a call along the routing does not
     # check its ids again (on CUDA that would cost a wait), so an in-place change is refused.
     ids_version: int | None = field(repr=False, default=None)
+    _rows: Any = field(init=False, repr=False, default=None, compare=False)  # received_rows' memo
+
+    def received_rows(self, padding: int) -> tuple[int, int]:
+        """(output rows this rank receives along the matrix, each expert's padded to `padding`;
+        the most copies any rank receives), computed again only if the matrix changed."""
+        key = (self.matrix._version, padding)
+        if self._rows is None or self._rows[0] != key:
+            object.__setattr__(self, "_rows", (key, routing_rows(self.matrix, self.rank, padding)))  # frozen
+        return self._rows[1]
 
 
 @dataclass
@@ -454,13 +471,17 @@ class AllToAll:
             )
         if not isinstance(row_weights, bool):
             raise ValueError(f"dispatch: row_weights: got {row_weights!r}; expected True or False")
-        row_math = None
-        if send and recv:  # checked before anything is sent
+        row_math = req = None
+        if send and recv:  # checked before anything is sent; the receive made ready to follow at once
             row_math = self._row_math(routing, row_scale, row_dot)
+            keep = keep_routing is True and routing is None
+            req = self._recv_request(keep, row_math, row_weights)
         if send:
             if handle is not None:
                 raise ValueError("dispatch: handle= is only for the receive half (send=False)")
-            handle = self._dispatch_send(x, topk_ids, topk_weights, x_scale, routing, keep_routing, in_place)
+            handle = self._dispatch_send(
+                x, topk_ids, topk_weights, x_scale, routing, keep_routing, in_place, req
+            )
         elif routing is not None or keep_routing:
             raise ValueError("dispatch: routing= and keep_routing= belong to the send half (send=True)")
         if not recv:
@@ -471,7 +492,20 @@ class AllToAll:
             )
         if not send:
             row_math = self._row_math(handle.routing, row_scale, row_dot)
-        return self._dispatch_recv(handle, row_math, row_weights)
+            req = self._recv_request(handle.keep_routing, row_math, row_weights)
+        assert req is not None
+        return self._dispatch_recv(handle, req)
+
+    def _recv_request(self, keep_routing: bool, math: RowMath | None, row_weights: bool) -> RecvRequest:
+        keep = None
+        if keep_routing:
+            keep = torch.empty(
+                self.world_size,
+                self.cfg.num_experts,
+                dtype=torch.int32,
+                pin_memory=self.device.type == "cuda",
+            )
+        return RecvRequest(DISPATCH_DTYPES[self.cfg.dispatch_dtype], keep, math, row_weights)
 
     def _dispatch_send(
         self,
@@ -482,6 +516,7 @@ class AllToAll:
         routing: Any,
         keep_routing: Any,
         in_place: bool,
+        then_recv: RecvRequest | None = None,
     ) -> PendingDispatch:
         if self._state != "idle":
             raise RuntimeError(
@@ -503,7 +538,8 @@ class AllToAll:
         if routing is not None and not self._backend.checks_ids:
             self._check_own_row(routing, ids)
         matrix = routing.matrix if routing is not None else None
-        self._backend.dispatch_send(x, scale, ids, matrix, in_place, weights)
+        rows = routing.received_rows(self.cfg.expert_padding) if routing is not None else None
+        self._backend.dispatch_send(x, scale, ids, matrix, in_place, weights, rows, then_recv)
         self._state = "dispatch_sent"
         return PendingDispatch(
             epoch=self.epoch,
@@ -529,7 +565,7 @@ class AllToAll:
             )
         if self.cfg.dispatch_dtype == "fp8":
             raise ValueError("dispatch: row_scale=: the rows are fp8; expected dispatch_dtype bf16 or fp32")
-        rows, _ = routing_rows(routing.matrix, self.rank, self.cfg.expert_padding)
+        rows, _ = routing.received_rows(self.cfg.expert_padding)
         if (
             not isinstance(row_scale, torch.Tensor)
             or row_scale.dtype != torch.float32
@@ -600,28 +636,16 @@ class AllToAll:
                 "a handle is only valid on the instance that returned it"
             )
 
-    def _dispatch_recv(
-        self, handle: PendingDispatch, row_math: RowMath | None, row_weights: bool = False
-    ) -> Dispatched:
+    def _dispatch_recv(self, handle: PendingDispatch, req: RecvRequest) -> Dispatched:
         self._check_owner("dispatch", handle)
         if self._state != "dispatch_sent" or handle.epoch != self.epoch:
             raise RuntimeError(
                 f"dispatch: handle of epoch {handle.epoch} is not the dispatch in flight "
                 f"(state {self._state}, epoch {self.epoch})"
             )
-        keep = None
-        if handle.keep_routing:
-            keep = torch.empty(
-                self.world_size,
-                self.cfg.num_experts,
-                dtype=torch.int32,
-                pin_memory=self.device.type == "cuda",
-            )
+        keep = req.routing_out
         try:
-            dtype = DISPATCH_DTYPES[self.cfg.dispatch_dtype]
-            expert_x, scale, counts, dot, weights = self._backend.dispatch_recv(
-                dtype, keep, row_math, row_weights
-            )
+            expert_x, scale, counts, dot, weights = self._backend.dispatch_recv(req)
         except CapacityError:
             self._state = "idle"  # every rank failed this call alike; the next one starts clean
             raise

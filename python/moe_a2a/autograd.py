@@ -59,6 +59,7 @@ class RoutingHandle:
     x_dtype: torch.dtype = torch.bfloat16
     routing: Routing | None = None  # the forward's gathered routing: later dispatches along it exchange none
     _finalizer: Any = field(default=None, repr=False)
+    _weights_version: int = field(default=0, repr=False)  # row_weights' version counter when made
 
     @property
     def num_tokens(self) -> int:
@@ -146,6 +147,49 @@ class _Channel:
     ) -> None:
         """With `routing`, along it (no routing exchange); `keep_routing` returns this call's.
         `in_place`: `x` stays as it is until dispatch_recv (true of every tensor made here)."""
+        self._make_room()
+        if routing is not None:
+            self._pending = self.a2a.dispatch(
+                x, topk_weights=weights, routing=routing, recv=False, in_place=in_place
+            )
+        else:
+            self._pending = self.a2a.dispatch(
+                x, ids, weights, recv=False, keep_routing=keep_routing, in_place=in_place
+            )
+        self._closable = closable
+
+    def dispatch_whole(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        closable: bool,
+        routing: Routing | None = None,
+        keep_routing: bool = False,
+        row_scale: torch.Tensor | None = None,
+        row_dot: torch.Tensor | None = None,
+        row_weights: bool = False,
+    ) -> Dispatched:
+        """Both halves in one call, so the receive kernel follows the send's at once; `x` is
+        read in place. The arguments are dispatch_send's and dispatch_recv's."""
+        self._make_room()
+        if routing is not None:
+            d = self.a2a.dispatch(
+                x,
+                topk_weights=weights,
+                routing=routing,
+                row_scale=row_scale,
+                row_dot=row_dot,
+                row_weights=row_weights,
+            )
+        else:
+            d = self.a2a.dispatch(x, ids, weights, keep_routing=keep_routing, row_weights=row_weights)
+        assert isinstance(d, Dispatched)
+        self._closable, self._d = closable, d
+        return d
+
+    def _make_room(self) -> None:
+        """Close a closable dispatch left open; refuse to start one over any other."""
         if self._d is not None and self._closable:
             assert self.open is not None
             self.combine_send(torch.zeros_like(self._d.expert_x), self.open, weighted=False)
@@ -156,15 +200,6 @@ class _Channel:
                 f"dispatch: the dispatch of handle #{seq} has not been combined yet; "
                 "every dispatch must be followed by its combine"
             )
-        if routing is not None:
-            self._pending = self.a2a.dispatch(
-                x, topk_weights=weights, routing=routing, recv=False, in_place=in_place
-            )
-        else:
-            self._pending = self.a2a.dispatch(
-                x, ids, weights, recv=False, keep_routing=keep_routing, in_place=in_place
-            )
-        self._closable = closable
 
     def dispatch_recv(
         self,
@@ -180,9 +215,9 @@ class _Channel:
         return d
 
     def dispatch(self, x: torch.Tensor, h: RoutingHandle, closable: bool) -> Dispatched:
-        self.dispatch_send(x, h.topk_ids, h.topk_weights, closable, routing=h.routing)
+        d = self.dispatch_whole(x, h.topk_ids, h.topk_weights, closable, routing=h.routing)
         self.open = h
-        return self.dispatch_recv()
+        return d
 
     def combine_send(
         self,
@@ -425,6 +460,8 @@ class ExpertParallel:
             x_dtype=x_dtype,
             routing=d.routing,
         )
+        if h.row_weights is not None:
+            h._weights_version = h.row_weights._version
         self._live += 1
         h._finalizer = weakref.finalize(h, self._drop_handle)
         return h
@@ -447,11 +484,31 @@ class ExpertParallel:
             x, ids, weights, closable=False, routing=routing, keep_routing=True, in_place=in_place
         )
 
+    def _forward_dispatch(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, cached: RoutingHandle | None
+    ) -> tuple[torch.Tensor, RoutingHandle]:
+        """The forward dispatch as one call (its receive kernel launched right after the send's)."""
+        routing = cached.routing if cached is not None else None
+        d = self._fwd.dispatch_whole(
+            x, ids, weights, closable=False, routing=routing, keep_routing=True, row_weights=cached is None
+        )
+        return self._forward_routed(d, x.dtype, ids, weights, cached)
+
     def _forward_dispatch_recv(
         self, x_dtype: torch.dtype, ids: torch.Tensor, weights: torch.Tensor, cached: RoutingHandle | None
     ) -> tuple[torch.Tensor, RoutingHandle]:
         # Each row's weight rides in its tail; along a cached routing they are the handle's.
         d = self._fwd.dispatch_recv(row_weights=cached is None)
+        return self._forward_routed(d, x_dtype, ids, weights, cached)
+
+    def _forward_routed(
+        self,
+        d: Dispatched,
+        x_dtype: torch.dtype,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        cached: RoutingHandle | None,
+    ) -> tuple[torch.Tensor, RoutingHandle]:
         h = self._new_handle(ids, weights, d, x_dtype, cached)
         self._fwd.open = h
         expert_x = d.expert_x
@@ -478,14 +535,20 @@ class ExpertParallel:
         weights' gradient) in the same pass."""
         gd = GRAD_DTYPES[self.grad_dtype]
         grad = grad_out.to(gd).contiguous()
-        self._bwd.dispatch_send(grad, h.topk_ids, h.topk_weights, closable=True, routing=h.routing)
         scale = dot = None
         if weighted:
             assert h.row_weights is not None
+            if h.row_weights._version != h._weights_version:
+                raise RuntimeError(
+                    "backward: routed.row_weights was changed in place after dispatch; the "
+                    "weighted combine's backward scales by them: expected them unchanged"
+                )
             scale = h.row_weights
             if y is not None:  # bf16 or fp32 as they are (the kernel sums in fp32)
                 dot = y if y.dtype in GRAD_DTYPES.values() else y.to(gd)
-        d = self._bwd.dispatch_recv(row_scale=scale, row_dot=dot)
+        d = self._bwd.dispatch_whole(
+            grad, h.topk_ids, h.topk_weights, closable=True, routing=h.routing, row_scale=scale, row_dot=dot
+        )
         self._bwd.open = h
         return d.expert_x, d.row_dot
 
@@ -554,13 +617,16 @@ class _DispatchFn(torch.autograd.Function):
         cached: RoutingHandle | None,
         sent: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not sent:
-            ep._forward_dispatch_send(x, ids, weights, cached)
-        expert_x, h = ep._forward_dispatch_recv(x.dtype, ids, weights, cached)
+        if sent:
+            expert_x, h = ep._forward_dispatch_recv(x.dtype, ids, weights, cached)
+        else:
+            expert_x, h = ep._forward_dispatch(x, ids, weights, cached)
         box["handle"] = h
         ctx.ep, ctx.handle = ep, h
         assert h.row_weights is not None
-        row_weights = h.row_weights.clone()  # the handle keeps its own, whatever the caller does
+        # A new tensor object on the handle's storage (autograd sets its grad_fn; the handle
+        # keeps the plain one); the backward refuses weights changed in place since.
+        row_weights = h.row_weights.detach()
         if cached is not None:
             ctx.mark_non_differentiable(row_weights)
         return expert_x, row_weights

@@ -19,6 +19,7 @@ from test_a2a import Inputs, check_round, expert_fn, make_a2a, make_inputs, mine
 
 from moe_a2a import FabricError, PeerFailedError
 from moe_a2a.all_to_all import AllToAll, CapacityError, Dispatched, Routing
+from moe_a2a.backends.common import RecvRequest
 
 pytestmark = device_pytestmark
 ODD = 0  # the rank whose sequence differs
@@ -220,7 +221,7 @@ def test_a_rank_that_skips_its_combine_stops_everyone_at_once(rpn: int | None, s
         with pytest.raises((FabricError, PeerFailedError)) as info:
             try:
                 a2a._backend.dispatch_send(x, None, ids.to(torch.int32), None)
-                a2a._backend.dispatch_recv(torch.bfloat16)
+                a2a._backend.dispatch_recv(RecvRequest(torch.bfloat16))
             except Exception as exc:
                 a2a._fail("dispatch", exc)  # as the front end does with a failed call (check(), replays)
                 raise

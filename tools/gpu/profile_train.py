@@ -1,6 +1,6 @@
 """Where one rank's training step of dispatch + combine spends its GPU time (one process, no mpirun).
 
-    python3 tools/gpu/profile_train.py [--dispatch-dtype bf16|fp8] [--steps 3] [--trace FILE.json]
+    python3 tools/gpu/profile_train.py [--dispatch-dtype bf16|fp8] [--steps 3] [--trace FILE.json] [--stacks]
 
 The step of `moe-a2a bench a2a --train` at the DeepSeek-V3 training shape
 (4096 tokens, hidden 7168, 256 experts, top-8, bf16 gradients, the identity
@@ -8,7 +8,8 @@ expert): prints the median forward and backward time of 10 steps, then the
 torch profiler's table of kernels over `--steps` steps (divide by the steps
 for a step's share). `--trace` also writes the profiled steps as a Chrome
 trace (host calls and kernels on one clock), where the host waits show as
-gaps between kernels.
+gaps between kernels; `--stacks` records the Python functions too (slower
+steps, but it names the host's work in each gap).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def main() -> None:
     p.add_argument("--dispatch-dtype", choices=("bf16", "fp8"), default="bf16")
     p.add_argument("--steps", type=int, default=3, help="profiled steps")
     p.add_argument("--trace", help="write the profiled steps as a Chrome trace to this file")
+    p.add_argument("--stacks", action="store_true", help="record Python functions in the trace")
     args = p.parse_args()
     torch.cuda.set_device(0)
     cfg = Config(
@@ -62,7 +64,7 @@ def main() -> None:
     times = [step() for _ in range(10)]
     fwd, bwd = (statistics.median(t[i] for t in times) for i in (0, 1))
     print(f"{args.dispatch_dtype}: forward {fwd:.0f} us, backward {bwd:.0f} us (medians of 10)")
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.stacks) as prof:
         for _ in range(args.steps):
             step()
     print(f"kernels over {args.steps} steps:")

@@ -44,6 +44,20 @@ class RowMath:
     dot_y: torch.Tensor | None  # [rows, hidden], bf16 or fp32
 
 
+@dataclass
+class RecvRequest:
+    """What a dispatch's receive half delivers, made before its send half: a whole call's
+    receive can then be launched right after the send, with no Python between the two.
+    The backend fills the outputs."""
+
+    dtype: torch.dtype  # the rows' (the dispatch dtype)
+    routing_out: torch.Tensor | None = None  # [world, num_experts] int32, the call's matrix
+    math: RowMath | None = None
+    row_weights: bool = False
+    launched: bool = False  # the backend launched it with the send half
+    out: tuple[Any, ...] = ()  # the backend's buffers, once made
+
+
 def apply_row_math(rows: torch.Tensor, math: RowMath) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The torch form of a weighted receive (the CPU's; the CUDA kernel stores the same scaled
     rows, and sums the same products in another order)."""
@@ -85,19 +99,30 @@ class Backend(Protocol):
         ids: torch.Tensor,
         routing: torch.Tensor | None,
         in_place: bool = False,
+        weights: torch.Tensor | None = None,
+        rows: tuple[int, int] | None = None,
+        then_recv: RecvRequest | None = None,
     ) -> None:
         """`in_place`: `x` stays unchanged until the receive half, which may read this rank's
-        own copies from it instead of a copy the send half made."""
+        own copies from it instead of a copy the send half made. `weights` ([T, topk] fp32)
+        go in the rows' tails. `rows`: a cached call's `routing_rows` of `routing`.
+        `then_recv`: the receive half follows at once (a whole call); a backend may start it."""
 
     def dispatch_recv(
-        self, dtype: torch.dtype, routing_out: torch.Tensor | None = None, math: RowMath | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-        """(rows, fp8 scales, tokens per local expert, math's dot products or None)."""
+        self, req: RecvRequest
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(rows, fp8 scales, tokens per local expert, math's dot products or None, the rows'
+        weights from their tails or None)."""
 
-    def combine_send(self, y: torch.Tensor, in_place: bool = False) -> None:
-        """`in_place`: as for dispatch_send, with `y`."""
+    def combine_send(
+        self, y: torch.Tensor, in_place: bool = False, row_values: torch.Tensor | None = None
+    ) -> None:
+        """`in_place`: as for dispatch_send, with `y`. `row_values` go in the rows' tails."""
 
-    def combine_recv(self, weights: torch.Tensor, out: torch.Tensor) -> None: ...
+    def combine_recv(
+        self, weights: torch.Tensor, out: torch.Tensor, values_out: torch.Tensor | None = None
+    ) -> None:
+        """`values_out` ([T, topk] fp32): each copy's returned tail, unreduced."""
 
     def announce_failure(self, text: str) -> None:
         """Tell every peer that this rank failed, so their waits end at once."""

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from moe_a2a import _core
-from moe_a2a.backends.common import CORE_DTYPE, RowMath, Setup, apply_row_math, num_scales
+from moe_a2a.backends.common import CORE_DTYPE, RecvRequest, Setup, apply_row_math, num_scales
 
 
 class CpuBackend:
@@ -35,10 +35,13 @@ class CpuBackend:
         routing: torch.Tensor | None,
         in_place: bool = False,
         weights: torch.Tensor | None = None,
+        rows: tuple[int, int] | None = None,
+        then_recv: RecvRequest | None = None,
     ) -> None:
         """`routing`: a cached call's matrix (the core copies it before returning). `in_place`
         changes nothing here: the CPU send half packs every row before it returns. `weights`
-        ([T, topk] float32) go with the copies' rows."""
+        ([T, topk] float32) go with the copies' rows. `rows` and `then_recv` change nothing
+        here: the receive half waits for the peers' rows on this thread."""
         self._impl.dispatch_send(
             x.data_ptr(),
             CORE_DTYPE[x.dtype],
@@ -50,14 +53,11 @@ class CpuBackend:
         )
 
     def dispatch_recv(
-        self,
-        dtype: torch.dtype,
-        routing_out: torch.Tensor | None = None,
-        math: RowMath | None = None,
-        row_weights: bool = False,
+        self, req: RecvRequest
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """`routing_out`: [world, num_experts] int32 that receives the call's routing matrix.
+        """`req.routing_out`: [world, num_experts] int32 that receives the call's routing matrix.
         Returns (rows, fp8 scales, tokens per expert, row_dot, row weights)."""
+        dtype, routing_out, math = req.dtype, req.routing_out, req.math
         rows = self._impl.dispatch_wait()
         if routing_out is not None:
             self._impl.copy_routing(routing_out.data_ptr())
@@ -65,7 +65,7 @@ class CpuBackend:
         scale = None
         if dtype == torch.float8_e4m3fn:
             scale = torch.empty(rows, num_scales(self.cfg.hidden), dtype=torch.float32)
-        weights = torch.empty(rows, dtype=torch.float32) if row_weights else None
+        weights = torch.empty(rows, dtype=torch.float32) if req.row_weights else None
         self._impl.dispatch_unpack(
             expert_x.data_ptr(),
             scale.data_ptr() if scale is not None else 0,

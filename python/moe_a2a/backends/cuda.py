@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from moe_a2a import _core
-from moe_a2a.backends.common import CORE_DTYPE, RowMath, Setup, num_scales, routing_rows
+from moe_a2a.backends.common import CORE_DTYPE, RecvRequest, Setup, num_scales
 
 
 def cuda_available() -> str | None:
@@ -95,8 +95,10 @@ class CudaBackend:
         with boot.together("opening the node's GPU memory"):
             self._impl.open_node([h if r in setup.node else b"" for r, h in enumerate(handles)])
         self.max_output_rows = int(self._impl.max_output_rows)
+        self._local_experts = setup.cfg.num_experts // setup.bootstrap.world_size
         self._alive: tuple[torch.Tensor | None, ...] = ()
         self._last_matrix: torch.Tensor | None = None  # the last call's, when it was cached
+        self._last_rows: tuple[int, int] | None = None  # and its routing_rows
 
     @property
     def epoch(self) -> int:
@@ -118,10 +120,18 @@ class CudaBackend:
         routing: torch.Tensor | None,
         in_place: bool = False,
         weights: torch.Tensor | None = None,
+        rows: tuple[int, int] | None = None,
+        then_recv: RecvRequest | None = None,
     ) -> None:
         """`routing`: a cached call's matrix, pinned host memory that the plan kernel reads.
         `in_place`: this rank's copies to itself are read from `x` by the receive half.
-        `weights` ([T, topk] float32) go with the copies' rows."""
+        `weights` ([T, topk] float32) go with the copies' rows. `rows`: a cached call's
+        (output rows, most copies any rank receives), from its matrix on the host.
+        `then_recv`: its buffers are made first and its kernel launched right after the send
+        half's, so the GPU does not wait for the host between the two."""
+        if then_recv is not None:
+            self._recv_buffers(then_recv)
+        stream = self._stream()
         self._impl.dispatch_send(
             x.data_ptr(),
             CORE_DTYPE[x.dtype],
@@ -130,7 +140,7 @@ class CudaBackend:
             ids.dtype == torch.int64,
             x.shape[0],
             0,
-            self._stream(),
+            stream,
             routing.data_ptr() if routing is not None else 0,
             in_place,
             weights.data_ptr() if weights is not None else 0,
@@ -139,59 +149,24 @@ class CudaBackend:
         # (and no routing handle behind it) outlives its step.
         self._alive = (x.detach(), ids, scale, routing, weights)
         self._last_matrix = routing
+        self._last_rows = rows
+        if then_recv is not None:
+            self._launch_recv(then_recv, stream)
 
     def dispatch_recv(
-        self,
-        dtype: torch.dtype,
-        routing_out: torch.Tensor | None = None,
-        math: RowMath | None = None,
-        row_weights: bool = False,
+        self, req: RecvRequest
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """`routing_out`: pinned [world, num_experts] int32, the call's matrix once this returns.
-        `math`: applied by the receive kernel itself, in the pass that delivers the rows.
-        Returns (rows, fp8 scales, tokens per expert, row_dot, row weights)."""
-        if routing_out is not None and not routing_out.is_pinned():
-            raise ValueError(
-                "dispatch: routing_out: expected pinned host memory, which the plan kernel writes"
-            )
-        rows, hidden = self.max_output_rows, self.cfg.hidden
-        expert_x = torch.empty(rows, hidden, dtype=dtype, device=self.device)
-        scale = None
-        if dtype == torch.float8_e4m3fn:
-            scale = torch.empty(rows, num_scales(hidden), dtype=torch.float32, device=self.device)
-        counts = torch.empty(
-            self._setup.cfg.num_experts // self._setup.bootstrap.world_size,
-            dtype=torch.int32,
-            device=self.device,
-        )
-        dot = dot_y = None
-        if math is not None and math.dot_y is not None:
-            dot_y = math.dot_y
-            dot = torch.zeros(rows, dtype=torch.float32, device=self.device)  # padding rows: 0
-        weights = None
-        if row_weights:  # the copy kernel skips padding rows (and, graph-safe, rows past the last)
-            unfilled = self.cfg.expert_padding > 1 or self.graph_safe
-            weights = (torch.zeros if unfilled else torch.empty)(
-                rows, dtype=torch.float32, device=self.device
-            )
-        self._impl.dispatch_recv(
-            expert_x.data_ptr(),
-            scale.data_ptr() if scale is not None else 0,
-            counts.data_ptr(),
-            not self.graph_safe,
-            self._stream(),
-            routing_out.data_ptr() if routing_out is not None else 0,
-            math.scale.data_ptr() if math is not None else 0,
-            dot_y.data_ptr() if dot_y is not None else 0,
-            CORE_DTYPE[dot_y.dtype] if dot_y is not None else _core.DType.bf16,
-            dot.data_ptr() if dot is not None else 0,
-            weights.data_ptr() if weights is not None else 0,
-        )
-        self._alive = (*self._alive, routing_out, math)
+        """`req.routing_out`: pinned [world, num_experts] int32, the call's matrix once this
+        returns. `req.math`: applied by the receive kernel itself, in the pass that delivers the
+        rows. Returns (rows, fp8 scales, tokens per expert, row_dot, row weights)."""
+        if not req.launched:
+            self._recv_buffers(req)
+            self._launch_recv(req, self._stream())
+        expert_x, scale, counts, dot, weights = req.out
         if self.cfg.expert_padding > 1:
             _zero_unfilled_rows(expert_x, scale, counts, self.cfg.expert_padding)
         if not self.graph_safe:
-            filled = self._known_rows(self._last_matrix) if self._last_matrix is not None else None
+            filled = self._known_rows(self._last_rows) if self._last_rows is not None else None
             if filled is None:
                 # Not a stream synchronisation: the plan kernel raises a host word once the
                 # output rows and the status are final, and the copy kernel goes on meanwhile.
@@ -203,15 +178,55 @@ class CudaBackend:
             weights = weights[:filled] if weights is not None else None
         return expert_x, scale, counts, dot, weights
 
-    def _known_rows(self, matrix: torch.Tensor) -> int | None:
+    def _recv_buffers(self, req: RecvRequest) -> None:
+        """The receive half's outputs, at their most rows (a view of the filled ones is returned)."""
+        if req.routing_out is not None and not req.routing_out.is_pinned():
+            raise ValueError(
+                "dispatch: routing_out: expected pinned host memory, which the plan kernel writes"
+            )
+        rows, hidden = self.max_output_rows, self.cfg.hidden
+        expert_x = torch.empty(rows, hidden, dtype=req.dtype, device=self.device)
+        scale = None
+        if req.dtype == torch.float8_e4m3fn:
+            scale = torch.empty(rows, num_scales(hidden), dtype=torch.float32, device=self.device)
+        counts = torch.empty(self._local_experts, dtype=torch.int32, device=self.device)
+        # The copy kernel skips padding rows (and, graph-safe, rows past the last): theirs are 0.
+        per_row = torch.zeros if self.cfg.expert_padding > 1 or self.graph_safe else torch.empty
+        dot = None
+        if req.math is not None and req.math.dot_y is not None:
+            dot = per_row(rows, dtype=torch.float32, device=self.device)
+        weights = per_row(rows, dtype=torch.float32, device=self.device) if req.row_weights else None
+        req.out = (expert_x, scale, counts, dot, weights)
+
+    def _launch_recv(self, req: RecvRequest, stream: int) -> None:
+        expert_x, scale, counts, dot, weights = req.out
+        math, routing_out = req.math, req.routing_out
+        dot_y = math.dot_y if math is not None else None
+        self._impl.dispatch_recv(
+            expert_x.data_ptr(),
+            scale.data_ptr() if scale is not None else 0,
+            counts.data_ptr(),
+            not self.graph_safe,
+            stream,
+            routing_out.data_ptr() if routing_out is not None else 0,
+            math.scale.data_ptr() if math is not None else 0,
+            dot_y.data_ptr() if dot_y is not None else 0,
+            CORE_DTYPE[dot_y.dtype] if dot_y is not None else _core.DType.bf16,
+            dot.data_ptr() if dot is not None else 0,
+            weights.data_ptr() if weights is not None else 0,
+        )
+        self._alive = (*self._alive, routing_out, math)
+        req.launched = True
+
+    def _known_rows(self, rows_most: tuple[int, int]) -> int | None:
         """A cached call's output rows, from its matrix on the host: its receive half then waits
         for nothing, and the host runs ahead of the GPU (the backward's dispatches are cached).
 
         None where some rank would be over capacity: the plan kernel says so, and every rank
-        waits for it to raise the CapacityError. Computed per call, never cached: the plan
-        kernel reads the matrix as it is now.
+        waits for it to raise the CapacityError. `Routing.received_rows` computes them again
+        whenever the matrix changed in place (its version counter), as the plan kernel reads it.
         """
-        rows, most = routing_rows(matrix, self._setup.bootstrap.rank, self.cfg.expert_padding)
+        rows, most = rows_most
         return None if most > self._setup.core_cfg.max_recv_tokens else rows
 
     def combine_send(
