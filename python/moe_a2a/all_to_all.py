@@ -444,6 +444,7 @@ class AllToAll:
         row_scale: torch.Tensor | None = None,
         row_dot: torch.Tensor | None = None,
         row_weights: bool = False,
+        dequantize: torch.dtype | None = None,
     ) -> Dispatched | PendingDispatch:
         """Send tokens to their experts' ranks and/or receive this rank's share.
 
@@ -461,21 +462,34 @@ class AllToAll:
         arrived with `row_dot[r]`.
         `row_weights=True` (receive half) also returns `Dispatched.row_weights`: each row's
         routing weight (its copy's `topk_weights` entry, carried with the row; 0 on padding).
+        `dequantize=torch.bfloat16` (or float32; receive half, fp8 rows) delivers the rows
+        dequantised in that dtype by the receive pass itself (`expert_x_scale` is then None);
+        a whole call also leaves this rank's own copies in `x` and quantises them there.
         """
         if not send and not recv:
             raise ValueError("dispatch: send and recv are both False; nothing to do")
         in_place = _resolve_in_place("dispatch", in_place, send, recv)
-        if not recv and (row_scale is not None or row_dot is not None or row_weights is not False):
+        if not recv and (
+            row_scale is not None or row_dot is not None or row_weights is not False or dequantize is not None
+        ):
             raise ValueError(
-                "dispatch: row_scale=, row_dot= and row_weights= belong to the receive half (recv=True)"
+                "dispatch: row_scale=, row_dot=, row_weights= and dequantize= belong to the receive half "
+                "(recv=True)"
             )
         if not isinstance(row_weights, bool):
             raise ValueError(f"dispatch: row_weights: got {row_weights!r}; expected True or False")
+        if dequantize is not None and (
+            self.cfg.dispatch_dtype != "fp8" or dequantize not in (torch.bfloat16, torch.float32)
+        ):
+            raise ValueError(
+                f"dispatch: dequantize: got {dequantize!r} with dispatch_dtype {self.cfg.dispatch_dtype!r}; "
+                "expected torch.bfloat16 or torch.float32 with dispatch_dtype 'fp8'"
+            )
         row_math = req = None
         if send and recv:  # checked before anything is sent; the receive made ready to follow at once
             row_math = self._row_math(routing, row_scale, row_dot)
             keep = keep_routing is True and routing is None
-            req = self._recv_request(keep, row_math, row_weights)
+            req = self._recv_request(keep, row_math, row_weights, dequantize)
         if send:
             if handle is not None:
                 raise ValueError("dispatch: handle= is only for the receive half (send=False)")
@@ -492,11 +506,13 @@ class AllToAll:
             )
         if not send:
             row_math = self._row_math(handle.routing, row_scale, row_dot)
-            req = self._recv_request(handle.keep_routing, row_math, row_weights)
+            req = self._recv_request(handle.keep_routing, row_math, row_weights, dequantize)
         assert req is not None
         return self._dispatch_recv(handle, req)
 
-    def _recv_request(self, keep_routing: bool, math: RowMath | None, row_weights: bool) -> RecvRequest:
+    def _recv_request(
+        self, keep_routing: bool, math: RowMath | None, row_weights: bool, dequantize: torch.dtype | None
+    ) -> RecvRequest:
         keep = None
         if keep_routing:
             keep = torch.empty(
@@ -505,7 +521,7 @@ class AllToAll:
                 dtype=torch.int32,
                 pin_memory=self.device.type == "cuda",
             )
-        return RecvRequest(DISPATCH_DTYPES[self.cfg.dispatch_dtype], keep, math, row_weights)
+        return RecvRequest(DISPATCH_DTYPES[self.cfg.dispatch_dtype], keep, math, row_weights, dequantize)
 
     def _dispatch_send(
         self,

@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 from moe_a2a.all_to_all import AllToAll, Config, Dispatched, Routing, _describe
-from moe_a2a.kernels.dequant import dequantize_fp8_as
 
 GRAD_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _ids = itertools.count(1)
@@ -169,6 +168,7 @@ class _Channel:
         row_scale: torch.Tensor | None = None,
         row_dot: torch.Tensor | None = None,
         row_weights: bool = False,
+        dequantize: torch.dtype | None = None,
     ) -> Dispatched:
         """Both halves in one call, so the receive kernel follows the send's at once; `x` is
         read in place. The arguments are dispatch_send's and dispatch_recv's."""
@@ -181,9 +181,12 @@ class _Channel:
                 row_scale=row_scale,
                 row_dot=row_dot,
                 row_weights=row_weights,
+                dequantize=dequantize,
             )
         else:
-            d = self.a2a.dispatch(x, ids, weights, keep_routing=keep_routing, row_weights=row_weights)
+            d = self.a2a.dispatch(
+                x, ids, weights, keep_routing=keep_routing, row_weights=row_weights, dequantize=dequantize
+            )
         assert isinstance(d, Dispatched)
         self._closable, self._d = closable, d
         return d
@@ -206,9 +209,15 @@ class _Channel:
         row_scale: torch.Tensor | None = None,
         row_dot: torch.Tensor | None = None,
         row_weights: bool = False,
+        dequantize: torch.dtype | None = None,
     ) -> Dispatched:
         d = self.a2a.dispatch(
-            handle=self._pending, send=False, row_scale=row_scale, row_dot=row_dot, row_weights=row_weights
+            handle=self._pending,
+            send=False,
+            row_scale=row_scale,
+            row_dot=row_dot,
+            row_weights=row_weights,
+            dequantize=dequantize,
         )
         assert isinstance(d, Dispatched)
         self._pending, self._d = None, d
@@ -490,15 +499,26 @@ class ExpertParallel:
         """The forward dispatch as one call (its receive kernel launched right after the send's)."""
         routing = cached.routing if cached is not None else None
         d = self._fwd.dispatch_whole(
-            x, ids, weights, closable=False, routing=routing, keep_routing=True, row_weights=cached is None
+            x,
+            ids,
+            weights,
+            closable=False,
+            routing=routing,
+            keep_routing=True,
+            row_weights=cached is None,
+            dequantize=self._dequantize(x.dtype),
         )
         return self._forward_routed(d, x.dtype, ids, weights, cached)
+
+    def _dequantize(self, x_dtype: torch.dtype) -> torch.dtype | None:
+        """fp8 rows come back dequantised to the input's dtype by the receive pass itself."""
+        return x_dtype if self.cfg.dispatch_dtype == "fp8" else None
 
     def _forward_dispatch_recv(
         self, x_dtype: torch.dtype, ids: torch.Tensor, weights: torch.Tensor, cached: RoutingHandle | None
     ) -> tuple[torch.Tensor, RoutingHandle]:
         # Each row's weight rides in its tail; along a cached routing they are the handle's.
-        d = self._fwd.dispatch_recv(row_weights=cached is None)
+        d = self._fwd.dispatch_recv(row_weights=cached is None, dequantize=self._dequantize(x_dtype))
         return self._forward_routed(d, x_dtype, ids, weights, cached)
 
     def _forward_routed(
@@ -511,9 +531,7 @@ class ExpertParallel:
     ) -> tuple[torch.Tensor, RoutingHandle]:
         h = self._new_handle(ids, weights, d, x_dtype, cached)
         self._fwd.open = h
-        expert_x = d.expert_x
-        if d.expert_x_scale is not None:
-            expert_x = dequantize_fp8_as(expert_x, d.expert_x_scale, x_dtype)
+        expert_x = d.expert_x  # fp8 rows come dequantised (_dequantize)
         # A fresh tensor object for autograd, which sets its grad_fn: the channel's
         # Dispatched holds d.expert_x, and rows -> grad_fn -> ctx -> self -> channel
         # would be a cycle through C++ that Python's gc cannot collect.

@@ -92,22 +92,23 @@ void bind_cuda(nb::module_& m) {
           "dispatch_send",
           [](CudaAllToAll& a, uintptr_t x, DType x_dtype, uintptr_t x_scale, uintptr_t topk_ids, bool ids_64bit,
              int num_tokens, uintptr_t num_tokens_device, uintptr_t stream, uintptr_t routing, bool in_place,
-             uintptr_t weights) {
+             uintptr_t weights, bool dequant_recv) {
             a.dispatch_send(ptr<const void>(x), x_dtype, ptr<const float>(x_scale), ptr<const void>(topk_ids), ids_64bit,
                             num_tokens, ptr<const int32_t>(num_tokens_device), stream_of(stream),
-                            ptr<const uint32_t>(routing), in_place, ptr<const float>(weights));
+                            ptr<const uint32_t>(routing), in_place, ptr<const float>(weights), dequant_recv);
           },
           nb::arg("x"), nb::arg("x_dtype"), nb::arg("x_scale"), nb::arg("topk_ids"), nb::arg("ids_64bit"),
           nb::arg("num_tokens"), nb::arg("num_tokens_device"), nb::arg("stream"), nb::arg("routing") = 0,
-          nb::arg("in_place") = false, nb::arg("weights") = 0,
+          nb::arg("in_place") = false, nb::arg("weights") = 0, nb::arg("dequant_recv") = false,
           "routing: a cached call's matrix in pinned host memory (0: exchange the routing rows). "
+          "dequant_recv: the receive half dequantises fp8 rows (then in_place holds for a bf16/fp32 x too). "
           "in_place: x stays unchanged until the receive half, which reads this rank's own copies from it. "
           "weights: [T, topk] fp32, each copy's weight into its row's tail (0: zeros).")
       .def(
           "dispatch_recv",
           [](CudaAllToAll& a, uintptr_t out_x, uintptr_t out_scale, uintptr_t tokens_per_expert, bool host_wait,
              uintptr_t stream, uintptr_t routing_out, uintptr_t row_scale, uintptr_t dot_y, DType dot_y_dtype,
-             uintptr_t dot_out, uintptr_t out_weight) {
+             uintptr_t dot_out, uintptr_t out_weight, bool dequant, DType out_dtype) {
             CudaAllToAll::RowMath math;
             math.scale = ptr<const float>(row_scale);
             math.dot_y = ptr<const void>(dot_y);
@@ -115,13 +116,15 @@ void bind_cuda(nb::module_& m) {
             math.dot_out = ptr<float>(dot_out);
             a.dispatch_recv(ptr<void>(out_x), ptr<float>(out_scale), ptr<int32_t>(tokens_per_expert), host_wait,
                             stream_of(stream), ptr<uint32_t>(routing_out), row_scale != 0 ? &math : nullptr,
-                            ptr<float>(out_weight));
+                            ptr<float>(out_weight), dequant, out_dtype);
           },
           nb::arg("out_x"), nb::arg("out_scale"), nb::arg("tokens_per_expert"), nb::arg("host_wait"), nb::arg("stream"),
           nb::arg("routing_out") = 0, nb::arg("row_scale") = 0, nb::arg("dot_y") = 0,
-          nb::arg("dot_y_dtype") = DType::kBf16, nb::arg("dot_out") = 0, nb::arg("out_weight") = 0, release(),
+          nb::arg("dot_y_dtype") = DType::kBf16, nb::arg("dot_out") = 0, nb::arg("out_weight") = 0,
+          nb::arg("dequant") = false, nb::arg("out_dtype") = DType::kBf16, release(),
           "row_scale (fp32, one per output row): rows delivered times it; dot_y ([rows, hidden], dot_y_dtype): "
-          "dot_out[r] = <row r as received, dot_y[r]> in fp32; out_weight ([rows] fp32): each row's weight.")
+          "dot_out[r] = <row r as received, dot_y[r]> in fp32; out_weight ([rows] fp32): each row's weight; "
+          "dequant: fp8 rows delivered as out_dtype (bf16 or fp32) rows in out_x.")
       .def(
           "combine_send",
           [](CudaAllToAll& a, uintptr_t y, DType y_dtype, int64_t y_rows, uintptr_t stream, bool in_place,

@@ -20,7 +20,7 @@ from ranks import COMM, DEVICE, PROVIDER, RANK, WORLD, device_pytestmark, layout
 
 from moe_a2a import FabricError, PeerFailedError
 from moe_a2a.all_to_all import AllToAll, CapacityError, Config
-from moe_a2a.reference import combine_reference, dispatch_reference
+from moe_a2a.reference import combine_reference, dequantize_fp8, dispatch_reference
 
 pytestmark = device_pytestmark
 HIDDEN = 200  # not a multiple of 128: the last fp8 block is short
@@ -183,6 +183,37 @@ def check_round(
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("rpn", layouts())
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["x-bf16", "x-fp32"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["out-bf16", "out-fp32"])
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "halves"])
+def test_dequantized_receive(
+    rpn: int | None, x_dtype: torch.dtype, out_dtype: torch.dtype, split: bool
+) -> None:
+    """fp8 rows delivered dequantised by the receive pass are the reference's rows dequantised,
+    bit for bit (a whole call quantises this rank's own copies where they are, in x)."""
+    with make_a2a(rpn, dispatch_dtype="fp8", expert_padding=4) as a2a:
+        for it in range(2):
+            inp = make_inputs(2000 + it, a2a.cfg)
+            x, ids, w = mine(inp)
+            x = x.to(x_dtype)
+            if split:
+                pending = a2a.dispatch(x, ids, w, recv=False)
+                d = a2a.dispatch(handle=pending, send=False, dequantize=out_dtype, row_weights=True)
+            else:
+                d = a2a.dispatch(x, ids, w, dequantize=out_dtype, row_weights=True)
+            ref = dispatch_reference(inp.xs, inp.ids, a2a.cfg.num_experts, "fp8", 4)[RANK]
+            assert ref.expert_x_scale is not None
+            want = dequantize_fp8(ref.expert_x, ref.expert_x_scale).to(out_dtype)
+            valid = ref.origin[:, 0] >= 0
+            assert d.expert_x_scale is None and d.expert_x.dtype == out_dtype
+            assert torch.equal(d.expert_x.cpu()[valid], want[valid]), "dequantised rows differ"
+            assert not bool(d.expert_x.cpu()[~valid].any()), "padding rows must hold zeros"
+            assert d.row_weights is not None and not bool(d.row_weights.cpu()[~valid].any())
+            a2a.combine(d.expert_x, d)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("rpn", layouts())
 @pytest.mark.parametrize(
     ("dispatch_dtype", "combine_dtype", "padding"),
     [("bf16", "bf16", 1), ("fp8", "bf16", 4), ("fp32", "fp32", 3)],
@@ -290,6 +321,37 @@ def test_capacity_error_then_next_call_works() -> None:
 
 
 @pytest.mark.mpi(min_size=1)
+def test_row_tail_arguments_are_checked() -> None:
+    """combine's row_values and values_out are named when wrong; the instance stops on every rank."""
+    a2a = make_a2a(None)
+    cfg = a2a.cfg
+    x = torch.randn(3, cfg.hidden, device=DEVICE).to(torch.bfloat16)
+    ids = torch.arange(3 * cfg.topk, device=DEVICE).reshape(3, cfg.topk) % cfg.num_experts
+    w = torch.rand(3, cfg.topk, device=DEVICE)
+    wrong = torch.zeros(999, device=DEVICE)
+    bad = [
+        ("row_values: got .* expected float32 of shape", dict(row_values=wrong)),
+        (
+            "row_values: got .* expected float32",
+            dict(row_values=torch.zeros(0, dtype=torch.int32, device=DEVICE)),
+        ),
+        ("values_out: got .* expected a contiguous float32 tensor of shape", dict(values_out=wrong)),
+    ]
+    try:
+        for match, kwargs in bad:
+            d = a2a.dispatch(x, ids, w)
+            with pytest.raises(ValueError, match=match):
+                a2a.combine(d.expert_x, d, **kwargs)
+            a2a = a2a.reopen()
+        with pytest.raises(ValueError, match="row_values= belongs to the send half"):
+            a2a.combine(send=False, row_values=wrong)
+        a2a = a2a.reopen()
+        check_round(a2a, make_inputs(4, cfg))
+    finally:
+        a2a.close()
+
+
+@pytest.mark.mpi(min_size=1)
 def test_validation_errors() -> None:
     """Each bad argument is named; the instance then stops on every rank until reopened."""
     a2a = make_a2a(None)
@@ -325,6 +387,21 @@ def test_validation_errors() -> None:
             RuntimeError,
             "latest dispatch|not the latest",
             lambda: a2a.combine(torch.zeros(0, cfg.hidden, device=DEVICE), make_fake_dispatched()),
+        ),
+        (
+            ValueError,
+            "row_weights: got 1; expected True or False",
+            lambda: a2a.dispatch(x, ids, w, row_weights=1),
+        ),
+        (
+            ValueError,
+            "dequantize: got torch.bfloat16 with dispatch_dtype 'bf16'; expected .* dispatch_dtype 'fp8'",
+            lambda: a2a.dispatch(x, ids, w, dequantize=torch.bfloat16),
+        ),
+        (
+            ValueError,
+            "dequantize= belong to the receive half",
+            lambda: a2a.dispatch(x, ids, w, recv=False, dequantize=torch.bfloat16),
         ),
     ]
     if DEVICE == "cpu":

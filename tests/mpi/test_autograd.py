@@ -290,6 +290,22 @@ def test_a_token_may_pick_an_expert_twice(ep: ExpertParallel, case: str, seed: i
     run_both(ep, case, seed + 10, weighted, repeat=True)
 
 
+def test_row_weights_changed_in_place_are_refused(ep: ExpertParallel, case: str, seed: int) -> None:
+    """The weighted combine's backward scales by the handle's row weights, which routed.row_weights
+    shares: a change in place is an error on every rank (each made it), before anything is sent."""
+    pb = problem(seed + 11)
+    x, wt = leaf(pb.xs[RANK]), leaf(pb.weights[RANK])
+    routed = ep.dispatch(x, pb.ids[RANK].to(DEVICE), wt)
+    out = ep.combine(routed.expert_x * 1.0, routed)
+    assert routed.row_weights is not None
+    with torch.no_grad():
+        routed.row_weights.mul_(2.0)
+    with pytest.raises(RuntimeError, match="row_weights was changed in place"):
+        out.float().sum().backward()
+    del out, routed
+    run_both(ep, case, seed + 12, weighted=True)  # the instance goes on as before
+
+
 def test_split_halves_match_whole_calls(ep: ExpertParallel, case: str, seed: int) -> None:
     """dispatch/combine in halves, with other work between them, give the same values and gradients."""
     pb = problem(seed + 7)

@@ -203,7 +203,7 @@ def test_bad_routing_names_the_argument(rpn: int | None, seed: int) -> None:
              lambda a: a.dispatch(rows, routing=d.routing, row_dot=torch.ones(1, HIDDEN, device=DEVICE))),
             (ValueError, "row_scale= needs a call along routing=",
              lambda a: a.dispatch(x, ids, w, row_scale=ones3)),
-            (ValueError, "row_scale=, row_dot= and row_weights= belong to the receive half",
+            (ValueError, "row_scale=, row_dot=, row_weights= and dequantize= belong to the receive half",
              lambda a: a.dispatch(rows, routing=d.routing, recv=False, row_scale=ones3)),
         ]  # fmt: skip
         if DEVICE == "cpu":  # where checking costs no stream synchronisation: a changed row of ours

@@ -60,7 +60,7 @@ cd /tmp || exit 1  # import the installed package, not the source tree
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$ROOT/tests/cuda
 
 if has kernels; then
-  timeout 240 "$PY" -m pytest -q -rs -p no:cacheprovider "$ROOT/tests/cuda/test_kernels.py" "$ROOT/tests/cuda/test_dequant_cuda.py" \
+  timeout 240 "$PY" -m pytest -q -rs -p no:cacheprovider "$ROOT/tests/cuda/test_kernels.py" \
     --junitxml="$OUT/kernels.xml" 2>&1 | tee "$OUT/kernels.log" | tail -25
   note "kernel tests: $(grep -aE "(passed|failed|error)" "$OUT/kernels.log" | tail -1)"
 fi

@@ -54,6 +54,7 @@ class RecvRequest:
     routing_out: torch.Tensor | None = None  # [world, num_experts] int32, the call's matrix
     math: RowMath | None = None
     row_weights: bool = False
+    dequant: torch.dtype | None = None  # fp8 rows delivered dequantised, in this dtype
     launched: bool = False  # the backend launched it with the send half
     out: tuple[Any, ...] = ()  # the backend's buffers, once made
 

@@ -7,6 +7,7 @@ import torch
 
 from moe_a2a import _core
 from moe_a2a.backends.common import CORE_DTYPE, RecvRequest, Setup, apply_row_math, num_scales
+from moe_a2a.reference import dequantize_fp8
 
 
 class CpuBackend:
@@ -74,6 +75,8 @@ class CpuBackend:
         dot = None
         if math is not None:
             expert_x, dot = apply_row_math(expert_x, math)
+        if req.dequant is not None and scale is not None:  # the rows as they were sent, then dequantised
+            expert_x, scale = dequantize_fp8(expert_x, scale).to(req.dequant), None
         counts = torch.tensor(self._impl.tokens_per_expert, dtype=torch.int32)
         return expert_x, scale, counts, dot, weights
 

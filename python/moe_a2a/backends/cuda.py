@@ -132,6 +132,7 @@ class CudaBackend:
         if then_recv is not None:
             self._recv_buffers(then_recv)
         stream = self._stream()
+        dequant_recv = then_recv is not None and then_recv.dequant is not None
         self._impl.dispatch_send(
             x.data_ptr(),
             CORE_DTYPE[x.dtype],
@@ -144,6 +145,7 @@ class CudaBackend:
             routing.data_ptr() if routing is not None else 0,
             in_place,
             weights.data_ptr() if weights is not None else 0,
+            dequant_recv,
         )
         # Until the kernels that read them have run; detached, so no autograd graph
         # (and no routing handle behind it) outlives its step.
@@ -185,9 +187,10 @@ class CudaBackend:
                 "dispatch: routing_out: expected pinned host memory, which the plan kernel writes"
             )
         rows, hidden = self.max_output_rows, self.cfg.hidden
-        expert_x = torch.empty(rows, hidden, dtype=req.dtype, device=self.device)
+        dtype = req.dequant if req.dequant is not None else req.dtype
+        expert_x = torch.empty(rows, hidden, dtype=dtype, device=self.device)
         scale = None
-        if req.dtype == torch.float8_e4m3fn:
+        if dtype == torch.float8_e4m3fn:
             scale = torch.empty(rows, num_scales(hidden), dtype=torch.float32, device=self.device)
         counts = torch.empty(self._local_experts, dtype=torch.int32, device=self.device)
         # The copy kernel skips padding rows (and, graph-safe, rows past the last): theirs are 0.
@@ -214,6 +217,8 @@ class CudaBackend:
             CORE_DTYPE[dot_y.dtype] if dot_y is not None else _core.DType.bf16,
             dot.data_ptr() if dot is not None else 0,
             weights.data_ptr() if weights is not None else 0,
+            req.dequant is not None,
+            CORE_DTYPE[req.dequant] if req.dequant is not None else _core.DType.bf16,
         )
         self._alive = (*self._alive, routing_out, math)
         req.launched = True

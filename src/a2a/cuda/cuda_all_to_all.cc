@@ -421,7 +421,8 @@ int64_t CudaAllToAll::max_output_rows() const {
 
 void CudaAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_scale, const void* topk_ids,
                                  bool ids_64bit, int num_tokens, const int32_t* num_tokens_device,
-                                 cudaStream_t stream, const uint32_t* routing, bool in_place, const float* weights) {
+                                 cudaStream_t stream, const uint32_t* routing, bool in_place, const float* weights,
+                                 bool dequant_recv) {
   watch_.phase = dispatch_phase(epoch_ + 1);
   int same_node_peers = 0;
   for (int r = 0; r < cfg_.world; ++r) same_node_peers += r != cfg_.rank && cfg_.same_node(r);
@@ -455,10 +456,15 @@ void CudaAllToAll::dispatch_send(const void* x, DType x_dtype, const float* x_sc
   p.num_tokens = num_tokens;
   p.num_tokens_ptr = num_tokens_device;
   p.cached = routing != nullptr ? 1 : 0;
-  // In place only where the receive half's copy is a plain copy of x's row.
-  in_place = in_place && x_dtype == cfg_.dispatch_dtype && x_dtype != DType::kFp8;
+  // In place only where the receive half's copy is a plain copy of x's row, or
+  // a dequantising receive of an fp8 call (which quantises the row itself).
+  const bool plain = x_dtype == cfg_.dispatch_dtype && x_dtype != DType::kFp8;
+  const bool round_trip = dequant_recv && cfg_.dispatch_dtype == DType::kFp8 && x_dtype != DType::kFp8;
+  in_place = in_place && (plain || round_trip);
   p.self_in_place = in_place ? 1 : 0;
   self_x_ = in_place ? x : nullptr;
+  self_x_dtype_ = x_dtype;
+  self_needs_dequant_ = in_place && round_trip;
   self_weights_ = in_place ? weights : nullptr;
   check_cuda(launch_dispatch_send(p, stream), "dispatch send");
   const bool captured = capturing(stream);
@@ -508,6 +514,9 @@ DispatchRecvParams CudaAllToAll::recv_params(void* out_x, float* out_scale, int3
   p.self_x = self_x_;
   p.out_weight = out_weight_;
   p.self_weights = self_weights_;
+  p.dequant = dequant_ ? 1 : 0;
+  p.out_dtype = static_cast<int32_t>(out_dtype_);
+  p.self_x_dtype = static_cast<int32_t>(self_x_dtype_);
   p.row_scale = row_math_.scale;
   p.dot_y = row_math_.dot_y;
   p.dot_y_dtype = static_cast<int32_t>(row_math_.dot_y_dtype);
@@ -517,7 +526,14 @@ DispatchRecvParams CudaAllToAll::recv_params(void* out_x, float* out_scale, int3
 
 void CudaAllToAll::dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_per_expert, bool host_wait,
                                  cudaStream_t stream, uint32_t* routing_out, const RowMath* math,
-                                 float* out_weight) {
+                                 float* out_weight, bool dequant, DType out_dtype) {
+  if (dequant && (cfg_.dispatch_dtype != DType::kFp8 || out_dtype == DType::kFp8 || math != nullptr))
+    throw std::invalid_argument("dispatch_recv: dequant: expected fp8 rows, a bf16 or fp32 out_dtype and no math");
+  if (self_needs_dequant_ && !dequant)
+    throw std::logic_error("dispatch_recv: the send half left our copies in place for a dequantising receive "
+                           "(dequant_recv); expected dequant");
+  dequant_ = dequant;
+  out_dtype_ = out_dtype;
   if (!host_wait && (call_routing_ != nullptr || routing_out != nullptr))
     throw std::invalid_argument("dispatch_recv: a cached call and routing_out need host_wait (eager calls)");
   row_math_ = math != nullptr ? *math : RowMath{};

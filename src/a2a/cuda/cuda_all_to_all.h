@@ -72,9 +72,13 @@ class CudaAllToAll {
   // out as `out_weight` ([output rows]); `row_values` ([y_rows] fp32) go back
   // with the combine's rows and come out unreduced as `values_out` ([T,
   // topk]). Null where not wanted (a tail not sent holds zero).
+  // `dequant_recv`: the receive half will dequantise fp8 rows (`dequant`), so
+  // with `in_place` our copies of a bf16 or fp32 x stay there too, and the
+  // receive quantises them as the pack would.
   void dispatch_send(const void* x, DType x_dtype, const float* x_scale, const void* topk_ids, bool ids_64bit,
                      int num_tokens, const int32_t* num_tokens_device, cudaStream_t stream,
-                     const uint32_t* routing = nullptr, bool in_place = false, const float* weights = nullptr);
+                     const uint32_t* routing = nullptr, bool in_place = false, const float* weights = nullptr,
+                     bool dequant_recv = false);
   // `math` (bf16 or fp32 rows): each output row delivered times a per-row
   // scale, and its dot product with a row of another tensor (the weighted
   // combine's backward, in the pass that delivers its rows).
@@ -84,8 +88,11 @@ class CudaAllToAll {
     DType dot_y_dtype = DType::kBf16;
     float* dot_out = nullptr;      // [output rows] fp32, with dot_y
   };
+  // `dequant` (fp8 rows): out_x is [rows, hidden] in `out_dtype` (bf16 or fp32), each row
+  // dequantised; out_scale is unused.
   void dispatch_recv(void* out_x, float* out_scale, int32_t* tokens_per_expert, bool host_wait, cudaStream_t stream,
-                     uint32_t* routing_out = nullptr, const RowMath* math = nullptr, float* out_weight = nullptr);
+                     uint32_t* routing_out = nullptr, const RowMath* math = nullptr, float* out_weight = nullptr,
+                     bool dequant = false, DType out_dtype = DType::kBf16);
   void combine_send(const void* y, DType y_dtype, int64_t y_rows, cudaStream_t stream, bool in_place = false,
                     const float* row_values = nullptr);
   void combine_recv(const float* weights, void* out, bool host_wait, cudaStream_t stream,
@@ -204,6 +211,10 @@ class CudaAllToAll {
   const void* self_y_ = nullptr;
   int64_t self_y_rows_ = 0;
   const float* self_weights_ = nullptr;  // the send half's weights, for our copies read in place
+  DType self_x_dtype_ = DType::kBf16;    // x's, where our copies were left in place
+  bool self_needs_dequant_ = false;      // ... as bf16/fp32 rows of an fp8 call: only a dequantising receive reads them
+  bool dequant_ = false;                 // the current dispatch_recv's
+  DType out_dtype_ = DType::kBf16;
   const float* self_values_ = nullptr;   // the combine send's row_values, for our rows left in place
   float* out_weight_ = nullptr;          // the current dispatch_recv's
   RowMath row_math_;  // the current dispatch_recv's (scale null: none)

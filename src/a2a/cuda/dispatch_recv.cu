@@ -19,6 +19,7 @@
 
 #include "launch.h"
 #include "memory.cuh"
+#include "pack.cuh"
 #include "rows.cuh"
 #include "scan.cuh"
 #include "segments.cuh"
@@ -297,6 +298,9 @@ __device__ __forceinline__ float warp_sum(float v) {
 // pieces in order, then across lanes in a fixed order: the same every run).
 // The weighted combine's backward in the pass that delivers its rows.
 constexpr int kBf16 = static_cast<int>(DType::kBf16);
+// What the copy kernels do to a row: each mode is a kernel of its own, so the
+// plain copy keeps its registers.
+enum RecvMode : int { kRecvCopy = 0, kRecvScaled = 1, kRecvDequant = 2 };
 constexpr int kFp32 = static_cast<int>(DType::kFp32);
 
 // kVec elements as loaded: 16 bytes of bf16 or 32 of fp32.
@@ -417,24 +421,69 @@ __device__ __forceinline__ void copy_row_scaled(const DispatchRecvParams& p, int
   if (lane == 0 && p.dot_out != nullptr) p.dot_out[row] = dot;
 }
 
+// A dequantising receive (fp8 rows, DispatchRecvParams::dequant): one warp
+// stores row `row` as float(q) * scale in out_dtype, as
+// moe_a2a.kernels.dequant does. One of our copies left in place is read from
+// x and quantised first, as the pack would have (the same bits: the block's
+// amax over 16 lanes, then e4m3 of v / scale).
+__device__ __forceinline__ void decode_fp8(const Encoded& q, float scale, float (&v)[kVec]) {
+  const uint32_t w[2] = {q.lo.x, q.lo.y};
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) {
+    const auto code = static_cast<__nv_fp8_storage_t>((w[i / 4] >> (8 * (i % 4))) & 0xffu);
+    v[i] = __fmul_rn(__half2float(__half(__nv_cvt_fp8_to_halfraw(code, __NV_E4M3))), scale);
+  }
+}
+
+__device__ __forceinline__ void dequant_row(const DispatchRecvParams& p, int s, int j, int row, int lane) {
+  const Instance& in = p.inst;
+  const int H = in.hidden, out_bytes = dtype_size(p.out_dtype);
+  const bool from_x = s == in.rank && p.self_x != nullptr;  // warp-uniform
+  const uint8_t* src = row_source(p, s, j, row, lane == 0);
+  if (from_x) {  // row_source strides x by the fp8 payload; x holds bf16 or fp32
+    const int64_t token = p.scratch.self_copy[j] / in.topk;
+    src = static_cast<const uint8_t*>(p.self_x) + token * H * dtype_size(p.self_x_dtype);
+  }
+  if (lane == 0) deliver_weight(p, s, j, row);
+  uint8_t* dst = static_cast<uint8_t*>(p.out_x) + static_cast<int64_t>(row) * H * out_bytes;
+  const int pieces = (H + kVec - 1) / kVec;
+  // Lanes 0-15 and 16-31 of a round each hold one whole fp8 block (rounds start at multiples of 32 pieces).
+  for (int base = 0; base < pieces; base += kWarp) {
+    const int64_t first = static_cast<int64_t>(base + lane) * kVec;
+    const int n = first >= H ? 0 : (H - first < kVec ? static_cast<int>(H - first) : kVec);
+    float v[kVec];
+    if (from_x) {
+      load_piece(src, p.self_x_dtype, first, n, v);  // zeros past the row, as the pack's lanes pass
+      const float scale = block_scale(v);            // every lane: shuffles
+      decode_fp8(encode_fp8(v, scale), scale, v);
+    } else if (n > 0) {
+      const float scale = load_f32(src + in.payload_bytes + (first / kFp8Block) * sizeof(float));
+      decode_fp8(load_fp8_piece(src, first, n), scale, v);
+    }
+    if (n > 0) store_piece(dst + first * out_bytes, out_bytes == 4 ? encode_fp32(v) : encode_bf16(v), out_bytes, n);
+  }
+}
+
 // Chunks a warp takes of each output row: one whole row when weighted (its
-// dot sums in one warp). The host sizes the grid by it too.
+// dot sums in one warp) or dequantised (a block's amax in one warp). The host
+// sizes the grid by it too.
 __host__ __device__ __forceinline__ int recv_row_chunks(const DispatchRecvParams& p) {
-  if (p.row_scale != nullptr) return 1;
+  if (p.row_scale != nullptr || p.dequant) return 1;
   return row_chunks(p.inst.payload_bytes + static_cast<int64_t>(p.inst.num_scales) * sizeof(float));
 }
 
 // Copy (s, j) into output row `row`: the walk's chunk of it, or (weighted) all
 // of it. Weighted receives are kernels of their own, so that the plain copy
 // keeps its registers.
-template <bool kScaled>
+template <int kMode>
 __device__ __forceinline__ void receive_row(const DispatchRecvParams& p, int s, int j, int row, const ChunkWalk& walk) {
-  if constexpr (kScaled) copy_row_scaled(p, s, j, row, walk.lane);
+  if constexpr (kMode == kRecvScaled) copy_row_scaled(p, s, j, row, walk.lane);
+  else if constexpr (kMode == kRecvDequant) dequant_row(p, s, j, row, walk.lane);
   else copy_chunk(p, s, j, row, walk.chunk, walk.lane);
 }
 
 // Copies every received row into the output, from the plan in scratch.
-template <bool kScaled>
+template <int kMode>
 __device__ __forceinline__ void copy_rows(const DispatchRecvParams& p, Segment* segs) {
   const Instance& in = p.inst;
   load_segments(segs, p.scratch.segments, in.num_experts);
@@ -443,7 +492,7 @@ __device__ __forceinline__ void copy_rows(const DispatchRecvParams& p, Segment* 
   for (ChunkWalk walk(recv_row_chunks(p)); walk.row < rows; walk.next()) {
     int s, j;
     if (!locate(segs, in.num_experts, walk.row, &s, &j)) continue;  // padding
-    receive_row<kScaled>(p, s, j, walk.row, walk);
+    receive_row<kMode>(p, s, j, walk.row, walk);
   }
 }
 
@@ -451,7 +500,7 @@ __device__ __forceinline__ void copy_rows(const DispatchRecvParams& p, Segment* 
 // launches this as each slice of a sender's rows lands). Its segments, one
 // per local expert, are in j order; copy j lies in the last one starting at
 // or before it (empty segments start where the next one does).
-template <bool kScaled>
+template <int kMode>
 __device__ __forceinline__ void copy_sender_rows(const DispatchRecvParams& p, Segment* segs) {
   const Instance& in = p.inst;
   const int N = in.world, L = in.local_experts, s = p.sender;
@@ -467,28 +516,28 @@ __device__ __forceinline__ void copy_sender_rows(const DispatchRecvParams& p, Se
       if (segs[mid].first_j <= j) lo = mid;
       else hi = mid;
     }
-    receive_row<kScaled>(p, s, j, segs[lo].out_row + (j - segs[lo].first_j), walk);
+    receive_row<kMode>(p, s, j, segs[lo].out_row + (j - segs[lo].first_j), walk);
   }
 }
 
-template <bool kScaled>
+template <int kMode>
 __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) copy_kernel(DispatchRecvParams p) {
   extern __shared__ Segment segs[];
   kernel_prologue();
-  copy_rows<kScaled>(p, segs);
+  copy_rows<kMode>(p, segs);
 }
 
-template <bool kScaled>
+template <int kMode>
 __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) copy_sender_kernel(DispatchRecvParams p) {
   extern __shared__ Segment segs[];  // the sender's [local experts]
   kernel_prologue();  // the plan, and the copies of earlier senders
-  copy_sender_rows<kScaled>(p, segs);
+  copy_sender_rows<kMode>(p, segs);
 }
 
 // Eager calls: the first block to start plans while the others wait for its
 // word in device scratch, then every block copies.
 static_assert(kCopyThreads == kPlanThreads, "a block of plan_copy_kernel runs the plan");
-template <bool kScaled>
+template <int kMode>
 __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) plan_copy_kernel(DispatchRecvParams p) {
   extern __shared__ int32_t smem[];  // the planner: the plan's matrix; then every block's segment table
   kernel_prologue();  // the routing before us reported its status
@@ -520,7 +569,7 @@ __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) plan_copy_kern
   }
   __syncthreads();
   if (!planned || ld_acquire_gpu(p.scratch.plan_ready) < epoch) return;  // each thread acquires the plan
-  copy_rows<kScaled>(p, reinterpret_cast<Segment*>(smem));
+  copy_rows<kMode>(p, reinterpret_cast<Segment*>(smem));
 }
 
 size_t plan_smem_bytes(const Instance& in) {
@@ -541,7 +590,9 @@ cudaError_t launch_copy_sender(const DispatchRecvParams& p, cudaStream_t stream)
   const int64_t rows = p.sender_end - p.sender_first;
   if (p.sender < 0 || p.sender >= in.world || p.sender_first < 0 || rows <= 0) return cudaErrorInvalidValue;
   const size_t smem = static_cast<size_t>(in.local_experts) * sizeof(Segment);
-  const auto kernel = p.row_scale != nullptr ? copy_sender_kernel<true> : copy_sender_kernel<false>;
+  const auto kernel = p.dequant ? copy_sender_kernel<kRecvDequant>
+                      : p.row_scale != nullptr ? copy_sender_kernel<kRecvScaled>
+                                               : copy_sender_kernel<kRecvCopy>;
   cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   if (err != cudaSuccess) return err;
   const int blocks = persistent_blocks(rows * recv_row_chunks(p), kCopyThreads / kWarp, kCopyBlocksPerSm);
@@ -555,7 +606,9 @@ cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t strea
   const int blocks = persistent_blocks(p.max_output_rows * recv_row_chunks(p), kCopyThreads / kWarp, kCopyBlocksPerSm);
   if (p.fused) {
     const size_t smem = plan_smem > seg_smem ? plan_smem : seg_smem;
-    const auto kernel = p.row_scale != nullptr ? plan_copy_kernel<true> : plan_copy_kernel<false>;
+    const auto kernel = p.dequant ? plan_copy_kernel<kRecvDequant>
+                        : p.row_scale != nullptr ? plan_copy_kernel<kRecvScaled>
+                                                 : plan_copy_kernel<kRecvCopy>;
     cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
     if (err != cudaSuccess) return err;
     return launch_kernel(kernel, blocks, kCopyThreads, smem, stream, p);
@@ -563,7 +616,9 @@ cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t strea
   cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(plan_kernel), plan_smem);
   if (err != cudaSuccess) return err;
   if ((err = launch_kernel(plan_kernel, 1, kPlanThreads, plan_smem, stream, p)) != cudaSuccess) return err;
-  const auto copy = p.row_scale != nullptr ? copy_kernel<true> : copy_kernel<false>;
+  const auto copy = p.dequant ? copy_kernel<kRecvDequant>
+                    : p.row_scale != nullptr ? copy_kernel<kRecvScaled>
+                                             : copy_kernel<kRecvCopy>;
   err = allow_dynamic_smem(reinterpret_cast<const void*>(copy), seg_smem);
   if (err != cudaSuccess) return err;
   return launch_kernel(copy, blocks, kCopyThreads, seg_smem, stream, p);

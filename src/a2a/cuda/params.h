@@ -188,6 +188,13 @@ struct DispatchRecvParams {
   // copies read in place take theirs from the send half's weights.
   float* out_weight = nullptr;          // [max_output_rows]
   const float* self_weights = nullptr;  // [T, topk]
+  // A dequantising receive (fp8 rows): out_x is [max_output_rows, hidden] in
+  // out_dtype (bf16 or fp32), each row float(q) * its block's scale; out_scale
+  // is unused. Our copies left in place are read from self_x (in
+  // self_x_dtype) and go through the same quantisation as packed ones.
+  int32_t dequant = 0;
+  int32_t out_dtype = 0;     // DType
+  int32_t self_x_dtype = 0;  // DType of self_x
   // A weighted receive (bf16 or fp32 rows; RowMath): output row r is stored
   // times row_scale[r], and with dot_y, dot_out[r] = <row as received, dot_y[r]>.
   const float* row_scale = nullptr;  // [output rows]

@@ -1,1 +1,0 @@
-"""Small fused kernels of the training path (Triton on CUDA, torch elsewhere)."""
