@@ -137,11 +137,21 @@ void bind_a2a(nb::module_& m) {
       .def("unpack_order", &cpu::CpuAllToAll::unpack_order)
       .def(
           "dispatch_unpack",
-          [](cpu::CpuAllToAll& a, uintptr_t out_x, uintptr_t out_scale, uintptr_t out_weight) {
-            a.dispatch_unpack(ptr<void>(out_x), ptr<float>(out_scale), ptr<float>(out_weight));
+          [](cpu::CpuAllToAll& a, uintptr_t out_x, uintptr_t out_scale, uintptr_t out_weight, uintptr_t row_scale,
+             uintptr_t dot_y, DType dot_y_dtype, uintptr_t dot_out) {
+            cpu::CpuAllToAll::RowMath math;
+            math.scale = ptr<const float>(row_scale);
+            math.dot_y = ptr<const void>(dot_y);
+            math.dot_y_dtype = dot_y_dtype;
+            math.dot_out = ptr<float>(dot_out);
+            a.dispatch_unpack(ptr<void>(out_x), ptr<float>(out_scale), ptr<float>(out_weight),
+                              row_scale != 0 ? &math : nullptr);
           },
-          nb::arg("out_x"), nb::arg("out_scale"), nb::arg("out_weight") = 0, release(),
-          "out_weight: [output rows] fp32, each row's weight from its tail (0: not wanted).")
+          nb::arg("out_x"), nb::arg("out_scale"), nb::arg("out_weight") = 0, nb::arg("row_scale") = 0,
+          nb::arg("dot_y") = 0, nb::arg("dot_y_dtype") = DType::kBf16, nb::arg("dot_out") = 0, release(),
+          "out_weight: [output rows] fp32, each row's weight from its tail (0: not wanted); row_scale ([rows] "
+          "fp32): rows delivered times it; dot_y ([rows, hidden], dot_y_dtype): dot_out[r] = <row r as "
+          "received, dot_y[r]>.")
       .def(
           "combine_send",
           [](cpu::CpuAllToAll& a, uintptr_t y, DType y_dtype, uintptr_t row_values) {

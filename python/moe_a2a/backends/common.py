@@ -60,8 +60,9 @@ class RecvRequest:
 
 
 def apply_row_math(rows: torch.Tensor, math: RowMath) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The torch form of a weighted receive (the CPU's; the CUDA kernel stores the same scaled
-    rows, and sums the same products in another order)."""
+    """The torch form of a weighted receive, which the tests compare with: both backends
+    store the same scaled rows in their receive pass, and sum the same products in another
+    order (the CPU in fp64, rounded once)."""
     f = rows.float()
     dot = (f * math.dot_y.float()).sum(dim=1) if math.dot_y is not None else None
     return (f * math.scale[:, None]).to(rows.dtype), dot

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from moe_a2a import _core
-from moe_a2a.backends.common import CORE_DTYPE, RecvRequest, Setup, apply_row_math, num_scales
+from moe_a2a.backends.common import CORE_DTYPE, RecvRequest, Setup, num_scales
 from moe_a2a.reference import dequantize_fp8
 
 
@@ -67,14 +67,18 @@ class CpuBackend:
         if dtype == torch.float8_e4m3fn:
             scale = torch.empty(rows, num_scales(self.cfg.hidden), dtype=torch.float32)
         weights = torch.empty(rows, dtype=torch.float32) if req.row_weights else None
+        dot_y = math.dot_y if math is not None else None
+        dot = torch.empty(rows, dtype=torch.float32) if dot_y is not None else None
+        # The weighted receive in the pass that copies the rows (backends.common.apply_row_math's values).
         self._impl.dispatch_unpack(
             expert_x.data_ptr(),
             scale.data_ptr() if scale is not None else 0,
             weights.data_ptr() if weights is not None else 0,
+            math.scale.data_ptr() if math is not None else 0,
+            dot_y.data_ptr() if dot_y is not None else 0,
+            CORE_DTYPE[dot_y.dtype] if dot_y is not None else _core.DType.bf16,
+            dot.data_ptr() if dot is not None else 0,
         )
-        dot = None
-        if math is not None:
-            expert_x, dot = apply_row_math(expert_x, math)
         if req.dequant is not None and scale is not None:  # the rows as they were sent, then dequantised
             expert_x, scale = dequantize_fp8(expert_x, scale).to(req.dequant), None
         counts = torch.tensor(self._impl.tokens_per_expert, dtype=torch.int32)

@@ -165,7 +165,11 @@ bool CpuAllToAll::landed(int s) const {
   return peers_.landed[s].get() >= epoch_;
 }
 
-void CpuAllToAll::dispatch_unpack(void* out_x, float* out_scale, float* out_weight) {
+void CpuAllToAll::dispatch_unpack(void* out_x, float* out_scale, float* out_weight, const RowMath* math) {
+  if (math != nullptr && (math->scale == nullptr || cfg_.dispatch_dtype == DType::kFp8 ||
+                          (math->dot_y != nullptr && (math->dot_out == nullptr || math->dot_y_dtype == DType::kFp8))))
+    throw std::invalid_argument("dispatch_unpack: math: expected a scale, bf16 or fp32 rows, and dot_y with dot_out "
+                                "in bf16 or fp32");
   RoutingView view{routing_.data(), cfg_.world, cfg_.num_experts, cfg_.num_local_experts()};
   row_of_copy_.assign(plan_.total_received, 0);
   DispatchRecvParams p;
@@ -177,6 +181,12 @@ void CpuAllToAll::dispatch_unpack(void* out_x, float* out_scale, float* out_weig
   p.out_x = out_x;
   p.out_scale = out_scale;
   p.out_weight = out_weight;
+  if (math != nullptr) {
+    p.row_scale = math->scale;
+    p.dot_y = math->dot_y;
+    p.dot_y_dtype = math->dot_y_dtype;
+    p.dot_out = math->dot_out;
+  }
   p.row_of_copy = row_of_copy_.data();
   p.sender_base = sender_base_.data();
   // Each sender's rows as soon as they are here (the proxy raises landed[s]

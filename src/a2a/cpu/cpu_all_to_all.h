@@ -35,7 +35,15 @@ class CpuAllToAll {
   uint64_t dispatch_wait();
   // Second step: fills the caller's output, each sender's rows as soon as
   // they have landed; `out_weight` ([output rows] or null): each row's weight.
-  void dispatch_unpack(void* out_x, float* out_scale, float* out_weight = nullptr);
+  // `math` (bf16 or fp32 rows, or null): each row stored times a per-row scale,
+  // with its dot product with a row of another tensor (DispatchRecvParams).
+  struct RowMath {
+    const float* scale = nullptr;  // [output rows]
+    const void* dot_y = nullptr;   // [output rows, hidden], or null for no dot
+    DType dot_y_dtype = DType::kBf16;
+    float* dot_out = nullptr;      // [output rows] fp32, with dot_y
+  };
+  void dispatch_unpack(void* out_x, float* out_scale, float* out_weight = nullptr, const RowMath* math = nullptr);
   // `row_values` ([output rows] fp32, or null for zeros) go back in the rows' tails.
   void combine_send(const void* y, DType y_dtype, const float* row_values = nullptr);
   // `values_out` ([T, topk] or null): each copy's returned value, unreduced.

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "convert.h"
 #include "kernels.h"
 
 namespace moe_a2a::a2a::cpu {
@@ -18,6 +19,39 @@ void sender_bases(const RoutingView& v, const RecvPlan& plan, int rank, uint64_t
     }
   }
 }
+
+namespace {
+
+// Row `out_row` from `src` (bf16 or fp32), times its scale, with its dot
+// product: the weighted combine's backward in the pass that delivers the row.
+void scale_row(const DispatchRecvParams& p, const uint8_t* src, uint64_t out_row) {
+  const A2AConfig& c = *p.cfg;
+  const int H = c.hidden;
+  const float w = p.row_scale[out_row];
+  const void* y = p.dot_y != nullptr
+                      ? static_cast<const uint8_t*>(p.dot_y) + out_row * H * dtype_bytes(p.dot_y_dtype)
+                      : nullptr;
+  double dot = 0.0;
+  if (c.dispatch_dtype == DType::kFp32) {
+    const auto* in = reinterpret_cast<const float*>(src);
+    auto* out = static_cast<float*>(p.out_x) + out_row * H;
+    for (int h = 0; h < H; ++h) {
+      if (y != nullptr) dot += static_cast<double>(in[h]) * load_element(y, p.dot_y_dtype, h);
+      out[h] = in[h] * w;
+    }
+  } else {
+    const auto* in = reinterpret_cast<const uint16_t*>(src);
+    auto* out = static_cast<uint16_t*>(p.out_x) + out_row * H;
+    for (int h = 0; h < H; ++h) {
+      const float v = bf16_to_f32(in[h]);
+      if (y != nullptr) dot += static_cast<double>(v) * load_element(y, p.dot_y_dtype, h);
+      out[h] = f32_to_bf16(v * w);
+    }
+  }
+  if (p.dot_out != nullptr) p.dot_out[out_row] = static_cast<float>(dot);
+}
+
+}  // namespace
 
 void unpack_sender(const DispatchRecvParams& p, int s) {
   const A2AConfig& c = *p.cfg;
@@ -42,7 +76,8 @@ void unpack_sender(const DispatchRecvParams& p, int s) {
         src = p.ws.self + l.shared_rows + (plan.shared_off[s] + j - P) * row;
       }
       const uint64_t out_row = base + q;
-      std::memcpy(static_cast<uint8_t*>(p.out_x) + out_row * payload, src, payload);
+      if (p.row_scale != nullptr) scale_row(p, src, out_row);
+      else std::memcpy(static_cast<uint8_t*>(p.out_x) + out_row * payload, src, payload);
       if (scale_bytes > 0) std::memcpy(p.out_scale + out_row * c.num_scales(), src + payload, scale_bytes);
       if (p.out_weight != nullptr) std::memcpy(p.out_weight + out_row, src + l.dispatch_tail, sizeof(float));
       p.row_of_copy[plan.recv_base[s] + j] = static_cast<int64_t>(out_row);
@@ -66,6 +101,7 @@ void zero_padding(const DispatchRecvParams& p) {
     std::memset(static_cast<uint8_t*>(p.out_x) + begin * payload, 0, (end - begin) * payload);
     if (scale_bytes > 0) std::memset(p.out_scale + begin * c.num_scales(), 0, (end - begin) * scale_bytes);
     if (p.out_weight != nullptr) std::fill(p.out_weight + begin, p.out_weight + end, 0.0f);
+    if (p.dot_out != nullptr) std::fill(p.dot_out + begin, p.dot_out + end, 0.0f);
   }
 }
 

@@ -56,6 +56,13 @@ struct DispatchRecvParams {
   void* out_x = nullptr;         // [output_rows, hidden] in dispatch dtype
   float* out_scale = nullptr;    // [output_rows, num_scales] for fp8
   float* out_weight = nullptr;   // [output_rows]: each row's tail, its copy's weight (null: not wanted)
+  // A weighted receive (bf16 or fp32 rows; null: a plain copy): output row r
+  // is stored times row_scale[r] and, with dot_y, dot_out[r] = <row as
+  // received, dot_y[r]> (summed in fp64, rounded once to fp32).
+  const float* row_scale = nullptr;  // [output_rows]
+  const void* dot_y = nullptr;       // [output_rows, hidden] in dot_y_dtype
+  DType dot_y_dtype = DType::kBf16;
+  float* dot_out = nullptr;          // [output_rows]
   int64_t* row_of_copy = nullptr;  // out: [total_received], output row of copy (s, j) at recv_base[s] + j
   const uint64_t* sender_base = nullptr;  // [world][local experts]: output row of sender s's first copy of expert i
 };
