@@ -147,14 +147,7 @@ class _Channel:
         """With `routing`, along it (no routing exchange); `keep_routing` returns this call's.
         `in_place`: `x` stays as it is until dispatch_recv (true of every tensor made here)."""
         self._make_room()
-        if routing is not None:
-            self._pending = self.a2a.dispatch(
-                x, topk_weights=weights, routing=routing, recv=False, in_place=in_place
-            )
-        else:
-            self._pending = self.a2a.dispatch(
-                x, ids, weights, recv=False, keep_routing=keep_routing, in_place=in_place
-            )
+        self._pending = self._dispatch(x, ids, weights, routing, keep_routing, recv=False, in_place=in_place)
         self._closable = closable
 
     def dispatch_whole(
@@ -173,23 +166,34 @@ class _Channel:
         """Both halves in one call, so the receive kernel follows the send's at once; `x` is
         read in place. The arguments are dispatch_send's and dispatch_recv's."""
         self._make_room()
-        if routing is not None:
-            d = self.a2a.dispatch(
-                x,
-                topk_weights=weights,
-                routing=routing,
-                row_scale=row_scale,
-                row_dot=row_dot,
-                row_weights=row_weights,
-                dequantize=dequantize,
-            )
-        else:
-            d = self.a2a.dispatch(
-                x, ids, weights, keep_routing=keep_routing, row_weights=row_weights, dequantize=dequantize
-            )
+        d = self._dispatch(
+            x,
+            ids,
+            weights,
+            routing,
+            keep_routing,
+            row_scale=row_scale,
+            row_dot=row_dot,
+            row_weights=row_weights,
+            dequantize=dequantize,
+        )
         assert isinstance(d, Dispatched)
         self._closable, self._d = closable, d
         return d
+
+    def _dispatch(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        routing: Routing | None,
+        keep_routing: bool,
+        **kwargs: Any,
+    ) -> Any:
+        """AllToAll.dispatch along `routing` (its ids: none given), or of `ids` (`keep_routing`)."""
+        if routing is not None:
+            return self.a2a.dispatch(x, topk_weights=weights, routing=routing, **kwargs)
+        return self.a2a.dispatch(x, ids, weights, keep_routing=keep_routing, **kwargs)
 
     def _make_room(self) -> None:
         """Close a closable dispatch left open; refuse to start one over any other."""
@@ -542,7 +546,7 @@ class ExpertParallel:
     ) -> None:
         self._fwd.combine_send(y.contiguous(), h, weighted, in_place)
 
-    def _forward_combine_recv(self, h: RoutingHandle) -> torch.Tensor:
+    def _forward_combine_recv(self) -> torch.Tensor:
         return self._fwd.combine_recv()
 
     def _backward_combine(
@@ -673,7 +677,7 @@ class _CombineFn(torch.autograd.Function):
     ) -> torch.Tensor:
         if not sent:
             ep._forward_combine_send(y, h, weighted)
-        out = ep._forward_combine_recv(h)
+        out = ep._forward_combine_recv()
         ctx.ep, ctx.handle, ctx.weighted = ep, h, weighted
         ctx.y_dtype = y.dtype
         ctx.save_for_backward(y if weighted else None)
