@@ -10,7 +10,8 @@
 // 2. copy_kernel (persistent, one warp per chunk of an output row): copies
 //    each received row into the expert-major output, splitting payload and
 //    fp8 scales (one stream of 16-byte pieces, 8 loads a lane in flight, when
-//    aligned).
+//    aligned). Our own copies left in x are walked token by token instead,
+//    so a row of x is read from HBM once, not once per copy.
 // Eager calls (the host saw every flag) of a rank alone on its GPU run both
 // in one launch instead, plan_copy_kernel: the plan has nothing to wait for
 // there, so running it beside the pack gains nothing, and a launch costs the
@@ -482,41 +483,81 @@ __device__ __forceinline__ void receive_row(const DispatchRecvParams& p, int s, 
   else copy_chunk(p, s, j, row, walk.chunk, walk.lane);
 }
 
-// Copies every received row into the output, from the plan in scratch.
+// The output row of one sender's copy j: in its segment that holds it, the
+// last one starting at or before j (empty segments start where the next one
+// does). The sender's segments lie `stride` apart in segs, one per local expert.
+__device__ __forceinline__ int sender_output_row(const Segment* segs, int stride, int local_experts, int64_t j) {
+  int lo = 0, hi = local_experts;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (segs[mid * stride].first_j <= j) lo = mid;
+    else hi = mid;
+  }
+  const Segment& g = segs[lo * stride];
+  return g.out_row + static_cast<int>(j - g.first_j);
+}
+
+// Our copies read from x in place are walked in (t, k) order: a token's
+// copies go to consecutive warps at about the same time, so its row of x (or
+// of the output gradient) comes from HBM once and from L2 for the other
+// copies. Walked in output order, the rows of one expert are scattered
+// tokens, and each of x's rows is read once per copy, from HBM.
+// Item n of such a walk: the copy t * topk + k = n, our copy j of it, or false
+// (dropped, another rank's, or outside [j_first, j_end)).
+__device__ __forceinline__ bool self_copy_of(const DispatchRecvParams& p, int n, int64_t j_first, int64_t j_end,
+                                             int64_t* j) {
+  const int slot = p.scratch.slots[n];
+  *j = slot - p.scratch.senders[p.inst.rank].send_off;  // send_off: our first copy's send row
+  return slot >= 0 && *j >= j_first && *j < j_end;
+}
+
+__device__ __forceinline__ int self_walk_items(const DispatchRecvParams& p) {
+  return *p.scratch.num_tokens * p.inst.topk;
+}
+
+// Copies every received row into the output, from the plan in scratch; our
+// copies left in x by token (self_copy_of), the rest in output order.
 template <int kMode>
 __device__ __forceinline__ void copy_rows(const DispatchRecvParams& p, Segment* segs) {
   const Instance& in = p.inst;
   load_segments(segs, p.scratch.segments, in.num_experts);
   __syncthreads();
   const int rows = *p.scratch.output_rows;
-  for (ChunkWalk walk(recv_row_chunks(p)); walk.row < rows; walk.next()) {
-    int s, j;
-    if (!locate(segs, in.num_experts, walk.row, &s, &j)) continue;  // padding
-    receive_row<kMode>(p, s, j, walk.row, walk);
+  const bool by_token = p.self_x != nullptr && rows > 0;  // rows == 0: no plan (a failed wait, over capacity)
+  const int64_t copies = by_token ? p.scratch.senders[in.rank].copies : 0;
+  const int items = by_token ? self_walk_items(p) : 0;
+  // One walk: our copies by token (items 0..items-1), then the output rows of the others.
+  for (ChunkWalk walk(recv_row_chunks(p)); walk.row < items + rows; walk.next()) {
+    int s = in.rank, j, row;
+    if (walk.row < items) {
+      int64_t jj;
+      if (!self_copy_of(p, walk.row, 0, copies, &jj)) continue;
+      j = static_cast<int>(jj);
+      row = sender_output_row(segs + in.rank, in.world, in.local_experts, j);
+    } else {
+      row = walk.row - items;
+      if (!locate(segs, in.num_experts, row, &s, &j)) continue;  // padding
+      if (by_token && s == in.rank) continue;
+    }
+    receive_row<kMode>(p, s, j, row, walk);
   }
 }
 
 // Copies sender p.sender's copies [sender_first, sender_end) only (the host
 // launches this as each slice of a sender's rows lands). Its segments, one
-// per local expert, are in j order; copy j lies in the last one starting at
-// or before it (empty segments start where the next one does).
+// per local expert, are in j order (sender_output_row).
 template <int kMode>
 __device__ __forceinline__ void copy_sender_rows(const DispatchRecvParams& p, Segment* segs) {
   const Instance& in = p.inst;
   const int N = in.world, L = in.local_experts, s = p.sender;
   for (int i = threadIdx.x; i < L; i += blockDim.x) segs[i] = p.scratch.segments[i * N + s];
   __syncthreads();
-  const int first = static_cast<int>(p.sender_first);
-  const int rows = static_cast<int>(p.sender_end - p.sender_first);
-  for (ChunkWalk walk(recv_row_chunks(p)); walk.row < rows; walk.next()) {
-    const int j = first + walk.row;
-    int lo = 0, hi = L;
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (segs[mid].first_j <= j) lo = mid;
-      else hi = mid;
-    }
-    receive_row<kMode>(p, s, j, segs[lo].out_row + (j - segs[lo].first_j), walk);
+  const bool by_token = s == in.rank && p.self_x != nullptr;  // see self_copy_of
+  const int items = by_token ? self_walk_items(p) : static_cast<int>(p.sender_end - p.sender_first);
+  for (ChunkWalk walk(recv_row_chunks(p)); walk.row < items; walk.next()) {
+    int64_t j = p.sender_first + walk.row;
+    if (by_token && !self_copy_of(p, walk.row, p.sender_first, p.sender_end, &j)) continue;
+    receive_row<kMode>(p, s, j, sender_output_row(segs, 1, L, j), walk);
   }
 }
 
