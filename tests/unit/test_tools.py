@@ -1,4 +1,4 @@
-"""tools/gpu/run_cuda_tests.sh and ab_python.sh answer --help and bad arguments, building nothing."""
+"""tools/gpu/run_cuda_tests.sh and ab.sh answer --help and bad arguments, building nothing."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "gpu" / "run_cuda_tests.sh"
-AB = ROOT / "tools" / "gpu" / "ab_python.sh"
+AB = ROOT / "tools" / "gpu" / "ab.sh"
 
 
 def _run(*args: str, out: Path, script: Path = SCRIPT) -> subprocess.CompletedProcess[str]:
@@ -32,15 +32,18 @@ def test_unknown_stage_is_a_usage_error(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
-def test_ab_python_help_and_bad_arguments_make_nothing(tmp_path: Path) -> None:
+def test_ab_help_and_bad_arguments_make_nothing(tmp_path: Path) -> None:
     out = tmp_path / "out"
     done = _run("--help", out=out, script=AB)
     assert done.returncode == 0 and "git archive REV python/moe_a2a" in done.stdout, done.stderr
+    assert "git archive REV | tar" in done.stdout
     done = _run(out=out, script=AB)
-    assert done.returncode == 2 and "usage: ab_python.sh OLD_PACKAGE_DIR" in done.stderr
+    assert done.returncode == 2 and "usage: ab.sh OLD [ROUNDS]" in done.stderr
     done = _run(str(tmp_path), out=out, script=AB)
     assert done.returncode == 2
-    assert f"OLD_PACKAGE_DIR: got '{tmp_path}', which holds no moe_a2a package" in done.stderr
-    done = _run(str(ROOT / "python" / "moe_a2a"), "0", out=out, script=AB)
-    assert done.returncode == 2 and "ROUNDS: got '0'; expected a whole number >= 1" in done.stderr
+    want = f"OLD: got '{tmp_path}', which holds neither a moe_a2a package nor a moe-a2a source tree"
+    assert want in done.stderr
+    for old in (ROOT / "python" / "moe_a2a", ROOT):  # a package, a tree
+        done = _run(str(old), "0", out=out, script=AB)
+        assert done.returncode == 2 and "ROUNDS: got '0'; expected a whole number >= 1" in done.stderr
     assert not out.exists()
