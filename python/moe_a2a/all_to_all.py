@@ -547,10 +547,7 @@ class AllToAll:
             )
         if routing is not None:
             self._check_routing(routing, x, topk_ids)
-            topk_ids = routing.topk_ids
-            if topk_weights is None:
-                topk_weights = routing.topk_weights
-        x, ids, weights, scale = self._validate_dispatch(x, topk_ids, topk_weights, x_scale)
+        x, ids, weights, scale = self._validate_dispatch(x, topk_ids, topk_weights, x_scale, routing)
         if routing is not None and not self._backend.checks_ids:
             self._check_own_row(routing, ids)
         matrix = routing.matrix if routing is not None else None
@@ -812,8 +809,18 @@ class AllToAll:
             raise ValueError(f"dispatch: {name} is on {t.device}; expected {self.device}")
 
     def _validate_dispatch(
-        self, x: Any, topk_ids: Any, topk_weights: Any, x_scale: Any
+        self, x: Any, topk_ids: Any, topk_weights: Any, x_scale: Any, routing: Routing | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x, ids, weights and x_scale as the core takes them. Along `routing` its ids (and its
+        weights, unless others are given) were checked when the routing was made."""
+        x, x_scale = self._validate_x(x, x_scale)
+        shape = (x.shape[0], self.cfg.topk)
+        ids = routing.topk_ids if routing is not None else self._validate_ids(topk_ids, shape)
+        trusted = routing is not None and topk_weights is None
+        weights = routing.topk_weights if trusted else self._validate_weights(topk_weights, shape)
+        return x, ids, weights, x_scale
+
+    def _validate_x(self, x: Any, x_scale: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         cfg = self.cfg
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != cfg.hidden:
             raise ValueError(f"dispatch: x: got {_describe(x)}; expected [T, {cfg.hidden}]")
@@ -841,7 +848,10 @@ class AllToAll:
                 raise ValueError("dispatch: x_scale is only for already-quantised fp8 x")
         else:
             raise ValueError(f"dispatch: x: got dtype {x.dtype}; expected bfloat16, float32 or float8_e4m3fn")
-        shape = (tokens, cfg.topk)
+        return x.contiguous(), x_scale
+
+    def _validate_ids(self, topk_ids: Any, shape: tuple[int, int]) -> torch.Tensor:
+        cfg = self.cfg
         if not isinstance(topk_ids, torch.Tensor) or tuple(topk_ids.shape) != shape:
             raise ValueError(f"dispatch: topk_ids: got {_describe(topk_ids)}; expected shape {shape}")
         if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool or topk_ids.is_complex():
@@ -850,22 +860,24 @@ class AllToAll:
         # On the GPU, reading the ids back would synchronise the stream (about 50 us
         # on an H200, more than the decode step's kernels): the CUDA kernels check
         # the range instead, drop bad copies and raise from the receive half.
-        if tokens > 0 and not self._backend.checks_ids:
+        if shape[0] > 0 and not self._backend.checks_ids:
             low, high = (int(v) for v in torch.aminmax(topk_ids))
             if low < 0 or high >= cfg.num_experts:
                 bad = low if low < 0 else high
                 raise ValueError(
                     f"dispatch: topk_ids: found expert id {bad}; expected ids in [0, {cfg.num_experts})"
                 )
+        ids_dtypes = self._backend.ids_dtypes
+        ids = topk_ids if topk_ids.dtype in ids_dtypes else topk_ids.to(ids_dtypes[-1])
+        return ids.contiguous()
+
+    def _validate_weights(self, topk_weights: Any, shape: tuple[int, int]) -> torch.Tensor:
         if not isinstance(topk_weights, torch.Tensor) or tuple(topk_weights.shape) != shape:
             raise ValueError(f"dispatch: topk_weights: got {_describe(topk_weights)}; expected shape {shape}")
         if not topk_weights.dtype.is_floating_point:
             raise ValueError(f"dispatch: topk_weights: got dtype {topk_weights.dtype}; expected float32")
         self._on_device("topk_weights", topk_weights)
-        ids_dtypes = self._backend.ids_dtypes
-        ids = topk_ids if topk_ids.dtype in ids_dtypes else topk_ids.to(ids_dtypes[-1])
-        weights = topk_weights.to(torch.float32).contiguous()
-        return x.contiguous(), ids.contiguous(), weights, x_scale
+        return topk_weights.to(torch.float32).contiguous()
 
     @_counted("check")
     def check(self) -> None:

@@ -190,9 +190,10 @@ class _Channel:
         keep_routing: bool,
         **kwargs: Any,
     ) -> Any:
-        """AllToAll.dispatch along `routing` (its ids: none given), or of `ids` (`keep_routing`)."""
+        """AllToAll.dispatch along `routing` (its ids and weights, checked when it was made), or of
+        `ids` and `weights` (`keep_routing`)."""
         if routing is not None:
-            return self.a2a.dispatch(x, topk_weights=weights, routing=routing, **kwargs)
+            return self.a2a.dispatch(x, routing=routing, **kwargs)
         return self.a2a.dispatch(x, ids, weights, keep_routing=keep_routing, **kwargs)
 
     def _make_room(self) -> None:
@@ -678,6 +679,10 @@ class _CombineFn(torch.autograd.Function):
         if not sent:
             ep._forward_combine_send(y, h, weighted)
         out = ep._forward_combine_recv()
+        if h.routing is not None and any(ctx.needs_input_grad):
+            # While the GPU runs this layer: the row count the backward's dispatch along the
+            # routing needs, memoised, instead of on the host at the backward's start.
+            h.routing.received_rows(ep.cfg.expert_padding)
         ctx.ep, ctx.handle, ctx.weighted = ep, h, weighted
         ctx.y_dtype = y.dtype
         ctx.save_for_backward(y if weighted else None)
