@@ -436,6 +436,15 @@ __device__ __forceinline__ void decode_fp8(const Encoded& q, float scale, float 
   }
 }
 
+// A piece of one of our rows of x as the pack would quantise it and the
+// receive dequantise it. Every lane of the warp calls it (block_scale shuffles).
+__device__ __forceinline__ void round_trip_fp8(const DispatchRecvParams& p, const uint8_t* x_row, int64_t first, int n,
+                                               float (&v)[kVec]) {
+  load_piece(x_row, p.self_x_dtype, first, n, v);  // zeros past the row, as the pack's lanes pass
+  const float scale = block_scale(v);
+  decode_fp8(encode_fp8(v, scale), scale, v);
+}
+
 __device__ __forceinline__ void dequant_row(const DispatchRecvParams& p, int s, int j, int row, int lane) {
   const Instance& in = p.inst;
   const int H = in.hidden, out_bytes = dtype_size(p.out_dtype);
@@ -454,9 +463,7 @@ __device__ __forceinline__ void dequant_row(const DispatchRecvParams& p, int s, 
     const int n = first >= H ? 0 : (H - first < kVec ? static_cast<int>(H - first) : kVec);
     float v[kVec];
     if (from_x) {
-      load_piece(src, p.self_x_dtype, first, n, v);  // zeros past the row, as the pack's lanes pass
-      const float scale = block_scale(v);            // every lane: shuffles
-      decode_fp8(encode_fp8(v, scale), scale, v);
+      round_trip_fp8(p, src, first, n, v);
     } else if (n > 0) {
       const float scale = load_f32(src + in.payload_bytes + (first / kFp8Block) * sizeof(float));
       decode_fp8(load_fp8_piece(src, first, n), scale, v);
@@ -497,13 +504,16 @@ __device__ __forceinline__ int sender_output_row(const Segment* segs, int stride
   return g.out_row + static_cast<int>(j - g.first_j);
 }
 
-// Our copies read from x in place are walked in (t, k) order: a token's
-// copies go to consecutive warps at about the same time, so its row of x (or
-// of the output gradient) comes from HBM once and from L2 for the other
-// copies. Walked in output order, the rows of one expert are scattered
-// tokens, and each of x's rows is read once per copy, from HBM.
-// Item n of such a walk: the copy t * topk + k = n, our copy j of it, or false
-// (dropped, another rank's, or outside [j_first, j_end)).
+// Our copies read from x in place are walked by token: a token's copies
+// are written together, so its row of x is read from HBM once (walked in
+// output order, the rows of one expert are scattered tokens, and each row of
+// x is read once per copy). A plain or dequantising receive reads (and
+// quantises) each piece of the row once and stores it to every copy's row; a
+// weighted one gives each copy (t, k) a warp of its own (its dot product sums
+// in one warp), consecutive warps taking a token's copies at about the same
+// time, so the row comes from L2 for all but the first.
+// Copy n = t * topk + k: our copy j of it, or false (dropped, another rank's,
+// or outside [j_first, j_end)).
 __device__ __forceinline__ bool self_copy_of(const DispatchRecvParams& p, int n, int64_t j_first, int64_t j_end,
                                              int64_t* j) {
   const int slot = p.scratch.slots[n];
@@ -511,8 +521,116 @@ __device__ __forceinline__ bool self_copy_of(const DispatchRecvParams& p, int n,
   return slot >= 0 && *j >= j_first && *j < j_end;
 }
 
+// Items of the walk of our copies: tokens, or copies when weighted.
+template <int kMode>
 __device__ __forceinline__ int self_walk_items(const DispatchRecvParams& p) {
-  return *p.scratch.num_tokens * p.inst.topk;
+  return *p.scratch.num_tokens * (kMode == kRecvScaled ? p.inst.topk : 1);
+}
+
+// The output rows of one token's copies: lane k (and k + 32) holds copy k's,
+// -1 where that copy is not ours to write here (see self_copy_of).
+struct TokenRows {
+  static constexpr int kPerLane = kMaxTopk / kWarp;
+  int row[kPerLane];
+  // Every lane calls it (a shuffle); k is the same on every lane.
+  __device__ __forceinline__ int of(int k) const {
+    return __shfl_sync(kFullMask, k < kWarp ? row[0] : row[1], k % kWarp);
+  }
+};
+static_assert(TokenRows::kPerLane == 2, "TokenRows::of reads two rows a lane");
+
+// Token t's rows among `segs` (ours, `stride` apart). With `first_chunk`
+// (once per token) each copy's output row is noted for the combine and its
+// weight delivered.
+__device__ __forceinline__ TokenRows token_rows(const DispatchRecvParams& p, const Segment* segs, int stride, int t,
+                                                int64_t j_first, int64_t j_end, bool first_chunk, int lane) {
+  const Instance& in = p.inst;
+  TokenRows r;
+#pragma unroll
+  for (int h = 0; h < TokenRows::kPerLane; ++h) {
+    const int k = lane + h * kWarp;
+    int64_t j;
+    r.row[h] = -1;
+    if (k >= in.topk || !self_copy_of(p, t * in.topk + k, j_first, j_end, &j)) continue;
+    const int row = sender_output_row(segs, stride, in.local_experts, j);
+    r.row[h] = row;
+    if (!first_chunk) continue;
+    p.scratch.self_row[j] = row;
+    if (p.out_weight != nullptr) p.out_weight[row] = p.self_weights != nullptr ? p.self_weights[t * in.topk + k] : 0.0f;
+  }
+  return r;
+}
+
+// A plain receive: chunk `chunk` of token t's row of x, loaded once, stored
+// to each of its copies' rows (x is in the dispatch dtype: no fp8 scales).
+__device__ __forceinline__ void copy_token_chunk(const DispatchRecvParams& p, int t, const TokenRows& r, int chunk,
+                                                 int lane) {
+  const Instance& in = p.inst;
+  const int64_t bytes = in.payload_bytes;
+  const uint8_t* src = static_cast<const uint8_t*>(p.self_x) + t * bytes;
+  uint8_t* out = static_cast<uint8_t*>(p.out_x);
+  if (aligned(src, 16) && aligned(out, 16) && bytes % 16 == 0) {
+    const int64_t size = chunk_bytes(bytes), begin = chunk * size;
+    const int64_t end = begin + size < bytes ? begin + size : bytes;
+    const int left = static_cast<int>((end - begin) / 16) - lane;  // a chunk is at most one round (kCopyChunkBytes)
+    CopyRound v;
+    load_round(v, src + begin, left, lane);
+#pragma unroll 1
+    for (int k = 0; k < in.topk; ++k) {
+      const int row = r.of(k);
+      if (row >= 0) store_round(out + row * bytes + begin, v, left, lane);
+    }
+    return;
+  }
+#pragma unroll 1
+  for (int k = 0; k < in.topk; ++k) {  // unaligned rows (rare): chunk 0 copies each whole row, bytewise
+    const int row = r.of(k);
+    if (chunk == 0 && row >= 0)
+      for (int64_t b = lane; b < bytes; b += kWarp) out[row * bytes + b] = src[b];
+  }
+}
+
+// A dequantising receive: token t's row of x through fp8 and back, once,
+// stored to each of its copies' rows.
+__device__ __forceinline__ void dequant_token(const DispatchRecvParams& p, int t, const TokenRows& r, int lane) {
+  const Instance& in = p.inst;
+  const int H = in.hidden, out_bytes = dtype_size(p.out_dtype);
+  const uint8_t* src = static_cast<const uint8_t*>(p.self_x) + static_cast<int64_t>(t) * H * dtype_size(p.self_x_dtype);
+  uint8_t* out = static_cast<uint8_t*>(p.out_x);
+  const int pieces = (H + kVec - 1) / kVec;
+  for (int base = 0; base < pieces; base += kWarp) {  // as dequant_row's rounds
+    const int64_t first = static_cast<int64_t>(base + lane) * kVec;
+    const int n = first >= H ? 0 : (H - first < kVec ? static_cast<int>(H - first) : kVec);
+    float v[kVec];
+    round_trip_fp8(p, src, first, n, v);
+    const Encoded e = out_bytes == 4 ? encode_fp32(v) : encode_bf16(v);
+#pragma unroll 1
+    for (int k = 0; k < in.topk; ++k) {
+      const int row = r.of(k);
+      if (row >= 0 && n > 0) store_piece(out + (static_cast<int64_t>(row) * H + first) * out_bytes, e, out_bytes, n);
+    }
+  }
+}
+
+// Item `item` of the walk of our copies (self_walk_items) among `segs`:
+// done here for a plain or dequantising receive (false), else the copy's j
+// and output row for receive_row (true; false for a copy not ours to write).
+// Weighted rows take one call site of receive_row, so its registers stay few.
+template <int kMode>
+__device__ __forceinline__ bool walk_self(const DispatchRecvParams& p, const Segment* segs, int stride, int item,
+                                          int64_t j_first, int64_t j_end, const ChunkWalk& walk, int* j, int* row) {
+  if constexpr (kMode == kRecvScaled) {
+    int64_t jj;
+    if (!self_copy_of(p, item, j_first, j_end, &jj)) return false;
+    *j = static_cast<int>(jj);
+    *row = sender_output_row(segs, stride, p.inst.local_experts, jj);
+    return true;
+  } else {
+    const TokenRows rows = token_rows(p, segs, stride, item, j_first, j_end, walk.chunk == 0, walk.lane);
+    if constexpr (kMode == kRecvDequant) dequant_token(p, item, rows, walk.lane);
+    else copy_token_chunk(p, item, rows, walk.chunk, walk.lane);
+    return false;
+  }
 }
 
 // Copies every received row into the output, from the plan in scratch; our
@@ -525,15 +643,12 @@ __device__ __forceinline__ void copy_rows(const DispatchRecvParams& p, Segment* 
   const int rows = *p.scratch.output_rows;
   const bool by_token = p.self_x != nullptr && rows > 0;  // rows == 0: no plan (a failed wait, over capacity)
   const int64_t copies = by_token ? p.scratch.senders[in.rank].copies : 0;
-  const int items = by_token ? self_walk_items(p) : 0;
+  const int items = by_token ? self_walk_items<kMode>(p) : 0;
   // One walk: our copies by token (items 0..items-1), then the output rows of the others.
   for (ChunkWalk walk(recv_row_chunks(p)); walk.row < items + rows; walk.next()) {
     int s = in.rank, j, row;
     if (walk.row < items) {
-      int64_t jj;
-      if (!self_copy_of(p, walk.row, 0, copies, &jj)) continue;
-      j = static_cast<int>(jj);
-      row = sender_output_row(segs + in.rank, in.world, in.local_experts, j);
+      if (!walk_self<kMode>(p, segs + in.rank, in.world, walk.row, 0, copies, walk, &j, &row)) continue;
     } else {
       row = walk.row - items;
       if (!locate(segs, in.num_experts, row, &s, &j)) continue;  // padding
@@ -553,11 +668,15 @@ __device__ __forceinline__ void copy_sender_rows(const DispatchRecvParams& p, Se
   for (int i = threadIdx.x; i < L; i += blockDim.x) segs[i] = p.scratch.segments[i * N + s];
   __syncthreads();
   const bool by_token = s == in.rank && p.self_x != nullptr;  // see self_copy_of
-  const int items = by_token ? self_walk_items(p) : static_cast<int>(p.sender_end - p.sender_first);
+  const int items = by_token ? self_walk_items<kMode>(p) : static_cast<int>(p.sender_end - p.sender_first);
   for (ChunkWalk walk(recv_row_chunks(p)); walk.row < items; walk.next()) {
-    int64_t j = p.sender_first + walk.row;
-    if (by_token && !self_copy_of(p, walk.row, p.sender_first, p.sender_end, &j)) continue;
-    receive_row<kMode>(p, s, j, sender_output_row(segs, 1, L, j), walk);
+    int j = static_cast<int>(p.sender_first) + walk.row, row;
+    if (by_token) {
+      if (!walk_self<kMode>(p, segs, 1, walk.row, p.sender_first, p.sender_end, walk, &j, &row)) continue;
+    } else {
+      row = sender_output_row(segs, 1, L, j);
+    }
+    receive_row<kMode>(p, s, j, row, walk);
   }
 }
 
