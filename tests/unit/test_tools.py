@@ -46,4 +46,7 @@ def test_ab_help_and_bad_arguments_make_nothing(tmp_path: Path) -> None:
     for old in (ROOT / "python" / "moe_a2a", ROOT):  # a package, a tree
         done = _run(str(old), "0", out=out, script=AB)
         assert done.returncode == 2 and "ROUNDS: got '0'; expected a whole number >= 1" in done.stderr
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "NP": "two"}
+    done = subprocess.run(["bash", str(AB), str(ROOT)], capture_output=True, text=True, env=env, timeout=30)
+    assert done.returncode == 2 and "NP: got 'two'; expected a whole number >= 1" in done.stderr
     assert not out.exists()

@@ -12,10 +12,11 @@
 #
 # BENCH is the command (default: `moe-a2a bench a2a --train --device cuda`,
 # 30 iterations after 5), DTYPES the dispatch dtypes (default "bf16 fp8"),
-# ROUNDS how many old/new pairs per dtype (default 2).
+# NP its MPI ranks (default 1), ROUNDS how many old/new pairs per dtype
+# (default 2). Prints the tables' rows.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-case ${1:-} in -h | --help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
+case ${1:-} in -h | --help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 usage="usage: ab.sh OLD [ROUNDS] (OLD: a python/moe_a2a package or a source tree; see --help)"
 [[ $# -ge 1 && $# -le 2 ]] || { echo "ab.sh: $usage" >&2; exit 2; }
 if [[ -f $1/__init__.py && -f $1/autograd.py ]]; then
@@ -29,6 +30,8 @@ fi
 OLD=$(cd "$1" && pwd)
 ROUNDS=${2:-2}
 [[ $ROUNDS =~ ^[1-9][0-9]*$ ]] || { echo "ab.sh: ROUNDS: got '$ROUNDS'; expected a whole number >= 1" >&2; exit 2; }
+NP=${NP:-1}
+[[ $NP =~ ^[1-9][0-9]*$ ]] || { echo "ab.sh: NP: got '$NP'; expected a whole number >= 1" >&2; exit 2; }
 BENCH=${BENCH:-python3 -m moe_a2a bench a2a --train --device cuda --iters 30 --warmup 5 --progress never}
 OUT=${OUT:-$ROOT/out/gpu} "$ROOT/tools/gpu/run_cuda_tests.sh" build | grep -a "^== build" || exit 1
 [[ -d $ROOT/.whl ]] && export PYTHONPATH=/tmp/site
@@ -62,7 +65,8 @@ for dtype in ${DTYPES:-bf16 fp8}; do
       echo "== $dtype $side"
       # BENCH is split into words on purpose.
       # shellcheck disable=SC2086
-      mpirun --allow-run-as-root -n 1 -x PYTHONPATH $BENCH --dispatch-dtype "$dtype" 2>&1 | grep -a "^| f\|^| b\|agreement"
+      mpirun --allow-run-as-root --oversubscribe -n "$NP" -x PYTHONPATH $BENCH --dispatch-dtype "$dtype" 2>&1 |
+        grep -a "^| \|agreement"
     done
   done
 done
