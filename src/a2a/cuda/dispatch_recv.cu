@@ -423,10 +423,11 @@ __device__ __forceinline__ void copy_row_scaled(const DispatchRecvParams& p, int
 }
 
 // A dequantising receive (fp8 rows, DispatchRecvParams::dequant): one warp
-// stores row `row` as float(q) * scale in out_dtype, as
-// moe_a2a.kernels.dequant does. One of our copies left in place is read from
-// x and quantised first, as the pack would have (the same bits: the block's
-// amax over 16 lanes, then e4m3 of v / scale).
+// stores row `row` as float(q) * scale in out_dtype, rounded once. One of
+// our copies left in place is read from x and quantised first, as the pack
+// would have (the same bits: the block's amax over 16 lanes, then e4m3 of
+// v / scale); the walks hand those to dequant_token, which does it once per
+// token, so dequant_row's from_x branch serves no walk today.
 __device__ __forceinline__ void decode_fp8(const Encoded& q, float scale, float (&v)[kVec]) {
   const uint32_t w[2] = {q.lo.x, q.lo.y};
 #pragma unroll
