@@ -8,7 +8,8 @@
 - Commands: in shell code blocks (and backticked `moe-a2a ...` spans) every
   `moe-a2a ...` command, also under `mpirun`/`srun` or as `python -m moe_a2a`,
   parses with the real argparse parser (nothing is run); `python -m MODULE`
-  and `torchrun -m MODULE` name a module that exists; `python FILE.py`,
+  and `torchrun -m MODULE` name a module that exists, and a `moe_a2a` module
+  that declares `add_arguments(parser)` parses its arguments; `python FILE.py`,
   `bash FILE` and `tools/...` commands name a file that exists.
 
 Not checked, and why:
@@ -320,12 +321,23 @@ def _parser() -> argparse.ArgumentParser:
     return cli.build_parser()
 
 
-def _parse_problem(args: list[str]) -> str | None:
-    """Why `moe-a2a ARGS` does not parse (argparse's last line), or None."""
+@functools.cache
+def _module_parser(module: str) -> argparse.ArgumentParser | None:
+    """The parser of a module run with `python -m` that declares `add_arguments(parser)`."""
+    add_arguments = getattr(importlib.import_module(module), "add_arguments", None)
+    if add_arguments is None:
+        return None
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", allow_abbrev=False)
+    add_arguments(parser)
+    return parser
+
+
+def _parse_problem(args: list[str], parser: argparse.ArgumentParser | None = None) -> str | None:
+    """Why ARGS do not parse (argparse's last line), or None; `moe-a2a`'s parser by default."""
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            _parser().parse_args(args)
+            (parser or _parser()).parse_args(args)
     except SystemExit as exc:
         if exc.code in (0, None):
             return None  # --help, --version
@@ -369,7 +381,11 @@ def _command_problem(words: list[str], naming: bool = False) -> str | None:
         if words[1] == "-m" and len(words) > 2:
             if words[2] == "moe_a2a":
                 return _command_problem(["moe-a2a", *words[3:]], naming)
-            return _module_problem(words[2])
+            why = _module_problem(words[2])
+            if why or not words[2].startswith("moe_a2a."):
+                return why
+            parser = _module_parser(words[2])
+            return _parse_problem(words[3:], parser) if parser else None
         if words[1].endswith(".py") and "/" in words[1]:
             return None if (ROOT / words[1]).is_file() else f"script {words[1]} does not exist"
         return None
