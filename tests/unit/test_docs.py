@@ -5,6 +5,7 @@
   `examples/`, `spack/`, `.ci/`) exists (a glob matches something).
 - Links: every relative link target exists, and an anchor into a Markdown file
   names one of its headings (GitHub's slugs).
+- Prose names no commit hash (a results table's stamp column and commands may).
 - Commands: in shell code blocks (and backticked `moe-a2a ...` spans) every
   `moe-a2a ...` command, also under `mpirun`/`srun` or as `python -m moe_a2a`,
   parses with the real argparse parser (nothing is run); `python -m MODULE`
@@ -419,6 +420,23 @@ def test_named_commands_parse(doc: Path) -> None:
     assert not problems, "\n".join(problems)
 
 
+#: A word of 7 to 40 hex digits with a letter and a digit: a commit's hash.
+HASH_RE = re.compile(r"(?<![\w.-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![\w-]|\.\w)")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_doc_id)
+def test_no_commit_hashes_in_prose(doc: Path) -> None:
+    """Docs say what is; a commit belongs only in a results table's stamp or a command."""
+    prose, _ = _blocks(doc)
+    problems = [
+        f"{_rel(doc)}:{number}: names commit {m.group(0)} in prose"
+        for number, line in enumerate(prose, start=1)
+        if not line.lstrip().startswith("|")
+        for m in HASH_RE.finditer(line)
+    ]
+    assert not problems, "\n".join(problems)
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=_doc_id)
 def test_doc_is_short(doc: Path) -> None:
     lines = len(doc.read_text().splitlines())
@@ -432,6 +450,7 @@ def test_the_checks_catch_a_broken_name(tmp_path: Path) -> None:
     doc.write_text(
         "# Probe\n\nSee `tools/no_such_tool.sh` and [a section](other.md#no-such-heading).\n\n"
         "```sh\nmpirun -n 2 moe-a2a bench a2a --no-such-flag\npython -m moe_a2a.no_such_module\n```\n"
+        "\nMeasured on 1d88b1b.\n"
     )
     with pytest.raises(AssertionError, match=r"probe.md:3: names `tools/no_such_tool.sh`, which does not"):
         test_named_paths_exist(doc)
@@ -440,3 +459,5 @@ def test_the_checks_catch_a_broken_name(tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match=r"probe.md:6: .*--no-such-flag.* does not parse") as caught:
         test_named_commands_parse(doc)
     assert "probe.md:7: `python -m moe_a2a.no_such_module` module moe_a2a.no_such_module" in str(caught.value)
+    with pytest.raises(AssertionError, match=r"probe.md:10: names commit 1d88b1b in prose"):
+        test_no_commit_hashes_in_prose(doc)
