@@ -33,8 +33,8 @@ class ImmCounters {
       counts_[imm_key(wire_imm)] += imm_is_piece(wire_imm) ? 1 : per_write_;
     }
     // Every piece wakes the waiters, also one that completes no write: waking
-    // only on whole writes made 1 MiB split writes over tcp take ms instead of
-    // 0.2 ms here (docs/benchmarks.md), for reasons not understood yet.
+    // only on whole writes made 1 MiB split writes over loopback tcp take 2 to
+    // 5 ms instead of 0.2 ms, for reasons not understood yet.
     cv_.notify_all();
   }
 

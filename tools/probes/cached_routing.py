@@ -1,4 +1,4 @@
-"""Probe of issue 15 (run under mpirun; figures in docs/benchmarks.md, "Cached routing").
+"""Probe of cached routing (run under mpirun; figures in docs/benchmarks.md, "Cached routing").
 
   mpirun -n 4 python tools/probes/cached_routing.py --provider tcp --rpn 1 --pairs 300
 

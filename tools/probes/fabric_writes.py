@@ -1,4 +1,4 @@
-"""Probe of issue 16 (run under mpirun -n 2; figures in docs/benchmarks.md, "Slices on the H200").
+"""Probe of the engine's large writes (run under mpirun -n 2; figures in docs/benchmarks.md).
 
   mpirun -n 2 python tools/probes/fabric_writes.py memory --provider shm
   mpirun -n 2 python tools/probes/fabric_writes.py split --provider shm

@@ -1,4 +1,4 @@
-"""Probes of issue 17, items 6 and 7 (run under mpirun; figures in docs/reliability.md).
+"""Probes of idle CPU and many instances (run under mpirun; figures in docs/reliability.md).
 
   mpirun -n 2 python tools/probes/idle_and_instances.py idle --provider shm [--rpn 1] [--open 32] \
       [--device cuda]
