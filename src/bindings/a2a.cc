@@ -113,7 +113,7 @@ void bind_a2a(nb::module_& m) {
       // region and group are None where no peer is remote (no engine).
       .def(
           "__init__",
-          [](cpu::CpuAllToAll* a, Workspace* ws, moe_a2a::fabric::TransferEngine* engine,
+          [](cpu::CpuAllToAll* a, Workspace* ws, moe_a2a::fabric::ProxyEngine* engine,
              std::optional<moe_a2a::fabric::RegionId> region, std::optional<moe_a2a::fabric::GroupId> group,
              const std::vector<int>& remote_peers, const std::vector<int>& pids) {
             new (a) cpu::CpuAllToAll(ws, engine, region.value_or(moe_a2a::fabric::RegionId{}),

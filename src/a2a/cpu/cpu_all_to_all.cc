@@ -9,7 +9,7 @@
 
 namespace moe_a2a::a2a::cpu {
 
-CpuAllToAll::CpuAllToAll(Workspace* workspace, fabric::TransferEngine* engine, fabric::RegionId region,
+CpuAllToAll::CpuAllToAll(Workspace* workspace, fabric::ProxyEngine* engine, fabric::RegionId region,
                          fabric::GroupId group,
                          const std::vector<int>& remote_peers, const std::vector<int>& pids)
     : ws_(workspace), engine_(engine), cfg_(workspace->config()), layout_(workspace->layout()) {

@@ -47,7 +47,7 @@ T* mapped_device_pointer(T* host, const char* what) {
 
 }  // namespace
 
-CudaAllToAll::CudaAllToAll(Workspace* host_workspace, fabric::TransferEngine* engine, fabric::RegionId region,
+CudaAllToAll::CudaAllToAll(Workspace* host_workspace, fabric::ProxyEngine* engine, fabric::RegionId region,
                            fabric::GroupId group, const std::vector<int>& remote_peers,
                            const std::vector<int>& pids)
     : cfg_(host_workspace->config()), layout_(host_workspace->layout()) {
