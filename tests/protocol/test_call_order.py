@@ -73,8 +73,11 @@ def odd_runs_a_second_backward(w: World, seed: int) -> Callable[[Rank], object]:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
-@pytest.mark.parametrize("pattern", [odd_runs_it_cached, odd_runs_it_uncached, odd_runs_a_second_backward],
-                         ids=lambda p: p.__name__)
+@pytest.mark.parametrize(
+    "pattern",
+    [odd_runs_it_cached, odd_runs_it_uncached, odd_runs_a_second_backward],
+    ids=lambda p: p.__name__,
+)
 def test_different_call_sequences_fail_at_once(make_world, layout: tuple[int, int], pattern) -> None:
     w = make_world(layout[0], ranks_per_node=layout[1], max_private_tokens=1)
     mismatched = pattern(w, 10)

@@ -209,11 +209,13 @@ class World:
         """fn(rank) on a thread per rank (all, or `ranks`); each rank's result, or the exception it raised."""
         chosen = list(range(self.size)) if ranks is None else ranks
         out: list[Any] = [None] * self.size
+
         def body(r: int) -> None:
             try:
                 out[r] = fn(self.ranks[r])
             except Exception as exc:  # reported to the caller, rank by rank
                 out[r] = exc
+
         threads = [threading.Thread(target=body, args=(r,), name=f"rank{r}") for r in chosen]
         for t in threads:
             t.start()
