@@ -95,8 +95,6 @@ class Proxy {
   void run();
   // `next_call`: the wait between calls, which may block until arm().
   bool wait_signal(const Seq& seq, uint64_t epoch, bool next_call = false);
-  // Peer r's rows are packed: its own flag, or the whole call's.
-  bool wait_packed(const Seq& peer, const Seq& all, uint64_t epoch);
   // Slice k (slices.h) of peer r's rows is staged: its flag (`slices`, may be
   // null), or the peer's, or the whole call's.
   bool wait_slice_packed(const std::atomic<uint64_t>* slices, const Seq& peer, const Seq& all, int r, uint32_t k,

@@ -97,6 +97,8 @@ void bind_a2a(nb::module_& m) {
       .def_prop_ro("dispatch_row_bytes", &A2AConfig::dispatch_row_bytes)
       .def_prop_ro("combine_row_bytes", &A2AConfig::combine_row_bytes)
       .def_prop_ro("workspace_bytes", [](const A2AConfig& c) { return Layout::of(c).total; })
+      .def_prop_ro("caller_timeout_s", &A2AConfig::caller_timeout_s,
+                   "How long a rank waits for its proxy, and a closed instance's memory stays (the deadline rule).")
       .def("validate", &A2AConfig::validate);
 
   nb::class_<Workspace>(m, "Workspace")
