@@ -100,6 +100,8 @@ void bind_memory_fabric(nb::module_& m) {
           "Delivers the held writes from src (to dst) in order 'posted', 'reversed' or 'shuffled' (by seed) and "
           "stops holding them; returns how many.")
       .def("held", &MemoryFabric::held, nb::arg("src") = -1, nb::arg("dst") = -1)
+      .def("wait_held", &MemoryFabric::wait_held, nb::arg("src"), nb::arg("dst"), nb::arg("count"),
+           nb::arg("timeout_s") = 30.0, release(), "True once count writes from src (to dst; -1: any) are held.")
       .def("fail_writes", &MemoryFabric::fail_writes, nb::arg("src"), nb::arg("dst"), nb::arg("why"),
            "Every later write from src to dst (-1: anyone) fails its sender's engine with `why`.")
       .def("kill", &MemoryFabric::kill, nb::arg("rank"), release(),
@@ -201,9 +203,29 @@ void bind_fabric(nb::module_& m) {
   nb::class_<ProxyEngine>(m, "ProxyEngine")
       .def_prop_ro("rank", &ProxyEngine::rank)
       .def_prop_ro("world", &ProxyEngine::world)
+      .def("write", &ProxyEngine::write, nb::arg("region"), nb::arg("src_offset"), nb::arg("length"),
+           nb::arg("remote"), nb::arg("dst_offset"), nb::arg("tag") = nb::none(), release())
+      .def(
+          "scatter",
+          [](ProxyEngine& e, GroupId group, RegionId region, const std::vector<ScatterItem>& items,
+             std::optional<uint32_t> tag) {
+            nb::gil_scoped_release r;
+            e.scatter(group, region, items.data(), items.size(), tag);
+          },
+          nb::arg("group"), nb::arg("region"), nb::arg("items"), nb::arg("tag") = nb::none())
+      .def(
+          "barrier", [](ProxyEngine& e, GroupId group, uint32_t tag, double timeout_s) { e.barrier(group, tag, timeout_s); },
+          nb::arg("group"), nb::arg("tag"), nb::arg("timeout_s"), release())
+      .def(
+          "wait_imm",
+          [](ProxyEngine& e, uint32_t tag, int peer, uint64_t count, double timeout_s) {
+            e.wait_imm(tag, peer, count, timeout_s);
+          },
+          nb::arg("tag"), nb::arg("peer"), nb::arg("count"), nb::arg("timeout_s"), release())
+      .def("imm_count", &ProxyEngine::imm_count, nb::arg("tag"), nb::arg("peer"))
+      .def("wait_tx", &ProxyEngine::wait_tx, nb::arg("timeout_s"), release())
       .def_prop_ro("tx_submitted", &ProxyEngine::tx_submitted)
       .def_prop_ro("tx_completed", &ProxyEngine::tx_completed)
-      .def("imm_count", &ProxyEngine::imm_count, nb::arg("tag"), nb::arg("peer"))
       .def_prop_ro("error", &ProxyEngine::error);
 
   nb::class_<TransferEngine, ProxyEngine>(m, "TransferEngine")
@@ -247,30 +269,9 @@ void bind_fabric(nb::module_& m) {
           nb::arg("peer"), nb::arg("descriptor"))
       .def("create_group", &TransferEngine::create_group, nb::arg("peers"), nb::arg("remote_regions"))
       .def("release", &TransferEngine::release, nb::arg("region"), nb::arg("group").none())
-      .def("write", &TransferEngine::write, nb::arg("region"), nb::arg("src_offset"), nb::arg("length"),
-           nb::arg("remote"), nb::arg("dst_offset"), nb::arg("tag") = nb::none(), release())
-      .def(
-          "scatter",
-          [](TransferEngine& e, GroupId group, RegionId region, const std::vector<ScatterItem>& items,
-             std::optional<uint32_t> tag) {
-            nb::gil_scoped_release r;
-            e.scatter(group, region, items.data(), items.size(), tag);
-          },
-          nb::arg("group"), nb::arg("region"), nb::arg("items"), nb::arg("tag") = nb::none())
-      .def(
-          "barrier", [](TransferEngine& e, GroupId group, uint32_t tag, double timeout_s) { e.barrier(group, tag, timeout_s); },
-          nb::arg("group"), nb::arg("tag"), nb::arg("timeout_s"), release())
-      .def(
-          "wait_imm",
-          [](TransferEngine& e, uint32_t tag, int peer, uint64_t count, double timeout_s) {
-            e.wait_imm(tag, peer, count, timeout_s);
-          },
-          nb::arg("tag"), nb::arg("peer"), nb::arg("count"),
-           nb::arg("timeout_s"), release())
       .def("arrivals", &TransferEngine::arrivals, nb::arg("nic"), "Immediates that arrived on NIC `nic` (debug).")
       .def_prop_ro("hot_path_allocations", &TransferEngine::hot_path_allocations,
-                   "Times a queue of the write path grew (a heap allocation); 0 once the groups are registered.")
-      .def("wait_tx", &TransferEngine::wait_tx, nb::arg("timeout_s"), release());
+                   "Times a queue of the write path grew (a heap allocation); 0 once the groups are registered.");
 
   bind_memory_fabric(m);
 }

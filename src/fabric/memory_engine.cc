@@ -296,6 +296,7 @@ void MemoryFabric::submit(const Pending& p) {
     }
   if (holds(p.src, p.dst)) {
     held_.push_back(p);
+    cv_.notify_all();
     return;
   }
   deliver(p);
@@ -335,10 +336,19 @@ size_t MemoryFabric::release(int src, int dst, Delivery order, uint64_t seed) {
   return out.size();
 }
 
-size_t MemoryFabric::held(int src, int dst) const {
-  std::lock_guard<std::mutex> lock(mu_);
+size_t MemoryFabric::count_held(int src, int dst) const {
   return std::count_if(held_.begin(), held_.end(),
                        [&](const Pending& p) { return matches(src, p.src) && matches(dst, p.dst); });
+}
+
+size_t MemoryFabric::held(int src, int dst) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return count_held(src, dst);
+}
+
+bool MemoryFabric::wait_held(int src, int dst, size_t count, double timeout_s) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return cv_.wait_for(lock, to_ns(timeout_s), [&] { return count_held(src, dst) >= count; });
 }
 
 void MemoryFabric::fail_writes(int src, int dst, const std::string& why) {

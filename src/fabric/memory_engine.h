@@ -141,6 +141,10 @@ class MemoryFabric {
   size_t release(int src, int dst = -1, Delivery order = Delivery::kPosted, uint64_t seed = 0);
   // Writes held now from `src` to `dst` (-1: any).
   size_t held(int src = -1, int dst = -1) const;
+  // Blocks until `count` writes from `src` to `dst` (-1: any) are held; false
+  // after `timeout_s`. A test that knows how many writes a call posts knows
+  // then that the whole call is held.
+  bool wait_held(int src, int dst, size_t count, double timeout_s);
   // Every later write from `src` to `dst` (-1: any) fails: the sender's
   // engine fails with `why`, and nothing is delivered.
   void fail_writes(int src, int dst, const std::string& why);
@@ -175,6 +179,7 @@ class MemoryFabric {
   void deliver(const Pending& p);
   void fail(int rank, const std::string& why);
   bool holds(int src, int dst) const;
+  size_t count_held(int src, int dst) const;
   bool live(int rank, RegionId region) const;
 
   std::vector<std::unique_ptr<MemoryEngine>> engines_;

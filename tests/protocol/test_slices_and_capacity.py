@@ -31,7 +31,9 @@ def slices(rows: int, row_bytes: int, slice_bytes: int) -> int:
     return math.ceil(rows / per)
 
 
-def expected_writes(w: World, rank: int, ids: list[torch.Tensor], slice_bytes: int) -> int:
+def expected_writes(
+    w: World, rank: int, ids: list[torch.Tensor], slice_bytes: int, combine: bool = True
+) -> int:
     """Writes `rank` posts in one uncached call within capacity: to each remote peer a routing row,
     its dispatch slices (private part, overflow), then its combine slices (one, empty, where it
     sent us nothing)."""
@@ -45,7 +47,7 @@ def expected_writes(w: World, rank: int, ids: list[torch.Tensor], slice_bytes: i
         n += 1
         n += slices(min(to, P), core.dispatch_row_bytes, slice_bytes)
         n += slices(max(to - P, 0), core.dispatch_row_bytes, slice_bytes)
-        n += max(slices(back, core.combine_row_bytes, slice_bytes), 1)
+        n += max(slices(back, core.combine_row_bytes, slice_bytes), 1) if combine else 0
     return n
 
 
@@ -89,16 +91,26 @@ def dispatch_slices_from(w: World, src: int) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("order", ["reversed", "shuffled"])
 @pytest.mark.parametrize(("size", "rpn"), [(2, 1), (3, 1), (4, 2)])
+@pytest.mark.parametrize(
+    ("dispatch_dtype", "private"),
+    [("bf16", 4), ("fp8", 0), ("bf16", 2)],  # 0: every row through the shared section; 2: both sections
+)
 def test_a_late_peers_slices_landing_out_of_order_are_exact(
-    make_world, size: int, rpn: int, order: str
+    make_world, size: int, rpn: int, order: str, dispatch_dtype: str, private: int
 ) -> None:
     """Rank 0's writes are held until every remote receiver waits for them, then land last-first
-    (or shuffled): receivers take each slice by its own tag, whatever the order."""
-    w = make_world(size, ranks_per_node=rpn, slice_bytes=1024, max_private_tokens=4)
+    (or shuffled): receivers take each slice by its own tag, whatever the order, private part
+    and overflow alike."""
+    w = make_world(
+        size, ranks_per_node=rpn, slice_bytes=1024, max_private_tokens=private, dispatch_dtype=dispatch_dtype
+    )
     for it in range(2):
         inp = make_inputs(800 + it, w.cfg, size, tokens=[w.cfg.max_tokens] * size)
         w.fabric.hold(0)
         running = w.start(lambda r, inp=inp: r.round(inp))
+        # Its routing rows and every dispatch slice: what it posts before it needs its peers' rows.
+        dispatch = expected_writes(w, 0, inp.ids, 1024, combine=False)
+        assert w.fabric.wait_held(0, -1, dispatch, 10.0), f"rank 0 posted {w.fabric.held(0)} of {dispatch}"
         for r in w.remote_peers(0):
             assert w.fabric.wait_blocked(r, 0, 10.0), f"rank {r} never waited for rank 0"
         landed = len(dispatch_slices_from(w, 0))
