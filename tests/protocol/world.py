@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from moe_a2a import _core
-from moe_a2a.all_to_all import Config
+from moe_a2a import Config, _core
 from moe_a2a.backends.common import CORE_DTYPE, num_scales
 from moe_a2a.reference import combine_reference, dispatch_reference
 
