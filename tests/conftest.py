@@ -1,6 +1,7 @@
 """Shared test infrastructure: fabric fixtures and the rules that keep MPI runs from hanging.
 
-Unit tests (tests/unit) run with plain `python -m pytest tests/unit`. MPI tests
+Unit tests (tests/unit) and the in-process protocol tests (tests/protocol) run with
+plain `python -m pytest tests/unit tests/protocol`; tests/jobs start jobs of their own. MPI tests
 (tests/mpi) run under `mpirun -n N python -m pytest --with-mpi -q tests/mpi`.
 
 Under MPI with more than one rank:
@@ -49,7 +50,7 @@ from typing import Any
 import pytest
 
 # Tests check fabric errors as exceptions; under mpirun the library would end the
-# job on one instead (abort_on_error). tests/unit/test_abort_on_error.py turns it back on.
+# job on one instead (abort_on_error). tests/jobs/test_abort_on_error.py turns it back on.
 os.environ.setdefault("MOE_A2A_ABORT_ON_ERROR", "0")
 
 _seed: int | None = None  # the job's seed, fixed in pytest_configure

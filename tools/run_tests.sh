@@ -23,8 +23,14 @@ step "TorchTitan imports (the training tests' reference)"
 python -c "import torchtitan.models.common.token_dispatcher, triton; print('torchtitan and triton', triton.__version__)" \
   || fail "TorchTitan does not import"
 
-step "unit tests"
-python -m pytest -q -rs -p no:cacheprovider tests/unit --junitxml="$LOGS/unit.xml" || fail "unit tests"
+# One process each: unit tests, and the protocol's N ranks as threads on the in-memory fabric.
+step "unit tests and the protocol in one process"
+python -m pytest -q -rs -p no:cacheprovider tests/unit tests/protocol --junitxml="$LOGS/unit.xml" \
+  || fail "unit tests and the protocol in one process"
+
+# Each test starts a job of its own (mpirun or torchrun) and checks how it ends.
+step "job tests (each its own mpirun or torchrun job)"
+python -m pytest -q -rs -p no:cacheprovider tests/jobs --junitxml="$LOGS/jobs.xml" || fail "job tests"
 
 # Emulated hosts in network namespaces (tools/testbed.py); they skip, saying why, where namespaces are not allowed.
 step "testbed tests (ranks on emulated hosts, two NICs each)"

@@ -965,7 +965,7 @@ class AllToAll:
         setup.engine = None
         if self._lease is not None:
             # Unsettled, a peer's call may still write here: for as long as its waits can last.
-            retire_s = 0.0 if settled else 2 * self.cfg.timeout_s + 1
+            retire_s = 0.0 if settled else self._core_cfg.caller_timeout_s
             self._lease.close(setup.region, setup.group, setup.workspace, retire_s)
         setup.workspace = None
 

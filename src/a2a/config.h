@@ -54,6 +54,12 @@ struct A2AConfig {
   // (slices.h), at most 16 per part; 0: one write per part.
   uint64_t slice_bytes = 0;
 
+  // The one deadline rule: how long the compute side (a host wait, a kernel)
+  // waits for its proxy. The proxy's own waits last up to timeout_s each, and
+  // it must time out first, to report which peer is late. A closed instance's
+  // memory stays as long: peers' calls may still write to it.
+  double caller_timeout_s() const { return 2.0 * timeout_s + 1.0; }
+
   int num_local_experts() const { return num_experts / world; }
   int node_of(int r) const { return r / ranks_per_node; }
   bool same_node(int r) const { return node_of(r) == node_of(rank); }

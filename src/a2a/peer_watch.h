@@ -16,7 +16,7 @@
 
 #include "config.h"
 #include "errors.h"
-#include "fabric/engine.h"
+#include "fabric/proxy_engine.h"
 #include "fabric/error.h"
 #include "layout.h"
 #include "signals.h"
@@ -37,7 +37,7 @@ struct PeerWatch {
   A2AConfig cfg;
   Layout layout;
   uint8_t* workspace = nullptr;
-  fabric::TransferEngine* engine = nullptr;  // null when no peer is remote
+  fabric::ProxyEngine* engine = nullptr;  // null when no peer is remote
   std::vector<int> remote_peers;
   std::vector<int> pids;  // index = rank: its pid where it runs on this host, else 0
   // Abort arrivals already counted when we started (a failed instance that
@@ -48,7 +48,7 @@ struct PeerWatch {
   uint64_t phase = 0;  // the phase our waits are in (its owner sets it as each phase starts)
 
   PeerWatch() = default;
-  PeerWatch(const A2AConfig& c, const Layout& l, uint8_t* ws, fabric::TransferEngine* e, std::vector<int> remotes,
+  PeerWatch(const A2AConfig& c, const Layout& l, uint8_t* ws, fabric::ProxyEngine* e, std::vector<int> remotes,
             std::vector<int> peer_pids)
       : cfg(c), layout(l), workspace(ws), engine(e), remote_peers(std::move(remotes)), pids(std::move(peer_pids)) {
     for (int s : remote_peers) seen_aborts.push_back(engine->imm_count(abort_tag(), s));

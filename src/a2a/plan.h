@@ -104,11 +104,30 @@ inline RecvPlan make_recv_plan(const RoutingView& v, int rank, uint64_t private_
 // Whether some rank would receive more than max_recv_tokens copies: a cached
 // call knows it from its matrix when it starts, before any peer's stamp about
 // it can arrive (the proxy and the kernels find the same).
-inline bool over_capacity(const A2AConfig& c, const uint32_t* routing) {
+// The rank that would receive the most copies past max_recv_tokens, and how
+// many (rank -1: no rank is over).
+struct Overflow {
+  int rank = -1;
+  uint64_t copies = 0;
+};
+inline Overflow worst_overflow(const A2AConfig& c, const uint32_t* routing) {
   RoutingView v{routing, c.world, c.num_experts, c.num_local_experts()};
+  Overflow worst;
   for (int r = 0; r < c.world; ++r)
-    if (v.received(r) > static_cast<uint64_t>(c.max_recv_tokens)) return true;
-  return false;
+    if (v.received(r) > static_cast<uint64_t>(c.max_recv_tokens) && v.received(r) > worst.copies)
+      worst = {r, v.received(r)};
+  return worst;
+}
+inline bool over_capacity(const A2AConfig& c, const uint32_t* routing) { return worst_overflow(c, routing).rank >= 0; }
+
+// What every rank's CapacityError says of an over-capacity call; `o` from
+// worst_overflow, or {} where the host does not know the matrix (CUDA within one node).
+inline std::string capacity_message(const A2AConfig& c, const Overflow& o = {}) {
+  const std::string over = o.rank < 0 ? "more token copies to some rank than"
+                                      : std::to_string(o.copies) + " token copies to rank " +
+                                            std::to_string(o.rank) + ", more than";
+  return "dispatch would deliver " + over + " max_recv_tokens=" + std::to_string(c.max_recv_tokens) +
+         "; raise max_recv_tokens in Config (nothing was delivered; the next call can proceed)";
 }
 
 // Appended to a timeout waiting for a routing row: a peer running the call

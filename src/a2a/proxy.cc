@@ -249,10 +249,6 @@ void Proxy::step(uint64_t epoch) {
   combine(epoch);
 }
 
-bool Proxy::wait_packed(const Seq& peer, const Seq& all, uint64_t epoch) {
-  return wait_slice_packed(nullptr, peer, all, 0, 0, epoch);
-}
-
 bool Proxy::wait_slice_packed(const std::atomic<uint64_t>* slices, const Seq& peer, const Seq& all, int r,
                               uint32_t k, uint64_t epoch) {
   const std::atomic<uint64_t>* slice =
@@ -372,22 +368,11 @@ bool Proxy::take_routes(uint64_t epoch) {
     routing_.assign(live, live + static_cast<size_t>(c.world) * c.num_experts);
   }
   at_.routed = true;
-  RoutingView view{routing_.data(), c.world, c.num_experts, c.num_local_experts()};
-  int worst_rank = -1;
-  uint64_t worst = 0;
-  for (int r = 0; r < c.world; ++r) {
-    uint64_t n = view.received(r);
-    if (n > static_cast<uint64_t>(c.max_recv_tokens) && n > worst) {
-      worst = n;
-      worst_rank = r;
-    }
-  }
-  if (worst_rank < 0) return true;
+  const Overflow worst = worst_overflow(c, routing_.data());
+  if (worst.rank < 0) return true;
   at_.overflow = true;
   std::lock_guard<std::mutex> lock(mu_);
-  overflow_ = "dispatch would deliver " + std::to_string(worst) + " token copies to rank " +
-              std::to_string(worst_rank) + ", more than max_recv_tokens=" + std::to_string(c.max_recv_tokens) +
-              "; raise max_recv_tokens in Config (nothing was delivered; the next call can proceed)";
+  overflow_ = capacity_message(c, worst);
   return false;
 }
 

@@ -14,7 +14,7 @@
 
 #include "call_stamps.h"
 #include "config.h"
-#include "fabric/engine.h"
+#include "fabric/proxy_engine.h"
 #include "layout.h"
 #include "peer_watch.h"
 #include "signals.h"
@@ -26,7 +26,7 @@ namespace moe_a2a::a2a {
 struct ProxyContext {
   A2AConfig config;
   Layout layout;
-  fabric::TransferEngine* engine = nullptr;  // null when no peer is remote
+  fabric::ProxyEngine* engine = nullptr;  // null when no peer is remote
   fabric::RegionId region;  // our workspace, registered with the engine
   fabric::GroupId group;    // every remote peer, bound to its workspace
   uint8_t* workspace = nullptr;
@@ -47,7 +47,7 @@ struct ProxyContext {
 
 // The context of a rank's proxy: its workspace (and the node's mappings), the
 // engine with our registered workspace region and the group of remote peers.
-inline ProxyContext proxy_context(const Workspace& ws, fabric::TransferEngine* engine, fabric::RegionId region,
+inline ProxyContext proxy_context(const Workspace& ws, fabric::ProxyEngine* engine, fabric::RegionId region,
                                   fabric::GroupId group, const std::vector<int>& remote_peers, ProxySignals* signals,
                                   PeerSignals peers, const std::vector<int>& pids = {}) {
   ProxyContext ctx;
@@ -95,8 +95,6 @@ class Proxy {
   void run();
   // `next_call`: the wait between calls, which may block until arm().
   bool wait_signal(const Seq& seq, uint64_t epoch, bool next_call = false);
-  // Peer r's rows are packed: its own flag, or the whole call's.
-  bool wait_packed(const Seq& peer, const Seq& all, uint64_t epoch);
   // Slice k (slices.h) of peer r's rows is staged: its flag (`slices`, may be
   // null), or the peer's, or the whole call's.
   bool wait_slice_packed(const std::atomic<uint64_t>* slices, const Seq& peer, const Seq& all, int r, uint32_t k,

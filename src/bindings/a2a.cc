@@ -97,6 +97,8 @@ void bind_a2a(nb::module_& m) {
       .def_prop_ro("dispatch_row_bytes", &A2AConfig::dispatch_row_bytes)
       .def_prop_ro("combine_row_bytes", &A2AConfig::combine_row_bytes)
       .def_prop_ro("workspace_bytes", [](const A2AConfig& c) { return Layout::of(c).total; })
+      .def_prop_ro("caller_timeout_s", &A2AConfig::caller_timeout_s,
+                   "How long a rank waits for its proxy, and a closed instance's memory stays (the deadline rule).")
       .def("validate", &A2AConfig::validate);
 
   nb::class_<Workspace>(m, "Workspace")
@@ -113,7 +115,7 @@ void bind_a2a(nb::module_& m) {
       // region and group are None where no peer is remote (no engine).
       .def(
           "__init__",
-          [](cpu::CpuAllToAll* a, Workspace* ws, moe_a2a::fabric::TransferEngine* engine,
+          [](cpu::CpuAllToAll* a, Workspace* ws, moe_a2a::fabric::ProxyEngine* engine,
              std::optional<moe_a2a::fabric::RegionId> region, std::optional<moe_a2a::fabric::GroupId> group,
              const std::vector<int>& remote_peers, const std::vector<int>& pids) {
             new (a) cpu::CpuAllToAll(ws, engine, region.value_or(moe_a2a::fabric::RegionId{}),

@@ -63,7 +63,7 @@ void bind_cuda(nb::module_& m) {
       // region and group are None where no peer is remote (no engine).
       .def(
           "__init__",
-          [](CudaAllToAll* a, Workspace* ws, moe_a2a::fabric::TransferEngine* engine,
+          [](CudaAllToAll* a, Workspace* ws, moe_a2a::fabric::ProxyEngine* engine,
              std::optional<moe_a2a::fabric::RegionId> region, std::optional<moe_a2a::fabric::GroupId> group,
              const std::vector<int>& remote_peers, const std::vector<int>& pids) {
             new (a) CudaAllToAll(ws, engine, region.value_or(moe_a2a::fabric::RegionId{}),

@@ -10,6 +10,7 @@
 #include "../fabric/engine.h"
 #include "../fabric/error.h"
 #include "../fabric/imm.h"
+#include "../fabric/memory_engine.h"
 #include "../fabric/sharding.h"
 #include "../fabric/wire.h"
 
@@ -51,6 +52,13 @@ nb::dict capabilities_dict(const Capabilities& c) {
   return d;
 }
 
+Delivery delivery(const std::string& order) {
+  if (order == "posted") return Delivery::kPosted;
+  if (order == "reversed") return Delivery::kReversed;
+  if (order == "shuffled") return Delivery::kShuffled;
+  throw FabricError("release: order: got '" + order + "'; expected 'posted', 'reversed' or 'shuffled'");
+}
+
 MemoryKind memory_kind(const std::string& kind) {
   if (kind == "host") return MemoryKind::kHost;
   if (kind == "cuda") return MemoryKind::kCuda;
@@ -58,6 +66,55 @@ MemoryKind memory_kind(const std::string& kind) {
 }
 
 }  // namespace
+
+// The in-memory fabric (memory_engine.h): every rank of a world in this
+// process, for the protocol tests in tests/protocol.
+void bind_memory_fabric(nb::module_& m) {
+  using release = nb::call_guard<nb::gil_scoped_release>;
+  nb::class_<MemoryEngine, ProxyEngine>(m, "MemoryEngine")
+      .def(
+          "register_region",
+          [](MemoryEngine& e, uintptr_t ptr, uint64_t length) {
+            return e.register_region(reinterpret_cast<void*>(ptr), length);
+          },
+          nb::arg("ptr"), nb::arg("length"))
+      .def("add_remote_region", &MemoryEngine::add_remote_region, nb::arg("peer"), nb::arg("peer_region"),
+           "Peer's region, by the Region its own engine returned.")
+      .def("create_group", &MemoryEngine::create_group, nb::arg("peers"), nb::arg("remote_regions"))
+      .def("release", &MemoryEngine::release, nb::arg("region"), nb::arg("group").none());
+
+  nb::class_<MemoryFabric>(m, "MemoryFabric", "Every rank of a world in this process; writes delivered in memory.")
+      .def(nb::init<int>(), nb::arg("world"))
+      .def_prop_ro("world", &MemoryFabric::world)
+      .def("engine", &MemoryFabric::engine, nb::arg("rank"), nb::rv_policy::reference_internal)
+      .def("hold", &MemoryFabric::hold, nb::arg("src"), nb::arg("dst") = -1,
+           "Writes from src (to dst; -1: anyone) are held from now on.")
+      .def(
+          "release",
+          [](MemoryFabric& f, int src, int dst, const std::string& order, uint64_t seed) {
+            Delivery d = delivery(order);
+            nb::gil_scoped_release r;
+            return f.release(src, dst, d, seed);
+          },
+          nb::arg("src"), nb::arg("dst") = -1, nb::arg("order") = "posted", nb::arg("seed") = 0,
+          "Delivers the held writes from src (to dst) in order 'posted', 'reversed' or 'shuffled' (by seed) and "
+          "stops holding them; returns how many.")
+      .def("held", &MemoryFabric::held, nb::arg("src") = -1, nb::arg("dst") = -1)
+      .def("wait_held", &MemoryFabric::wait_held, nb::arg("src"), nb::arg("dst"), nb::arg("count"),
+           nb::arg("timeout_s") = 30.0, release(), "True once count writes from src (to dst; -1: any) are held.")
+      .def("fail_writes", &MemoryFabric::fail_writes, nb::arg("src"), nb::arg("dst"), nb::arg("why"),
+           "Every later write from src to dst (-1: anyone) fails its sender's engine with `why`.")
+      .def("kill", &MemoryFabric::kill, nb::arg("rank"), release(),
+           "The rank is gone: its held writes are lost, its engine fails, writes to it fail.")
+      .def("wait_blocked", &MemoryFabric::wait_blocked, nb::arg("rank"), nb::arg("peer") = -1,
+           nb::arg("timeout_s") = 30.0, release(),
+           "True once rank waits for peer (-1: anyone) and found nothing; False after timeout_s.")
+      .def("log", [](const MemoryFabric& f) {
+        std::vector<std::tuple<int, int, int, uint64_t>> out;
+        for (const Delivered& d : f.log()) out.emplace_back(d.src, d.dst, d.tag, d.length);
+        return out;
+      }, "Every write delivered so far, in order: (src, dst, tag or -1, length).");
+}
 
 void bind_fabric(nb::module_& m) {
   using release = nb::call_guard<nb::gil_scoped_release>;
@@ -141,7 +198,37 @@ void bind_fabric(nb::module_& m) {
       .def_rw("length", &ScatterItem::length)
       .def_rw("dst_offset", &ScatterItem::dst_offset);
 
-  nb::class_<TransferEngine>(m, "TransferEngine")
+  // The proxy's view of an engine (proxy_engine.h): what CpuAllToAll and
+  // CudaAllToAll take, a TransferEngine or a MemoryEngine alike.
+  nb::class_<ProxyEngine>(m, "ProxyEngine")
+      .def_prop_ro("rank", &ProxyEngine::rank)
+      .def_prop_ro("world", &ProxyEngine::world)
+      .def("write", &ProxyEngine::write, nb::arg("region"), nb::arg("src_offset"), nb::arg("length"),
+           nb::arg("remote"), nb::arg("dst_offset"), nb::arg("tag") = nb::none(), release())
+      .def(
+          "scatter",
+          [](ProxyEngine& e, GroupId group, RegionId region, const std::vector<ScatterItem>& items,
+             std::optional<uint32_t> tag) {
+            nb::gil_scoped_release r;
+            e.scatter(group, region, items.data(), items.size(), tag);
+          },
+          nb::arg("group"), nb::arg("region"), nb::arg("items"), nb::arg("tag") = nb::none())
+      .def(
+          "barrier", [](ProxyEngine& e, GroupId group, uint32_t tag, double timeout_s) { e.barrier(group, tag, timeout_s); },
+          nb::arg("group"), nb::arg("tag"), nb::arg("timeout_s"), release())
+      .def(
+          "wait_imm",
+          [](ProxyEngine& e, uint32_t tag, int peer, uint64_t count, double timeout_s) {
+            e.wait_imm(tag, peer, count, timeout_s);
+          },
+          nb::arg("tag"), nb::arg("peer"), nb::arg("count"), nb::arg("timeout_s"), release())
+      .def("imm_count", &ProxyEngine::imm_count, nb::arg("tag"), nb::arg("peer"))
+      .def("wait_tx", &ProxyEngine::wait_tx, nb::arg("timeout_s"), release())
+      .def_prop_ro("tx_submitted", &ProxyEngine::tx_submitted)
+      .def_prop_ro("tx_completed", &ProxyEngine::tx_completed)
+      .def_prop_ro("error", &ProxyEngine::error);
+
+  nb::class_<TransferEngine, ProxyEngine>(m, "TransferEngine")
       .def(
           "__init__",
           [](TransferEngine* e, int rank, int world, const std::string& provider, int num_nics,
@@ -151,8 +238,6 @@ void bind_fabric(nb::module_& m) {
           nb::arg("rank"), nb::arg("world"), nb::arg("provider") = "tcp", nb::arg("num_nics") = 1,
           nb::arg("split_threshold") = 1ull << 20, nb::arg("domains") = std::vector<std::string>{},
           nb::arg("backend") = "libfabric")
-      .def_prop_ro("rank", &TransferEngine::rank)
-      .def_prop_ro("world", &TransferEngine::world)
       .def_prop_ro("num_nics", &TransferEngine::num_nics)
       .def_prop_ro("provider", &TransferEngine::provider)
       .def_prop_ro("backend", &TransferEngine::backend)
@@ -184,32 +269,9 @@ void bind_fabric(nb::module_& m) {
           nb::arg("peer"), nb::arg("descriptor"))
       .def("create_group", &TransferEngine::create_group, nb::arg("peers"), nb::arg("remote_regions"))
       .def("release", &TransferEngine::release, nb::arg("region"), nb::arg("group").none())
-      .def("write", &TransferEngine::write, nb::arg("region"), nb::arg("src_offset"), nb::arg("length"),
-           nb::arg("remote"), nb::arg("dst_offset"), nb::arg("tag") = nb::none(), release())
-      .def(
-          "scatter",
-          [](TransferEngine& e, GroupId group, RegionId region, const std::vector<ScatterItem>& items,
-             std::optional<uint32_t> tag) {
-            nb::gil_scoped_release r;
-            e.scatter(group, region, items.data(), items.size(), tag);
-          },
-          nb::arg("group"), nb::arg("region"), nb::arg("items"), nb::arg("tag") = nb::none())
-      .def(
-          "barrier", [](TransferEngine& e, GroupId group, uint32_t tag, double timeout_s) { e.barrier(group, tag, timeout_s); },
-          nb::arg("group"), nb::arg("tag"), nb::arg("timeout_s"), release())
-      .def(
-          "wait_imm",
-          [](TransferEngine& e, uint32_t tag, int peer, uint64_t count, double timeout_s) {
-            e.wait_imm(tag, peer, count, timeout_s);
-          },
-          nb::arg("tag"), nb::arg("peer"), nb::arg("count"),
-           nb::arg("timeout_s"), release())
-      .def("imm_count", &TransferEngine::imm_count, nb::arg("tag"), nb::arg("peer"))
-      .def_prop_ro("tx_submitted", &TransferEngine::tx_submitted)
-      .def_prop_ro("tx_completed", &TransferEngine::tx_completed)
       .def("arrivals", &TransferEngine::arrivals, nb::arg("nic"), "Immediates that arrived on NIC `nic` (debug).")
       .def_prop_ro("hot_path_allocations", &TransferEngine::hot_path_allocations,
-                   "Times a queue of the write path grew (a heap allocation); 0 once the groups are registered.")
-      .def("wait_tx", &TransferEngine::wait_tx, nb::arg("timeout_s"), release())
-      .def_prop_ro("error", &TransferEngine::error);
+                   "Times a queue of the write path grew (a heap allocation); 0 once the groups are registered.");
+
+  bind_memory_fabric(m);
 }

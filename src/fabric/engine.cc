@@ -2,6 +2,7 @@
 
 #include <stdexcept>
 
+#include "checks.h"
 #include "error.h"
 #include "imm.h"
 #include "sharding.h"
@@ -16,10 +17,6 @@ constexpr size_t kScattersInFlight = 4;
 
 std::chrono::nanoseconds to_ns(double seconds) {
   return std::chrono::nanoseconds(static_cast<int64_t>(seconds * 1e9));
-}
-
-std::string range(uint64_t offset, uint64_t length) {
-  return "[" + std::to_string(offset) + ", " + std::to_string(offset + length) + ")";
 }
 
 }  // namespace
@@ -227,15 +224,7 @@ void TransferEngine::check() const {
 
 void TransferEngine::check_range(OpKind op, int peer, const Region& src, uint64_t src_offset, uint64_t length,
                                  uint64_t dst_length, uint64_t dst_offset, std::optional<uint32_t> tag) const {
-  if (src_offset > src.length || length > src.length - src_offset)
-    throw FabricError(where() + ": " + op_name(op) + " to peer " + std::to_string(peer) + ": source range " +
-                      range(src_offset, length) + " is outside the registered region of " +
-                      std::to_string(src.length) + " bytes");
-  if (dst_offset > dst_length || length > dst_length - dst_offset)
-    throw FabricError(where() + ": " + op_name(op) + " to peer " + std::to_string(peer) + ": destination range " +
-                      range(dst_offset, length) + " is outside the peer's registered region of " +
-                      std::to_string(dst_length) + " bytes");
-  if (tag && *tag > 0xffff) throw FabricError(where() + ": immediate tag " + std::to_string(*tag) + " exceeds 16 bits");
+  check_write(where(), op_name(op), peer, src.length, src_offset, length, dst_length, dst_offset, tag);
   Piece pieces[kMaxNics];
   const int n = split_pieces(peer_slot(rank_, peer, world_), length, num_nics(), opts_.split_threshold, pieces);
   for (int i = 0; i < n; ++i) {
@@ -346,9 +335,7 @@ void TransferEngine::wait_imm(uint32_t tag, int peer, uint64_t count, double tim
     if (on_idle) on_idle();
   };
   if (imms_.wait(imm, count, to_ns(timeout_s), checks, &seen)) return;
-  throw TimeoutError(where() + ": timed out after " + std::to_string(timeout_s) + " s waiting for " +
-                     std::to_string(count) + " arrival(s) of " + describe_imm(imm) + "; " + std::to_string(seen) +
-                     " arrived. Is peer " + std::to_string(peer) + " alive and in the same step?");
+  throw wait_imm_timeout(where(), timeout_s, count, imm, seen, peer);
 }
 
 uint64_t TransferEngine::imm_count(uint32_t tag, int peer) const { return imms_.peek(make_imm(tag, peer)); }
@@ -360,10 +347,7 @@ void TransferEngine::forget_imm(uint32_t tag, uint32_t mask) {
 size_t TransferEngine::wait_any_imm(const std::vector<uint32_t>& tags, const std::vector<int>& peers,
                                     const std::vector<uint64_t>& counts, double timeout_s,
                                     const std::function<void()>& on_idle) {
-  if (peers.empty() || peers.size() != counts.size() || peers.size() != tags.size())
-    throw std::invalid_argument(where() + ": wait_any_imm: got " + std::to_string(tags.size()) + " tags, " +
-                                std::to_string(peers.size()) + " peers and " + std::to_string(counts.size()) +
-                                " counts; expected as many of each, at least one");
+  check_wait_any(where(), tags.size(), peers.size(), counts.size());
   std::vector<uint32_t> imms(peers.size());
   for (size_t i = 0; i < peers.size(); ++i) {
     check_peer(peers[i], "wait_any_imm");
@@ -376,12 +360,9 @@ size_t TransferEngine::wait_any_imm(const std::vector<uint32_t>& tags, const std
   };
   int i = imms_.wait_any(imms.data(), counts.data(), imms.size(), to_ns(timeout_s), checks);
   if (i >= 0) return static_cast<size_t>(i);
-  std::string missing;
-  for (size_t k = 0; k < peers.size(); ++k)
-    missing += (k ? ", " : "") + std::to_string(peers[k]) + " (tag " + std::to_string(tags[k]) + ": " +
-               std::to_string(imms_.peek(imms[k])) + " of " + std::to_string(counts[k]) + ")";
-  throw TimeoutError(where() + ": timed out after " + std::to_string(timeout_s) +
-                     " s waiting for arrivals from any of peers " + missing + ". Are they alive and in the same step?");
+  std::vector<uint64_t> seen;
+  for (uint32_t imm : imms) seen.push_back(imms_.peek(imm));
+  throw wait_any_timeout(where(), timeout_s, tags, peers, counts, seen);
 }
 
 void TransferEngine::wait_tx(double timeout_s) {

@@ -4,7 +4,7 @@
 // thread, knows every peer's address, the regions registered here and the
 // remote regions peers described to us, and offers the few operations the
 // dispatch/combine protocol needs: write, scatter, barrier and waits on
-// immediate and transmit counters.
+// immediate and transmit counters (proxy_engine.h says what each promises).
 #pragma once
 
 #include <cstdint>
@@ -19,6 +19,7 @@
 #include "backend.h"
 #include "handles.h"
 #include "imm_counters.h"
+#include "proxy_engine.h"
 #include "worker.h"
 
 namespace moe_a2a::fabric {
@@ -34,21 +35,13 @@ struct EngineOptions {
   std::vector<std::string> domains;
 };
 
-// One destination of a scatter: `peer` indexes the group.
-struct ScatterItem {
-  uint32_t peer = 0;
-  uint64_t src_offset = 0;
-  uint64_t length = 0;
-  uint64_t dst_offset = 0;
-};
-
-class TransferEngine {
+class TransferEngine : public ProxyEngine {
  public:
   TransferEngine(int rank, int world, const EngineOptions& opts);
-  ~TransferEngine();
+  ~TransferEngine() override;
 
-  int rank() const { return rank_; }
-  int world() const { return world_; }
+  int rank() const override { return rank_; }
+  int world() const override { return world_; }
   int num_nics() const { return static_cast<int>(backends_.size()); }
   const std::string& provider() const { return opts_.provider; }
   const std::string& backend() const { return opts_.backend; }
@@ -73,46 +66,37 @@ class TransferEngine {
   // binds): what one user of a shared engine releases when it closes. Ids are
   // not reused. Without a group: a start-up that failed before its group was made.
   void release(RegionId region, std::optional<GroupId> group);
-  size_t group_size(GroupId group) const;
-  int group_peer(GroupId group, uint32_t index) const;
+  size_t group_size(GroupId group) const override;
+  int group_peer(GroupId group, uint32_t index) const override;
 
-  // Immediates are 16-bit tags; the receiver sees (tag, our rank).
+  // The data path (proxy_engine.h). A write of at least split_threshold
+  // bytes is split across every NIC, each piece with the immediate; the
+  // receiver counts pieces (imm_counters.h).
   void write(RegionId region, uint64_t src_offset, uint64_t length, RemoteRegionId remote, uint64_t dst_offset,
-             std::optional<uint32_t> tag);
-  void scatter(GroupId group, RegionId region, const ScatterItem* items, size_t count, std::optional<uint32_t> tag);
-  // A zero-byte write with `tag` to every peer of the group, then a wait for
-  // the same from each of them.
-  void barrier(GroupId group, uint32_t tag, double timeout_s, const std::function<void()>& on_idle = {});
-
-  // Waits for `count` arrivals of `tag` from `peer` and consumes them.
-  // `on_idle` runs every few milliseconds while waiting; it may throw to end
-  // the wait (a peer that announced a failure, or died).
-  void wait_imm(uint32_t tag, int peer, uint64_t count, double timeout_s, const std::function<void()>& on_idle = {});
-  uint64_t imm_count(uint32_t tag, int peer) const;
-  // Forgets arrivals from every peer, counted but never waited for, of each
-  // tag t with (t & mask) == tag (the default: `tag` alone).
-  void forget_imm(uint32_t tag, uint32_t mask = 0xffffu);
-  // Waits until some peers[i] has sent counts[i] arrivals of tags[i]; returns
-  // that i, consuming nothing (wait_imm takes them). Receivers use it to
-  // serve peers in the order their data completes.
+             std::optional<uint32_t> tag) override;
+  void scatter(GroupId group, RegionId region, const ScatterItem* items, size_t count,
+               std::optional<uint32_t> tag) override;
+  void barrier(GroupId group, uint32_t tag, double timeout_s, const std::function<void()>& on_idle = {}) override;
+  void wait_imm(uint32_t tag, int peer, uint64_t count, double timeout_s,
+                const std::function<void()>& on_idle = {}) override;
+  uint64_t imm_count(uint32_t tag, int peer) const override;
+  void forget_imm(uint32_t tag, uint32_t mask = 0xffffu) override;
+  using ProxyEngine::wait_any_imm;
   size_t wait_any_imm(const std::vector<uint32_t>& tags, const std::vector<int>& peers,
-                      const std::vector<uint64_t>& counts, double timeout_s, const std::function<void()>& on_idle = {});
-  size_t wait_any_imm(uint32_t tag, const std::vector<int>& peers, const std::vector<uint64_t>& counts,
-                      double timeout_s, const std::function<void()>& on_idle = {}) {
-    return wait_any_imm(std::vector<uint32_t>(peers.size(), tag), peers, counts, timeout_s, on_idle);
-  }
+                      const std::vector<uint64_t>& counts, double timeout_s,
+                      const std::function<void()>& on_idle = {}) override;
 
   // Writes posted (a split write counts one per piece) and completed.
-  uint64_t tx_submitted() const { return worker_->submitted(); }
-  uint64_t tx_completed() const { return worker_->completed(); }
+  uint64_t tx_submitted() const override { return worker_->submitted(); }
+  uint64_t tx_completed() const override { return worker_->completed(); }
   // Debug counters: immediates that arrived on NIC `nic`; times a hot-path
   // queue grew (a heap allocation on the hot path; 0 in steady state).
   uint64_t arrivals(int nic) const;
   uint64_t hot_path_allocations() const { return worker_->allocations(); }
-  void wait_tx(double timeout_s);
-  std::string error() const { return worker_->error(); }
-  // Throws the worker's error, if any.
-  void check() const;
+  void wait_tx(double timeout_s) override;
+  std::string error() const override { return worker_->error(); }
+  // Throws the worker's error, if any, or that connect() has not run.
+  void check() const override;
 
  private:
   struct Region {

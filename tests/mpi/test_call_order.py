@@ -3,6 +3,12 @@
 A rank that runs a call cached while its peers run it uncached (a backward one
 rank skipped, or ran once more) used to be found only at the timeout. Run like
 the other multi-rank tests (tests/conftest.py), tcp or shm, any world size >= 2.
+
+Every case here also runs in one process, deterministically, on the in-memory
+fabric (tests/protocol/test_call_order.py). On the CPU this file keeps what
+only real processes show: the front end's refused next call and reopen() after
+a mismatch, over a real provider; on CUDA it runs whole, as the CUDA backend's
+own test of these cases.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from ranks import COMM, RANK, WORLD, device_pytestmark, layouts
+from ranks import COMM, DEVICE, RANK, WORLD, device_pytestmark, layouts
 from test_a2a import Inputs, check_round, expert_fn, make_a2a, make_inputs, mine
 
 from moe_a2a import FabricError, PeerFailedError
@@ -98,12 +104,16 @@ def odd_runs_a_second_backward(a2a: AllToAll, seed: int) -> None:
 
 
 PATTERNS = [odd_runs_it_cached, odd_runs_it_uncached, odd_runs_a_second_backward]
+IN_PROCESS = "on the CPU this case runs in one process: tests/protocol/test_call_order.py"
+cuda_only = pytest.mark.skipif(DEVICE == "cpu", reason=IN_PROCESS)
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("rpn", layouts())
-@pytest.mark.parametrize("pattern", PATTERNS, ids=lambda p: p.__name__)
+@pytest.mark.parametrize(
+    "pattern", PATTERNS if DEVICE == "cuda" else PATTERNS[:1], ids=lambda p: p.__name__
+)  # on the CPU the other patterns run in one process (tests/protocol/test_call_order.py)
 def test_different_call_sequences_fail_at_once(
     rpn: int | None, pattern: Callable[[AllToAll, int], None], seed: int
 ) -> None:
@@ -136,6 +146,7 @@ def rotated_within_owner(inp: Inputs, num_experts: int) -> Inputs:
     return Inputs(inp.xs, ids, inp.weights)
 
 
+@cuda_only
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("rpn", layouts())
@@ -174,6 +185,7 @@ def avoiding_the_odd_rank(g: torch.Generator, tokens: int, experts: int, topk: i
 LATE_S = 0.5  # how much later than the odd rank the others start the mismatched call
 
 
+@cuda_only
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("rpn", layouts())
@@ -200,6 +212,7 @@ def test_a_cached_rank_that_needs_nothing_stops_a_late_uncached_peer(rpn: int | 
     stops_at_once_then_reopens(a2a, info, started, words, seed, limit=LATE_S + NOTICE_S)
 
 
+@cuda_only
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("rpn", layouts())
@@ -240,6 +253,7 @@ def all_to_first_rank(g: torch.Generator, tokens: int, experts: int, topk: int) 
     return torch.arange(topk).repeat(tokens, 1)
 
 
+@cuda_only
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("rpn", layouts())

@@ -347,10 +347,14 @@ def test_a_failure_after_a_call_does_not_fail_that_call_elsewhere(rpn: int | Non
     if RANK == 0:
         a2a.combine(y, d)
         with pytest.raises(ValueError, match="topk_weights"):
-            a2a.dispatch(x, ids, w[:, :1])
+            a2a.dispatch(x, ids, w[:, :1])  # announced to the others before it raises
+        COMM.Barrier()
     else:
         pending = a2a.combine(y, d, recv=False)
-        time.sleep(0.5)  # rank 0 has its rows by now and has failed its next call
+        # Rank 0 has its rows and has sent word that its next call failed: whether that lands
+        # before or during this receive, this call must complete (in one process the order is
+        # fixed: tests/protocol/test_failures.py).
+        COMM.Barrier()
         out = a2a.combine(handle=pending, send=False)  # before: PeerFailedError
         cfg = a2a.cfg
         ref = dispatch_reference(inp.xs, inp.ids, cfg.num_experts, cfg.dispatch_dtype, cfg.expert_padding)

@@ -6,6 +6,10 @@ every result must equal the reference (private part only, overflow only,
 both; split halves; a late peer), and each rank must post exactly the writes
 the slicing rule says (src/a2a/slices.h, restated below), no more and no
 fewer. Run under mpirun at 2, 4 and 8 ranks, tcp and shm, cpu and cuda.
+
+On the CPU every case but the first slicing also runs in one process, with the
+slices landing reversed and shuffled (tests/protocol/test_slices_and_capacity.py):
+here it keeps one slicing over each real provider and the ranks' agreement.
 """
 
 from __future__ import annotations
@@ -17,13 +21,15 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from ranks import COMM, RANK, WORLD, device_pytestmark
+from ranks import COMM, DEVICE, RANK, WORLD, device_pytestmark
 from test_a2a import EXPERTS_PER_RANK, check_round, make_a2a, make_inputs
 
 from moe_a2a.all_to_all import AllToAll
 
 pytestmark = [device_pytestmark, pytest.mark.skipif(WORLD < 2, reason="slices need a remote peer")]
 MAX_SLICES = 16  # per part (slices.h)
+IN_PROCESS = "on the CPU this case runs in one process: tests/protocol/test_slices_and_capacity.py"
+CUTS = [("bf16", None, 1), ("bf16", 0, 3), ("fp8", 2, 2), ("bf16", 5, 0)]  # 0: one write a part
 
 
 def slices(rows: int, row_bytes: int, slice_bytes: int) -> int:
@@ -79,9 +85,8 @@ def layouts() -> list[int]:
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("rpn", layouts())
 @pytest.mark.parametrize(
-    ("dispatch_dtype", "private", "rows_per_slice"),
-    [("bf16", None, 1), ("bf16", 0, 3), ("fp8", 2, 2), ("bf16", 5, 0)],  # 0: one write a part
-)
+    ("dispatch_dtype", "private", "rows_per_slice"), CUTS if DEVICE == "cuda" else CUTS[:1]
+)  # on the CPU the other cuts run in one process
 def test_sliced_rows_are_exact_and_cut_as_the_rule_says(
     rpn: int, dispatch_dtype: str, private: int | None, rows_per_slice: int
 ) -> None:
@@ -107,6 +112,7 @@ def test_sliced_rows_are_exact_and_cut_as_the_rule_says(
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.skipif(DEVICE == "cpu", reason=IN_PROCESS)
 def test_sliced_rows_with_a_late_peer_are_exact() -> None:
     """Rank 0's writes are held back: every receiver copies its slices last, and the results are exact."""
     name = "MOE_A2A_TEST_DELAY_WRITES_MS"

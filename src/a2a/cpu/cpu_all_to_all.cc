@@ -9,7 +9,7 @@
 
 namespace moe_a2a::a2a::cpu {
 
-CpuAllToAll::CpuAllToAll(Workspace* workspace, fabric::TransferEngine* engine, fabric::RegionId region,
+CpuAllToAll::CpuAllToAll(Workspace* workspace, fabric::ProxyEngine* engine, fabric::RegionId region,
                          fabric::GroupId group,
                          const std::vector<int>& remote_peers, const std::vector<int>& pids)
     : ws_(workspace), engine_(engine), cfg_(workspace->config()), layout_(workspace->layout()) {
@@ -56,8 +56,7 @@ void CpuAllToAll::check_stamps(bool force) {
 
 void CpuAllToAll::wait_proxy(const Seq& seq, const char* what) {
   // The proxy times out on its own waits first and reports why.
-  constexpr double kProxyGrace = 2.0;
-  if (!wait_at_least(&seq.value, epoch_, deadline_after(kProxyGrace * cfg_.timeout_s + 1.0), [this] { check_failed(); }))
+  if (!wait_at_least(&seq.value, epoch_, deadline_after(cfg_.caller_timeout_s()), [this] { check_failed(); }))
     throw fabric::TimeoutError("rank " + std::to_string(cfg_.rank) + ": timed out waiting for the proxy to finish the " +
                                what + " of epoch " + std::to_string(epoch_));
   check_failed();
@@ -193,8 +192,7 @@ void CpuAllToAll::dispatch_unpack(void* out_x, float* out_scale, float* out_weig
   // for remote senders, same-node senders their dispatch flag), while the
   // others' are still on the wire. The proxy times out on its own waits
   // first and reports why.
-  constexpr double kProxyGrace = 2.0;
-  const auto deadline = deadline_after(kProxyGrace * cfg_.timeout_s + 1.0);
+  const auto deadline = deadline_after(cfg_.caller_timeout_s());
   std::vector<int> pending(cfg_.world);
   for (int s = 0; s < cfg_.world; ++s) pending[s] = s;
   unpack_order_.clear();

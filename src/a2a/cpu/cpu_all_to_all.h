@@ -18,7 +18,7 @@ namespace moe_a2a::a2a::cpu {
 
 class CpuAllToAll {
  public:
-  CpuAllToAll(Workspace* workspace, fabric::TransferEngine* engine, fabric::RegionId region, fabric::GroupId group,
+  CpuAllToAll(Workspace* workspace, fabric::ProxyEngine* engine, fabric::RegionId region, fabric::GroupId group,
               const std::vector<int>& remote_peers, const std::vector<int>& pids = {});
   ~CpuAllToAll();
 
@@ -76,7 +76,7 @@ class CpuAllToAll {
   bool landed(int s) const;
 
   Workspace* ws_;
-  fabric::TransferEngine* engine_;
+  fabric::ProxyEngine* engine_;
   A2AConfig cfg_;
   Layout layout_;
   ProxySignals signals_;

@@ -20,9 +20,7 @@ namespace {
 
 constexpr size_t kScratchAlign = 256;
 constexpr double kNsPerSecond = 1e9;
-// Kernels give the proxy time to report its own timeout first (as the CPU
-// path does): twice the configured timeout plus a second.
-constexpr double kProxyGrace = 2.0;
+// A second past another wait's deadline (A2AConfig::caller_timeout_s).
 constexpr double kGraceSeconds = 1.0;
 
 void check_cuda(cudaError_t err, const char* what) {
@@ -47,7 +45,7 @@ T* mapped_device_pointer(T* host, const char* what) {
 
 }  // namespace
 
-CudaAllToAll::CudaAllToAll(Workspace* host_workspace, fabric::TransferEngine* engine, fabric::RegionId region,
+CudaAllToAll::CudaAllToAll(Workspace* host_workspace, fabric::ProxyEngine* engine, fabric::RegionId region,
                            fabric::GroupId group, const std::vector<int>& remote_peers,
                            const std::vector<int>& pids)
     : cfg_(host_workspace->config()), layout_(host_workspace->layout()) {
@@ -318,7 +316,7 @@ const Instance& CudaAllToAll::instance() {
   in.payload_bytes = static_cast<int64_t>(cfg_.payload_bytes());
   in.has_remote = has_remote_ ? 1 : 0;
   in.staged = overlap_ ? 1 : 0;
-  in.timeout_ns = static_cast<int64_t>((kProxyGrace * cfg_.timeout_s + kGraceSeconds) * kNsPerSecond);
+  in.timeout_ns = static_cast<int64_t>(cfg_.caller_timeout_s() * kNsPerSecond);
   in.peers = peers_device_;
   in.device_ws = device_ws_;
   in.host_ws = host_ws_;
@@ -380,7 +378,7 @@ void CudaAllToAll::wait_host(FlagKind kind, const Seq& done, const char* what) {
   const std::string who = "rank " + std::to_string(cfg_.rank) + ": timed out after ";
   if (has_remote_) {
     // The proxy times out on its own waits first and reports why.
-    const auto deadline = deadline_after(kProxyGrace * cfg_.timeout_s + kGraceSeconds);
+    const auto deadline = deadline_after(cfg_.caller_timeout_s());
     if (!wait_at_least(&done.value, epoch_, deadline, [this] { check_proxy(); }))
       throw fabric::TimeoutError(who + "waiting for the proxy to finish the " + what + " of epoch " +
                                  std::to_string(epoch_));
@@ -402,7 +400,7 @@ void CudaAllToAll::wait_planned() {
   // Our kernels may queue behind anything earlier on the stream, and the plan
   // kernel itself may wait that long for flags (graph mode's deadline): a
   // grace second more than that.
-  const auto deadline = deadline_after(kProxyGrace * cfg_.timeout_s + 2 * kGraceSeconds);
+  const auto deadline = deadline_after(cfg_.caller_timeout_s() + kGraceSeconds);
   if (!wait_at_least(&words_->planned.value, epoch_, deadline, [this] { check_proxy(); }))
     throw fabric::TimeoutError("rank " + std::to_string(cfg_.rank) + ": timed out waiting for the plan kernel of epoch " +
                                std::to_string(epoch_) + " (its stream did not reach it)");
@@ -609,7 +607,7 @@ bool wait_either(const Seq& flag, const Seq& all, uint64_t epoch, std::chrono::s
 void CudaAllToAll::dispatch_recv_by_sender(void* out_x, float* out_scale, int32_t* tokens_per_expert,
                                            cudaStream_t stream, uint32_t* routing_out) {
   const std::string who = "rank " + std::to_string(cfg_.rank) + ": timed out ";
-  const auto deadline = deadline_after(kProxyGrace * cfg_.timeout_s + kGraceSeconds);
+  const auto deadline = deadline_after(cfg_.caller_timeout_s());
   const auto check = [this] { check_proxy(); };
   if (!wait_either(signals_->routed, signals_->dispatch_done, epoch_, deadline, check))
     throw fabric::TimeoutError(who + "waiting for the proxy to gather the routing rows of epoch " +
@@ -741,7 +739,7 @@ void CudaAllToAll::combine_send(const void* y, DType y_dtype, int64_t y_rows, cu
 // still on the wire; the reduction then reads GPU memory only.
 void CudaAllToAll::copy_combine_rows_as_they_land(cudaStream_t stream) {
   const PeerSignals peer = peer_signals();
-  const auto deadline = deadline_after(kProxyGrace * cfg_.timeout_s + kGraceSeconds);
+  const auto deadline = deadline_after(cfg_.caller_timeout_s());
   struct Pending {
     CombineBlock block;
     DispatchSlices cut;  // the peer's write to us, slice by slice (slices.h)
@@ -819,9 +817,7 @@ void CudaAllToAll::combine_recv(const float* weights, void* out, bool host_wait,
 std::string CudaAllToAll::capacity_message() const {
   std::string msg = proxy_ ? proxy_->overflow_message() : std::string();
   if (!msg.empty()) return msg;
-  return "dispatch would deliver more token copies to some rank than max_recv_tokens=" +
-         std::to_string(cfg_.max_recv_tokens) +
-         "; raise max_recv_tokens in Config (nothing was delivered; the next call can proceed)";
+  return a2a::capacity_message(cfg_);
 }
 
 void CudaAllToAll::check() const {

@@ -39,7 +39,7 @@ class CudaAllToAll {
  public:
   // A rank of a job: `host_workspace` already maps its node's peers.
   // `pids[r]`: the pid of rank r where it runs on this host, else 0 (peer_watch.h).
-  CudaAllToAll(Workspace* host_workspace, fabric::TransferEngine* engine, fabric::RegionId region,
+  CudaAllToAll(Workspace* host_workspace, fabric::ProxyEngine* engine, fabric::RegionId region,
                fabric::GroupId group, const std::vector<int>& remote_peers, const std::vector<int>& pids = {});
   // A rank without fabric or proxy (kernel tests: several ranks in one
   // process). The host workspace is pinned memory of its own; peers are

@@ -1,0 +1,275 @@
+"""N ranks of one AllToAll in this process, on the in-memory fabric (src/fabric/memory_engine.h).
+
+Each rank is the real core: its own workspace, `_core.CpuAllToAll` (the CPU
+backend and its proxy thread, unchanged) and a `MemoryEngine` endpoint. Ranks
+run as threads that call the core with the GIL released. With
+`ranks_per_node=1` every peer is remote, so every row crosses the fabric, where
+the test chooses when and in what order writes land (`World.fabric`).
+
+What the Python front end adds (argument checks, handles, reopen) is tested
+under mpirun in tests/mpi; a rank whose call fails here announces it to its
+peers as the front end does (AllToAll._fail).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moe_a2a import Config, _core
+from moe_a2a.backends.common import CORE_DTYPE, num_scales
+from moe_a2a.reference import combine_reference, dispatch_reference
+
+HIDDEN = 200  # not a multiple of 128: the last fp8 block is short
+EXPERTS_PER_RANK = 3
+JOIN_S = 60.0  # the longest a test's ranks may take together
+
+
+@dataclass
+class Inputs:
+    """Every rank's (x, topk_ids, topk_weights), drawn from one seed."""
+
+    xs: list[torch.Tensor]
+    ids: list[torch.Tensor]
+    weights: list[torch.Tensor]
+
+
+def random_ids(g: torch.Generator, tokens: int, experts: int, topk: int) -> torch.Tensor:
+    """Distinct experts per token, uniformly at random."""
+    if tokens == 0:
+        return torch.empty(0, topk, dtype=torch.int64)
+    return torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)])
+
+
+def make_inputs(
+    seed: int,
+    cfg: Config,
+    world: int,
+    tokens: list[int] | None = None,
+    router: Callable[[torch.Generator, int, int, int], torch.Tensor] = random_ids,
+) -> Inputs:
+    g = torch.Generator().manual_seed(seed)
+    if tokens is None:
+        tokens = [int(torch.randint(0, cfg.max_tokens + 1, (1,), generator=g)) for _ in range(world)]
+    xs = [(torch.randn(t, cfg.hidden, generator=g) * 4).to(torch.bfloat16) for t in tokens]
+    ids = [router(g, t, cfg.num_experts, cfg.topk) for t in tokens]
+    weights = [torch.rand(t, cfg.topk, generator=g) for t in tokens]
+    return Inputs(xs, ids, weights)
+
+
+def expert_fn(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """A cheap stand-in for the experts that depends on every element."""
+    xf = x.float()
+    if scale is not None:
+        xf = xf * scale.repeat_interleave(128, dim=1)[:, : x.shape[1]]
+    return (xf * 0.75 + 0.5).to(torch.bfloat16)
+
+
+@dataclass
+class Dispatched:
+    expert_x: torch.Tensor
+    expert_x_scale: torch.Tensor | None
+    tokens_per_expert: torch.Tensor
+    routing: torch.Tensor  # [world, num_experts] int32: the call's matrix, for cached calls
+
+
+class Rank:
+    """One rank's core objects and the calls a test makes on them."""
+
+    def __init__(self, world: World, rank: int) -> None:
+        self.world, self.rank = world, rank
+        self.impl: Any = None
+        self.tokens = 0
+        self.weights: torch.Tensor | None = None
+        self.failed: Exception | None = None
+
+    def dispatch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, routing=None) -> Dispatched:
+        """Both halves of a dispatch (`routing`: a cached call along that matrix)."""
+        self.send(x, ids, weights, routing)
+        return self.recv()
+
+    def send(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, routing=None) -> None:
+        self.tokens, self.weights = x.shape[0], weights.float().contiguous()
+        self._ids = ids.to(torch.int32).contiguous()
+        self._x = x.contiguous()
+        self._routing = routing.contiguous() if routing is not None else None
+        self._call(
+            self.impl.dispatch_send,
+            self._x.data_ptr(),
+            CORE_DTYPE[x.dtype],
+            0,
+            self._ids.data_ptr(),
+            self.tokens,
+            self._routing.data_ptr() if self._routing is not None else 0,
+        )
+
+    def recv(self) -> Dispatched:
+        cfg = self.world.cfg
+        rows = self._call(self.impl.dispatch_wait)
+        matrix = torch.empty(self.world.size, cfg.num_experts, dtype=torch.int32)
+        self.impl.copy_routing(matrix.data_ptr())
+        fp8 = cfg.dispatch_dtype == "fp8"
+        x = torch.empty(rows, cfg.hidden, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+        scale = torch.empty(rows, num_scales(cfg.hidden), dtype=torch.float32) if fp8 else None
+        self._call(self.impl.dispatch_unpack, x.data_ptr(), scale.data_ptr() if scale is not None else 0)
+        counts = torch.tensor(self.impl.tokens_per_expert, dtype=torch.int32)
+        return Dispatched(x, scale, counts, matrix)
+
+    def combine(self, y: torch.Tensor) -> torch.Tensor:
+        self._call(self.impl.combine_send, y.data_ptr(), CORE_DTYPE[y.dtype])
+        assert self.weights is not None
+        out = torch.empty(self.tokens, self.world.cfg.hidden, dtype=torch.bfloat16)
+        self._call(self.impl.combine_recv, self.weights.data_ptr(), out.data_ptr())
+        return out
+
+    def round(self, inp: Inputs, routing=None) -> tuple[Dispatched, torch.Tensor]:
+        """Dispatch and combine this rank's part of `inp`, with expert_fn between."""
+        r = self.rank
+        d = self.dispatch(inp.xs[r], inp.ids[r], inp.weights[r], routing)
+        return d, self.combine(expert_fn(d.expert_x, d.expert_x_scale))
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A core call; a failure is announced to the peers, as the front end does."""
+        try:
+            return fn(*args)
+        except _core.CapacityError:
+            raise  # every rank raises it alike; the next call proceeds
+        except Exception as exc:
+            if self.failed is None and not isinstance(exc, _core.PeerFailedError):
+                self.impl.announce_failure(f"rank {self.rank}: {type(exc).__name__}: {exc}")
+            self.failed = self.failed or exc
+            raise
+
+
+class World:
+    """`size` ranks with one AllToAll each (one Config), connected over one MemoryFabric."""
+
+    def __init__(self, size: int, ranks_per_node: int = 1, slice_bytes: int = 0, **config: Any) -> None:
+        params: dict[str, Any] = dict(
+            max_tokens=24, hidden=HIDDEN, num_experts=EXPERTS_PER_RANK * size, topk=4, timeout_s=30.0
+        )
+        params.update(config)
+        self.cfg = Config(**params)
+        self.size, self.rpn = size, ranks_per_node
+        self.fabric = _core.MemoryFabric(size)
+        self.max_private_tokens, self.max_recv_tokens = self.cfg.resolved(size)
+        core = [self._core_config(r, slice_bytes) for r in range(size)]
+        self.workspaces = self._workspaces(core)
+        self.ranks = [Rank(self, r) for r in range(size)]
+        self._connect()
+
+    def node(self, rank: int) -> list[int]:
+        first = rank // self.rpn * self.rpn
+        return list(range(first, first + self.rpn))
+
+    def remote_peers(self, rank: int) -> list[int]:
+        return [p for p in range(self.size) if p not in self.node(rank)]
+
+    def _core_config(self, rank: int, slice_bytes: int) -> Any:
+        cfg, c = self.cfg, _core.A2AConfig()
+        c.rank, c.world, c.ranks_per_node = rank, self.size, self.rpn
+        c.max_tokens, c.hidden, c.num_experts, c.topk = cfg.max_tokens, cfg.hidden, cfg.num_experts, cfg.topk
+        c.dispatch_dtype = _core.DType.fp8 if cfg.dispatch_dtype == "fp8" else _core.DType.bf16
+        c.combine_dtype = _core.DType.bf16
+        c.expert_padding = cfg.expert_padding
+        c.max_private_tokens, c.max_recv_tokens = self.max_private_tokens, self.max_recv_tokens
+        c.timeout_s = float(cfg.timeout_s)
+        c.slice_bytes = slice_bytes
+        return c
+
+    def _workspaces(self, core: list[Any]) -> list[Any]:
+        names = [f"/moe-a2a-proto-{os.getpid()}-{uuid.uuid4().hex[:12]}-r{r}" for r in range(self.size)]
+        made = [_core.Workspace(core[r], names[r], self.rpn > 1) for r in range(self.size)]
+        for r, ws in enumerate(made):
+            ws.map_node([n if p in self.node(r) else "" for p, n in enumerate(names)])
+        for ws in made:
+            ws.unlink()
+        return made
+
+    def _connect(self) -> None:
+        """Regions, groups and each rank's CpuAllToAll (its proxy starts here)."""
+        engines = [self.fabric.engine(r) for r in range(self.size)]
+        regions = [engines[r].register_region(ws.ptr, ws.size) for r, ws in enumerate(self.workspaces)]
+        for r, rank in enumerate(self.ranks):
+            peers = self.remote_peers(r)
+            engine, region, group = None, None, None
+            if peers:
+                engine, region = engines[r], regions[r]
+                group = engine.create_group(peers, [engine.add_remote_region(p, regions[p]) for p in peers])
+            rank.impl = _core.CpuAllToAll(self.workspaces[r], engine, region, group, peers, [0] * self.size)
+
+    def run(self, fn: Callable[[Rank], Any], ranks: list[int] | None = None) -> list[Any]:
+        """fn(rank) on a thread per rank (all, or `ranks`); each rank's result, or the exception it raised."""
+        chosen = list(range(self.size)) if ranks is None else ranks
+        out: list[Any] = [None] * self.size
+
+        def body(r: int) -> None:
+            try:
+                out[r] = fn(self.ranks[r])
+            except Exception as exc:  # reported to the caller, rank by rank
+                out[r] = exc
+
+        threads = [threading.Thread(target=body, args=(r,), name=f"rank{r}") for r in chosen]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(JOIN_S)
+            assert not t.is_alive(), f"{t.name} still runs after {JOIN_S} s"
+        return out
+
+    def start(self, fn: Callable[[Rank], Any], ranks: list[int] | None = None) -> Running:
+        """As run, in the background, while the test steers the fabric."""
+        return Running(self, fn, ranks)
+
+    def check(self, inp: Inputs, results: list[Any]) -> None:
+        """Each rank's (Dispatched, combine output) equals the reference, bit for bit."""
+        for r, got in enumerate(results):
+            assert not isinstance(got, Exception), f"rank {r} failed: {got!r}"
+            self.check_rank(inp, r, *got)
+
+    def check_rank(self, inp: Inputs, r: int, d: Dispatched, out: torch.Tensor) -> None:
+        """Rank r's dispatch and combine output equal the reference, bit for bit."""
+        cfg = self.cfg
+        ref = dispatch_reference(inp.xs, inp.ids, cfg.num_experts, cfg.dispatch_dtype, cfg.expert_padding)
+        ys = [expert_fn(x.expert_x, x.expert_x_scale) for x in ref]
+        expected = combine_reference(ys, ref, inp.weights, "bf16")
+        ours = ref[r]
+        assert torch.equal(d.tokens_per_expert, ours.tokens_per_expert), f"rank {r}: tokens per expert"
+        valid = ours.origin[:, 0] >= 0
+        assert d.expert_x.shape == ours.expert_x.shape, f"rank {r}: rows"
+        assert torch.equal(d.expert_x[valid].view(torch.uint8), ours.expert_x[valid].view(torch.uint8)), (
+            f"rank {r}: expert_x differs from the reference"
+        )
+        if d.expert_x_scale is not None:
+            assert torch.equal(d.expert_x_scale[valid], ours.expert_x_scale[valid]), f"rank {r}: scales"
+        assert torch.equal(out.view(torch.uint8), expected[r].view(torch.uint8)), f"rank {r}: combine output"
+
+    def close(self) -> None:
+        """Stops every proxy, then lets the memory go (the fabric outlives the proxies)."""
+        for rank in self.ranks:
+            rank.impl = None
+        self.workspaces = []
+
+
+class Running:
+    """Ranks running in the background (World.start)."""
+
+    def __init__(self, world: World, fn: Callable[[Rank], Any], ranks: list[int] | None) -> None:
+        self._box: list[list[Any]] = []
+        self._thread = threading.Thread(target=lambda: self._box.append(world.run(fn, ranks)))
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self) -> list[Any]:
+        """Each rank's result or exception, once all are done."""
+        self._thread.join(JOIN_S + 5)
+        assert self._box, "the ranks did not finish"
+        return self._box[0]
