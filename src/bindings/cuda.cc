@@ -21,7 +21,11 @@ using moe_a2a::a2a::DType;
 using moe_a2a::a2a::Layout;
 using moe_a2a::a2a::ProxySignals;
 using moe_a2a::a2a::Workspace;
+using moe_a2a::a2a::cuda::CombineRecvArgs;
+using moe_a2a::a2a::cuda::CombineSendArgs;
 using moe_a2a::a2a::cuda::CudaAllToAll;
+using moe_a2a::a2a::cuda::DispatchRecvArgs;
+using moe_a2a::a2a::cuda::DispatchSendArgs;
 
 namespace {
 
@@ -93,9 +97,19 @@ void bind_cuda(nb::module_& m) {
           [](CudaAllToAll& a, uintptr_t x, DType x_dtype, uintptr_t x_scale, uintptr_t topk_ids, bool ids_64bit,
              int num_tokens, uintptr_t num_tokens_device, uintptr_t stream, uintptr_t routing, bool in_place,
              uintptr_t weights, bool dequant_recv) {
-            a.dispatch_send(ptr<const void>(x), x_dtype, ptr<const float>(x_scale), ptr<const void>(topk_ids), ids_64bit,
-                            num_tokens, ptr<const int32_t>(num_tokens_device), stream_of(stream),
-                            ptr<const uint32_t>(routing), in_place, ptr<const float>(weights), dequant_recv);
+            DispatchSendArgs args;
+            args.x = ptr<const void>(x);
+            args.x_dtype = x_dtype;
+            args.x_scale = ptr<const float>(x_scale);
+            args.topk_ids = ptr<const void>(topk_ids);
+            args.ids_64bit = ids_64bit;
+            args.num_tokens = num_tokens;
+            args.num_tokens_device = ptr<const int32_t>(num_tokens_device);
+            args.routing = ptr<const uint32_t>(routing);
+            args.in_place = in_place;
+            args.weights = ptr<const float>(weights);
+            args.dequant_recv = dequant_recv;
+            a.dispatch_send(args, stream_of(stream));
           },
           nb::arg("x"), nb::arg("x_dtype"), nb::arg("x_scale"), nb::arg("topk_ids"), nb::arg("ids_64bit"),
           nb::arg("num_tokens"), nb::arg("num_tokens_device"), nb::arg("stream"), nb::arg("routing") = 0,
@@ -109,14 +123,22 @@ void bind_cuda(nb::module_& m) {
           [](CudaAllToAll& a, uintptr_t out_x, uintptr_t out_scale, uintptr_t tokens_per_expert, bool host_wait,
              uintptr_t stream, uintptr_t routing_out, uintptr_t row_scale, uintptr_t dot_y, DType dot_y_dtype,
              uintptr_t dot_out, uintptr_t out_weight, bool dequant, DType out_dtype) {
-            CudaAllToAll::RowMath math;
-            math.scale = ptr<const float>(row_scale);
-            math.dot_y = ptr<const void>(dot_y);
-            math.dot_y_dtype = dot_y_dtype;
-            math.dot_out = ptr<float>(dot_out);
-            a.dispatch_recv(ptr<void>(out_x), ptr<float>(out_scale), ptr<int32_t>(tokens_per_expert), host_wait,
-                            stream_of(stream), ptr<uint32_t>(routing_out), row_scale != 0 ? &math : nullptr,
-                            ptr<float>(out_weight), dequant, out_dtype);
+            DispatchRecvArgs args;
+            args.out_x = ptr<void>(out_x);
+            args.out_scale = ptr<float>(out_scale);
+            args.tokens_per_expert = ptr<int32_t>(tokens_per_expert);
+            args.host_wait = host_wait;
+            args.routing_out = ptr<uint32_t>(routing_out);
+            if (row_scale != 0) {  // no row math without a scale
+              args.math.scale = ptr<const float>(row_scale);
+              args.math.dot_y = ptr<const void>(dot_y);
+              args.math.dot_y_dtype = dot_y_dtype;
+              args.math.dot_out = ptr<float>(dot_out);
+            }
+            args.out_weight = ptr<float>(out_weight);
+            args.dequant = dequant;
+            args.out_dtype = out_dtype;
+            a.dispatch_recv(args, stream_of(stream));
           },
           nb::arg("out_x"), nb::arg("out_scale"), nb::arg("tokens_per_expert"), nb::arg("host_wait"), nb::arg("stream"),
           nb::arg("routing_out") = 0, nb::arg("row_scale") = 0, nb::arg("dot_y") = 0,
@@ -129,8 +151,8 @@ void bind_cuda(nb::module_& m) {
           "combine_send",
           [](CudaAllToAll& a, uintptr_t y, DType y_dtype, int64_t y_rows, uintptr_t stream, bool in_place,
              uintptr_t row_values) {
-            a.combine_send(ptr<const void>(y), y_dtype, y_rows, stream_of(stream), in_place,
-                           ptr<const float>(row_values));
+            a.combine_send({ptr<const void>(y), y_dtype, y_rows, in_place, ptr<const float>(row_values)},
+                           stream_of(stream));
           },
           nb::arg("y"), nb::arg("y_dtype"), nb::arg("y_rows"), nb::arg("stream"), nb::arg("in_place") = false,
           nb::arg("row_values") = 0,
@@ -140,8 +162,8 @@ void bind_cuda(nb::module_& m) {
           "combine_recv",
           [](CudaAllToAll& a, uintptr_t weights, uintptr_t out, bool host_wait, uintptr_t stream,
              uintptr_t values_out) {
-            a.combine_recv(ptr<const float>(weights), ptr<void>(out), host_wait, stream_of(stream),
-                           ptr<float>(values_out));
+            a.combine_recv({ptr<const float>(weights), ptr<void>(out), host_wait, ptr<float>(values_out)},
+                           stream_of(stream));
           },
           nb::arg("weights"), nb::arg("out"), nb::arg("host_wait"), nb::arg("stream"), nb::arg("values_out") = 0,
           release(), "values_out: [T, topk] fp32, each copy's returned value, unreduced (0: not wanted).")

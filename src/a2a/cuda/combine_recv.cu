@@ -8,6 +8,7 @@
 #include "launch.h"
 #include "memory.cuh"
 #include "rows.cuh"
+#include "signal.cuh"
 
 namespace moe_a2a::a2a::cuda {
 namespace {
@@ -25,13 +26,7 @@ __global__ void wait_kernel(CombineRecvParams p) {
   for (int r = threadIdx.x; r < in.world; r += blockDim.x)
     if (r != in.rank && same_node(in, r) && !wait_geq(flag_ptr(in.host_ws, in.layout, r, kFlagCombine), epoch, deadline))
       report(in, kStatusTimeout);
-  if (threadIdx.x != 0 || !in.has_remote) return;
-  constexpr unsigned kSleepNs = 256;
-  while (ld_acquire_sys(in.proxy.combine_done) < epoch) {
-    if (ld_acquire_sys(in.proxy.failed) != 0) return report(in, kStatusProxyFailed);
-    if (global_timer_ns() > deadline) return report(in, kStatusTimeout);
-    __nanosleep(kSleepNs);
-  }
+  if (threadIdx.x == 0 && in.has_remote) wait_proxy(in, in.proxy.combine_done, epoch, deadline);
 }
 
 // Up to 32 bytes of one combine row, as stored (bf16 or fp32).
