@@ -11,6 +11,17 @@ namespace moe_a2a::a2a {
 
 enum class DType : uint8_t { kBf16 = 0, kFp32 = 1, kFp8 = 2 };
 
+// Row math of a weighted dispatch receive (bf16 or fp32 rows), on the CPU and
+// the GPU: each output row delivered times a per-row scale, and its dot
+// product with a row of another tensor (the weighted combine's backward, in
+// the pass that delivers its rows). Scale null: none.
+struct RowMath {
+  const float* scale = nullptr;  // [output rows]
+  const void* dot_y = nullptr;   // [output rows, hidden], or null for no dot
+  DType dot_y_dtype = DType::kBf16;
+  float* dot_out = nullptr;  // [output rows] fp32, with dot_y
+};
+
 constexpr int kFp8Block = 128;       // elements per fp32 scale
 constexpr float kFp8Max = 448.0f;    // largest finite e4m3fn value
 constexpr size_t kRowAlign = 16;     // token rows start on 16 bytes

@@ -126,8 +126,8 @@ void bind_a2a(nb::module_& m) {
           "dispatch_send",
           [](cpu::CpuAllToAll& a, uintptr_t x, DType x_dtype, uintptr_t x_scale, uintptr_t topk_ids, int num_tokens,
              uintptr_t routing, uintptr_t weights) {
-            a.dispatch_send(ptr<const void>(x), x_dtype, ptr<const float>(x_scale), ptr<const int32_t>(topk_ids),
-                            num_tokens, ptr<const uint32_t>(routing), ptr<const float>(weights));
+            a.dispatch_send({ptr<const void>(x), x_dtype, ptr<const float>(x_scale), ptr<const int32_t>(topk_ids),
+                             num_tokens, ptr<const uint32_t>(routing), ptr<const float>(weights)});
           },
           nb::arg("x"), nb::arg("x_dtype"), nb::arg("x_scale"), nb::arg("topk_ids"), nb::arg("num_tokens"),
           nb::arg("routing") = 0, nb::arg("weights") = 0, release(),
@@ -139,13 +139,17 @@ void bind_a2a(nb::module_& m) {
           "dispatch_unpack",
           [](cpu::CpuAllToAll& a, uintptr_t out_x, uintptr_t out_scale, uintptr_t out_weight, uintptr_t row_scale,
              uintptr_t dot_y, DType dot_y_dtype, uintptr_t dot_out) {
-            cpu::CpuAllToAll::RowMath math;
-            math.scale = ptr<const float>(row_scale);
-            math.dot_y = ptr<const void>(dot_y);
-            math.dot_y_dtype = dot_y_dtype;
-            math.dot_out = ptr<float>(dot_out);
-            a.dispatch_unpack(ptr<void>(out_x), ptr<float>(out_scale), ptr<float>(out_weight),
-                              row_scale != 0 ? &math : nullptr);
+            cpu::DispatchUnpackArgs args;
+            args.out_x = ptr<void>(out_x);
+            args.out_scale = ptr<float>(out_scale);
+            args.out_weight = ptr<float>(out_weight);
+            if (row_scale != 0) {  // no row math without a scale
+              args.math.scale = ptr<const float>(row_scale);
+              args.math.dot_y = ptr<const void>(dot_y);
+              args.math.dot_y_dtype = dot_y_dtype;
+              args.math.dot_out = ptr<float>(dot_out);
+            }
+            a.dispatch_unpack(args);
           },
           nb::arg("out_x"), nb::arg("out_scale"), nb::arg("out_weight") = 0, nb::arg("row_scale") = 0,
           nb::arg("dot_y") = 0, nb::arg("dot_y_dtype") = DType::kBf16, nb::arg("dot_out") = 0, release(),
@@ -155,14 +159,14 @@ void bind_a2a(nb::module_& m) {
       .def(
           "combine_send",
           [](cpu::CpuAllToAll& a, uintptr_t y, DType y_dtype, uintptr_t row_values) {
-            a.combine_send(ptr<const void>(y), y_dtype, ptr<const float>(row_values));
+            a.combine_send({ptr<const void>(y), y_dtype, ptr<const float>(row_values)});
           },
           nb::arg("y"), nb::arg("y_dtype"), nb::arg("row_values") = 0, release(),
           "row_values: [output rows] fp32, one per row back in its tail (0: zeros).")
       .def(
           "combine_recv",
           [](cpu::CpuAllToAll& a, uintptr_t weights, uintptr_t out, uintptr_t values_out) {
-            a.combine_recv(ptr<const float>(weights), ptr<void>(out), ptr<float>(values_out));
+            a.combine_recv({ptr<const float>(weights), ptr<void>(out), ptr<float>(values_out)});
           },
           nb::arg("weights"), nb::arg("out"), nb::arg("values_out") = 0, release(),
           "values_out: [T, topk] fp32, each copy's returned value, unreduced (0: not wanted).")

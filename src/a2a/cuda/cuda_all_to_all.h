@@ -57,16 +57,6 @@ struct DispatchSendArgs {
   bool dequant_recv = false;
 };
 
-// Row math of a weighted receive (bf16 or fp32 rows): each output row
-// delivered times a per-row scale, and its dot product with a row of another
-// tensor (the weighted combine's backward, in the pass that delivers its rows).
-struct RowMath {
-  const float* scale = nullptr;  // [output rows]
-  const void* dot_y = nullptr;   // [output rows, hidden], or null for no dot
-  DType dot_y_dtype = DType::kBf16;
-  float* dot_out = nullptr;  // [output rows] fp32, with dot_y
-};
-
 // The receive half of dispatch.
 struct DispatchRecvArgs {
   void* out_x = nullptr;                // [max_output_rows, hidden]
@@ -74,7 +64,7 @@ struct DispatchRecvArgs {
   int32_t* tokens_per_expert = nullptr;  // [local_experts]
   bool host_wait = false;
   uint32_t* routing_out = nullptr;  // pinned host: the plan's matrix, final after wait_planned
-  RowMath math;                     // scale null: none
+  RowMath math;                     // config.h; scale null: none
   float* out_weight = nullptr;      // [output rows]: each row's weight from its tail (null: not wanted)
   // fp8 rows: out_x is [rows, hidden] in out_dtype (bf16 or fp32), each row
   // dequantised; out_scale is unused.
