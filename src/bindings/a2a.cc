@@ -3,11 +3,11 @@
 // data pointers cross.
 #include <nanobind/nanobind.h>
 
-#include <cstring>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
+#include <cstring>
 
 #include "a2a/cpu/convert.h"
 #include "a2a/cpu/cpu_all_to_all.h"
@@ -24,14 +24,11 @@ T* ptr(uintptr_t p) {
   return reinterpret_cast<T*>(p);
 }
 
-}  // namespace
+// Below bind_a2a, which calls it.
+void bind_cpu_all_to_all(nb::module_& m);
 
-void bind_a2a(nb::module_& m) {
-  using release = nb::call_guard<nb::gil_scoped_release>;
-  nb::exception<CapacityError>(m, "CapacityError", PyExc_RuntimeError);
-  nb::exception<PeerFailedError>(m, "PeerFailedError", PyExc_RuntimeError);
-
-  // The CPU number formats, exposed so tests can hold them against torch.
+// The CPU number formats, exposed so tests can hold them against torch.
+void bind_number_formats(nb::module_& m) {
   m.def(
       "f32_to_e4m3",
       [](const nb::bytes& f32) {
@@ -61,7 +58,8 @@ void bind_a2a(nb::module_& m) {
         }
         return std::make_pair(nb::bytes(q.data(), q.size()), nb::bytes(scales.data(), scales.size()));
       },
-      nb::arg("f32"), nb::arg("hidden"), "fp32 rows (bytes) to (e4m3 codes, fp32 block scales), as dispatch packs them.");
+      nb::arg("f32"), nb::arg("hidden"),
+      "fp32 rows (bytes) to (e4m3 codes, fp32 block scales), as dispatch packs them.");
   m.def(
       "f32_to_bf16",
       [](const nb::bytes& f32) {
@@ -73,6 +71,14 @@ void bind_a2a(nb::module_& m) {
         return nb::bytes(out.data(), out.size());
       },
       nb::arg("f32"));
+}
+
+}  // namespace
+
+void bind_a2a(nb::module_& m) {
+  nb::exception<CapacityError>(m, "CapacityError", PyExc_RuntimeError);
+  nb::exception<PeerFailedError>(m, "PeerFailedError", PyExc_RuntimeError);
+  bind_number_formats(m);
 
   nb::enum_<DType>(m, "DType").value("bf16", DType::kBf16).value("fp32", DType::kFp32).value("fp8", DType::kFp8);
 
@@ -109,6 +115,13 @@ void bind_a2a(nb::module_& m) {
       .def("map_node", &Workspace::map_node, nb::arg("names"))
       .def("unlink", &Workspace::unlink);
 
+  bind_cpu_all_to_all(m);
+}
+
+namespace {
+
+void bind_cpu_all_to_all(nb::module_& m) {
+  using release = nb::call_guard<nb::gil_scoped_release>;
   nb::class_<cpu::CpuAllToAll>(m, "CpuAllToAll")
       // region and group are None where no peer is remote (no engine).
       .def(
@@ -117,7 +130,7 @@ void bind_a2a(nb::module_& m) {
              std::optional<moe_a2a::fabric::RegionId> region, std::optional<moe_a2a::fabric::GroupId> group,
              const std::vector<int>& remote_peers, const std::vector<int>& pids) {
             new (a) cpu::CpuAllToAll(ws, engine, region.value_or(moe_a2a::fabric::RegionId{}),
-                        group.value_or(moe_a2a::fabric::GroupId{}), remote_peers, pids);
+                                     group.value_or(moe_a2a::fabric::GroupId{}), remote_peers, pids);
           },
           nb::arg("workspace"), nb::arg("engine").none(), nb::arg("region").none(), nb::arg("group").none(),
           nb::arg("remote_peers"), nb::arg("pids"), nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>())
@@ -180,3 +193,5 @@ void bind_a2a(nb::module_& m) {
       .def("received_counts", &cpu::CpuAllToAll::received_counts)
       .def_prop_ro("epoch", &cpu::CpuAllToAll::epoch);
 }
+
+}  // namespace

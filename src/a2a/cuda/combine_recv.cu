@@ -9,14 +9,16 @@
 #include "memory.cuh"
 #include "rows.cuh"
 #include "signal.cuh"
+#include "tuning.h"
 
 namespace moe_a2a::a2a::cuda {
 namespace {
 
-constexpr int kReduceThreads = 256;       // many tokens: several blocks share a multiprocessor
-constexpr int kReduceWideThreads = 1024;  // few tokens (decode): a whole bf16 row in one round
-constexpr int kWideBlocksPerSm = 2;       // "few": at most this many wide blocks per multiprocessor
-constexpr int kRowsInFlight = 8;  // rows whose pieces a thread loads before using the first (top-8: all)
+// Launch tuning: ReduceTuning (tuning.h).
+constexpr int kReduceThreads = ReduceTuning::kThreads;
+constexpr int kReduceWideThreads = ReduceTuning::kWideThreads;
+constexpr int kWideBlocksPerSm = ReduceTuning::kWideBlocksPerSm;
+constexpr int kRowsInFlight = ReduceTuning::kRowsInFlight;
 
 __global__ void wait_kernel(CombineRecvParams p) {
   grid_dependency_wait();  // dependents start when it ends (it spins on other processes)

@@ -21,31 +21,22 @@
 #include "route.cuh"
 #include "scan.cuh"
 #include "signal.cuh"
+#include "tuning.h"
 
 namespace moe_a2a::a2a::cuda {
 namespace {
 
-constexpr int kPackThreads = 256;
-// Blocks a multiprocessor: 40 warps of up to 48 registers. Warps run
-// independently (no block barriers), each on its own (token, slice) items.
-constexpr int kPackBlocksPerSm = 5;
+// Launch tuning: PackTuning and RoutePackTuning (tuning.h). Larger calls
+// than route_pack_kernel takes route in separate kernels.
+constexpr int kPackThreads = PackTuning::kThreads;
+constexpr int kPackBlocksPerSm = PackTuning::kBlocksPerSm;
 constexpr int kPackWarps = kPackThreads / kWarp;
-// route_pack_kernel: two blocks of 16 warps a multiprocessor. Every block
-// routes the whole call, and the multiprocessor's instruction issue bounds
-// that repeated work, so fewer, larger blocks than pack's five (measured:
-// 1 x 1024 threads no better, the step's next kernels then wait for whole
-// multiprocessors). Eight of its warps walk the copies, 128 each (a decode
-// call of 128 tokens, top-8); all of them pack. Larger calls route in
-// separate kernels.
-constexpr int kRoutePackThreads = 512;
+constexpr int kRoutePackThreads = RoutePackTuning::kThreads;
 constexpr int kRoutePackWarps = kRoutePackThreads / kWarp;
-constexpr int kRouteWarps = 8;
+constexpr int kRouteWarps = RoutePackTuning::kRouteWarps;
 constexpr int64_t kRoutePackMaxCopies = kRouteWarps * kWarpCopies;  // 1024: a decode call of 128 tokens, top-8
-constexpr int kRoutePackBlocksPerSm = 2;
-// Shared memory a route_pack_kernel block may take so that two fit a
-// multiprocessor (228 KB on sm_90, 1 KB of it reserved per block): it grows
-// with the number of experts.
-constexpr size_t kRoutePackSmemBytes = 100 * 1024;
+constexpr int kRoutePackBlocksPerSm = RoutePackTuning::kBlocksPerSm;
+constexpr size_t kRoutePackSmemBytes = RoutePackTuning::kSmemBytes;
 
 // Work items: one warp, kWarp consecutive pieces (a slice) of one token.
 // A warp's items advance by a fixed stride: (token, slice) is stepped, not

@@ -24,12 +24,6 @@ MOE_A2A_FLAG_ACCESS(sys)
 MOE_A2A_FLAG_ACCESS(gpu)
 #undef MOE_A2A_FLAG_ACCESS
 
-__device__ __forceinline__ int32_t ld_volatile(const int32_t* p) {
-  int32_t v;
-  asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 // Makes this thread's earlier writes (to device, peer and host memory) visible
 // to every observer before its later ones.
 __device__ __forceinline__ void fence_sys() { asm volatile("fence.sc.sys;" ::: "memory"); }
@@ -43,14 +37,6 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 
 // 16-byte accesses. Rows are 16-byte aligned (protocol.md); callers check
 // alignment of the rest before taking these paths.
-__device__ __forceinline__ uint4 ld_16(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
 // Streaming load: read once, so do not keep it in L1.
 __device__ __forceinline__ uint4 ld_16_stream(const void* p) {
   uint4 v;

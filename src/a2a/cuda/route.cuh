@@ -14,10 +14,11 @@
 
 #include "memory.cuh"
 #include "rows.cuh"
+#include "tuning.h"
 
 namespace moe_a2a::a2a::cuda {
 
-constexpr int kIdsInFlight = 4;                    // id loads a lane issues before the first is used
+constexpr int kIdsInFlight = RouteTuning::kIdsInFlight;  // id loads a lane issues before the first is used
 constexpr int kWarpCopies = kIdsInFlight * kWarp;  // copies one warp walks: one load each lane
 
 // The call's token count, clamped to [0, max_tokens].

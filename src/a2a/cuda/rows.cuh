@@ -10,6 +10,7 @@
 
 #include "memory.cuh"
 #include "params.h"
+#include "tuning.h"
 
 namespace moe_a2a::a2a::cuda {
 
@@ -154,7 +155,7 @@ __device__ __forceinline__ float load_f32(const uint8_t* src) {
 }
 
 // 16-byte pieces a lane loads before its first store, in the row copies.
-constexpr int kCopyUnroll = 8;
+constexpr int kCopyUnroll = RowCopyTuning::kUnroll;
 // Bytes one warp moves in one round of a row copy: rows are cut into chunks of
 // this size, so that a row is spread over several warps (a decode-sized call
 // waits on one round of loads per warp instead of four).

@@ -17,17 +17,16 @@
 #include "launch.h"
 #include "memory.cuh"
 #include "rows.cuh"
+#include "tuning.h"
 
 namespace moe_a2a::a2a::cuda {
 namespace {
 
-constexpr int kStageThreads = 256;
-constexpr int kStageBlocksPerSm = 4;
-constexpr int kStageUnroll = 4;  // 16-byte loads a thread issues before its stores
-// Bytes of one work item, copied by one block: each ends with a system-scope
-// fence and a count, so large enough to amortise them, small enough that a
-// decode-sized peer (a few MB) spreads over many blocks.
-constexpr int64_t kStageChunkBytes = 64 * 1024;
+// Launch tuning: StageTuning (tuning.h).
+constexpr int kStageThreads = StageTuning::kThreads;
+constexpr int kStageBlocksPerSm = StageTuning::kBlocksPerSm;
+constexpr int kStageUnroll = StageTuning::kUnroll;
+constexpr int64_t kStageChunkBytes = StageTuning::kChunkBytes;
 
 // A remote peer's block of the section, in serving order. Shared memory.
 struct StagePeer {

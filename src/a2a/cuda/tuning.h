@@ -120,13 +120,17 @@ struct ReduceTuning {
   static constexpr int kRowsInFlight = 8;     // rows whose pieces a thread loads before using the first (top-8: all)
 };
 
-// Kernels that wait for flags (memory.cuh, signal.cuh) and the default of
-// persistent grids (launch.cu). Four blocks a multiprocessor suit the
-// 256-thread copy kernels: at about 64 registers a thread, 3 to 4 fit, and
-// each warp keeps 4 x 16 bytes a lane in flight, more than Little's law asks
-// of HBM3e (about 33 KB per multiprocessor).
+// A kernel's wait for a flag of the proxy (signal.cuh, wait_proxy).
 struct WaitTuning {
-  static constexpr unsigned kProxySleepNs = 256;  // between looks at a proxy flag
+  static constexpr unsigned kProxySleepNs = 256;  // between looks at the flag
+};
+
+// Persistent grids of the copy kernels that take the default (launch.h,
+// persistent_blocks). Four blocks a multiprocessor suit the 256-thread copy
+// kernels: at about 64 registers a thread, 3 to 4 fit, and each warp keeps 4
+// x 16 bytes a lane in flight, more than Little's law asks of HBM3e (about
+// 33 KB per multiprocessor).
+struct GridTuning {
   static constexpr int kDefaultBlocksPerSm = 4;
 };
 
@@ -173,7 +177,7 @@ inline std::vector<TuningEntry> tuning_table() {
       {"reduce", "wide_blocks_per_sm", ReduceTuning::kWideBlocksPerSm},
       {"reduce", "rows_in_flight", ReduceTuning::kRowsInFlight},
       {"wait", "proxy_sleep_ns", WaitTuning::kProxySleepNs},
-      {"wait", "default_blocks_per_sm", WaitTuning::kDefaultBlocksPerSm},
+      {"grid", "default_blocks_per_sm", GridTuning::kDefaultBlocksPerSm},
   };
 }
 
