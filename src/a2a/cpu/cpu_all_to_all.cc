@@ -10,8 +10,7 @@
 namespace moe_a2a::a2a::cpu {
 
 CpuAllToAll::CpuAllToAll(Workspace* workspace, fabric::TransferEngine* engine, fabric::RegionId region,
-                         fabric::GroupId group,
-                         const std::vector<int>& remote_peers, const std::vector<int>& pids)
+                         fabric::GroupId group, const std::vector<int>& remote_peers, const std::vector<int>& pids)
     : ws_(workspace), engine_(engine), cfg_(workspace->config()), layout_(workspace->layout()) {
   maps_.self = ws_->self();
   maps_.node = &ws_->node();
@@ -62,14 +61,16 @@ double CpuAllToAll::proxy_wait_s() const {
 
 void CpuAllToAll::wait_proxy(const Seq& seq, const char* what) {
   if (!wait_at_least(&seq.value, call_.epoch, deadline_after(proxy_wait_s()), [this] { check_failed(); }))
-    throw fabric::TimeoutError("rank " + std::to_string(cfg_.rank) + ": timed out waiting for the proxy to finish the " +
-                               what + " of epoch " + std::to_string(call_.epoch));
+    throw fabric::TimeoutError("rank " + std::to_string(cfg_.rank) +
+                               ": timed out waiting for the proxy to finish the " + what + " of epoch " +
+                               std::to_string(call_.epoch));
   check_failed();
 }
 
 void CpuAllToAll::signal_node(FlagKind kind) {
   for (int r = 0; r < cfg_.world; ++r)
-    if (cfg_.same_node(r)) flag_at(maps_.of(r), layout_, cfg_.rank, kind)->store(call_.epoch, std::memory_order_release);
+    if (cfg_.same_node(r))
+      flag_at(maps_.of(r), layout_, cfg_.rank, kind)->store(call_.epoch, std::memory_order_release);
 }
 
 void CpuAllToAll::wait_node(FlagKind kind, const char* what) {
@@ -78,8 +79,8 @@ void CpuAllToAll::wait_node(FlagKind kind, const char* what) {
     if (!cfg_.same_node(s)) continue;
     if (!wait_at_least(flag_at(maps_.self, layout_, s, kind), call_.epoch, deadline, [this] { check_failed(); }))
       throw fabric::TimeoutError("rank " + std::to_string(cfg_.rank) + ": timed out after " +
-                                 std::to_string(cfg_.timeout_s) + " s waiting for the " + what +
-                                  " of same-node peer " + std::to_string(s) + " (epoch " + std::to_string(call_.epoch) + ")");
+                                 std::to_string(cfg_.timeout_s) + " s waiting for the " + what + " of same-node peer " +
+                                 std::to_string(s) + " (epoch " + std::to_string(call_.epoch) + ")");
   }
 }
 
@@ -122,7 +123,8 @@ void CpuAllToAll::dispatch_send(const DispatchSendArgs& args) {
   for (int r = 0; r < cfg_.world; ++r) first[r + 1] = first[r] + own.to_rank(0, r);
   for (int r : send_order_) {
     pack_rank(p, r, first[r], first[r + 1] - first[r]);
-    if (cfg_.same_node(r)) flag_at(maps_.of(r), layout_, cfg_.rank, kFlagDispatch)->store(epoch, std::memory_order_release);
+    if (cfg_.same_node(r))
+      flag_at(maps_.of(r), layout_, cfg_.rank, kFlagDispatch)->store(epoch, std::memory_order_release);
     else peers_.packed[r].set(epoch);
   }
   signals_.packed.set(epoch);
@@ -179,10 +181,12 @@ bool CpuAllToAll::landed(int s) const {
 
 void CpuAllToAll::dispatch_unpack(const DispatchUnpackArgs& args) {
   const RowMath& math = args.math;
-  if (math.scale != nullptr && (cfg_.dispatch_dtype == DType::kFp8 ||
-                                (math.dot_y != nullptr && (math.dot_out == nullptr || math.dot_y_dtype == DType::kFp8))))
-    throw std::invalid_argument("dispatch_unpack: math: expected a scale, bf16 or fp32 rows, and dot_y with dot_out "
-                                "in bf16 or fp32");
+  if (math.scale != nullptr &&
+      (cfg_.dispatch_dtype == DType::kFp8 ||
+       (math.dot_y != nullptr && (math.dot_out == nullptr || math.dot_y_dtype == DType::kFp8))))
+    throw std::invalid_argument(
+        "dispatch_unpack: math: expected a scale, bf16 or fp32 rows, and dot_y with dot_out "
+        "in bf16 or fp32");
   RoutingView view{call_.routing.data(), cfg_.world, cfg_.num_experts, cfg_.num_local_experts()};
   call_.row_of_copy.assign(call_.plan.total_received, 0);
   DispatchRecvParams p;
@@ -262,7 +266,8 @@ void CpuAllToAll::combine_send(const CombineSendArgs& args) {
   p.row_values = args.row_values;
   for (int s : send_order_) {  // our peers as senders: their rows go back in the proxy's order
     pack_combine_for(p, s);
-    if (cfg_.same_node(s)) flag_at(maps_.of(s), layout_, cfg_.rank, kFlagCombine)->store(epoch, std::memory_order_release);
+    if (cfg_.same_node(s))
+      flag_at(maps_.of(s), layout_, cfg_.rank, kFlagCombine)->store(epoch, std::memory_order_release);
     else peers_.combine_packed[s].set(epoch);
   }
   signals_.combine_packed.set(epoch);

@@ -22,7 +22,7 @@ namespace moe_a2a::a2a::cpu {
 struct DispatchSendArgs {
   const void* x = nullptr;
   DType x_dtype = DType::kBf16;
-  const float* x_scale = nullptr;  // [T, num_scales] when x is fp8
+  const float* x_scale = nullptr;     // [T, num_scales] when x is fp8
   const int32_t* topk_ids = nullptr;  // [T, topk]
   int num_tokens = 0;
   // The matrix [world][num_experts] of an earlier dispatch of these topk_ids
@@ -58,13 +58,13 @@ struct Call {
   uint64_t done = 0;  // the last phase whose receive half completed (peer_watch.h)
   CallPosition at;    // for check_stamps
   int num_tokens = 0;
-  bool cached = false;               // along a cached routing
-  uint64_t cached_hash = 0;          // routing_hash of its matrix
+  bool cached = false;                  // along a cached routing
+  uint64_t cached_hash = 0;             // routing_hash of its matrix
   std::vector<uint32_t> cached_matrix;  // read by the proxy until dispatch_done
-  std::vector<uint32_t> counts;      // our routing row
-  std::vector<int32_t> slots;        // send row of each (t, k)
-  std::vector<int32_t> row_copy;     // (t, k) of each send row
-  std::vector<uint32_t> routing;     // snapshot of the routing matrix (dispatch_wait)
+  std::vector<uint32_t> counts;         // our routing row
+  std::vector<int32_t> slots;           // send row of each (t, k)
+  std::vector<int32_t> row_copy;        // (t, k) of each send row
+  std::vector<uint32_t> routing;        // snapshot of the routing matrix (dispatch_wait)
   RecvPlan plan;
   std::vector<uint64_t> sender_base;  // [world][local experts] output row of (s, i)'s first copy
   std::vector<int64_t> row_of_copy;

@@ -142,8 +142,9 @@ void check_recv_args(const A2AConfig& cfg, const DispatchRecvArgs& a, bool self_
   if (a.dequant && (cfg.dispatch_dtype != DType::kFp8 || a.out_dtype == DType::kFp8 || math))
     throw std::invalid_argument("dispatch_recv: dequant: expected fp8 rows, a bf16 or fp32 out_dtype and no math");
   if (self_needs_dequant && !a.dequant)
-    throw std::logic_error("dispatch_recv: the send half left our copies in place for a dequantising receive "
-                           "(dequant_recv); expected dequant");
+    throw std::logic_error(
+        "dispatch_recv: the send half left our copies in place for a dequantising receive "
+        "(dequant_recv); expected dequant");
   if (!a.host_wait && (cached || a.routing_out != nullptr))
     throw std::invalid_argument("dispatch_recv: a cached call and routing_out need host_wait (eager calls)");
   if (math) {

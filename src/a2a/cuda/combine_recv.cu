@@ -26,7 +26,8 @@ __global__ void wait_kernel(CombineRecvParams p) {
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(in.epoch);
   const uint64_t deadline = global_timer_ns() + in.timeout_ns;
   for (int r = threadIdx.x; r < in.world; r += blockDim.x)
-    if (r != in.rank && same_node(in, r) && !wait_geq(flag_ptr(in.host_ws, in.layout, r, kFlagCombine), epoch, deadline))
+    if (r != in.rank && same_node(in, r) &&
+        !wait_geq(flag_ptr(in.host_ws, in.layout, r, kFlagCombine), epoch, deadline))
       report(in, kStatusTimeout);
   if (threadIdx.x == 0 && in.has_remote) wait_proxy(in, in.proxy.combine_done, epoch, deadline);
 }
@@ -141,8 +142,8 @@ cudaError_t launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream)
     return launch_kernel(reduce_kernel<kFp32, kReduceThreads>, tokens, round_up_threads(pieces, kReduceThreads), 0,
                          stream, p);
   if (persistent_blocks(tokens, 1, kWideBlocksPerSm) == tokens)
-    return launch_kernel(reduce_kernel<kBf16, kReduceWideThreads>, tokens,
-                         round_up_threads(pieces, kReduceWideThreads), 0, stream, p);
+    return launch_kernel(reduce_kernel<kBf16, kReduceWideThreads>, tokens, round_up_threads(pieces, kReduceWideThreads),
+                         0, stream, p);
   return launch_kernel(reduce_kernel<kBf16, kReduceThreads>, tokens, round_up_threads(pieces, kReduceThreads), 0,
                        stream, p);
 }

@@ -28,8 +28,7 @@ int fused_recv_override() { return env_switch("MOE_A2A_CUDA_FUSED_RECV"); }
 }  // namespace
 
 CudaAllToAll::CudaAllToAll(Workspace* host_workspace, fabric::TransferEngine* engine, fabric::RegionId region,
-                           fabric::GroupId group, const std::vector<int>& remote_peers,
-                           const std::vector<int>& pids)
+                           fabric::GroupId group, const std::vector<int>& remote_peers, const std::vector<int>& pids)
     : cfg_(host_workspace->config()), layout_(host_workspace->layout()), res_(cfg_, layout_) {
   init_switches();
   res_.map_node(host_workspace->node());
@@ -38,8 +37,8 @@ CudaAllToAll::CudaAllToAll(Workspace* host_workspace, fabric::TransferEngine* en
   // nothing waits for the proxy (its flags are read only with remote peers),
   // so no thread polls through steps that move nothing.
   if (has_remote_) {
-    ProxyContext ctx = proxy_context(*host_workspace, engine, region, group, remote_peers, res_.signals(),
-                                     res_.peer_signals(), pids);
+    ProxyContext ctx =
+        proxy_context(*host_workspace, engine, region, group, remote_peers, res_.signals(), res_.peer_signals(), pids);
     ctx.caller_arms = true;  // dispatch_send arms it; kernels cannot wake a thread
     proxy_ = std::make_unique<Proxy>(std::move(ctx));
   }
@@ -134,15 +133,17 @@ void CudaAllToAll::wait_host(FlagKind kind, const Seq& done, const char* what) {
 
 void CudaAllToAll::wait_planned() {
   if (!call_.plan_signals_host)
-    throw std::logic_error("wait_planned: the last dispatch_recv had host_wait=false; its plan kernel "
-                           "does not signal the host (synchronise the stream, then check())");
+    throw std::logic_error(
+        "wait_planned: the last dispatch_recv had host_wait=false; its plan kernel "
+        "does not signal the host (synchronise the stream, then check())");
   // Our kernels may queue behind anything earlier on the stream, and the plan
   // kernel itself may wait that long for flags (graph mode's deadline): a
   // grace second more than that.
   const auto deadline = deadline_after(proxy_wait_s() + kGraceSeconds);
   if (!wait_at_least(&res_.words()->planned.value, call_.epoch, deadline, [this] { check_proxy(); }))
-    throw fabric::TimeoutError("rank " + std::to_string(cfg_.rank) + ": timed out waiting for the plan kernel of epoch " +
-                               std::to_string(call_.epoch) + " (its stream did not reach it)");
+    throw fabric::TimeoutError("rank " + std::to_string(cfg_.rank) +
+                               ": timed out waiting for the plan kernel of epoch " + std::to_string(call_.epoch) +
+                               " (its stream did not reach it)");
   try {
     check();
   } catch (const CapacityError&) {

@@ -59,8 +59,8 @@ struct DispatchSendArgs {
 
 // The receive half of dispatch.
 struct DispatchRecvArgs {
-  void* out_x = nullptr;                // [max_output_rows, hidden]
-  float* out_scale = nullptr;           // [max_output_rows, num_scales] for fp8
+  void* out_x = nullptr;                 // [max_output_rows, hidden]
+  float* out_scale = nullptr;            // [max_output_rows, num_scales] for fp8
   int32_t* tokens_per_expert = nullptr;  // [local_experts]
   bool host_wait = false;
   uint32_t* routing_out = nullptr;  // pinned host: the plan's matrix, final after wait_planned
@@ -101,12 +101,12 @@ struct Call {
   uint64_t done = 0;
   // Dispatch: its send half's arguments, in_place as taken.
   DispatchSendArgs send;
-  bool self_needs_dequant = false;     // our copies left in place as bf16/fp32 rows of an fp8 call
-  const uint32_t* routing = nullptr;   // device address of a cached call's matrix; null if uncached
-  uint64_t cached_hash = 0;            // routing_hash of it
-  std::vector<uint32_t> cached;        // a copy of it, for the proxy until dispatch_done
-  DispatchRecvArgs recv;               // its receive half's
-  bool plan_signals_host = false;      // its plan raises `planned` (host_wait)
+  bool self_needs_dequant = false;    // our copies left in place as bf16/fp32 rows of an fp8 call
+  const uint32_t* routing = nullptr;  // device address of a cached call's matrix; null if uncached
+  uint64_t cached_hash = 0;           // routing_hash of it
+  std::vector<uint32_t> cached;       // a copy of it, for the proxy until dispatch_done
+  DispatchRecvArgs recv;              // its receive half's
+  bool plan_signals_host = false;     // its plan raises `planned` (host_wait)
   // Combine: its send half's arguments, in_place as taken.
   CombineSendArgs combine;
 };

@@ -60,7 +60,7 @@ __device__ __forceinline__ void load_pieces(const DispatchSendParams& p, int t, 
 // amax shuffles, with zeros.
 template <int kMode>
 __device__ __forceinline__ void encode_pieces(const DispatchSendParams& p, int first_piece, int pieces,
-                                             const BulkRound& r, uint8_t* row, int out_bytes) {
+                                              const BulkRound& r, uint8_t* row, int out_bytes) {
   const int warp_first = first_piece - static_cast<int>(threadIdx.x % kWarp);
 #pragma unroll
   for (int j = 0; j < kBulkPiecesInFlight; ++j) {
@@ -139,8 +139,8 @@ __global__ void __launch_bounds__(kBulkThreads, kBulkBlocksPerSm) bulk_pack_kern
   int stage = 0;
   for (int t = first_t; t < tokens; t += stride) {
     // Warp 0 fetches the copies' destinations now, to use once the row is built.
-    uint8_t* mine = threadIdx.x < static_cast<unsigned>(K) ? p.scratch.copy_dst[static_cast<int64_t>(t) * K + lane]
-                                                           : nullptr;
+    uint8_t* mine =
+        threadIdx.x < static_cast<unsigned>(K) ? p.scratch.copy_dst[static_cast<int64_t>(t) * K + lane] : nullptr;
     uint8_t* row = ring + static_cast<size_t>(stage) * row_bytes;
     stage = stage + 1 == kBulkStages ? 0 : stage + 1;
     if (t != first_t) {

@@ -14,7 +14,7 @@ namespace {
 // The plan runs beside our pack kernel, so it must fit beside its blocks: at
 // most PlanTuning::kMaxRegisters a thread, which a multiprocessor holding
 // four pack blocks still has free.
-constexpr int kRegistersPerSm = 65536;  // sm_90
+constexpr int kRegistersPerSm = 65536;                                                        // sm_90
 constexpr int kPlanMinBlocks = kRegistersPerSm / (kPlanThreads * PlanTuning::kMaxRegisters);  // for __launch_bounds__
 
 // The plan needs only routing rows, which our dispatch send published (with

@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) copy_kernel(Di
 template <int kMode>
 __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) copy_sender_kernel(DispatchRecvParams p) {
   extern __shared__ Segment segs[];  // the sender's [local experts]
-  kernel_prologue();  // the plan, and the copies of earlier senders
+  kernel_prologue();                 // the plan, and the copies of earlier senders
   copy_sender_rows<kMode>(p, segs);
 }
 
@@ -141,7 +141,7 @@ static_assert(kCopyThreads == kPlanThreads, "a block of plan_copy_kernel runs th
 template <int kMode>
 __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) plan_copy_kernel(DispatchRecvParams p) {
   extern __shared__ int32_t smem[];  // the planner: the plan's matrix; then every block's segment table
-  kernel_prologue();  // the routing before us reported its status
+  kernel_prologue();                 // the routing before us reported its status
   const Instance& in = p.inst;
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(in.epoch);
   // The first block to start plans: CUDA does not promise that block 0 runs
@@ -180,7 +180,7 @@ cudaError_t launch_copy_sender(const DispatchRecvParams& p, cudaStream_t stream)
   const int64_t rows = p.sender_end - p.sender_first;
   if (p.sender < 0 || p.sender >= in.world || p.sender_first < 0 || rows <= 0) return cudaErrorInvalidValue;
   const size_t smem = static_cast<size_t>(in.local_experts) * sizeof(Segment);
-  const auto kernel = p.dequant ? copy_sender_kernel<kRecvDequant>
+  const auto kernel = p.dequant                ? copy_sender_kernel<kRecvDequant>
                       : p.row_scale != nullptr ? copy_sender_kernel<kRecvScaled>
                                                : copy_sender_kernel<kRecvCopy>;
   cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
@@ -196,7 +196,7 @@ cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t strea
   const int blocks = persistent_blocks(p.max_output_rows * recv_row_chunks(p), kCopyThreads / kWarp, kCopyBlocksPerSm);
   if (p.fused) {
     const size_t smem = plan_smem > seg_smem ? plan_smem : seg_smem;
-    const auto kernel = p.dequant ? plan_copy_kernel<kRecvDequant>
+    const auto kernel = p.dequant                ? plan_copy_kernel<kRecvDequant>
                         : p.row_scale != nullptr ? plan_copy_kernel<kRecvScaled>
                                                  : plan_copy_kernel<kRecvCopy>;
     cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
@@ -205,7 +205,7 @@ cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t strea
   }
   cudaError_t err = launch_dispatch_plan(p, stream);
   if (err != cudaSuccess) return err;
-  const auto copy = p.dequant ? copy_kernel<kRecvDequant>
+  const auto copy = p.dequant                ? copy_kernel<kRecvDequant>
                     : p.row_scale != nullptr ? copy_kernel<kRecvScaled>
                                              : copy_kernel<kRecvCopy>;
   err = allow_dynamic_smem(reinterpret_cast<const void*>(copy), seg_smem);

@@ -104,8 +104,7 @@ __device__ __forceinline__ void store_item(const DispatchSendParams& p, const Pa
 // Each copy's weight into the tail of its row, once per token (by the warp
 // that packs its first slice): lane k stores copy copy0 + k's.
 template <typename DstOf>
-__device__ __forceinline__ void store_weights(const DispatchSendParams& p, int64_t copy0, uint8_t* mine,
-                                              DstOf dst_of) {
+__device__ __forceinline__ void store_weights(const DispatchSendParams& p, int64_t copy0, uint8_t* mine, DstOf dst_of) {
   const int K = p.inst.topk, lane = threadIdx.x % kWarp;
   for (int k0 = 0; k0 < K; k0 += kWarp) {
     uint8_t* row = k0 == 0 ? mine : (k0 + lane < K ? dst_of(copy0 + k0 + lane) : nullptr);
@@ -227,15 +226,13 @@ __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) rout
     allow_dependents();
   }
   // Only the copies of our own items need a destination: one lane each.
-  pack_items<kMode>(
-      p, tokens, items,
-      [&](int64_t c) -> uint8_t* {
-        const int2 copy = table[c];
-        if (copy.y < 0) return nullptr;  // dropped
-        const int r = copy.y / L;
-        if (r == in.rank && p.self_in_place) return nullptr;  // the receive half reads x
-        return destination(in, copy.x, r, first[r * L]);
-      });
+  pack_items<kMode>(p, tokens, items, [&](int64_t c) -> uint8_t* {
+    const int2 copy = table[c];
+    if (copy.y < 0) return nullptr;  // dropped
+    const int r = copy.y / L;
+    if (r == in.rank && p.self_in_place) return nullptr;  // the receive half reads x
+    return destination(in, copy.x, r, first[r * L]);
+  });
   signal_when_grid_done(in, s.done_blocks, kFlagDispatch, packed_flag(in, in.proxy.packed));
 }
 

@@ -34,8 +34,7 @@ struct Pending {
 // last; between passes that moved nothing, backs off, checks the rank and
 // the deadline (`late(pending)` names the sources still out).
 template <typename Landed, typename Take, typename Late>
-void take_as_they_land(const LandingView& v, std::vector<Pending>& pending, Landed&& landed, Take&& take,
-                       Late&& late) {
+void take_as_they_land(const LandingView& v, std::vector<Pending>& pending, Landed&& landed, Take&& take, Late&& late) {
   Backoff backoff;
   while (!pending.empty()) {
     size_t kept = 0;
@@ -114,8 +113,8 @@ void FabricReceive::note_combine_blocks(const LandingView& v, const RoutingView&
   for (int s = 0; s < cfg.world; ++s) {
     const uint64_t c = view.to_rank(cfg.rank, s);
     if (cfg.same_node(s) || c == 0) continue;
-    blocks_.push_back({s, l.combine_recv + view.send_offset(cfg.rank, s) * l.combine_row,
-                       static_cast<size_t>(c) * l.combine_row});
+    blocks_.push_back(
+        {s, l.combine_recv + view.send_offset(cfg.rank, s) * l.combine_row, static_cast<size_t>(c) * l.combine_row});
   }
   blocks_epoch_ = v.epoch;
 }
@@ -142,8 +141,9 @@ void FabricReceive::copy_combine(const LandingView& v, cudaStream_t stream) {
                "combine rows to the device");
   };
   const auto late = [&](const std::vector<Pending>& out) {
-    throw fabric::TimeoutError("rank " + std::to_string(cfg.rank) + ": timed out waiting for the combine rows of peer " +
-                               std::to_string(out.front().peer) + " (epoch " + std::to_string(v.epoch) + ")");
+    throw fabric::TimeoutError("rank " + std::to_string(cfg.rank) +
+                               ": timed out waiting for the combine rows of peer " + std::to_string(out.front().peer) +
+                               " (epoch " + std::to_string(v.epoch) + ")");
   };
   take_as_they_land(v, pending, landed, take, late);
 }

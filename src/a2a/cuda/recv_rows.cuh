@@ -44,8 +44,7 @@ __device__ __forceinline__ void deliver_weight(const DispatchRecvParams& p, int 
   float w;
   if (s == in.rank && p.self_x != nullptr)
     w = p.self_weights != nullptr ? p.self_weights[p.scratch.self_copy[j]] : 0.0f;
-  else
-    w = load_f32(source_row(in, p.scratch.senders, s, j) + in.layout.dispatch_tail);
+  else w = load_f32(source_row(in, p.scratch.senders, s, j) + in.layout.dispatch_tail);
   p.out_weight[row] = w;
 }
 

@@ -28,8 +28,7 @@ constexpr size_t kScratchAlign = 256;
 template <typename Section>
 void scratch_sections(const A2AConfig& cfg, Scratch& s, uint64_t*& epoch, Section&& section) {
   const size_t copies = static_cast<size_t>(cfg.max_tokens) * cfg.topk;
-  const size_t route_blocks_experts =
-      static_cast<size_t>(route_blocks(static_cast<int64_t>(copies))) * cfg.num_experts;
+  const size_t route_blocks_experts = static_cast<size_t>(route_blocks(static_cast<int64_t>(copies))) * cfg.num_experts;
   section(s.num_tokens, 1);
   section(s.slots, copies);
   section(s.copy_rank, copies);

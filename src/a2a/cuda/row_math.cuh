@@ -70,8 +70,8 @@ __device__ __forceinline__ void scale_piece(const Piece8<kSrc>& a, const Piece8<
 // is used. As many as fit the copy kernel's 80 registers with no spill:
 // three of bf16 (96 bytes a lane with their y), one where either is fp32.
 template <int kSrc, int kY, bool kDot>
-__device__ __forceinline__ void scale_row_fast(const uint8_t* src, uint8_t* dst, const uint8_t* y, float w,
-                                               int pieces, int lane, float& dot) {
+__device__ __forceinline__ void scale_row_fast(const uint8_t* src, uint8_t* dst, const uint8_t* y, float w, int pieces,
+                                               int lane, float& dot) {
   constexpr int kUnroll = kSrc == kFp32 || kY == kFp32 ? 1 : 3;
   for (int base = lane; base < pieces; base += kUnroll * kWarp) {
     Piece8<kSrc> a[kUnroll];

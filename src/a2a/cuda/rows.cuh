@@ -14,7 +14,7 @@
 
 namespace moe_a2a::a2a::cuda {
 
-constexpr int kVec = 8;                             // elements per thread piece
+constexpr int kVec = 8;                                // elements per thread piece
 constexpr int kLanesPerScaleBlock = kFp8Block / kVec;  // 16
 constexpr int kWarp = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
@@ -35,9 +35,7 @@ __device__ __forceinline__ float bf16_bits_to_float(uint16_t b) {
   return __uint_as_float(static_cast<uint32_t>(b) << 16);
 }
 
-__device__ __forceinline__ uint16_t float_to_bf16_bits(float f) {
-  return __bfloat16_as_ushort(__float2bfloat16_rn(f));
-}
+__device__ __forceinline__ uint16_t float_to_bf16_bits(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
 
 // A whole piece as loaded: kVec bf16 (lo) or fp32 (lo, hi) elements.
 struct RawPiece {

@@ -17,7 +17,7 @@ namespace moe_a2a::a2a::cuda {
 __device__ __forceinline__ void signal_when_grid_done(const Instance& in, uint32_t* done_blocks, int kind,
                                                       uint64_t* proxy_flag) {
   if (in.world == 1) return;  // nobody to tell: our own later kernels follow in stream order
-  __syncthreads();  // the block's stores precede thread 0's fence
+  __syncthreads();            // the block's stores precede thread 0's fence
   if (threadIdx.x != 0) return;
   fence_sys();  // our rows are visible everywhere before we are counted
   const uint32_t finished = atomicAdd(done_blocks, 1u);

@@ -41,7 +41,7 @@ struct PackTuning {
 // kBlockCopies copies, a warp's kIdsInFlight ids a lane loaded together.
 struct RouteTuning {
   static constexpr int kBlockCopies = 1024;
-  static constexpr int kIdsInFlight = 4;     // id loads a lane issues before the first is used
+  static constexpr int kIdsInFlight = 4;      // id loads a lane issues before the first is used
   static constexpr int kBlockBaseChunk = 16;  // block_base loads a thread issues before its stores
 };
 
@@ -114,8 +114,8 @@ struct ReturnTuning {
 
 // Combine receive, the weighted sum (combine_recv.cu).
 struct ReduceTuning {
-  static constexpr int kThreads = 256;       // many tokens: several blocks share a multiprocessor
-  static constexpr int kWideThreads = 1024;  // few tokens (decode): a whole bf16 row in one round
+  static constexpr int kThreads = 256;        // many tokens: several blocks share a multiprocessor
+  static constexpr int kWideThreads = 1024;   // few tokens (decode): a whole bf16 row in one round
   static constexpr int kWideBlocksPerSm = 2;  // "few": at most this many wide blocks per multiprocessor
   static constexpr int kRowsInFlight = 8;     // rows whose pieces a thread loads before using the first (top-8: all)
 };
