@@ -13,16 +13,15 @@
 #include "a2a/cpu/cpu_all_to_all.h"
 #include "a2a/errors.h"
 #include "a2a/workspace.h"
+#include "pointers.h"
 
 namespace nb = nanobind;
 using namespace moe_a2a::a2a;
 
 namespace {
 
-template <typename T>
-T* ptr(uintptr_t p) {
-  return reinterpret_cast<T*>(p);
-}
+using moe_a2a::bindings::ptr;
+using moe_a2a::bindings::row_math;
 
 // Below bind_a2a, which calls it.
 void bind_cpu_all_to_all(nb::module_& m);
@@ -156,12 +155,7 @@ void bind_cpu_all_to_all(nb::module_& m) {
             args.out_x = ptr<void>(out_x);
             args.out_scale = ptr<float>(out_scale);
             args.out_weight = ptr<float>(out_weight);
-            if (row_scale != 0) {  // no row math without a scale
-              args.math.scale = ptr<const float>(row_scale);
-              args.math.dot_y = ptr<const void>(dot_y);
-              args.math.dot_y_dtype = dot_y_dtype;
-              args.math.dot_out = ptr<float>(dot_out);
-            }
+            args.math = row_math(row_scale, dot_y, dot_y_dtype, dot_out);
             a.dispatch_unpack(args);
           },
           nb::arg("out_x"), nb::arg("out_scale"), nb::arg("out_weight") = 0, nb::arg("row_scale") = 0,

@@ -16,6 +16,7 @@ namespace nb = nanobind;
 
 #include "a2a/cuda/cuda_all_to_all.h"
 #include "a2a/cuda/tuning.h"
+#include "pointers.h"
 
 using moe_a2a::a2a::A2AConfig;
 using moe_a2a::a2a::DType;
@@ -30,10 +31,8 @@ using moe_a2a::a2a::cuda::DispatchSendArgs;
 
 namespace {
 
-template <typename T>
-T* ptr(uintptr_t p) {
-  return reinterpret_cast<T*>(p);
-}
+using moe_a2a::bindings::ptr;
+using moe_a2a::bindings::row_math;
 
 cudaStream_t stream_of(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
 
@@ -103,12 +102,7 @@ void def_halves(nb::class_<CudaAllToAll>& cls) {
             args.tokens_per_expert = ptr<int32_t>(tokens_per_expert);
             args.host_wait = host_wait;
             args.routing_out = ptr<uint32_t>(routing_out);
-            if (row_scale != 0) {  // no row math without a scale
-              args.math.scale = ptr<const float>(row_scale);
-              args.math.dot_y = ptr<const void>(dot_y);
-              args.math.dot_y_dtype = dot_y_dtype;
-              args.math.dot_out = ptr<float>(dot_out);
-            }
+            args.math = row_math(row_scale, dot_y, dot_y_dtype, dot_out);
             args.out_weight = ptr<float>(out_weight);
             args.dequant = dequant;
             args.out_dtype = out_dtype;
