@@ -5,6 +5,7 @@
 #include <exception>
 
 #include "env.h"
+#include "errors.h"
 #include "fabric/error.h"
 #include "plan.h"
 #include "wait.h"
@@ -385,9 +386,7 @@ bool Proxy::take_routes(uint64_t epoch) {
   if (worst_rank < 0) return true;
   at_.overflow = true;
   std::lock_guard<std::mutex> lock(mu_);
-  overflow_ = "dispatch would deliver " + std::to_string(worst) + " token copies to rank " +
-              std::to_string(worst_rank) + ", more than max_recv_tokens=" + std::to_string(c.max_recv_tokens) +
-              "; raise max_recv_tokens in Config (nothing was delivered; the next call can proceed)";
+  overflow_ = capacity_message(c.max_recv_tokens, worst_rank, worst);
   return false;
 }
 

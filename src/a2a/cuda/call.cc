@@ -333,9 +333,7 @@ void CudaAllToAll::combine_recv(const CombineRecvArgs& args, cudaStream_t stream
 std::string CudaAllToAll::capacity_message() const {
   std::string msg = proxy_ ? proxy_->overflow_message() : std::string();
   if (!msg.empty()) return msg;
-  return "dispatch would deliver more token copies to some rank than max_recv_tokens=" +
-         std::to_string(cfg_.max_recv_tokens) +
-         "; raise max_recv_tokens in Config (nothing was delivered; the next call can proceed)";
+  return a2a::capacity_message(cfg_.max_recv_tokens);
 }
 
 void CudaAllToAll::check() const {
