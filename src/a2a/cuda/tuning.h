@@ -1,8 +1,9 @@
 // Launch tuning of the CUDA kernels: one table per kernel family, the only
 // place these numbers live. Plain C++ (no CUDA), so the bindings can report
 // the tuning a build uses (tuning_table(), `_core.cuda_tuning()`) and traces
-// and bench headers can record it. Measured on the H200 (sm_90: 228 KB of
-// shared memory and 64K registers a multiprocessor); docs/cuda.md says how.
+// and bench headers can record it. Chosen on the H200 (sm_90: 228 KB of
+// shared memory and 64K registers a multiprocessor), for the reasons given
+// with each family; tools/gpu/ab.sh compares two builds' step times.
 #pragma once
 
 #include <cstddef>
