@@ -494,6 +494,8 @@ def default_environment() -> dict[str, str]:
 
         env["moe_a2a"] = __version__
         env["libfabric_providers"] = ",".join(_core.libfabric_providers())
+        # the kernels' launch tuning of this build (src/a2a/cuda/tuning.h): {"cuda": false} without them
+        env["cuda_tuning"] = json.dumps(_core.cuda_tuning(), sort_keys=True)
     except Exception as exc:  # a trace must not fail for lack of the extension
         env["libfabric_providers"] = f"unknown ({type(exc).__name__})"
     return env

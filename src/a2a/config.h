@@ -11,10 +11,21 @@ namespace moe_a2a::a2a {
 
 enum class DType : uint8_t { kBf16 = 0, kFp32 = 1, kFp8 = 2 };
 
-constexpr int kFp8Block = 128;       // elements per fp32 scale
-constexpr float kFp8Max = 448.0f;    // largest finite e4m3fn value
-constexpr size_t kRowAlign = 16;     // token rows start on 16 bytes
-constexpr size_t kSectionAlign = 64; // workspace sections start on a cache line
+// Row math of a weighted dispatch receive (bf16 or fp32 rows), on the CPU and
+// the GPU: each output row delivered times a per-row scale, and its dot
+// product with a row of another tensor (the weighted combine's backward, in
+// the pass that delivers its rows). Scale null: none.
+struct RowMath {
+  const float* scale = nullptr;  // [output rows]
+  const void* dot_y = nullptr;   // [output rows, hidden], or null for no dot
+  DType dot_y_dtype = DType::kBf16;
+  float* dot_out = nullptr;  // [output rows] fp32, with dot_y
+};
+
+constexpr int kFp8Block = 128;        // elements per fp32 scale
+constexpr float kFp8Max = 448.0f;     // largest finite e4m3fn value
+constexpr size_t kRowAlign = 16;      // token rows start on 16 bytes
+constexpr size_t kSectionAlign = 64;  // workspace sections start on a cache line
 // Every row ends with a tail of its own after its body: a dispatch row's holds
 // its copy's routing weight, a combine row's one value the expert side returns
 // for it (fp32 each; docs/protocol.md, "Row tails"). A whole 16 bytes, so the
@@ -67,7 +78,9 @@ struct A2AConfig {
   size_t payload_bytes() const { return static_cast<size_t>(hidden) * dtype_bytes(dispatch_dtype); }
   size_t dispatch_body_bytes() const { return align_up(payload_bytes() + num_scales() * sizeof(float), kRowAlign); }
   size_t dispatch_row_bytes() const { return dispatch_body_bytes() + kRowTail; }
-  size_t combine_body_bytes() const { return align_up(static_cast<size_t>(hidden) * dtype_bytes(combine_dtype), kRowAlign); }
+  size_t combine_body_bytes() const {
+    return align_up(static_cast<size_t>(hidden) * dtype_bytes(combine_dtype), kRowAlign);
+  }
   size_t combine_row_bytes() const { return combine_body_bytes() + kRowTail; }
 
   // The Python layer validates with friendlier messages; this guards the core.

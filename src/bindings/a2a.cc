@@ -3,35 +3,31 @@
 // data pointers cross.
 #include <nanobind/nanobind.h>
 
-#include <cstring>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
+#include <cstring>
 
 #include "a2a/cpu/convert.h"
 #include "a2a/cpu/cpu_all_to_all.h"
 #include "a2a/errors.h"
 #include "a2a/workspace.h"
+#include "pointers.h"
 
 namespace nb = nanobind;
 using namespace moe_a2a::a2a;
 
 namespace {
 
-template <typename T>
-T* ptr(uintptr_t p) {
-  return reinterpret_cast<T*>(p);
-}
+using moe_a2a::bindings::ptr;
+using moe_a2a::bindings::row_math;
 
-}  // namespace
+// Below bind_a2a, which calls it.
+void bind_cpu_all_to_all(nb::module_& m);
 
-void bind_a2a(nb::module_& m) {
-  using release = nb::call_guard<nb::gil_scoped_release>;
-  nb::exception<CapacityError>(m, "CapacityError", PyExc_RuntimeError);
-  nb::exception<PeerFailedError>(m, "PeerFailedError", PyExc_RuntimeError);
-
-  // The CPU number formats, exposed so tests can hold them against torch.
+// The CPU number formats, exposed so tests can hold them against torch.
+void bind_number_formats(nb::module_& m) {
   m.def(
       "f32_to_e4m3",
       [](const nb::bytes& f32) {
@@ -61,7 +57,8 @@ void bind_a2a(nb::module_& m) {
         }
         return std::make_pair(nb::bytes(q.data(), q.size()), nb::bytes(scales.data(), scales.size()));
       },
-      nb::arg("f32"), nb::arg("hidden"), "fp32 rows (bytes) to (e4m3 codes, fp32 block scales), as dispatch packs them.");
+      nb::arg("f32"), nb::arg("hidden"),
+      "fp32 rows (bytes) to (e4m3 codes, fp32 block scales), as dispatch packs them.");
   m.def(
       "f32_to_bf16",
       [](const nb::bytes& f32) {
@@ -73,6 +70,14 @@ void bind_a2a(nb::module_& m) {
         return nb::bytes(out.data(), out.size());
       },
       nb::arg("f32"));
+}
+
+}  // namespace
+
+void bind_a2a(nb::module_& m) {
+  nb::exception<CapacityError>(m, "CapacityError", PyExc_RuntimeError);
+  nb::exception<PeerFailedError>(m, "PeerFailedError", PyExc_RuntimeError);
+  bind_number_formats(m);
 
   nb::enum_<DType>(m, "DType").value("bf16", DType::kBf16).value("fp32", DType::kFp32).value("fp8", DType::kFp8);
 
@@ -111,6 +116,13 @@ void bind_a2a(nb::module_& m) {
       .def("map_node", &Workspace::map_node, nb::arg("names"))
       .def("unlink", &Workspace::unlink);
 
+  bind_cpu_all_to_all(m);
+}
+
+namespace {
+
+void bind_cpu_all_to_all(nb::module_& m) {
+  using release = nb::call_guard<nb::gil_scoped_release>;
   nb::class_<cpu::CpuAllToAll>(m, "CpuAllToAll")
       // region and group are None where no peer is remote (no engine).
       .def(
@@ -119,7 +131,7 @@ void bind_a2a(nb::module_& m) {
              std::optional<moe_a2a::fabric::RegionId> region, std::optional<moe_a2a::fabric::GroupId> group,
              const std::vector<int>& remote_peers, const std::vector<int>& pids) {
             new (a) cpu::CpuAllToAll(ws, engine, region.value_or(moe_a2a::fabric::RegionId{}),
-                        group.value_or(moe_a2a::fabric::GroupId{}), remote_peers, pids);
+                                     group.value_or(moe_a2a::fabric::GroupId{}), remote_peers, pids);
           },
           nb::arg("workspace"), nb::arg("engine").none(), nb::arg("region").none(), nb::arg("group").none(),
           nb::arg("remote_peers"), nb::arg("pids"), nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>())
@@ -128,8 +140,8 @@ void bind_a2a(nb::module_& m) {
           "dispatch_send",
           [](cpu::CpuAllToAll& a, uintptr_t x, DType x_dtype, uintptr_t x_scale, uintptr_t topk_ids, int num_tokens,
              uintptr_t routing, uintptr_t weights) {
-            a.dispatch_send(ptr<const void>(x), x_dtype, ptr<const float>(x_scale), ptr<const int32_t>(topk_ids),
-                            num_tokens, ptr<const uint32_t>(routing), ptr<const float>(weights));
+            a.dispatch_send({ptr<const void>(x), x_dtype, ptr<const float>(x_scale), ptr<const int32_t>(topk_ids),
+                             num_tokens, ptr<const uint32_t>(routing), ptr<const float>(weights)});
           },
           nb::arg("x"), nb::arg("x_dtype"), nb::arg("x_scale"), nb::arg("topk_ids"), nb::arg("num_tokens"),
           nb::arg("routing") = 0, nb::arg("weights") = 0, release(),
@@ -141,13 +153,12 @@ void bind_a2a(nb::module_& m) {
           "dispatch_unpack",
           [](cpu::CpuAllToAll& a, uintptr_t out_x, uintptr_t out_scale, uintptr_t out_weight, uintptr_t row_scale,
              uintptr_t dot_y, DType dot_y_dtype, uintptr_t dot_out) {
-            cpu::CpuAllToAll::RowMath math;
-            math.scale = ptr<const float>(row_scale);
-            math.dot_y = ptr<const void>(dot_y);
-            math.dot_y_dtype = dot_y_dtype;
-            math.dot_out = ptr<float>(dot_out);
-            a.dispatch_unpack(ptr<void>(out_x), ptr<float>(out_scale), ptr<float>(out_weight),
-                              row_scale != 0 ? &math : nullptr);
+            cpu::DispatchUnpackArgs args;
+            args.out_x = ptr<void>(out_x);
+            args.out_scale = ptr<float>(out_scale);
+            args.out_weight = ptr<float>(out_weight);
+            args.math = row_math(row_scale, dot_y, dot_y_dtype, dot_out);
+            a.dispatch_unpack(args);
           },
           nb::arg("out_x"), nb::arg("out_scale"), nb::arg("out_weight") = 0, nb::arg("row_scale") = 0,
           nb::arg("dot_y") = 0, nb::arg("dot_y_dtype") = DType::kBf16, nb::arg("dot_out") = 0, release(),
@@ -157,14 +168,14 @@ void bind_a2a(nb::module_& m) {
       .def(
           "combine_send",
           [](cpu::CpuAllToAll& a, uintptr_t y, DType y_dtype, uintptr_t row_values) {
-            a.combine_send(ptr<const void>(y), y_dtype, ptr<const float>(row_values));
+            a.combine_send({ptr<const void>(y), y_dtype, ptr<const float>(row_values)});
           },
           nb::arg("y"), nb::arg("y_dtype"), nb::arg("row_values") = 0, release(),
           "row_values: [output rows] fp32, one per row back in its tail (0: zeros).")
       .def(
           "combine_recv",
           [](cpu::CpuAllToAll& a, uintptr_t weights, uintptr_t out, uintptr_t values_out) {
-            a.combine_recv(ptr<const float>(weights), ptr<void>(out), ptr<float>(values_out));
+            a.combine_recv({ptr<const float>(weights), ptr<void>(out), ptr<float>(values_out)});
           },
           nb::arg("weights"), nb::arg("out"), nb::arg("values_out") = 0, release(),
           "values_out: [T, topk] fp32, each copy's returned value, unreduced (0: not wanted).")
@@ -178,3 +189,5 @@ void bind_a2a(nb::module_& m) {
       .def("received_counts", &cpu::CpuAllToAll::received_counts)
       .def_prop_ro("epoch", &cpu::CpuAllToAll::epoch);
 }
+
+}  // namespace

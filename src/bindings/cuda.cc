@@ -15,20 +15,24 @@ namespace nb = nanobind;
 #include <map>
 
 #include "a2a/cuda/cuda_all_to_all.h"
+#include "a2a/cuda/tuning.h"
+#include "pointers.h"
 
 using moe_a2a::a2a::A2AConfig;
 using moe_a2a::a2a::DType;
 using moe_a2a::a2a::Layout;
 using moe_a2a::a2a::ProxySignals;
 using moe_a2a::a2a::Workspace;
+using moe_a2a::a2a::cuda::CombineRecvArgs;
+using moe_a2a::a2a::cuda::CombineSendArgs;
 using moe_a2a::a2a::cuda::CudaAllToAll;
+using moe_a2a::a2a::cuda::DispatchRecvArgs;
+using moe_a2a::a2a::cuda::DispatchSendArgs;
 
 namespace {
 
-template <typename T>
-T* ptr(uintptr_t p) {
-  return reinterpret_cast<T*>(p);
-}
+using moe_a2a::bindings::ptr;
+using moe_a2a::bindings::row_math;
 
 cudaStream_t stream_of(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
 
@@ -48,75 +52,61 @@ std::map<std::string, size_t> layout_dict(const Layout& l) {
 // Host addresses of the proxy's flags, for tests that play the proxy.
 std::map<std::string, uintptr_t> signal_addresses(const ProxySignals* s) {
   auto a = [](const auto& seq) { return reinterpret_cast<uintptr_t>(&seq.value); };
-  return {{"route_ready", a(s->route_ready)},     {"packed", a(s->packed)},
-          {"combine_packed", a(s->combine_packed)}, {"dispatch_done", a(s->dispatch_done)},
-          {"combine_done", a(s->combine_done)},   {"overflow", a(s->overflow)},
+  return {{"route_ready", a(s->route_ready)},
+          {"packed", a(s->packed)},
+          {"combine_packed", a(s->combine_packed)},
+          {"dispatch_done", a(s->dispatch_done)},
+          {"combine_done", a(s->combine_done)},
+          {"overflow", a(s->overflow)},
           {"failed", a(s->failed)}};
 }
 
-}  // namespace
-
-void bind_cuda(nb::module_& m) {
+// The four halves: each builds its call's arguments from integers (pointers
+// and streams) and DTypes.
+void def_halves(nb::class_<CudaAllToAll>& cls) {
   using release = nb::call_guard<nb::gil_scoped_release>;
-  m.attr("HAVE_CUDA") = true;
-  nb::class_<CudaAllToAll>(m, "CudaAllToAll")
-      // region and group are None where no peer is remote (no engine).
-      .def(
-          "__init__",
-          [](CudaAllToAll* a, Workspace* ws, moe_a2a::fabric::ProxyEngine* engine,
-             std::optional<moe_a2a::fabric::RegionId> region, std::optional<moe_a2a::fabric::GroupId> group,
-             const std::vector<int>& remote_peers, const std::vector<int>& pids) {
-            new (a) CudaAllToAll(ws, engine, region.value_or(moe_a2a::fabric::RegionId{}),
-                        group.value_or(moe_a2a::fabric::GroupId{}), remote_peers, pids);
-          },
-          nb::arg("workspace"), nb::arg("engine").none(), nb::arg("region").none(), nb::arg("group").none(),
-          nb::arg("remote_peers"), nb::arg("pids") = std::vector<int>{}, nb::keep_alive<1, 2>(),
-          nb::keep_alive<1, 3>())
-      .def(nb::init<const A2AConfig&>(), nb::arg("config"),
-           "A rank without fabric or proxy, for tests that run several ranks in one process.")
-      .def("ipc_handle", [](const CudaAllToAll& a) {
-        std::string h = a.ipc_handle();
-        return nb::bytes(h.data(), h.size());
-      })
-      .def(
-          "open_node",
-          [](CudaAllToAll& a, const std::vector<nb::bytes>& handles) {
-            std::vector<std::string> hs;
-            for (const auto& h : handles) hs.emplace_back(static_cast<const char*>(h.data()), h.size());
-            a.open_node(hs);
-          },
-          nb::arg("handles"))
-      // No keep_alive: peers would keep each other alive in a cycle; the caller holds them all.
-      .def("connect_local", &CudaAllToAll::connect_local, nb::arg("peer"))
-      .def(
-          "dispatch_send",
-          [](CudaAllToAll& a, uintptr_t x, DType x_dtype, uintptr_t x_scale, uintptr_t topk_ids, bool ids_64bit,
-             int num_tokens, uintptr_t num_tokens_device, uintptr_t stream, uintptr_t routing, bool in_place,
-             uintptr_t weights, bool dequant_recv) {
-            a.dispatch_send(ptr<const void>(x), x_dtype, ptr<const float>(x_scale), ptr<const void>(topk_ids), ids_64bit,
-                            num_tokens, ptr<const int32_t>(num_tokens_device), stream_of(stream),
-                            ptr<const uint32_t>(routing), in_place, ptr<const float>(weights), dequant_recv);
-          },
-          nb::arg("x"), nb::arg("x_dtype"), nb::arg("x_scale"), nb::arg("topk_ids"), nb::arg("ids_64bit"),
-          nb::arg("num_tokens"), nb::arg("num_tokens_device"), nb::arg("stream"), nb::arg("routing") = 0,
-          nb::arg("in_place") = false, nb::arg("weights") = 0, nb::arg("dequant_recv") = false,
-          "routing: a cached call's matrix in pinned host memory (0: exchange the routing rows). "
-          "dequant_recv: the receive half dequantises fp8 rows (then in_place holds for a bf16/fp32 x too). "
-          "in_place: x stays unchanged until the receive half, which reads this rank's own copies from it. "
-          "weights: [T, topk] fp32, each copy's weight into its row's tail (0: zeros).")
+  cls.def(
+         "dispatch_send",
+         [](CudaAllToAll& a, uintptr_t x, DType x_dtype, uintptr_t x_scale, uintptr_t topk_ids, bool ids_64bit,
+            int num_tokens, uintptr_t num_tokens_device, uintptr_t stream, uintptr_t routing, bool in_place,
+            uintptr_t weights, bool dequant_recv) {
+           DispatchSendArgs args;
+           args.x = ptr<const void>(x);
+           args.x_dtype = x_dtype;
+           args.x_scale = ptr<const float>(x_scale);
+           args.topk_ids = ptr<const void>(topk_ids);
+           args.ids_64bit = ids_64bit;
+           args.num_tokens = num_tokens;
+           args.num_tokens_device = ptr<const int32_t>(num_tokens_device);
+           args.routing = ptr<const uint32_t>(routing);
+           args.in_place = in_place;
+           args.weights = ptr<const float>(weights);
+           args.dequant_recv = dequant_recv;
+           a.dispatch_send(args, stream_of(stream));
+         },
+         nb::arg("x"), nb::arg("x_dtype"), nb::arg("x_scale"), nb::arg("topk_ids"), nb::arg("ids_64bit"),
+         nb::arg("num_tokens"), nb::arg("num_tokens_device"), nb::arg("stream"), nb::arg("routing") = 0,
+         nb::arg("in_place") = false, nb::arg("weights") = 0, nb::arg("dequant_recv") = false,
+         "routing: a cached call's matrix in pinned host memory (0: exchange the routing rows). "
+         "dequant_recv: the receive half dequantises fp8 rows (then in_place holds for a bf16/fp32 x too). "
+         "in_place: x stays unchanged until the receive half, which reads this rank's own copies from it. "
+         "weights: [T, topk] fp32, each copy's weight into its row's tail (0: zeros).")
       .def(
           "dispatch_recv",
           [](CudaAllToAll& a, uintptr_t out_x, uintptr_t out_scale, uintptr_t tokens_per_expert, bool host_wait,
              uintptr_t stream, uintptr_t routing_out, uintptr_t row_scale, uintptr_t dot_y, DType dot_y_dtype,
              uintptr_t dot_out, uintptr_t out_weight, bool dequant, DType out_dtype) {
-            CudaAllToAll::RowMath math;
-            math.scale = ptr<const float>(row_scale);
-            math.dot_y = ptr<const void>(dot_y);
-            math.dot_y_dtype = dot_y_dtype;
-            math.dot_out = ptr<float>(dot_out);
-            a.dispatch_recv(ptr<void>(out_x), ptr<float>(out_scale), ptr<int32_t>(tokens_per_expert), host_wait,
-                            stream_of(stream), ptr<uint32_t>(routing_out), row_scale != 0 ? &math : nullptr,
-                            ptr<float>(out_weight), dequant, out_dtype);
+            DispatchRecvArgs args;
+            args.out_x = ptr<void>(out_x);
+            args.out_scale = ptr<float>(out_scale);
+            args.tokens_per_expert = ptr<int32_t>(tokens_per_expert);
+            args.host_wait = host_wait;
+            args.routing_out = ptr<uint32_t>(routing_out);
+            args.math = row_math(row_scale, dot_y, dot_y_dtype, dot_out);
+            args.out_weight = ptr<float>(out_weight);
+            args.dequant = dequant;
+            args.out_dtype = out_dtype;
+            a.dispatch_recv(args, stream_of(stream));
           },
           nb::arg("out_x"), nb::arg("out_scale"), nb::arg("tokens_per_expert"), nb::arg("host_wait"), nb::arg("stream"),
           nb::arg("routing_out") = 0, nb::arg("row_scale") = 0, nb::arg("dot_y") = 0,
@@ -129,8 +119,8 @@ void bind_cuda(nb::module_& m) {
           "combine_send",
           [](CudaAllToAll& a, uintptr_t y, DType y_dtype, int64_t y_rows, uintptr_t stream, bool in_place,
              uintptr_t row_values) {
-            a.combine_send(ptr<const void>(y), y_dtype, y_rows, stream_of(stream), in_place,
-                           ptr<const float>(row_values));
+            a.combine_send({ptr<const void>(y), y_dtype, y_rows, in_place, ptr<const float>(row_values)},
+                           stream_of(stream));
           },
           nb::arg("y"), nb::arg("y_dtype"), nb::arg("y_rows"), nb::arg("stream"), nb::arg("in_place") = false,
           nb::arg("row_values") = 0,
@@ -140,12 +130,65 @@ void bind_cuda(nb::module_& m) {
           "combine_recv",
           [](CudaAllToAll& a, uintptr_t weights, uintptr_t out, bool host_wait, uintptr_t stream,
              uintptr_t values_out) {
-            a.combine_recv(ptr<const float>(weights), ptr<void>(out), host_wait, stream_of(stream),
-                           ptr<float>(values_out));
+            a.combine_recv({ptr<const float>(weights), ptr<void>(out), host_wait, ptr<float>(values_out)},
+                           stream_of(stream));
           },
           nb::arg("weights"), nb::arg("out"), nb::arg("host_wait"), nb::arg("stream"), nb::arg("values_out") = 0,
-          release(), "values_out: [T, topk] fp32, each copy's returned value, unreduced (0: not wanted).")
-      .def("check", &CudaAllToAll::check, "Raise the outcome of the last call (after synchronising its stream).")
+          release(), "values_out: [T, topk] fp32, each copy's returned value, unreduced (0: not wanted).");
+}
+
+// The launch tuning this build's kernels use (tuning.h), for traces and
+// bench headers: {"cuda": True, "architectures": "90", family: {name: value}}.
+nb::dict cuda_tuning() {
+  nb::dict out;
+  out["cuda"] = true;
+  out["architectures"] = MOE_A2A_CUDA_ARCHITECTURES;
+  for (const auto& e : moe_a2a::a2a::cuda::tuning_table()) {
+    if (!out.contains(e.family.c_str())) out[e.family.c_str()] = nb::dict();
+    nb::dict family = nb::borrow<nb::dict>(out[e.family.c_str()]);
+    family[e.name.c_str()] = e.value;
+  }
+  return out;
+}
+
+}  // namespace
+
+void bind_cuda(nb::module_& m) {
+  using release = nb::call_guard<nb::gil_scoped_release>;
+  m.attr("HAVE_CUDA") = true;
+  m.def("cuda_tuning", &cuda_tuning,
+        "The launch tuning of this build's CUDA kernels, one dict per kernel family (src/a2a/cuda/tuning.h).");
+  nb::class_<CudaAllToAll> cls(m, "CudaAllToAll");
+  cls  // region and group are None where no peer is remote (no engine).
+      .def(
+          "__init__",
+          [](CudaAllToAll* a, Workspace* ws, moe_a2a::fabric::ProxyEngine* engine,
+             std::optional<moe_a2a::fabric::RegionId> region, std::optional<moe_a2a::fabric::GroupId> group,
+             const std::vector<int>& remote_peers, const std::vector<int>& pids) {
+            new (a) CudaAllToAll(ws, engine, region.value_or(moe_a2a::fabric::RegionId{}),
+                                 group.value_or(moe_a2a::fabric::GroupId{}), remote_peers, pids);
+          },
+          nb::arg("workspace"), nb::arg("engine").none(), nb::arg("region").none(), nb::arg("group").none(),
+          nb::arg("remote_peers"), nb::arg("pids") = std::vector<int>{}, nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>())
+      .def(nb::init<const A2AConfig&>(), nb::arg("config"),
+           "A rank without fabric or proxy, for tests that run several ranks in one process.")
+      .def("ipc_handle",
+           [](const CudaAllToAll& a) {
+             std::string h = a.ipc_handle();
+             return nb::bytes(h.data(), h.size());
+           })
+      .def(
+          "open_node",
+          [](CudaAllToAll& a, const std::vector<nb::bytes>& handles) {
+            std::vector<std::string> hs;
+            for (const auto& h : handles) hs.emplace_back(static_cast<const char*>(h.data()), h.size());
+            a.open_node(hs);
+          },
+          nb::arg("handles"))
+      // No keep_alive: peers would keep each other alive in a cycle; the caller holds them all.
+      .def("connect_local", &CudaAllToAll::connect_local, nb::arg("peer"));
+  def_halves(cls);
+  cls.def("check", &CudaAllToAll::check, "Raise the outcome of the last call (after synchronising its stream).")
       .def("announce_failure", &CudaAllToAll::announce_failure, nb::arg("text"), release(),
            "Tell every peer that this rank failed, so their waits end at once.")
       .def("wait_planned", &CudaAllToAll::wait_planned,
@@ -167,6 +210,16 @@ void bind_cuda(nb::module_& m) {
 
 #else
 
-void bind_cuda(nb::module_& m) { m.attr("HAVE_CUDA") = false; }
+void bind_cuda(nb::module_& m) {
+  m.attr("HAVE_CUDA") = false;
+  m.def(
+      "cuda_tuning",
+      []() {
+        nb::dict out;
+        out["cuda"] = false;  // built without nvcc: no kernels, no tuning
+        return out;
+      },
+      "The launch tuning of this build's CUDA kernels: {'cuda': False} in a build without them.");
+}
 
 #endif

@@ -1,6 +1,8 @@
 // Dispatch and combine on the CPU: the compute steps run on the calling
 // thread, the proxy thread moves bytes to remote ranks. Each half returns as
 // soon as its part is done, so callers can overlap work between halves.
+// Each half takes one plain struct of arguments; the current call is one
+// struct (`Call`): what each half leaves for the next.
 #pragma once
 
 #include <chrono>
@@ -16,48 +18,85 @@
 
 namespace moe_a2a::a2a::cpu {
 
+// Send half of dispatch: x is [T, hidden] (bf16, fp32, or fp8 with x_scale).
+struct DispatchSendArgs {
+  const void* x = nullptr;
+  DType x_dtype = DType::kBf16;
+  const float* x_scale = nullptr;     // [T, num_scales] when x is fp8
+  const int32_t* topk_ids = nullptr;  // [T, topk]
+  int num_tokens = 0;
+  // The matrix [world][num_experts] of an earlier dispatch of these topk_ids
+  // (from copy_routing) makes this a cached call: no routing row is
+  // published or awaited (docs/protocol.md, "Cached calls").
+  const uint32_t* routing = nullptr;
+  const float* weights = nullptr;  // [T, topk] fp32 into the tails of the copies' rows (null: zeros)
+};
+
+// Second step of the receive half of dispatch: the caller's output.
+struct DispatchUnpackArgs {
+  void* out_x = nullptr;
+  float* out_scale = nullptr;
+  float* out_weight = nullptr;  // [output rows]: each row's weight (null: not wanted)
+  RowMath math;                 // config.h (bf16 or fp32 rows); scale null: none
+};
+
+struct CombineSendArgs {
+  const void* y = nullptr;  // [output rows, hidden]
+  DType y_dtype = DType::kBf16;
+  const float* row_values = nullptr;  // [output rows] fp32 back in the rows' tails (null: zeros)
+};
+
+struct CombineRecvArgs {
+  const float* weights = nullptr;  // [T, topk]
+  void* out = nullptr;             // [T, hidden]
+  float* values_out = nullptr;     // [T, topk]: each copy's returned value, unreduced (null: not wanted)
+};
+
+// The current call: what each half leaves for the next.
+struct Call {
+  uint64_t epoch = 0;
+  uint64_t done = 0;  // the last phase whose receive half completed (peer_watch.h)
+  CallPosition at;    // for check_stamps
+  int num_tokens = 0;
+  bool cached = false;                  // along a cached routing
+  uint64_t cached_hash = 0;             // routing_hash of its matrix
+  std::vector<uint32_t> cached_matrix;  // read by the proxy until dispatch_done
+  std::vector<uint32_t> counts;         // our routing row
+  std::vector<int32_t> slots;           // send row of each (t, k)
+  std::vector<int32_t> row_copy;        // (t, k) of each send row
+  std::vector<uint32_t> routing;        // snapshot of the routing matrix (dispatch_wait)
+  RecvPlan plan;
+  std::vector<uint64_t> sender_base;  // [world][local experts] output row of (s, i)'s first copy
+  std::vector<int64_t> row_of_copy;
+  std::vector<int> unpack_order;
+};
+
 class CpuAllToAll {
  public:
   CpuAllToAll(Workspace* workspace, fabric::ProxyEngine* engine, fabric::RegionId region, fabric::GroupId group,
               const std::vector<int>& remote_peers, const std::vector<int>& pids = {});
   ~CpuAllToAll();
 
-  // Send half of dispatch: x is [T, hidden] (bf16, fp32, or fp8 with x_scale).
-  // With `routing` (the matrix [world][num_experts] of an earlier dispatch of
-  // these topk_ids, from copy_routing) it is a cached call: no routing row is
-  // published or awaited (docs/protocol.md, "Cached calls").
-  // `weights` ([T, topk] fp32, or null for zeros) go in the tails of the copies' rows.
-  void dispatch_send(const void* x, DType x_dtype, const float* x_scale, const int32_t* topk_ids, int num_tokens,
-                     const uint32_t* routing = nullptr, const float* weights = nullptr);
+  void dispatch_send(const DispatchSendArgs& args);
   // First step of the receive half: waits for every routing row (not for the
   // tokens); returns the number of (padded) output rows. tokens_per_expert()
   // is valid after it.
   uint64_t dispatch_wait();
   // Second step: fills the caller's output, each sender's rows as soon as
-  // they have landed; `out_weight` ([output rows] or null): each row's weight.
-  // `math` (bf16 or fp32 rows, or null): each row stored times a per-row scale,
-  // with its dot product with a row of another tensor (DispatchRecvParams).
-  struct RowMath {
-    const float* scale = nullptr;  // [output rows]
-    const void* dot_y = nullptr;   // [output rows, hidden], or null for no dot
-    DType dot_y_dtype = DType::kBf16;
-    float* dot_out = nullptr;      // [output rows] fp32, with dot_y
-  };
-  void dispatch_unpack(void* out_x, float* out_scale, float* out_weight = nullptr, const RowMath* math = nullptr);
-  // `row_values` ([output rows] fp32, or null for zeros) go back in the rows' tails.
-  void combine_send(const void* y, DType y_dtype, const float* row_values = nullptr);
-  // `values_out` ([T, topk] or null): each copy's returned value, unreduced.
-  void combine_recv(const float* weights, void* out, float* values_out = nullptr);
+  // they have landed.
+  void dispatch_unpack(const DispatchUnpackArgs& args);
+  void combine_send(const CombineSendArgs& args);
+  void combine_recv(const CombineRecvArgs& args);
 
-  const std::vector<int32_t>& tokens_per_expert() const { return plan_.tokens_per_expert; }
+  const std::vector<int32_t>& tokens_per_expert() const { return call_.plan.tokens_per_expert; }
   // Copies this rank sent to / received from each rank in the last dispatch.
   std::vector<uint64_t> sent_counts() const;
-  std::vector<uint64_t> received_counts() const { return plan_.from; }
-  uint64_t epoch() const { return epoch_; }
+  std::vector<uint64_t> received_counts() const { return call_.plan.from; }
+  uint64_t epoch() const { return call_.epoch; }
   // Tells every peer that this rank failed; see Proxy::announce_failure.
-  void announce_failure(const std::string& text) { proxy_->announce_failure(text, done_); }
+  void announce_failure(const std::string& text) { proxy_->announce_failure(text, call_.done); }
   // The senders in the order the last dispatch_unpack copied their rows.
-  const std::vector<int>& unpack_order() const { return unpack_order_; }
+  const std::vector<int>& unpack_order() const { return call_.unpack_order; }
   // The routing matrix of the last dispatch_wait, [world][num_experts], into `out`.
   void copy_routing(uint32_t* out) const;
   // Routing rows written to peers / peers' rows waited for, by this rank and its proxy.
@@ -66,8 +105,12 @@ class CpuAllToAll {
 
  private:
   void wait_proxy(const Seq& seq, const char* what);
+  // How long we wait for the proxy: it times out on its own waits first and
+  // reports why.
   void wait_node(FlagKind kind, const char* what);
   void signal_node(FlagKind kind);
+  void publish_routing(const uint32_t* routing);
+  void unpack_as_they_land(const DispatchRecvParams& p);
   void check_failed();
   // Same-node peers' flags against our position (call_stamps.h); `force`:
   // now, not at the next interval. Remote peers are the proxy's to check.
@@ -86,25 +129,10 @@ class CpuAllToAll {
   std::unique_ptr<Proxy> proxy_;
   PeerWatch watch_;  // this thread's own: the proxy's is its thread's
   Mappings maps_;
-
-  uint64_t epoch_ = 0;
-  uint64_t done_ = 0;         // the last phase whose receive half completed (peer_watch.h)
-  uint64_t cached_hash_ = 0;  // routing_hash of a cached call's matrix
-  int num_tokens_ = 0;
-  std::vector<uint32_t> counts_;     // our routing row
-  std::vector<int32_t> slots_;       // send row of each (t, k)
-  std::vector<int32_t> row_copy_;    // (t, k) of each send row
   std::vector<const uint8_t*> encoded_;  // pack scratch: where each token's row was first stored
-  std::vector<uint64_t> sender_base_;    // [world][local experts] output row of (s, i)'s first copy
-  std::vector<int> unpack_order_;
-  std::vector<uint32_t> routing_;    // snapshot of the routing matrix
-  std::vector<uint32_t> cached_;     // a cached call's matrix, read by the proxy until dispatch_done
-  bool cached_call_ = false;         // the current call is cached
-  CallPosition at_;                  // of the current call, for check_stamps
   std::chrono::steady_clock::time_point next_stamps_{};
-  uint64_t rows_sent_ = 0;           // routing rows stored into same-node peers
-  RecvPlan plan_;
-  std::vector<int64_t> row_of_copy_;
+  uint64_t rows_sent_ = 0;  // routing rows stored into same-node peers
+  Call call_;
 };
 
 }  // namespace moe_a2a::a2a::cpu

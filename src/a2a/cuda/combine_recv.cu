@@ -8,14 +8,17 @@
 #include "launch.h"
 #include "memory.cuh"
 #include "rows.cuh"
+#include "signal.cuh"
+#include "tuning.h"
 
 namespace moe_a2a::a2a::cuda {
 namespace {
 
-constexpr int kReduceThreads = 256;       // many tokens: several blocks share a multiprocessor
-constexpr int kReduceWideThreads = 1024;  // few tokens (decode): a whole bf16 row in one round
-constexpr int kWideBlocksPerSm = 2;       // "few": at most this many wide blocks per multiprocessor
-constexpr int kRowsInFlight = 8;  // rows whose pieces a thread loads before using the first (top-8: all)
+// Launch tuning: ReduceTuning (tuning.h).
+constexpr int kReduceThreads = ReduceTuning::kThreads;
+constexpr int kReduceWideThreads = ReduceTuning::kWideThreads;
+constexpr int kWideBlocksPerSm = ReduceTuning::kWideBlocksPerSm;
+constexpr int kRowsInFlight = ReduceTuning::kRowsInFlight;
 
 __global__ void wait_kernel(CombineRecvParams p) {
   grid_dependency_wait();  // dependents start when it ends (it spins on other processes)
@@ -23,15 +26,10 @@ __global__ void wait_kernel(CombineRecvParams p) {
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(in.epoch);
   const uint64_t deadline = global_timer_ns() + in.timeout_ns;
   for (int r = threadIdx.x; r < in.world; r += blockDim.x)
-    if (r != in.rank && same_node(in, r) && !wait_geq(flag_ptr(in.host_ws, in.layout, r, kFlagCombine), epoch, deadline))
+    if (r != in.rank && same_node(in, r) &&
+        !wait_geq(flag_ptr(in.host_ws, in.layout, r, kFlagCombine), epoch, deadline))
       report(in, kStatusTimeout);
-  if (threadIdx.x != 0 || !in.has_remote) return;
-  constexpr unsigned kSleepNs = 256;
-  while (ld_acquire_sys(in.proxy.combine_done) < epoch) {
-    if (ld_acquire_sys(in.proxy.failed) != 0) return report(in, kStatusProxyFailed);
-    if (global_timer_ns() > deadline) return report(in, kStatusTimeout);
-    __nanosleep(kSleepNs);
-  }
+  if (threadIdx.x == 0 && in.has_remote) wait_proxy(in, in.proxy.combine_done, epoch, deadline);
 }
 
 // Up to 32 bytes of one combine row, as stored (bf16 or fp32).
@@ -144,8 +142,8 @@ cudaError_t launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream)
     return launch_kernel(reduce_kernel<kFp32, kReduceThreads>, tokens, round_up_threads(pieces, kReduceThreads), 0,
                          stream, p);
   if (persistent_blocks(tokens, 1, kWideBlocksPerSm) == tokens)
-    return launch_kernel(reduce_kernel<kBf16, kReduceWideThreads>, tokens,
-                         round_up_threads(pieces, kReduceWideThreads), 0, stream, p);
+    return launch_kernel(reduce_kernel<kBf16, kReduceWideThreads>, tokens, round_up_threads(pieces, kReduceWideThreads),
+                         0, stream, p);
   return launch_kernel(reduce_kernel<kBf16, kReduceThreads>, tokens, round_up_threads(pieces, kReduceThreads), 0,
                        stream, p);
 }

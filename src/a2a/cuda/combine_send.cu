@@ -12,16 +12,14 @@
 #include "rows.cuh"
 #include "segments.cuh"
 #include "signal.cuh"
+#include "tuning.h"
 
 namespace moe_a2a::a2a::cuda {
 namespace {
 
-constexpr int kReturnThreads = 256;
-// Blocks a multiprocessor; the persistent grid is sized for this many, and
-// __launch_bounds__ makes them all resident (a second wave would leave its
-// rows to the end). Four: 64 registers, 8 x 16 bytes a lane in flight, and a
-// decode-sized call's row chunks all in one round.
-constexpr int kReturnBlocksPerSm = 4;
+// Launch tuning: ReturnTuning (tuning.h).
+constexpr int kReturnThreads = ReturnTuning::kThreads;
+constexpr int kReturnBlocksPerSm = ReturnTuning::kBlocksPerSm;
 
 __device__ __forceinline__ uint8_t* return_row(const Instance& in, const SenderPlan* senders, int s, int64_t j) {
   const Layout& l = in.layout;

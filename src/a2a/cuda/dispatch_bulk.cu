@@ -16,21 +16,17 @@
 #include "pack.cuh"
 #include "route.cuh"
 #include "signal.cuh"
+#include "tuning.h"
 
 namespace moe_a2a::a2a::cuda {
 namespace {
 
-constexpr int kBulkThreads = 256;
-// Four blocks a multiprocessor (64 registers a thread). A thread's pieces
-// come in rounds of kBulkPiecesInFlight, and the next round's loads go out
-// before the current one is encoded (across tokens too), so that loads are
-// always in flight: 4 x 256 x 2 x 16 bytes a multiprocessor, more than HBM
-// needs.
-constexpr int kBulkBlocksPerSm = 4;
-constexpr int kBulkStages = 3;          // rows a block may have in the copy engine
-constexpr int kBulkPiecesInFlight = 2;  // pieces of a thread's round
-// Shared memory of one block, so that four fit a multiprocessor (228 KB on sm_90).
-constexpr size_t kBulkSmemBytes = 54 * 1024;
+// Launch tuning: BulkTuning (tuning.h).
+constexpr int kBulkThreads = BulkTuning::kThreads;
+constexpr int kBulkBlocksPerSm = BulkTuning::kBlocksPerSm;
+constexpr int kBulkStages = BulkTuning::kStages;
+constexpr int kBulkPiecesInFlight = BulkTuning::kPiecesInFlight;
+constexpr size_t kBulkSmemBytes = BulkTuning::kSmemBytes;
 
 // The lane's pieces of one round: loaded together, then encoded into the row.
 struct BulkRound {
@@ -64,7 +60,7 @@ __device__ __forceinline__ void load_pieces(const DispatchSendParams& p, int t, 
 // amax shuffles, with zeros.
 template <int kMode>
 __device__ __forceinline__ void encode_pieces(const DispatchSendParams& p, int first_piece, int pieces,
-                                             const BulkRound& r, uint8_t* row, int out_bytes) {
+                                              const BulkRound& r, uint8_t* row, int out_bytes) {
   const int warp_first = first_piece - static_cast<int>(threadIdx.x % kWarp);
 #pragma unroll
   for (int j = 0; j < kBulkPiecesInFlight; ++j) {
@@ -143,8 +139,8 @@ __global__ void __launch_bounds__(kBulkThreads, kBulkBlocksPerSm) bulk_pack_kern
   int stage = 0;
   for (int t = first_t; t < tokens; t += stride) {
     // Warp 0 fetches the copies' destinations now, to use once the row is built.
-    uint8_t* mine = threadIdx.x < static_cast<unsigned>(K) ? p.scratch.copy_dst[static_cast<int64_t>(t) * K + lane]
-                                                           : nullptr;
+    uint8_t* mine =
+        threadIdx.x < static_cast<unsigned>(K) ? p.scratch.copy_dst[static_cast<int64_t>(t) * K + lane] : nullptr;
     uint8_t* row = ring + static_cast<size_t>(stage) * row_bytes;
     stage = stage + 1 == kBulkStages ? 0 : stage + 1;
     if (t != first_t) {

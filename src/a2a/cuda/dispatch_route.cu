@@ -11,13 +11,14 @@
 #include "launch.h"
 #include "route.cuh"
 #include "scan.cuh"
+#include "tuning.h"
 
 namespace moe_a2a::a2a::cuda {
 namespace {
 
 constexpr int kLargeThreads = kRouteBlockCopies / kWarpCopies * kWarp;
 constexpr int kLargeWarps = kLargeThreads / kWarp;
-constexpr int kBlockBaseChunk = 16;  // block_base loads a thread issues before its stores
+constexpr int kBlockBaseChunk = RouteTuning::kBlockBaseChunk;
 static_assert(kLargeWarps * kWarpCopies == kRouteBlockCopies, "a large-call block covers its copies");
 
 // Large calls, 1/2: each block counts its kRouteBlockCopies copies per expert

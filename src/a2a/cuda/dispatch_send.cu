@@ -21,31 +21,22 @@
 #include "route.cuh"
 #include "scan.cuh"
 #include "signal.cuh"
+#include "tuning.h"
 
 namespace moe_a2a::a2a::cuda {
 namespace {
 
-constexpr int kPackThreads = 256;
-// Blocks a multiprocessor: 40 warps of up to 48 registers. Warps run
-// independently (no block barriers), each on its own (token, slice) items.
-constexpr int kPackBlocksPerSm = 5;
+// Launch tuning: PackTuning and RoutePackTuning (tuning.h). Larger calls
+// than route_pack_kernel takes route in separate kernels.
+constexpr int kPackThreads = PackTuning::kThreads;
+constexpr int kPackBlocksPerSm = PackTuning::kBlocksPerSm;
 constexpr int kPackWarps = kPackThreads / kWarp;
-// route_pack_kernel: two blocks of 16 warps a multiprocessor. Every block
-// routes the whole call, and the multiprocessor's instruction issue bounds
-// that repeated work, so fewer, larger blocks than pack's five (measured:
-// 1 x 1024 threads no better, the step's next kernels then wait for whole
-// multiprocessors). Eight of its warps walk the copies, 128 each (a decode
-// call of 128 tokens, top-8); all of them pack. Larger calls route in
-// separate kernels.
-constexpr int kRoutePackThreads = 512;
+constexpr int kRoutePackThreads = RoutePackTuning::kThreads;
 constexpr int kRoutePackWarps = kRoutePackThreads / kWarp;
-constexpr int kRouteWarps = 8;
+constexpr int kRouteWarps = RoutePackTuning::kRouteWarps;
 constexpr int64_t kRoutePackMaxCopies = kRouteWarps * kWarpCopies;  // 1024: a decode call of 128 tokens, top-8
-constexpr int kRoutePackBlocksPerSm = 2;
-// Shared memory a route_pack_kernel block may take so that two fit a
-// multiprocessor (228 KB on sm_90, 1 KB of it reserved per block): it grows
-// with the number of experts.
-constexpr size_t kRoutePackSmemBytes = 100 * 1024;
+constexpr int kRoutePackBlocksPerSm = RoutePackTuning::kBlocksPerSm;
+constexpr size_t kRoutePackSmemBytes = RoutePackTuning::kSmemBytes;
 
 // Work items: one warp, kWarp consecutive pieces (a slice) of one token.
 // A warp's items advance by a fixed stride: (token, slice) is stepped, not
@@ -113,8 +104,7 @@ __device__ __forceinline__ void store_item(const DispatchSendParams& p, const Pa
 // Each copy's weight into the tail of its row, once per token (by the warp
 // that packs its first slice): lane k stores copy copy0 + k's.
 template <typename DstOf>
-__device__ __forceinline__ void store_weights(const DispatchSendParams& p, int64_t copy0, uint8_t* mine,
-                                              DstOf dst_of) {
+__device__ __forceinline__ void store_weights(const DispatchSendParams& p, int64_t copy0, uint8_t* mine, DstOf dst_of) {
   const int K = p.inst.topk, lane = threadIdx.x % kWarp;
   for (int k0 = 0; k0 < K; k0 += kWarp) {
     uint8_t* row = k0 == 0 ? mine : (k0 + lane < K ? dst_of(copy0 + k0 + lane) : nullptr);
@@ -236,15 +226,13 @@ __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) rout
     allow_dependents();
   }
   // Only the copies of our own items need a destination: one lane each.
-  pack_items<kMode>(
-      p, tokens, items,
-      [&](int64_t c) -> uint8_t* {
-        const int2 copy = table[c];
-        if (copy.y < 0) return nullptr;  // dropped
-        const int r = copy.y / L;
-        if (r == in.rank && p.self_in_place) return nullptr;  // the receive half reads x
-        return destination(in, copy.x, r, first[r * L]);
-      });
+  pack_items<kMode>(p, tokens, items, [&](int64_t c) -> uint8_t* {
+    const int2 copy = table[c];
+    if (copy.y < 0) return nullptr;  // dropped
+    const int r = copy.y / L;
+    if (r == in.rank && p.self_in_place) return nullptr;  // the receive half reads x
+    return destination(in, copy.x, r, first[r * L]);
+  });
   signal_when_grid_done(in, s.done_blocks, kFlagDispatch, packed_flag(in, in.proxy.packed));
 }
 

@@ -55,10 +55,7 @@ bool use_bulk_pack() {
   return sm90_feature("MOE_A2A_CUDA_BULK", cached);
 }
 
-// The default of 4 blocks a multiprocessor suits the 256-thread copy kernels:
-// at about 64 registers a thread, 3 to 4 fit, and each warp keeps 4 x 16
-// bytes a lane in flight, more than Little's law asks of HBM3e (about 33 KB
-// per multiprocessor).
+// The default: GridTuning::kDefaultBlocksPerSm (tuning.h).
 int persistent_blocks(int64_t items, int per_block, int per_sm) {
   static int sm_count[kMaxDevices] = {};
   int device = 0;

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "params.h"
+#include "tuning.h"
 
 namespace moe_a2a::a2a::cuda {
 
@@ -48,7 +49,7 @@ bool bulk_pack_fits(const DispatchSendParams& p);
 cudaError_t launch_bulk_pack(const DispatchSendParams& p, cudaStream_t stream);
 
 // Copies that one block of the large calls' routing handles.
-constexpr int kRouteBlockCopies = 1024;
+constexpr int kRouteBlockCopies = RouteTuning::kBlockCopies;
 inline int route_blocks(int64_t max_copies) {
   return static_cast<int>((max_copies + kRouteBlockCopies - 1) / kRouteBlockCopies);
 }
@@ -102,7 +103,7 @@ cudaError_t allow_dynamic_smem(const void* kernel, size_t bytes);
 // Blocks of a persistent grid over `items` work items of `per_block` each:
 // enough to fill the device (`per_sm` blocks on each multiprocessor), no
 // more than the work needs.
-constexpr int kDefaultBlocksPerSm = 4;
+constexpr int kDefaultBlocksPerSm = GridTuning::kDefaultBlocksPerSm;
 int persistent_blocks(int64_t items, int per_block, int per_sm = kDefaultBlocksPerSm);
 
 }  // namespace moe_a2a::a2a::cuda

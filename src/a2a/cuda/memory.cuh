@@ -11,24 +11,18 @@ namespace moe_a2a::a2a::cuda {
 
 // ld_acquire_<scope> and st_release_<scope> of a 64-bit flag: scope sys for
 // the readers above, gpu for a flag between blocks of one grid.
-#define MOE_A2A_FLAG_ACCESS(scope)                                                               \
-  __device__ __forceinline__ uint64_t ld_acquire_##scope(const uint64_t* p) {                    \
-    uint64_t v;                                                                                  \
-    asm volatile("ld.acquire." #scope ".global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");    \
-    return v;                                                                                    \
-  }                                                                                              \
-  __device__ __forceinline__ void st_release_##scope(uint64_t* p, uint64_t v) {                  \
-    asm volatile("st.release." #scope ".global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");      \
+#define MOE_A2A_FLAG_ACCESS(scope)                                                            \
+  __device__ __forceinline__ uint64_t ld_acquire_##scope(const uint64_t* p) {                 \
+    uint64_t v;                                                                               \
+    asm volatile("ld.acquire." #scope ".global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory"); \
+    return v;                                                                                 \
+  }                                                                                           \
+  __device__ __forceinline__ void st_release_##scope(uint64_t* p, uint64_t v) {               \
+    asm volatile("st.release." #scope ".global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");   \
   }
 MOE_A2A_FLAG_ACCESS(sys)
 MOE_A2A_FLAG_ACCESS(gpu)
 #undef MOE_A2A_FLAG_ACCESS
-
-__device__ __forceinline__ int32_t ld_volatile(const int32_t* p) {
-  int32_t v;
-  asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
 
 // Makes this thread's earlier writes (to device, peer and host memory) visible
 // to every observer before its later ones.
@@ -43,14 +37,6 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 
 // 16-byte accesses. Rows are 16-byte aligned (protocol.md); callers check
 // alignment of the rest before taking these paths.
-__device__ __forceinline__ uint4 ld_16(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
 // Streaming load: read once, so do not keep it in L1.
 __device__ __forceinline__ uint4 ld_16_stream(const void* p) {
   uint4 v;
@@ -64,8 +50,7 @@ __device__ __forceinline__ uint4 ld_16_stream(const void* p) {
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 __device__ __forceinline__ void st_16(void* p, uint4 v) {
-  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
 __device__ __forceinline__ void st_8(void* p, uint2 v) {

@@ -14,11 +14,12 @@
 
 #include "memory.cuh"
 #include "rows.cuh"
+#include "tuning.h"
 
 namespace moe_a2a::a2a::cuda {
 
-constexpr int kIdsInFlight = 4;                    // id loads a lane issues before the first is used
-constexpr int kWarpCopies = kIdsInFlight * kWarp;  // copies one warp walks: one load each lane
+constexpr int kIdsInFlight = RouteTuning::kIdsInFlight;  // id loads a lane issues before the first is used
+constexpr int kWarpCopies = kIdsInFlight * kWarp;        // copies one warp walks: one load each lane
 
 // The call's token count, clamped to [0, max_tokens].
 __device__ __forceinline__ int resolve_tokens(const DispatchSendParams& p) {
@@ -60,8 +61,8 @@ __device__ __forceinline__ RawIds load_raw_ids(const DispatchSendParams& p, int6
 // Peers by one ballot per bit of the key e + 1 (0 for no expert), keeping the
 // lanes that agree on every bit: at decode size 1.4 us less per route_pack
 // than __match_any_sync, whose latency the walks then wait on.
-__device__ __forceinline__ WarpIds match_ids(const DispatchSendParams& p, const RawIds& raw, int64_t begin,
-                                             int64_t end, int lane) {
+__device__ __forceinline__ WarpIds match_ids(const DispatchSendParams& p, const RawIds& raw, int64_t begin, int64_t end,
+                                             int lane) {
   WarpIds w;
   unsigned key[kIdsInFlight];
 #pragma unroll

@@ -10,10 +10,11 @@
 
 #include "memory.cuh"
 #include "params.h"
+#include "tuning.h"
 
 namespace moe_a2a::a2a::cuda {
 
-constexpr int kVec = 8;                             // elements per thread piece
+constexpr int kVec = 8;                                // elements per thread piece
 constexpr int kLanesPerScaleBlock = kFp8Block / kVec;  // 16
 constexpr int kWarp = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
@@ -34,9 +35,7 @@ __device__ __forceinline__ float bf16_bits_to_float(uint16_t b) {
   return __uint_as_float(static_cast<uint32_t>(b) << 16);
 }
 
-__device__ __forceinline__ uint16_t float_to_bf16_bits(float f) {
-  return __bfloat16_as_ushort(__float2bfloat16_rn(f));
-}
+__device__ __forceinline__ uint16_t float_to_bf16_bits(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
 
 // A whole piece as loaded: kVec bf16 (lo) or fp32 (lo, hi) elements.
 struct RawPiece {
@@ -154,7 +153,7 @@ __device__ __forceinline__ float load_f32(const uint8_t* src) {
 }
 
 // 16-byte pieces a lane loads before its first store, in the row copies.
-constexpr int kCopyUnroll = 8;
+constexpr int kCopyUnroll = RowCopyTuning::kUnroll;
 // Bytes one warp moves in one round of a row copy: rows are cut into chunks of
 // this size, so that a row is spread over several warps (a decode-sized call
 // waits on one round of loads per warp instead of four).

@@ -5,6 +5,7 @@
 
 #include "params.h"
 #include "rows.cuh"
+#include "tuning.h"
 
 namespace moe_a2a::a2a::cuda {
 
@@ -59,7 +60,7 @@ __host__ __device__ constexpr int row_chunks(int64_t bytes) {
 
 // Bytes of each chunk: equal shares (the last may be shorter), rounded up to
 // kChunkAlign bytes (whole 8-element pieces of fp32; 16-byte accesses).
-constexpr int64_t kChunkAlign = 32;
+constexpr int64_t kChunkAlign = RowCopyTuning::kChunkAlign;
 __host__ __device__ constexpr int64_t chunk_bytes(int64_t bytes) {
   const int64_t share = (bytes + row_chunks(bytes) - 1) / row_chunks(bytes);
   return (share + kChunkAlign - 1) / kChunkAlign * kChunkAlign;

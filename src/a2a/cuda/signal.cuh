@@ -4,18 +4,20 @@
 // implementation, so a waiting rank can poll them from its CPU with a timeout
 // as well as from a kernel. One launch fewer than a separate signalling
 // kernel, which matters at decode sizes. A rank never waits for its own flag:
-// its kernels that read what it wrote run later on the same stream.
+// its kernels that read what it wrote run later on the same stream. Here too
+// the one wait of a kernel for a flag of the proxy.
 #pragma once
 
 #include "memory.cuh"
 #include "rows.cuh"
+#include "tuning.h"
 
 namespace moe_a2a::a2a::cuda {
 
 __device__ __forceinline__ void signal_when_grid_done(const Instance& in, uint32_t* done_blocks, int kind,
                                                       uint64_t* proxy_flag) {
   if (in.world == 1) return;  // nobody to tell: our own later kernels follow in stream order
-  __syncthreads();  // the block's stores precede thread 0's fence
+  __syncthreads();            // the block's stores precede thread 0's fence
   if (threadIdx.x != 0) return;
   fence_sys();  // our rows are visible everywhere before we are counted
   const uint32_t finished = atomicAdd(done_blocks, 1u);
@@ -26,6 +28,23 @@ __device__ __forceinline__ void signal_when_grid_done(const Instance& in, uint32
   for (int r = 0; r < in.world; ++r)
     if (same_node(in, r)) st_release_sys(flag_ptr(in.peers[r].host, in.layout, in.rank, kind), epoch);
   if (proxy_flag != nullptr) st_release_sys(proxy_flag, epoch);
+}
+
+// Waits (one thread) until the proxy's `flag` reaches `epoch`; false, with
+// the status set, once the proxy failed or at the deadline.
+__device__ inline bool wait_proxy(const Instance& in, const uint64_t* flag, uint64_t epoch, uint64_t deadline) {
+  while (ld_acquire_sys(flag) < epoch) {
+    if (ld_acquire_sys(in.proxy.failed) != 0) {
+      report(in, kStatusProxyFailed);
+      return false;
+    }
+    if (global_timer_ns() > deadline) {
+      report(in, kStatusTimeout);
+      return false;
+    }
+    __nanosleep(WaitTuning::kProxySleepNs);
+  }
+  return true;
 }
 
 // The proxy's flag a pack raises when its grid is done: none when staged

@@ -17,24 +17,23 @@
 #include "launch.h"
 #include "memory.cuh"
 #include "rows.cuh"
+#include "tuning.h"
 
 namespace moe_a2a::a2a::cuda {
 namespace {
 
-constexpr int kStageThreads = 256;
-constexpr int kStageBlocksPerSm = 4;
-constexpr int kStageUnroll = 4;  // 16-byte loads a thread issues before its stores
-// Bytes of one work item, copied by one block: each ends with a system-scope
-// fence and a count, so large enough to amortise them, small enough that a
-// decode-sized peer (a few MB) spreads over many blocks.
-constexpr int64_t kStageChunkBytes = 64 * 1024;
+// Launch tuning: StageTuning (tuning.h).
+constexpr int kStageThreads = StageTuning::kThreads;
+constexpr int kStageBlocksPerSm = StageTuning::kBlocksPerSm;
+constexpr int kStageUnroll = StageTuning::kUnroll;
+constexpr int64_t kStageChunkBytes = StageTuning::kChunkBytes;
 
 // A remote peer's block of the section, in serving order. Shared memory.
 struct StagePeer {
-  int64_t offset;       // bytes from the section's start
+  int64_t offset;  // bytes from the section's start
   int64_t bytes;
-  DispatchSlices cut;   // its rows as the proxy writes them
-  int32_t per_slice[2]; // work items of each slice of a part (the last slice may use fewer bytes)
+  DispatchSlices cut;    // its rows as the proxy writes them
+  int32_t per_slice[2];  // work items of each slice of a part (the last slice may use fewer bytes)
   int32_t rank;
   int32_t first_chunk;  // its first work item
   int32_t chunks;       // its work items
@@ -118,7 +117,7 @@ __device__ __forceinline__ int find_peer(const StagePeer* peers, int count, int 
 
 __global__ void __launch_bounds__(kStageThreads, kStageBlocksPerSm) stage_kernel(StageParams p) {
   extern __shared__ int64_t stage_smem[];  // first rows [world + 1], then the peers
-  kernel_prologue();  // the pack's rows, from here on
+  kernel_prologue();                       // the pack's rows, from here on
   const Instance& in = p.inst;
   auto* peers = reinterpret_cast<StagePeer*>(stage_smem + in.world + 1);
   __shared__ int items, count;
@@ -154,7 +153,7 @@ __global__ void __launch_bounds__(kStageThreads, kStageBlocksPerSm) stage_kernel
       uint32_t* slice_count = p.scratch.stage_slices + static_cast<size_t>(peer.rank) * kMaxPeerSlices + k;
       if (atomicAdd(slice_count, 1u) == static_cast<uint32_t>(peer.per_slice[part]) - 1) {
         *slice_count = 0;  // ready for the next launch (stream order)
-        fence_sys();  // the slice's other chunks, observed through the count, before its flag
+        fence_sys();       // the slice's other chunks, observed through the count, before its flag
         st_release_sys(slice_flag(p, peer.rank, k), epoch);
       }
       if (atomicAdd(p.scratch.stage_chunks + peer.rank, 1u) == static_cast<uint32_t>(peer.chunks) - 1) {

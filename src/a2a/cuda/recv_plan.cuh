@@ -1,0 +1,146 @@
+// Dispatch, receive half: the plan (docs/protocol.md, "Dispatch at receiver
+// r"). From the routing matrix (same-node rows from the device workspace,
+// remote ones from the host workspace, where the proxy put them; a cached
+// call's from its handle) it checks max_recv_tokens on every rank (each rank
+// holds the whole matrix, so all decide alike) and computes
+// tokens_per_expert, the padded expert starts and the segment table the
+// copies walk. plan_kernel (dispatch_plan.cu) runs it alone, beside our pack;
+// plan_copy_kernel (dispatch_recv.cu) in the block that starts first.
+#pragma once
+
+#include "memory.cuh"
+#include "rows.cuh"
+#include "scan.cuh"
+#include "tuning.h"
+
+namespace moe_a2a::a2a::cuda {
+
+constexpr int kPlanThreads = PlanTuning::kThreads;
+constexpr int kPlanWarps = kPlanThreads / kWarp;
+
+__device__ __forceinline__ int64_t warp_sum(int64_t v) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(kFullMask, v, offset);
+  return v;
+}
+
+// Waits (every thread of the block) for flag `kind` of every same-node peer
+// but ourselves; false, with the status set, on a timeout.
+__device__ inline bool wait_peers(const Instance& in, int kind, uint64_t epoch, uint64_t deadline) {
+  bool ok = true;
+  for (int s = threadIdx.x; s < in.world; s += blockDim.x)
+    if (s != in.rank && same_node(in, s) && !wait_geq(flag_ptr(in.host_ws, in.layout, s, kind), epoch, deadline)) {
+      report(in, kStatusTimeout);
+      ok = false;
+    }
+  return __syncthreads_and(ok);
+}
+
+// After a failed wait or over capacity: no rows; the host raises the status.
+// Every thread of the block calls it.
+__device__ inline void deliver_nothing(const DispatchRecvParams& p) {
+  for (int i = threadIdx.x; i < p.inst.local_experts; i += blockDim.x) p.tokens_per_expert[i] = 0;
+  if (threadIdx.x == 0) *p.scratch.output_rows = *p.scratch.output_rows_host = 0;
+}
+
+// Where the eager host waits: the plan is final (output rows, status).
+// Thread 0, after every thread's plan writes.
+__device__ __forceinline__ void signal_planned(const DispatchRecvParams& p, uint64_t epoch) {
+  fence_sys();
+  st_release_sys(p.scratch.planned_host, epoch);
+}
+
+// The plan from the routing matrix: capacity for every rank, per-sender
+// placement, tokens_per_expert, expert starts and the segment table; with
+// `ok` false (a wait failed) or over capacity it delivers nothing.
+// Shared memory: matrix [world][E], n[L], start[L].
+__device__ inline void compute_plan(const DispatchRecvParams& p, int32_t* matrix, bool ok_in) {
+  const Instance& in = p.inst;
+  const Layout& l = in.layout;
+  const int N = in.world, E = in.num_experts, L = in.local_experts, rank = in.rank;
+  const int64_t P = in.max_private;
+  int32_t* n = matrix + N * E;
+  int32_t* start = n + L;
+  __shared__ int ok;
+  const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
+  if (tid == 0) ok = ok_in;
+  __syncthreads();
+  if (ok) {  // rows of same-node senders from our device workspace, the others' where the proxy put them
+    for (int i = tid; i < N * E; i += kPlanThreads) {
+      const int s = i / E;
+      const uint32_t* row = p.routing != nullptr ? p.routing + static_cast<size_t>(s) * E  // a cached call's
+                                                 : routing_row(same_node(in, s) ? in.device_ws : in.host_ws, l, s, E);
+      matrix[i] = static_cast<int32_t>(__ldcg(row + i % E));
+      if (p.routing_out != nullptr) p.routing_out[i] = static_cast<uint32_t>(matrix[i]);
+    }
+  }
+  __syncthreads();
+  // Capacity, for every rank (the same decision everywhere).
+  if (ok) {
+    for (int r = warp; r < N; r += kPlanWarps) {
+      int64_t received = 0;
+      for (int i = lane; i < N * L; i += kWarp) received += matrix[(i / L) * E + r * L + i % L];
+      received = warp_sum(received);
+      if (lane == 0 && received > in.max_recv) ok = 0, report(in, kStatusCapacity);
+    }
+  }
+  __syncthreads();
+  if (!ok) return deliver_nothing(p);
+
+  const int32_t* mine = matrix + rank * L;  // column block of our experts: mine[s * E + i]
+  for (int s = warp; s < N; s += kPlanWarps) {
+    int64_t copies = 0, before = 0;
+    for (int i = lane; i < L; i += kWarp) copies += mine[s * E + i];
+    for (int e = lane; e < rank * L; e += kWarp) before += matrix[s * E + e];
+    copies = warp_sum(copies);
+    before = warp_sum(before);
+    if (lane == 0) {
+      p.scratch.senders[s].copies = copies;
+      p.scratch.senders[s].send_off = before;
+    }
+  }
+  for (int i = tid; i < L; i += kPlanThreads) {
+    int32_t total = 0;
+    for (int s = 0; s < N; ++s) total += mine[s * E + i];
+    n[i] = total;
+    p.tokens_per_expert[i] = total;
+  }
+  __syncthreads();
+
+  SenderPlan* senders = p.scratch.senders;
+  block_exclusive_scan<kPlanThreads, int64_t>(
+      N, [&](int s) { return senders[s].copies; }, [&](int s, int64_t v) { senders[s].recv_base = v; });
+  block_exclusive_scan<kPlanThreads, int64_t>(
+      N, [&](int s) { return senders[s].copies > P ? senders[s].copies - P : int64_t{0}; },
+      [&](int s, int64_t v) { senders[s].shared_off = v; });
+  const int pad = in.expert_padding;
+  const int32_t rows_out = block_exclusive_scan<kPlanThreads, int32_t>(
+      L, [&](int i) { return (n[i] + pad - 1) / pad * pad; }, [&](int i, int32_t v) { start[i] = v; });
+
+  Segment* segs = p.scratch.segments;
+  for (int s = 0; s < N; ++s) {
+    block_exclusive_scan<kPlanThreads, int32_t>(
+        L, [&](int i) { return mine[s * E + i]; },
+        [&](int i, int32_t v) {
+          Segment& g = segs[i * N + s];
+          g.first_j = v;
+          g.count = mine[s * E + i];
+          g.sender = s;
+        });
+  }
+  for (int i = tid; i < L; i += kPlanThreads) {
+    int32_t at = start[i];
+    for (int s = 0; s < N; ++s) {
+      segs[i * N + s].out_row = at;
+      at += mine[s * E + i];
+    }
+  }
+  if (tid == 0) *p.scratch.output_rows = *p.scratch.output_rows_host = rows_out;
+}
+
+// Shared memory of compute_plan: matrix [world][E], n[L], start[L].
+inline size_t plan_smem_bytes(const Instance& in) {
+  return (static_cast<size_t>(in.world) * in.num_experts + 2 * in.local_experts) * sizeof(int32_t);
+}
+
+}  // namespace moe_a2a::a2a::cuda

@@ -1,0 +1,282 @@
+#include "resources.h"
+
+#include <atomic>
+#include <cstring>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "launch.h"
+
+namespace moe_a2a::a2a::cuda {
+
+void check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("CUDA error in ") + what + ": " + cudaGetErrorName(err) + " (" +
+                             cudaGetErrorString(err) + ")");
+}
+
+namespace {
+
+constexpr size_t kScratchAlign = 256;
+
+// Every section of the device scratch, in order: `section(pointer, count)`
+// names the pointer a section is carved for and its element count. Carving
+// walks it twice: once to add up the sizes, once to hand out the addresses.
+template <typename Section>
+void scratch_sections(const A2AConfig& cfg, Scratch& s, uint64_t*& epoch, Section&& section) {
+  const size_t copies = static_cast<size_t>(cfg.max_tokens) * cfg.topk;
+  const size_t route_blocks_experts = static_cast<size_t>(route_blocks(static_cast<int64_t>(copies))) * cfg.num_experts;
+  section(s.num_tokens, 1);
+  section(s.slots, copies);
+  section(s.copy_rank, copies);
+  section(s.copy_dst, copies);
+  section(s.block_base, route_blocks_experts);
+  section(s.dropped, 1);
+  section(s.done_blocks, 1);
+  section(s.senders, static_cast<size_t>(cfg.world));
+  section(s.segments, static_cast<size_t>(cfg.num_experts));
+  section(s.output_rows, 1);
+  section(s.plan_ready, 1);
+  section(s.plan_ticket, 1);
+  section(s.stage_chunks, static_cast<size_t>(cfg.world));
+  section(s.stage_slices, static_cast<size_t>(cfg.world) * kMaxPeerSlices);
+  section(epoch, 1);
+  section(s.self_copy, copies);
+  section(s.self_row, copies);
+}
+
+// Pinned host memory, mapped for the GPU.
+void* host_alloc_mapped(size_t bytes, const char* what) {
+  void* p = nullptr;
+  check_cuda(cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable), what);
+  return p;
+}
+
+template <typename T>
+T* device_address(T* host, const char* what) {
+  void* d = nullptr;
+  check_cuda(cudaHostGetDevicePointer(&d, const_cast<void*>(static_cast<const void*>(host)), 0), what);
+  return static_cast<T*>(d);
+}
+
+// What a rank tells the ranks of its node: its device workspace, and which
+// GPU it runs on (ranks may share one).
+struct NodeHandle {
+  cudaIpcMemHandle_t workspace;
+  cudaUUID_t gpu;
+};
+
+cudaUUID_t gpu_uuid(int device) {
+  cudaDeviceProp prop;
+  check_cuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+  return prop.uuid;
+}
+
+bool same_gpu(const cudaUUID_t& a, const cudaUUID_t& b) { return std::memcmp(&a, &b, sizeof(a)) == 0; }
+
+}  // namespace
+
+CudaResources::CudaResources(const A2AConfig& config, const Layout& layout) : cfg_(config), layout_(layout) {
+  check_cuda(cudaGetDevice(&device_), "cudaGetDevice");
+  peers_.assign(cfg_.world, PeerWorkspaces{});
+  check_cuda(cudaMalloc(&device_ws_, layout_.total), "cudaMalloc(device workspace)");
+  check_cuda(cudaMemset(device_ws_, 0, layout_.total), "cudaMemset(device workspace)");
+  peers_[cfg_.rank].device = device_ws_;
+  allocate_scratch();
+  allocate_mapped();
+  check_cuda(cudaMalloc(&peers_device_, cfg_.world * sizeof(PeerWorkspaces)), "cudaMalloc(peers)");
+}
+
+void CudaResources::allocate_scratch() {
+  size_t total = 0;
+  const auto size_of = [](auto* p, size_t count) { return align_up(sizeof(*p) * count, kScratchAlign); };
+  scratch_sections(cfg_, scratch_, epoch_device_, [&](auto*& p, size_t count) { total += size_of(p, count); });
+  check_cuda(cudaMalloc(&scratch_mem_, total), "cudaMalloc(scratch)");
+  check_cuda(cudaMemset(scratch_mem_, 0, total), "cudaMemset(scratch)");
+  uint8_t* at = scratch_mem_;
+  scratch_sections(cfg_, scratch_, epoch_device_, [&](auto*& p, size_t count) {
+    const size_t bytes = size_of(p, count);
+    p = reinterpret_cast<std::remove_reference_t<decltype(p)>>(at);
+    at += bytes;
+  });
+}
+
+void CudaResources::allocate_mapped() {
+  words_ = new (host_alloc_mapped(sizeof(HostWords), "cudaHostAlloc(host words)")) HostWords();
+  HostWords* dev = device_address(words_, "cudaHostGetDevicePointer(host words)");
+  status_device_ = &dev->status;
+  scratch_.output_rows_host = &dev->output_rows;
+  scratch_.planned_host = reinterpret_cast<uint64_t*>(&dev->planned.value);
+
+  signals_ = new (host_alloc_mapped(sizeof(ProxySignals), "cudaHostAlloc(signals)")) ProxySignals();
+
+  const size_t peer_seqs = static_cast<size_t>(kPeerSignalArrays) * cfg_.world;
+  const size_t slice_flags = 2 * static_cast<size_t>(cfg_.world) * kMaxPeerSlices;  // dispatch, then combine
+  peer_seqs_ = static_cast<Seq*>(
+      host_alloc_mapped(peer_seqs * sizeof(Seq) + slice_flags * sizeof(uint64_t), "cudaHostAlloc(peer signals)"));
+  for (size_t i = 0; i < peer_seqs; ++i) new (peer_seqs_ + i) Seq();  // one by one: no array cookie
+  auto* flags = reinterpret_cast<std::atomic<uint64_t>*>(peer_seqs_ + peer_seqs);
+  for (size_t i = 0; i < slice_flags; ++i) new (flags + i) std::atomic<uint64_t>(0);
+}
+
+CudaResources::~CudaResources() {
+  cudaDeviceSynchronize();
+  for (void* p : ipc_opened_) cudaIpcCloseMemHandle(p);
+  for (void* p : registered_) {
+    if (own_host_ws_ && p == registered_.front()) cudaFreeHost(p);
+    else cudaHostUnregister(p);
+  }
+  if (signals_ != nullptr) {
+    signals_->~ProxySignals();
+    cudaFreeHost(signals_);
+  }
+  if (peer_seqs_ != nullptr) cudaFreeHost(peer_seqs_);  // Seq is trivially destructible
+  if (words_ != nullptr) {
+    words_->~HostWords();
+    cudaFreeHost(words_);
+  }
+  cudaFree(peers_device_);
+  cudaFree(scratch_mem_);
+  cudaFree(device_ws_);
+}
+
+PeerSignals CudaResources::peer_signals() const {
+  PeerSignals p = peer_signals_in(peer_seqs_, cfg_.world);
+  auto* flags =
+      reinterpret_cast<std::atomic<uint64_t>*>(peer_seqs_ + static_cast<size_t>(kPeerSignalArrays) * cfg_.world);
+  p.slices_packed = flags;
+  p.combine_slices_packed = flags + static_cast<size_t>(cfg_.world) * kMaxPeerSlices;
+  return p;
+}
+
+void CudaResources::register_host(uint8_t* ptr, size_t bytes, uint8_t** device_ptr) {
+  check_cuda(cudaHostRegister(ptr, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable),
+             "cudaHostRegister(host workspace)");
+  registered_.push_back(ptr);
+  *device_ptr = device_address(ptr, "cudaHostGetDevicePointer");
+}
+
+void CudaResources::map_node(const std::vector<uint8_t*>& node) {
+  node_ws_cpu_ = node;
+  host_ws_cpu_ = node[cfg_.rank];
+  register_host(host_ws_cpu_, layout_.total, &host_ws_);
+  peers_[cfg_.rank].host = host_ws_;
+  for (int r = 0; r < cfg_.world; ++r)
+    // Kernels write only flags and routing rows into a peer's host
+    // workspace: register that head, not the gigabytes of rows behind it.
+    if (r != cfg_.rank && node[r] != nullptr) register_host(node[r], layout_.private_rows, &peers_[r].host);
+}
+
+void CudaResources::allocate_host_workspace() {
+  void* host = host_alloc_mapped(layout_.total, "cudaHostAlloc(workspace)");
+  std::memset(host, 0, layout_.total);
+  own_host_ws_ = true;
+  host_ws_cpu_ = static_cast<uint8_t*>(host);
+  registered_.push_back(host);
+  host_ws_ = device_address(host_ws_cpu_, "cudaHostGetDevicePointer");
+  peers_[cfg_.rank].host = host_ws_;
+}
+
+std::string CudaResources::ipc_handle() const {
+  NodeHandle h;
+  check_cuda(cudaIpcGetMemHandle(&h.workspace, device_ws_), "cudaIpcGetMemHandle");
+  h.gpu = gpu_uuid(device_);
+  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+}
+
+bool CudaResources::open_node(const std::vector<std::string>& handles) {
+  if (static_cast<int>(handles.size()) != cfg_.world)
+    throw std::invalid_argument("open_node: got " + std::to_string(handles.size()) + " handles for a world of " +
+                                std::to_string(cfg_.world));
+  const cudaUUID_t mine = gpu_uuid(device_);
+  bool gpu_shared = false;
+  for (int r = 0; r < cfg_.world; ++r) {
+    if (r == cfg_.rank || !cfg_.same_node(r)) continue;
+    if (handles[r].size() != sizeof(NodeHandle))
+      throw std::invalid_argument("open_node: the handle of rank " + std::to_string(r) + " has " +
+                                  std::to_string(handles[r].size()) + " bytes, expected " +
+                                  std::to_string(sizeof(NodeHandle)));
+    NodeHandle h;
+    std::memcpy(&h, handles[r].data(), sizeof(h));
+    void* p = nullptr;
+    check_cuda(cudaIpcOpenMemHandle(&p, h.workspace, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+    ipc_opened_.push_back(p);
+    peers_[r].device = static_cast<uint8_t*>(p);
+    gpu_shared = gpu_shared || same_gpu(h.gpu, mine);
+  }
+  peers_dirty_ = true;
+  return gpu_shared;
+}
+
+void CudaResources::connect(int rank, uint8_t* device_ws, uint8_t* host_ws) {
+  peers_[rank].device = device_ws;
+  peers_[rank].host = host_ws;
+  peers_dirty_ = true;
+}
+
+void CudaResources::upload_peers() {
+  for (int r = 0; r < cfg_.world; ++r)
+    if (cfg_.same_node(r) && (peers_[r].device == nullptr || peers_[r].host == nullptr))
+      throw std::runtime_error("rank " + std::to_string(cfg_.rank) + ": same-node rank " + std::to_string(r) +
+                               " is not mapped (open_node / connect_local missing)");
+  check_cuda(cudaMemcpy(peers_device_, peers_.data(), peers_.size() * sizeof(PeerWorkspaces), cudaMemcpyHostToDevice),
+             "cudaMemcpy(peers)");
+  peers_dirty_ = false;
+}
+
+const Instance& CudaResources::instance(bool has_remote, bool staged, int64_t timeout_ns) {
+  int current = -1;
+  if (cudaGetDevice(&current) != cudaSuccess || current != device_) check_cuda(cudaSetDevice(device_), "cudaSetDevice");
+  if (!peers_dirty_) return instance_;
+  upload_peers();
+  Instance& in = instance_;
+  in = Instance{};
+  in.layout = layout_;
+  in.rank = cfg_.rank;
+  in.world = cfg_.world;
+  in.num_experts = cfg_.num_experts;
+  in.local_experts = cfg_.num_local_experts();
+  in.topk = cfg_.topk;
+  in.hidden = cfg_.hidden;
+  in.max_tokens = cfg_.max_tokens;
+  in.max_private = cfg_.max_private_tokens;
+  in.max_recv = cfg_.max_recv_tokens;
+  in.expert_padding = cfg_.expert_padding;
+  in.dispatch_dtype = static_cast<int32_t>(cfg_.dispatch_dtype);
+  in.combine_dtype = static_cast<int32_t>(cfg_.combine_dtype);
+  in.num_scales = cfg_.num_scales();
+  in.payload_bytes = static_cast<int64_t>(cfg_.payload_bytes());
+  in.has_remote = has_remote ? 1 : 0;
+  in.staged = staged ? 1 : 0;
+  in.timeout_ns = timeout_ns;
+  in.peers = peers_device_;
+  in.device_ws = device_ws_;
+  in.host_ws = host_ws_;
+  in.fabric_ws = host_ws_;  // no FI_HMEM with the providers used here
+  const auto dev = [](auto* host_ptr) {
+    return reinterpret_cast<uint64_t*>(device_address(host_ptr, "cudaHostGetDevicePointer(signals)"));
+  };
+  in.proxy.route_ready = dev(&signals_->route_ready.value);
+  in.proxy.packed = dev(&signals_->packed.value);
+  in.proxy.combine_packed = dev(&signals_->combine_packed.value);
+  in.proxy.dispatch_done = dev(&signals_->dispatch_done.value);
+  in.proxy.combine_done = dev(&signals_->combine_done.value);
+  in.proxy.overflow = dev(&signals_->overflow.value);
+  in.proxy.failed = dev(&signals_->failed.value);
+  static_assert(sizeof(Seq) == kPeerFlagStride * sizeof(uint64_t), "per-peer flags are kPeerFlagStride apart");
+  const PeerSignals peer = peer_signals();
+  in.proxy.peer_packed = dev(&peer.packed[0].value);
+  in.proxy.peer_combine_packed = dev(&peer.combine_packed[0].value);
+  static_assert(sizeof(std::atomic<uint64_t>) == sizeof(uint64_t), "slice flags are plain words to the kernels");
+  in.proxy.slices_packed = dev(reinterpret_cast<uint64_t*>(peer.slices_packed));
+  in.proxy.combine_slices_packed = dev(reinterpret_cast<uint64_t*>(peer.combine_slices_packed));
+  in.slice_bytes = static_cast<int64_t>(cfg_.slice_bytes);
+  in.epoch = epoch_device_;
+  in.status = status_device_;
+  return in;
+}
+
+}  // namespace moe_a2a::a2a::cuda

@@ -1,0 +1,99 @@
+// What one rank of the CUDA implementation allocates and maps, and nothing
+// else: the device workspace (mapped by same-node ranks through CUDA IPC),
+// the kernels' scratch in named sections, the words and flags the kernels and
+// the proxy share in pinned mapped host memory, the host workspaces
+// registered with CUDA, and the peers' workspaces as the kernels reach them.
+// The calls themselves are CudaAllToAll's (cuda_all_to_all.h).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "../signals.h"
+#include "../workspace.h"
+#include "params.h"
+
+namespace moe_a2a::a2a::cuda {
+
+// Words the kernels write into pinned mapped host memory for the host.
+struct HostWords {
+  int32_t status = 0;       // Status of the last call
+  int32_t output_rows = 0;  // padded output rows of the last dispatch_recv
+  Seq planned;              // epoch whose plan (status, output_rows) is final
+};
+
+// Throws std::runtime_error naming `what` unless `err` is cudaSuccess.
+void check_cuda(cudaError_t err, const char* what);
+
+class CudaResources {
+ public:
+  // Allocates everything but the host workspace, on the current device.
+  CudaResources(const A2AConfig& config, const Layout& layout);
+  ~CudaResources();
+  CudaResources(const CudaResources&) = delete;
+  CudaResources& operator=(const CudaResources&) = delete;
+
+  // The host workspace: a rank of a job maps `node` (its node's host
+  // workspaces, index = rank, null elsewhere; ours at config.rank) ...
+  void map_node(const std::vector<uint8_t*>& node);
+  // ... a standalone rank (kernel tests) allocates pinned memory of its own.
+  void allocate_host_workspace();
+
+  // CUDA IPC handle of our device workspace and the GPU we run on.
+  std::string ipc_handle() const;
+  // Opens every same-node peer's handle; whether one of them shares our GPU.
+  bool open_node(const std::vector<std::string>& handles);
+  // Same process: peer `rank`'s workspaces as it maps them.
+  void connect(int rank, uint8_t* device_ws, uint8_t* host_ws);
+
+  // What every kernel knows (params.h), with the peers uploaded where they
+  // changed: `has_remote`, `staged` and the kernels' `timeout_ns` as the
+  // rank decided them.
+  const Instance& instance(bool has_remote, bool staged, int64_t timeout_ns);
+
+  // The per-peer flags of the proxy (signals.h) in our pinned mapped memory.
+  PeerSignals peer_signals() const;
+
+  int device() const { return device_; }
+  uint8_t* device_ws() const { return device_ws_; }
+  uint8_t* host_ws() const { return host_ws_; }          // device address of our host workspace
+  uint8_t* host_ws_cpu() const { return host_ws_cpu_; }  // its host address
+  const std::vector<uint8_t*>& node_ws_cpu() const { return node_ws_cpu_; }
+  const Scratch& scratch() const { return scratch_; }
+  HostWords* words() const { return words_; }
+  ProxySignals* signals() const { return signals_; }
+
+ private:
+  void allocate_scratch();
+  void allocate_mapped();
+  void register_host(uint8_t* ptr, size_t bytes, uint8_t** device_ptr);
+  void upload_peers();
+
+  A2AConfig cfg_;
+  Layout layout_;
+  int device_ = 0;
+  uint8_t* device_ws_ = nullptr;
+  uint8_t* host_ws_ = nullptr;
+  uint8_t* host_ws_cpu_ = nullptr;
+  std::vector<uint8_t*> node_ws_cpu_;  // index = rank: the node's host workspaces (host addresses), else null
+  bool own_host_ws_ = false;           // allocated here (standalone)
+  std::vector<void*> registered_;      // host ranges registered with CUDA
+  std::vector<void*> ipc_opened_;      // peer device workspaces opened here
+  std::vector<PeerWorkspaces> peers_;  // index = rank
+  PeerWorkspaces* peers_device_ = nullptr;
+  bool peers_dirty_ = true;
+  Instance instance_;  // rebuilt when peers change
+
+  uint8_t* scratch_mem_ = nullptr;
+  Scratch scratch_;
+  uint64_t* epoch_device_ = nullptr;  // in scratch_mem_
+  HostWords* words_ = nullptr;        // mapped host
+  int32_t* status_device_ = nullptr;  // its status, device address
+  ProxySignals* signals_ = nullptr;   // mapped host
+  Seq* peer_seqs_ = nullptr;          // mapped host: PeerSignals' Seq arrays, then its slice flags
+};
+
+}  // namespace moe_a2a::a2a::cuda
