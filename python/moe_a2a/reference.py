@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-FP8_BLOCK = 128
-FP8_MAX = 448.0
+from moe_a2a._core import FP8_BLOCK, FP8_MAX
 
 DTYPES = {
     "bf16": torch.bfloat16,

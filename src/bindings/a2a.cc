@@ -30,6 +30,9 @@ void bind_a2a(nb::module_& m) {
   using release = nb::call_guard<nb::gil_scoped_release>;
   nb::exception<CapacityError>(m, "CapacityError", PyExc_RuntimeError);
   nb::exception<PeerFailedError>(m, "PeerFailedError", PyExc_RuntimeError);
+  // Facts the Python side shares with the kernels, exported from their one home (config.h).
+  m.attr("FP8_BLOCK") = kFp8Block;
+  m.attr("FP8_MAX") = kFp8Max;
 
   // The CPU number formats, exposed so tests can hold them against torch.
   m.def(

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from moe_a2a import report, switches
+from moe_a2a._core import FP8_BLOCK
 from moe_a2a.bench import engine_ref
 from moe_a2a.bench.args import int_at_least
 
@@ -49,7 +50,6 @@ COPY_BYTES = 1 << 30
 # than the host takes to submit it: the start event then fires when the GPU
 # reaches the work, so the span leaves out the launch latency.
 QUEUE_SLEEP_CYCLES = 200_000
-FP8_BLOCK = 128
 
 
 @dataclass
