@@ -19,7 +19,7 @@ import torch
 from ranks import COMM, DEVICE, PROVIDER, RANK, WORLD, device_pytestmark, layouts
 
 from moe_a2a import FabricError, PeerFailedError
-from moe_a2a.all_to_all import AllToAll, CapacityError, Config
+from moe_a2a.all_to_all import AllToAll, CapacityError, Config, RowRequest
 from moe_a2a.reference import combine_reference, dequantize_fp8, dispatch_reference
 
 pytestmark = device_pytestmark
@@ -126,13 +126,13 @@ def check_round(
     clobber = split and not in_place
     if split:
         x = x.clone()  # on the CPU, mine() hands out the reference's own tensor
-        pending = a2a.dispatch(x, ids, w, recv=False, in_place=in_place)
+        pending = a2a._dispatch_rows(RowRequest(in_place=in_place), x, ids, w, recv=False)
         if clobber:
             x.fill_(float("nan"))
         other_work()  # while bytes fly
-        d = a2a.dispatch(handle=pending, send=False, row_weights=True)
+        d = a2a._dispatch_rows(RowRequest(row_weights=True), handle=pending, send=False)
     else:
-        d = a2a.dispatch(x, ids, w, row_weights=True)
+        d = a2a._dispatch_rows(RowRequest(row_weights=True), x, ids, w)
     ref = dispatch_reference(inp.xs, inp.ids, cfg.num_experts, cfg.dispatch_dtype, cfg.expert_padding)
     ours = ref[RANK]
     assert d.expert_x.device.type == d.tokens_per_expert.device.type == DEVICE
@@ -158,14 +158,14 @@ def check_round(
 
     y = expert_fn(d.expert_x, d.expert_x_scale)
     if split:
-        pending_c = a2a.combine(y, d, recv=False, in_place=in_place, row_values=values)
+        pending_c = a2a._combine_rows(RowRequest(in_place=in_place, row_values=values), y, d, recv=False)
         if clobber:
             y.fill_(float("nan"))
             values.fill_(float("nan"))
         other_work()
-        out = a2a.combine(handle=pending_c, send=False, values_out=values_out)
+        out = a2a._combine_rows(RowRequest(values_out=values_out), handle=pending_c, send=False)
     else:
-        out = a2a.combine(y, d, row_values=values, values_out=values_out)
+        out = a2a._combine_rows(RowRequest(row_values=values, values_out=values_out), y, d)
     tokens = torch.arange(x.shape[0])[:, None].expand(-1, cfg.topk)
     mine_origin = torch.stack(
         [torch.full_like(tokens, RANK), tokens, torch.arange(cfg.topk).expand_as(tokens)], -1
@@ -196,11 +196,12 @@ def test_dequantized_receive(
             inp = make_inputs(2000 + it, a2a.cfg)
             x, ids, w = mine(inp)
             x = x.to(x_dtype)
+            rows = RowRequest(dequantize=out_dtype, row_weights=True)
             if split:
                 pending = a2a.dispatch(x, ids, w, recv=False)
-                d = a2a.dispatch(handle=pending, send=False, dequantize=out_dtype, row_weights=True)
+                d = a2a._dispatch_rows(rows, handle=pending, send=False)
             else:
-                d = a2a.dispatch(x, ids, w, dequantize=out_dtype, row_weights=True)
+                d = a2a._dispatch_rows(rows, x, ids, w)
             ref = dispatch_reference(inp.xs, inp.ids, a2a.cfg.num_experts, "fp8", 4)[RANK]
             assert ref.expert_x_scale is not None
             want = dequantize_fp8(ref.expert_x, ref.expert_x_scale).to(out_dtype)
@@ -341,10 +342,10 @@ def test_row_tail_arguments_are_checked() -> None:
         for match, kwargs in bad:
             d = a2a.dispatch(x, ids, w)
             with pytest.raises(ValueError, match=match):
-                a2a.combine(d.expert_x, d, **kwargs)
+                a2a._combine_rows(RowRequest(**kwargs), d.expert_x, d)
             a2a = a2a.reopen()
         with pytest.raises(ValueError, match="row_values= belongs to the send half"):
-            a2a.combine(send=False, row_values=wrong)
+            a2a._combine_rows(RowRequest(row_values=wrong), send=False)
         a2a = a2a.reopen()
         check_round(a2a, make_inputs(4, cfg))
     finally:
@@ -376,12 +377,12 @@ def test_validation_errors() -> None:
         (
             ValueError,
             "in_place: got 'yes'; expected True, False or None",
-            lambda: a2a.dispatch(x, ids, w, in_place="yes"),
+            lambda: a2a._dispatch_rows(RowRequest(in_place="yes"), x, ids, w),  # type: ignore[arg-type]
         ),
         (
             ValueError,
             "in_place= belongs to the send half",
-            lambda: a2a.dispatch(send=False, in_place=True),
+            lambda: a2a._dispatch_rows(RowRequest(in_place=True), send=False),
         ),
         (
             RuntimeError,
@@ -391,17 +392,22 @@ def test_validation_errors() -> None:
         (
             ValueError,
             "row_weights: got 1; expected True or False",
-            lambda: a2a.dispatch(x, ids, w, row_weights=1),
+            lambda: a2a._dispatch_rows(RowRequest(row_weights=1), x, ids, w),  # type: ignore[arg-type]
         ),
         (
             ValueError,
             "dequantize: got torch.bfloat16 with dispatch_dtype 'bf16'; expected .* dispatch_dtype 'fp8'",
-            lambda: a2a.dispatch(x, ids, w, dequantize=torch.bfloat16),
+            lambda: a2a._dispatch_rows(RowRequest(dequantize=torch.bfloat16), x, ids, w),
         ),
         (
             ValueError,
             "dequantize= belong to the receive half",
-            lambda: a2a.dispatch(x, ids, w, recv=False, dequantize=torch.bfloat16),
+            lambda: a2a._dispatch_rows(RowRequest(dequantize=torch.bfloat16), x, ids, w, recv=False),
+        ),
+        (
+            ValueError,
+            "dispatch: values_out belong to the other call kind",
+            lambda: a2a._dispatch_rows(RowRequest(values_out=w), x, ids, w),
         ),
     ]
     if DEVICE == "cpu":

@@ -140,7 +140,7 @@ class MoeA2ATokenDispatcher(BaseEPTokenDispatcher):
         topk_expert_ids_TK: torch.Tensor,
         num_local_tokens_per_expert_E: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """Rows for this rank's experts (expert-major), their counts, and the routing handle."""
+        """Rows for this rank's experts (expert-major), their counts, and the routing (an ExpertRouting)."""
         if self.ep is None:
             if self.ep_mesh is None:
                 return LocalTokenDispatcher.dispatch(
