@@ -26,213 +26,17 @@ import dataclasses
 import itertools
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from moe_a2a.a2a_types import PLAIN, Config, Dispatched, Routing, RowRequest, describe
+from moe_a2a.a2a_types import Config, Dispatched, RowRequest, describe
 from moe_a2a.all_to_all import AllToAll
+from moe_a2a.ep_channel import Channel
+from moe_a2a.ep_types import ExpertRouting, PendingCombined, PendingRouted, Routed
 
 GRAD_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _ids = itertools.count(1)
-
-
-@dataclass(eq=False)
-class ExpertRouting:
-    """One dispatch's routing, owned by this object: what its combine and its backward need.
-
-    It keeps the gathered routing matrix (`gathered`, `world x num_experts`
-    int32), so dispatching new rows along it (`ExpertParallel.dispatch(x,
-    routing=r)`, and the backward of combine) exchanges no routing rows, long
-    after later layers ran.
-    """
-
-    owner: int
-    seq: int
-    topk_ids: torch.Tensor  # [T, K], as the core takes them
-    topk_weights: torch.Tensor  # [T, K] fp32, detached
-    tokens_per_expert: torch.Tensor  # [local experts] int32
-    num_rows: int  # R, padding rows included
-    expert_padding: int = 1
-    row_weights: torch.Tensor | None = None  # [R] fp32, each row's routing weight (0 on padding rows)
-    x_dtype: torch.dtype = torch.bfloat16
-    gathered: Routing | None = None  # the forward's gathered routing: later dispatches along it exchange none
-    _finalizer: Any = field(default=None, repr=False)
-    _weights_version: int = field(default=0, repr=False)  # row_weights' version counter when made
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.topk_ids.shape[0])
-
-    @property
-    def real_rows(self) -> torch.Tensor | None:
-        """[R] bool, False on padding rows; None when there are none (expert_padding 1)."""
-        if self.expert_padding == 1:
-            return None
-        n = self.tokens_per_expert.to(torch.int64)
-        pad = self.expert_padding
-        padded = (n + pad - 1) // pad * pad
-        start = torch.cumsum(padded, 0) - padded
-        row = torch.arange(self.num_rows, device=n.device)
-        seg = torch.repeat_interleave(
-            torch.arange(n.numel(), device=n.device), padded, output_size=self.num_rows
-        )
-        return row - start[seg] < n[seg]
-
-    def release(self) -> None:
-        """Give the routing's slot back now instead of when it is garbage-collected."""
-        if self._finalizer is not None:
-            self._finalizer()
-
-
-@dataclass
-class Routed:
-    """What `ExpertParallel.dispatch` delivers to this rank's experts."""
-
-    expert_x: torch.Tensor  # [R, hidden] in the input's dtype (fp8 rows dequantised)
-    tokens_per_expert: torch.Tensor  # [local experts] int32
-    routing: ExpertRouting
-    row_weights: torch.Tensor | None  # [R] fp32, differentiable w.r.t. topk_weights
-
-
-@dataclass
-class PendingRouted:
-    """A dispatch whose send half is done: pass it to `ExpertParallel.dispatch(handle=...)`."""
-
-    x: torch.Tensor
-    topk_ids: torch.Tensor
-    topk_weights: torch.Tensor
-    cached: ExpertRouting | None
-    track: bool  # gradients were enabled at the send half
-
-
-@dataclass
-class PendingCombined:
-    """A combine whose send half is done: pass it to `ExpertParallel.combine(handle=...)`."""
-
-    y: torch.Tensor
-    routed: Routed
-    weighted: bool
-
-
-class _Channel:
-    """One AllToAll, in halves, and the dispatch of it that waits for its combine (and whose).
-
-    A dispatch opened with `closable=True` is one nobody may come back for (a
-    backward whose counterpart autograd skipped): the next dispatch closes it
-    with a combine of zeros. Every rank runs the same autograd
-    graph, so every rank closes alike.
-    """
-
-    def __init__(self, a2a: AllToAll) -> None:
-        self.a2a = a2a
-        self.open: ExpertRouting | None = None
-        self._pending: Any = None  # a half in flight (PendingDispatch or PendingCombine)
-        self._d: Dispatched | None = None
-        self._closable = False
-
-    def is_open_for(self, h: ExpertRouting) -> bool:
-        return self._d is not None and self.open is h
-
-    def dispatch_send(
-        self,
-        x: torch.Tensor,
-        ids: torch.Tensor,
-        weights: torch.Tensor,
-        closable: bool,
-        routing: Routing | None = None,
-        keep_routing: bool = False,
-        in_place: bool = True,
-    ) -> None:
-        """With `routing`, along it (no routing exchange); `keep_routing` returns this call's.
-        `in_place`: `x` stays as it is until dispatch_recv (true of every tensor made here)."""
-        self._make_room()
-        self._pending = self._dispatch(
-            x, ids, weights, routing, keep_routing, RowRequest(in_place), recv=False
-        )
-        self._closable = closable
-
-    def dispatch_whole(
-        self,
-        x: torch.Tensor,
-        ids: torch.Tensor,
-        weights: torch.Tensor,
-        closable: bool,
-        routing: Routing | None = None,
-        keep_routing: bool = False,
-        rows: RowRequest = PLAIN,
-    ) -> Dispatched:
-        """Both halves in one call, so the receive kernel follows the send's at once; `x` is
-        read in place. The arguments are dispatch_send's, and `rows` the receive half's."""
-        self._make_room()
-        d = self._dispatch(x, ids, weights, routing, keep_routing, rows)
-        assert isinstance(d, Dispatched)
-        self._closable, self._d = closable, d
-        return d
-
-    def _dispatch(
-        self,
-        x: torch.Tensor,
-        ids: torch.Tensor,
-        weights: torch.Tensor,
-        routing: Routing | None,
-        keep_routing: bool,
-        rows: RowRequest,
-        recv: bool = True,
-    ) -> Any:
-        """AllToAll.dispatch along `routing` (its ids and weights, checked when it was made), or of
-        `ids` and `weights` (`keep_routing`)."""
-        if routing is not None:
-            return self.a2a._dispatch_rows(rows, x, routing=routing, recv=recv)
-        return self.a2a._dispatch_rows(rows, x, ids, weights, keep_routing=keep_routing, recv=recv)
-
-    def _make_room(self) -> None:
-        """Close a closable dispatch left open; refuse to start one over any other."""
-        if self._d is not None and self._closable:
-            assert self.open is not None
-            self.combine_send(torch.zeros_like(self._d.expert_x), self.open, weighted=False)
-            self.combine_recv()
-        if self._d is not None or self._pending is not None:
-            seq = self.open.seq if self.open is not None else "?"
-            raise RuntimeError(
-                f"dispatch: the dispatch of routing #{seq} has not been combined yet; "
-                "every dispatch must be followed by its combine"
-            )
-
-    def dispatch_recv(self, rows: RowRequest) -> Dispatched:
-        d = self.a2a._dispatch_rows(rows, handle=self._pending, send=False)
-        assert isinstance(d, Dispatched)
-        self._pending, self._d = None, d
-        return d
-
-    def dispatch(self, x: torch.Tensor, h: ExpertRouting, closable: bool) -> Dispatched:
-        d = self.dispatch_whole(x, h.topk_ids, h.topk_weights, closable, routing=h.gathered)
-        self.open = h
-        return d
-
-    def combine_send(
-        self,
-        y: torch.Tensor,
-        h: ExpertRouting,
-        weighted: bool,
-        in_place: bool = True,
-        row_values: torch.Tensor | None = None,
-    ) -> None:
-        if not self.is_open_for(h):
-            raise RuntimeError(
-                f"combine: routing #{h.seq} is not the dispatch in flight on this instance; "
-                "combine each dispatch before the next one"
-            )
-        rows = RowRequest(in_place=in_place, row_values=row_values)
-        self._pending = self.a2a._combine_rows(rows, y, self._d, weighted=weighted, recv=False)
-        self._d = None
-
-    def combine_recv(self, values_out: torch.Tensor | None = None) -> torch.Tensor:
-        out = self.a2a._combine_rows(RowRequest(values_out=values_out), handle=self._pending, send=False)
-        assert isinstance(out, torch.Tensor)
-        self._pending, self.open = None, None
-        return out
 
 
 class ExpertParallel:
@@ -289,8 +93,8 @@ class ExpertParallel:
         else:
             grad_cfg = dataclasses.replace(cfg, dispatch_dtype=grad_dtype, combine_dtype=grad_dtype)
             self.backward_a2a = AllToAll(grad_cfg, **opts)
-        self._fwd = _Channel(self.forward_a2a)
-        self._bwd = self._fwd if self.backward_a2a is self.forward_a2a else _Channel(self.backward_a2a)
+        self._fwd = Channel(self.forward_a2a)
+        self._bwd = self._fwd if self.backward_a2a is self.forward_a2a else Channel(self.backward_a2a)
         self.rank, self.world_size = self.forward_a2a.rank, self.forward_a2a.world_size
         self.num_local_experts = self.forward_a2a.num_local_experts
         self.device = self.forward_a2a.device

@@ -18,7 +18,8 @@ import torch
 from torchtitan.models.common.token_dispatcher import BaseEPTokenDispatcher, LocalTokenDispatcher
 
 from moe_a2a.all_to_all import COMBINE_DTYPES, DISPATCH_DTYPES, Config
-from moe_a2a.autograd import GRAD_DTYPES, ExpertParallel, Routed
+from moe_a2a.autograd import GRAD_DTYPES, ExpertParallel
+from moe_a2a.ep_types import Routed
 
 # One ExpertParallel per (process group, shape, device): the layers of a model share it
 # (each layer's forward and backward pairs stay in order, see moe_a2a.autograd).
