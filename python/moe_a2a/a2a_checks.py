@@ -121,8 +121,10 @@ class CallChecks:
         x, x_scale = self.x_and_scale(x, x_scale)
         shape = (x.shape[0], self.cfg.topk)
         ids = routing.topk_ids if routing is not None else self.ids(topk_ids, shape)
-        trusted = routing is not None and topk_weights is None
-        weights = routing.topk_weights if trusted else self.weights(topk_weights, shape)
+        if routing is not None and topk_weights is None:
+            weights = routing.topk_weights
+        else:
+            weights = self.weights(topk_weights, shape)
         return x, ids, weights, x_scale
 
     def x_and_scale(self, x: Any, x_scale: Any) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -130,8 +130,10 @@ def open_backend(
         return Opened(lease, setup, _start_backend(boot, setup, device, graph_safe))
     except BaseException:
         if lease is not None:  # every rank failed at the same step: nobody wrote yet
-            parts = (setup.region, setup.group, setup.workspace) if setup is not None else (None, None, None)
-            lease.close(*parts, 0.0)
+            if setup is not None:
+                lease.close(setup.region, setup.group, setup.workspace, 0.0)
+            else:
+                lease.close(None, None, None, 0.0)
         raise
 
 

@@ -146,8 +146,8 @@ class Dispatched:
     topk_weights: torch.Tensor | None = field(repr=False, default=None)
     owner: int = field(repr=False, default=0)
     routing: Routing | None = None  # with keep_routing=True, or the cached call's
-    row_dot: torch.Tensor | None = None  # [rows] float32, with dispatch(row_dot=...)
-    row_weights: torch.Tensor | None = None  # [rows] float32, with dispatch(row_weights=True)
+    row_dot: torch.Tensor | None = None  # [rows] float32, with RowRequest(row_dot=...)
+    row_weights: torch.Tensor | None = None  # [rows] float32, with RowRequest(row_weights=True)
 
 
 @dataclass

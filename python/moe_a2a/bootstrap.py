@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -112,7 +113,7 @@ class Bootstrap:
         failed = [(r, m.decode()) for r, m in enumerate(self.allgather(mine)) if m]
         if error is not None:
             others = [r for r, _ in failed if r != self.rank]
-            if others:
+            if others and sys.version_info >= (3, 11):  # notes are 3.11's
                 error.add_note(f"{what} failed on {ranks_text(others)} as well")
             raise error
         if failed:

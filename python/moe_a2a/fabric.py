@@ -155,7 +155,13 @@ class Engine:
 
     def group(self, peers: Sequence[int], remotes: Sequence[RemoteRegion | None]) -> Group:
         """A peer group whose writes land in each peer's `remotes[peer]` region."""
-        return self.core.create_group(list(peers), [remotes[p] for p in peers])
+        regions: list[RemoteRegion] = []
+        for p in peers:
+            region = remotes[p]
+            if region is None:
+                raise ValueError(f"remotes: peer {p} has none; expected a region for every peer of the group")
+            regions.append(region)
+        return self.core.create_group(list(peers), regions)
 
 
 # -- one engine per process, provider and set of ranks ------------------------------------------

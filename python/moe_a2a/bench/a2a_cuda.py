@@ -163,7 +163,7 @@ def timed(comm: Any, fn: Any) -> tuple[Any, float]:
 
 
 def run_shape(name: str, args: argparse.Namespace, comm: Any, copy_gbs: float) -> dict[str, Any]:
-    from moe_a2a.all_to_all import AllToAll, Config
+    from moe_a2a.all_to_all import AllToAll, Config, Dispatched
 
     rank, world = comm.Get_rank(), comm.Get_size()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -217,6 +217,7 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, copy_gbs: float) -
 
         def step(r: Round) -> None:
             d = a2a.dispatch(r.x, r.ids, r.weights)
+            assert isinstance(d, Dispatched)  # a whole call
             a2a.combine(y_full[: d.expert_x.shape[0]], d)
 
         # The whole step and the torch-native version in alternating blocks, so that

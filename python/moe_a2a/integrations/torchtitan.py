@@ -156,6 +156,7 @@ class MoeA2ATokenDispatcher(BaseEPTokenDispatcher):
                 "it is not set: set it to the largest local_batch_size * seq_len)"
             )
         routed = self.ep.dispatch(x_TD, topk_expert_ids_TK, topk_scores_TK)
+        assert isinstance(routed, Routed)  # a whole call
         counts = routed.tokens_per_expert.to(x_TD.device)
         return routed.expert_x, counts, routed
 
@@ -164,4 +165,6 @@ class MoeA2ATokenDispatcher(BaseEPTokenDispatcher):
         if not isinstance(metadata, Routed):
             return LocalTokenDispatcher.combine(self, routed_output_RD, metadata, x_TD)
         assert self.ep is not None
-        return self.ep.combine(routed_output_RD, metadata).to(x_TD.dtype)
+        out = self.ep.combine(routed_output_RD, metadata)
+        assert isinstance(out, torch.Tensor)  # a whole call
+        return out.to(x_TD.dtype)
