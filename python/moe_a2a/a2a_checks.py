@@ -23,6 +23,17 @@ def resolve_in_place(what: str, in_place: Any, send: bool, recv: bool) -> bool:
     return in_place
 
 
+def split_x(x: Any) -> tuple[Any, Any]:
+    """dispatch's `x`: rows, or already-quantised fp8 rows with their scales, `(x, x_scale)`."""
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise ValueError(
+                f"dispatch: x: got a sequence of {len(x)}; expected rows or the pair (x, x_scale)"
+            )
+        return x[0], x[1]
+    return x, None
+
+
 @dataclass(frozen=True)
 class CallChecks:
     """What one AllToAll checks its calls against: its shape, its place, what its backend takes."""
@@ -97,6 +108,7 @@ class CallChecks:
                 f"dispatch: routing: its topk_ids are on {routing.topk_ids.device}; expected {self.device}"
             )
         tokens = routing.topk_ids.shape[0]
+        x, _ = split_x(x)
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] != tokens:
             raise ValueError(f"dispatch: x: got {describe(x)}; expected {tokens} rows (the routing's tokens)")
 
@@ -114,11 +126,11 @@ class CallChecks:
             raise ValueError(f"dispatch: {name} is on {t.device}; expected {self.device}")
 
     def dispatch_inputs(
-        self, x: Any, topk_ids: Any, topk_weights: Any, x_scale: Any, routing: Routing | None = None
+        self, x: Any, topk_ids: Any, topk_weights: Any, routing: Routing | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """x, ids, weights and x_scale as the core takes them. Along `routing` its ids (and its
-        weights, unless others are given) were checked when the routing was made."""
-        x, x_scale = self.x_and_scale(x, x_scale)
+        """x, ids, weights and x's fp8 scales as the core takes them. Along `routing` its ids (and
+        its weights, unless others are given) were checked when the routing was made."""
+        x, x_scale = self.x_and_scale(*split_x(x))
         shape = (x.shape[0], self.cfg.topk)
         ids = routing.topk_ids if routing is not None else self.ids(topk_ids, shape)
         if routing is not None and topk_weights is None:
@@ -146,13 +158,16 @@ class CallChecks:
                 or x_scale.device != self.device
             ):
                 raise ValueError(
-                    f"dispatch: x_scale: got {describe(x_scale)}; expected float32 [{tokens}, {blocks}] "
-                    f"on {self.device} for already-quantised fp8 x"
+                    f"dispatch: x: fp8 rows come as the pair (x, x_scale); got x_scale {describe(x_scale)}; "
+                    f"expected float32 [{tokens}, {blocks}] on {self.device}"
                 )
             x_scale = x_scale.contiguous()
         elif x.dtype in (torch.bfloat16, torch.float32):
             if x_scale is not None:
-                raise ValueError("dispatch: x_scale is only for already-quantised fp8 x")
+                raise ValueError(
+                    f"dispatch: x: got a pair of {x.dtype} rows and scales; the pair (x, x_scale) "
+                    "is only for already-quantised fp8 x"
+                )
         else:
             raise ValueError(f"dispatch: x: got dtype {x.dtype}; expected bfloat16, float32 or float8_e4m3fn")
         return x.contiguous(), x_scale

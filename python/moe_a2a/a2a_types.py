@@ -165,12 +165,11 @@ class RowRequest:
     """The training extras of one dispatch or combine, which `moe_a2a.autograd.ExpertParallel`
     builds and passes to `AllToAll._dispatch_rows` / `_combine_rows` (docs/training.md).
 
-    Plain data (tensors, booleans, a dtype), so that an operator schema can carry it field
-    by field. The receive-half fields are checked against the rows before anything is sent.
+    Plain data (tensors and booleans), so that an operator schema can carry it field by
+    field. The receive-half fields are checked against the rows before anything is sent.
     """
 
     in_place: bool | None = None  # send half: x (y) unchanged until the receive half; None: the default
-    dequantize: torch.dtype | None = None  # dispatch receive, fp8 rows: delivered in this dtype
     row_weights: bool = False  # dispatch receive: Dispatched.row_weights, each row's routing weight
     row_scale: torch.Tensor | None = None  # dispatch receive along a routing: [rows] fp32 row factors
     row_dot: torch.Tensor | None = None  # with row_scale: [rows, hidden]; Dispatched.row_dot = <row, it>
@@ -187,7 +186,7 @@ class RowRequest:
             raise ValueError(f"{what}: {', '.join(given)} belong to the other call kind, not to {what}")
 
 
-_DISPATCH_FIELDS = ("dequantize", "row_weights", "row_scale", "row_dot")
+_DISPATCH_FIELDS = ("row_weights", "row_scale", "row_dot")
 
 PLAIN = RowRequest()  # a user's call: no training extras
 

@@ -168,28 +168,31 @@ class AllToAll:
     @_counted("dispatch")
     def dispatch(
         self,
-        x: torch.Tensor | None = None,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
         topk_ids: torch.Tensor | None = None,
         topk_weights: torch.Tensor | None = None,
         *,
-        x_scale: torch.Tensor | None = None,
         send: bool = True,
         recv: bool = True,
         handle: PendingDispatch | None = None,
         routing: Routing | None = None,
         keep_routing: bool = False,
+        dequantize: torch.dtype | None = None,
     ) -> Dispatched | PendingDispatch:
         """Send tokens to their experts' ranks and/or receive this rank's share.
 
-        `send=True, recv=False` returns a `PendingDispatch` while bytes are in flight;
-        `dispatch(handle=pending, send=False)` finishes it. `keep_routing=True`
-        returns the call's `Routing` in `Dispatched.routing`; `routing=r` sends `x`
-        along it (its ids and, unless given, its weights) with no routing exchange.
+        `x` is bf16 or fp32 rows, or already-quantised fp8 rows with their scales as one
+        pair `(x, x_scale)`. `send=True, recv=False` returns a `PendingDispatch` while
+        bytes are in flight; `dispatch(handle=pending, send=False)` finishes it.
+        `keep_routing=True` returns the call's `Routing` in `Dispatched.routing`;
+        `routing=r` sends `x` along it (its ids and, unless given, its weights) with no
+        routing exchange. `dequantize=torch.bfloat16` (or float32; receive half, fp8 rows)
+        delivers the rows dequantised by the receive pass itself (`expert_x_scale` None).
         A whole call reads this rank's own copies from `x` in place; a send half copies
         them, so `x` may change before the receive half.
         """
         return self._dispatch(
-            PLAIN, x, topk_ids, topk_weights, x_scale, send, recv, handle, routing, keep_routing
+            PLAIN, x, topk_ids, topk_weights, send, recv, handle, routing, keep_routing, dequantize
         )
 
     @_counted("dispatch")
@@ -204,12 +207,12 @@ class AllToAll:
         x: Any = None,
         topk_ids: Any = None,
         topk_weights: Any = None,
-        x_scale: Any = None,
         send: bool = True,
         recv: bool = True,
         handle: Any = None,
         routing: Any = None,
         keep_routing: Any = False,
+        dequantize: Any = None,
     ) -> Dispatched | PendingDispatch:
         if not send and not recv:
             raise ValueError("dispatch: send and recv are both False; nothing to do")
@@ -219,7 +222,7 @@ class AllToAll:
             rows.row_scale is not None
             or rows.row_dot is not None
             or rows.row_weights is not False
-            or rows.dequantize is not None
+            or dequantize is not None
         ):
             raise ValueError(
                 "dispatch: row_scale=, row_dot=, row_weights= and dequantize= belong to the receive half "
@@ -227,7 +230,6 @@ class AllToAll:
             )
         if not isinstance(rows.row_weights, bool):
             raise ValueError(f"dispatch: row_weights: got {rows.row_weights!r}; expected True or False")
-        dequantize = rows.dequantize
         if dequantize is not None and (
             self.cfg.dispatch_dtype != "fp8" or dequantize not in (torch.bfloat16, torch.float32)
         ):
@@ -243,9 +245,7 @@ class AllToAll:
         if send:
             if handle is not None:
                 raise ValueError("dispatch: handle= is only for the receive half (send=False)")
-            handle = self._dispatch_send(
-                x, topk_ids, topk_weights, x_scale, routing, keep_routing, in_place, req
-            )
+            handle = self._dispatch_send(x, topk_ids, topk_weights, routing, keep_routing, in_place, req)
         elif routing is not None or keep_routing:
             raise ValueError("dispatch: routing= and keep_routing= belong to the send half (send=True)")
         if not recv:
@@ -278,7 +278,6 @@ class AllToAll:
         x: Any,
         topk_ids: Any,
         topk_weights: Any,
-        x_scale: Any,
         routing: Any,
         keep_routing: Any,
         in_place: bool,
@@ -297,7 +296,7 @@ class AllToAll:
             )
         if routing is not None:
             self._checks.routing(routing, x, topk_ids)
-        x, ids, weights, scale = self._checks.dispatch_inputs(x, topk_ids, topk_weights, x_scale, routing)
+        x, ids, weights, scale = self._checks.dispatch_inputs(x, topk_ids, topk_weights, routing)
         if routing is not None and not self._backend.checks_ids:
             self._checks.own_row(routing, ids)
         matrix = routing.matrix if routing is not None else None

@@ -289,7 +289,8 @@ class ExpertParallel:
             closable=False,
             routing=routing,
             keep_routing=True,
-            rows=RowRequest(row_weights=cached is None, dequantize=self._dequantize(x.dtype)),
+            rows=RowRequest(row_weights=cached is None),
+            dequantize=self._dequantize(x.dtype),
         )
         return self._forward_routed(d, x.dtype, ids, weights, cached)
 
@@ -301,9 +302,7 @@ class ExpertParallel:
         self, x_dtype: torch.dtype, ids: torch.Tensor, weights: torch.Tensor, cached: ExpertRouting | None
     ) -> tuple[torch.Tensor, ExpertRouting]:
         # Each row's weight rides in its tail; along a cached routing they are the routing's.
-        d = self._fwd.dispatch_recv(
-            RowRequest(row_weights=cached is None, dequantize=self._dequantize(x_dtype))
-        )
+        d = self._fwd.dispatch_recv(RowRequest(row_weights=cached is None), self._dequantize(x_dtype))
         return self._forward_routed(d, x_dtype, ids, weights, cached)
 
     def _forward_routed(

@@ -58,11 +58,13 @@ class Channel:
         routing: Routing | None = None,
         keep_routing: bool = False,
         rows: RowRequest = PLAIN,
+        dequantize: torch.dtype | None = None,
     ) -> Dispatched:
         """Both halves in one call, so the receive kernel follows the send's at once; `x` is
-        read in place. The arguments are dispatch_send's, and `rows` the receive half's."""
+        read in place. The arguments are dispatch_send's, and `rows` and `dequantize` the
+        receive half's."""
         self._make_room()
-        d = self._dispatch(x, ids, weights, routing, keep_routing, rows)
+        d = self._dispatch(x, ids, weights, routing, keep_routing, rows, dequantize=dequantize)
         assert isinstance(d, Dispatched)
         self._closable, self._d = closable, d
         return d
@@ -76,12 +78,15 @@ class Channel:
         keep_routing: bool,
         rows: RowRequest,
         recv: bool = True,
+        dequantize: torch.dtype | None = None,
     ) -> Any:
         """AllToAll.dispatch along `routing` (its ids and weights, checked when it was made), or of
         `ids` and `weights` (`keep_routing`)."""
         if routing is not None:
-            return self.a2a._dispatch_rows(rows, x, routing=routing, recv=recv)
-        return self.a2a._dispatch_rows(rows, x, ids, weights, keep_routing=keep_routing, recv=recv)
+            return self.a2a._dispatch_rows(rows, x, routing=routing, recv=recv, dequantize=dequantize)
+        return self.a2a._dispatch_rows(
+            rows, x, ids, weights, keep_routing=keep_routing, recv=recv, dequantize=dequantize
+        )
 
     def _make_room(self) -> None:
         """Close a closable dispatch left open; refuse to start one over any other."""
@@ -96,8 +101,8 @@ class Channel:
                 "every dispatch must be followed by its combine"
             )
 
-    def dispatch_recv(self, rows: RowRequest) -> Dispatched:
-        d = self.a2a._dispatch_rows(rows, handle=self._pending, send=False)
+    def dispatch_recv(self, rows: RowRequest, dequantize: torch.dtype | None = None) -> Dispatched:
+        d = self.a2a._dispatch_rows(rows, handle=self._pending, send=False, dequantize=dequantize)
         assert isinstance(d, Dispatched)
         self._pending, self._d = None, d
         return d

@@ -20,7 +20,7 @@ from ranks import COMM, DEVICE, PROVIDER, RANK, WORLD, device_pytestmark, layout
 
 from moe_a2a import FabricError, PeerFailedError
 from moe_a2a.all_to_all import AllToAll, CapacityError, Config, RowRequest
-from moe_a2a.reference import combine_reference, dequantize_fp8, dispatch_reference
+from moe_a2a.reference import combine_reference, dequantize_fp8, dispatch_reference, quantize_fp8
 
 pytestmark = device_pytestmark
 HIDDEN = 200  # not a multiple of 128: the last fp8 block is short
@@ -196,12 +196,12 @@ def test_dequantized_receive(
             inp = make_inputs(2000 + it, a2a.cfg)
             x, ids, w = mine(inp)
             x = x.to(x_dtype)
-            rows = RowRequest(dequantize=out_dtype, row_weights=True)
+            rows = RowRequest(row_weights=True)
             if split:
                 pending = a2a.dispatch(x, ids, w, recv=False)
-                d = a2a._dispatch_rows(rows, handle=pending, send=False)
+                d = a2a._dispatch_rows(rows, handle=pending, send=False, dequantize=out_dtype)
             else:
-                d = a2a._dispatch_rows(rows, x, ids, w)
+                d = a2a._dispatch_rows(rows, x, ids, w, dequantize=out_dtype)
             ref = dispatch_reference(inp.xs, inp.ids, a2a.cfg.num_experts, "fp8", 4)[RANK]
             assert ref.expert_x_scale is not None
             want = dequantize_fp8(ref.expert_x, ref.expert_x_scale).to(out_dtype)
@@ -211,6 +211,35 @@ def test_dequantized_receive(
             assert not bool(d.expert_x.cpu()[~valid].any()), "padding rows must hold zeros"
             assert d.row_weights is not None and not bool(d.row_weights.cpu()[~valid].any())
             a2a.combine(d.expert_x, d)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_prequantised_fp8_rows_come_as_a_pair() -> None:
+    """x = (fp8 rows, their scales) travels as it is: the reference quantises the same rows to the
+    same bits. A pair that is not one is named, and the instance stops on every rank."""
+    a2a = make_a2a(None, dispatch_dtype="fp8", expert_padding=2)
+    try:
+        inp = make_inputs(2100, a2a.cfg)
+        x, ids, w = mine(inp)
+        q, scale = quantize_fp8(x.cpu())
+        d = a2a.dispatch((q.to(DEVICE), scale.to(DEVICE)), ids, w)
+        ref = dispatch_reference(inp.xs, inp.ids, a2a.cfg.num_experts, "fp8", 2)[RANK]
+        valid = ref.origin[:, 0] >= 0
+        assert d.expert_x_scale is not None and ref.expert_x_scale is not None
+        assert torch.equal(d.expert_x.cpu()[valid].view(torch.uint8), ref.expert_x[valid].view(torch.uint8))
+        assert torch.equal(d.expert_x_scale.cpu()[valid], ref.expert_x_scale[valid])
+        a2a.combine(torch.zeros(d.expert_x.shape, dtype=torch.bfloat16, device=DEVICE), d)
+        bad = [
+            ("fp8 rows come as the pair", lambda: a2a.dispatch(q.to(DEVICE), ids, w)),
+            ("only for already-quantised fp8 x", lambda: a2a.dispatch((x, scale.to(DEVICE)), ids, w)),
+            ("a sequence of 3", lambda: a2a.dispatch((x, x, x), ids, w)),
+        ]
+        for match, call in bad:
+            with pytest.raises(ValueError, match=match):
+                call()
+            a2a = a2a.reopen()
+    finally:
+        a2a.close()
 
 
 @pytest.mark.mpi(min_size=1)
@@ -397,12 +426,12 @@ def test_validation_errors() -> None:
         (
             ValueError,
             "dequantize: got torch.bfloat16 with dispatch_dtype 'bf16'; expected .* dispatch_dtype 'fp8'",
-            lambda: a2a._dispatch_rows(RowRequest(dequantize=torch.bfloat16), x, ids, w),
+            lambda: a2a.dispatch(x, ids, w, dequantize=torch.bfloat16),
         ),
         (
             ValueError,
             "dequantize= belong to the receive half",
-            lambda: a2a._dispatch_rows(RowRequest(dequantize=torch.bfloat16), x, ids, w, recv=False),
+            lambda: a2a.dispatch(x, ids, w, recv=False, dequantize=torch.bfloat16),
         ),
         (
             ValueError,

@@ -12,7 +12,6 @@ from moe_a2a.all_to_all import AllToAll, RowRequest
 
 TRAINING_FIELDS = {
     "in_place",
-    "dequantize",
     "row_weights",
     "row_scale",
     "row_dot",
@@ -28,7 +27,7 @@ def public_parameters(method: object) -> list[str]:
 def test_public_calls_take_what_a_user_needs() -> None:
     dispatch, combine = public_parameters(AllToAll.dispatch), public_parameters(AllToAll.combine)
     assert dispatch == [
-        "x", "topk_ids", "topk_weights", "x_scale", "send", "recv", "handle", "routing", "keep_routing"
+        "x", "topk_ids", "topk_weights", "send", "recv", "handle", "routing", "keep_routing", "dequantize"
     ]  # fmt: skip
     assert combine == ["y", "d", "send", "recv", "handle", "weighted"]
     assert not TRAINING_FIELDS & {*dispatch, *combine}, "a training extra leaked into the public API"
@@ -48,7 +47,7 @@ def test_each_call_kind_refuses_the_others_fields() -> None:
     ones = torch.ones(2)
     with pytest.raises(ValueError, match="dispatch: row_values, values_out belong to the other call kind"):
         RowRequest(row_values=ones, values_out=ones).check_for("dispatch")
-    with pytest.raises(ValueError, match="combine: dequantize, row_scale belong to the other call kind"):
-        RowRequest(dequantize=torch.bfloat16, row_scale=ones).check_for("combine")
+    with pytest.raises(ValueError, match="combine: row_weights, row_scale belong to the other call kind"):
+        RowRequest(row_weights=True, row_scale=ones).check_for("combine")
     RowRequest(in_place=True, row_weights=True, row_scale=ones).check_for("dispatch")
     RowRequest(in_place=True, row_values=ones, values_out=ones).check_for("combine")
