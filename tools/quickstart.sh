@@ -12,7 +12,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV="$ROOT/.venv"
 TORCH_VERSION=2.13.0
 APT_PACKAGES=(libfabric-dev libfabric-bin libopenmpi-dev openmpi-bin pkg-config cmake ninja-build g++ shellcheck)
-PIP_PACKAGES=(numpy mpi4py h5py tabulate tqdm matplotlib pytest pytest-mpi pytest-timeout ruff pyyaml jsonschema
+PIP_PACKAGES=(numpy mpi4py h5py tabulate tqdm matplotlib pytest pytest-mpi pytest-timeout ruff mypy pyyaml jsonschema
               "scikit-build-core>=0.11" "nanobind>=2.0")
 # The training tests' reference: TorchTitan's own MoE and token dispatchers. TorchTitan
 # imports triton at import time; triton's wheel imports on a machine without a GPU.
@@ -47,7 +47,7 @@ setup_python() {
     "$py" -m pip install -q --upgrade pip
     "$py" -m pip install -q "torch==$TORCH_VERSION"
   fi
-  if ! "$py" -c "import mpi4py, h5py, tabulate, tqdm, matplotlib, pytest, pytest_mpi, pytest_timeout, yaml, jsonschema, nanobind, scikit_build_core" 2>/dev/null; then
+  if ! "$py" -c "import mpi4py, h5py, tabulate, tqdm, matplotlib, pytest, pytest_mpi, pytest_timeout, yaml, jsonschema, nanobind, scikit_build_core, mypy" 2>/dev/null; then
     log "installing Python packages"
     "$py" -m pip install -q "${PIP_PACKAGES[@]}"
   fi

@@ -18,6 +18,9 @@ step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 step "ruff"
 ruff check python tests || fail "ruff"
 
+step "mypy (python/moe_a2a, configured in pyproject.toml)"
+mypy || fail "mypy"
+
 # The training tests skip where TorchTitan is absent; here it must be present and import.
 step "TorchTitan imports (the training tests' reference)"
 python -c "import torchtitan.models.common.token_dispatcher, triton; print('torchtitan and triton', triton.__version__)" \

@@ -13,10 +13,8 @@ import json
 from typing import Any
 
 from moe_a2a import __version__
-from moe_a2a.bootstrap import Bootstrap, ranks_text
+from moe_a2a.bootstrap import MISSING, Bootstrap, difference
 from moe_a2a.fabric import default_provider
-
-MISSING = object()  # a setting a rank did not send (another library version)
 
 
 def all_to_all_settings(
@@ -33,7 +31,7 @@ def all_to_all_settings(
         **dataclasses.asdict(cfg),
         "device": device,
         # "auto" is resolved from each rank's environment, which may differ.
-        "provider": default_provider() if provider == "auto" else provider,
+        "provider": default_provider(provider),
         "ranks_per_node": ranks_per_node,
         "num_nics": num_nics,
         "graph_safe": graph_safe,
@@ -54,13 +52,3 @@ def check_agreement(bootstrap: Bootstrap, settings: dict[str, Any]) -> None:
             "AllToAll: the ranks were given different settings (every rank must pass the same): "
             + "; ".join(differences)
         )
-
-
-def difference(name: str, values: list[Any]) -> str | None:
-    """'name: 8 on ranks 0, 2, 12 on rank 1' for values that differ (index = rank), else None."""
-    ranks_of: dict[str, list[int]] = {}
-    for rank, value in enumerate(values):
-        ranks_of.setdefault("(none)" if value is MISSING else repr(value), []).append(rank)
-    if len(ranks_of) == 1:
-        return None
-    return f"{name}: " + ", ".join(f"{v} on {ranks_text(r)}" for v, r in ranks_of.items())

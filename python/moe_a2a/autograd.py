@@ -1,7 +1,7 @@
 """Differentiable dispatch and combine, for expert-parallel training.
 
 `ExpertParallel` wraps the forward `AllToAll` with what the backward needs:
-- a handle per dispatch (`RoutingHandle`) that owns its routing, so any number
+- a routing per dispatch (`ExpertRouting`, `routed.routing`) that it owns, so any number
   of layers can sit between their forward and their backward;
 - gradients that travel in `grad_dtype` (bf16 or fp32) whatever the forward
   dispatch dtype (an fp8 forward gets its own gradient instance);
@@ -10,7 +10,7 @@
   carries its copy's weight; each returned row one value, unreduced).
 
 Backward of dispatch is an unweighted combine of the row gradients; backward of
-combine is a dispatch of the output gradient along the handle's routing, scaled
+combine is a dispatch of the output gradient along the dispatch's routing, scaled
 by the per-row weights in weighted mode. fp8 quantisation has the
 straight-through gradient (the identity). docs/training.md has the details.
 
@@ -26,236 +26,17 @@ import dataclasses
 import itertools
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from moe_a2a.all_to_all import AllToAll, Config, Dispatched, Routing, _describe
+from moe_a2a.a2a_types import Config, Dispatched, RowRequest, describe
+from moe_a2a.all_to_all import AllToAll
+from moe_a2a.ep_channel import Channel
+from moe_a2a.ep_types import ExpertRouting, PendingCombined, PendingRouted, Routed
 
 GRAD_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _ids = itertools.count(1)
-
-
-@dataclass(eq=False)
-class RoutingHandle:
-    """One dispatch's routing, owned by the handle: what its combine and its backward need.
-
-    It keeps the gathered routing matrix (`routing`, `world x num_experts`
-    int32), so dispatching new rows along it (`ExpertParallel.dispatch(x,
-    handle=h)`, and the backward of combine) exchanges no routing rows, long
-    after later layers ran.
-    """
-
-    owner: int
-    seq: int
-    topk_ids: torch.Tensor  # [T, K], as the core takes them
-    topk_weights: torch.Tensor  # [T, K] fp32, detached
-    tokens_per_expert: torch.Tensor  # [local experts] int32
-    num_rows: int  # R, padding rows included
-    expert_padding: int = 1
-    row_weights: torch.Tensor | None = None  # [R] fp32, each row's routing weight (0 on padding rows)
-    x_dtype: torch.dtype = torch.bfloat16
-    routing: Routing | None = None  # the forward's gathered routing: later dispatches along it exchange none
-    _finalizer: Any = field(default=None, repr=False)
-    _weights_version: int = field(default=0, repr=False)  # row_weights' version counter when made
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.topk_ids.shape[0])
-
-    @property
-    def real_rows(self) -> torch.Tensor | None:
-        """[R] bool, False on padding rows; None when there are none (expert_padding 1)."""
-        if self.expert_padding == 1:
-            return None
-        n = self.tokens_per_expert.to(torch.int64)
-        pad = self.expert_padding
-        padded = (n + pad - 1) // pad * pad
-        start = torch.cumsum(padded, 0) - padded
-        row = torch.arange(self.num_rows, device=n.device)
-        seg = torch.repeat_interleave(
-            torch.arange(n.numel(), device=n.device), padded, output_size=self.num_rows
-        )
-        return row - start[seg] < n[seg]
-
-    def release(self) -> None:
-        """Give the handle's slot back now instead of when it is garbage-collected."""
-        if self._finalizer is not None:
-            self._finalizer()
-
-
-@dataclass
-class Routed:
-    """What `ExpertParallel.dispatch` delivers to this rank's experts."""
-
-    expert_x: torch.Tensor  # [R, hidden] in the input's dtype (fp8 rows dequantised)
-    tokens_per_expert: torch.Tensor  # [local experts] int32
-    handle: RoutingHandle
-    row_weights: torch.Tensor | None  # [R] fp32, differentiable w.r.t. topk_weights
-
-
-@dataclass
-class PendingRouted:
-    """A dispatch whose send half is done: pass it to `ExpertParallel.dispatch(pending=...)`."""
-
-    x: torch.Tensor
-    topk_ids: torch.Tensor
-    topk_weights: torch.Tensor
-    cached: RoutingHandle | None
-    track: bool  # gradients were enabled at the send half
-
-
-@dataclass
-class PendingCombined:
-    """A combine whose send half is done: pass it to `ExpertParallel.combine(pending=...)`."""
-
-    y: torch.Tensor
-    routed: Routed
-    weighted: bool
-
-
-class _Channel:
-    """One AllToAll, in halves, and the dispatch of it that waits for its combine (and whose).
-
-    A dispatch opened with `closable=True` is one nobody may come back for (a
-    backward whose counterpart autograd skipped): the next dispatch closes it
-    with a combine of zeros. Every rank runs the same autograd
-    graph, so every rank closes alike.
-    """
-
-    def __init__(self, a2a: AllToAll) -> None:
-        self.a2a = a2a
-        self.open: RoutingHandle | None = None
-        self._pending: Any = None  # a half in flight (PendingDispatch or PendingCombine)
-        self._d: Dispatched | None = None
-        self._closable = False
-
-    def is_open_for(self, h: RoutingHandle) -> bool:
-        return self._d is not None and self.open is h
-
-    def dispatch_send(
-        self,
-        x: torch.Tensor,
-        ids: torch.Tensor,
-        weights: torch.Tensor,
-        closable: bool,
-        routing: Routing | None = None,
-        keep_routing: bool = False,
-        in_place: bool = True,
-    ) -> None:
-        """With `routing`, along it (no routing exchange); `keep_routing` returns this call's.
-        `in_place`: `x` stays as it is until dispatch_recv (true of every tensor made here)."""
-        self._make_room()
-        self._pending = self._dispatch(x, ids, weights, routing, keep_routing, recv=False, in_place=in_place)
-        self._closable = closable
-
-    def dispatch_whole(
-        self,
-        x: torch.Tensor,
-        ids: torch.Tensor,
-        weights: torch.Tensor,
-        closable: bool,
-        routing: Routing | None = None,
-        keep_routing: bool = False,
-        row_scale: torch.Tensor | None = None,
-        row_dot: torch.Tensor | None = None,
-        row_weights: bool = False,
-        dequantize: torch.dtype | None = None,
-    ) -> Dispatched:
-        """Both halves in one call, so the receive kernel follows the send's at once; `x` is
-        read in place. The arguments are dispatch_send's and dispatch_recv's."""
-        self._make_room()
-        d = self._dispatch(
-            x,
-            ids,
-            weights,
-            routing,
-            keep_routing,
-            row_scale=row_scale,
-            row_dot=row_dot,
-            row_weights=row_weights,
-            dequantize=dequantize,
-        )
-        assert isinstance(d, Dispatched)
-        self._closable, self._d = closable, d
-        return d
-
-    def _dispatch(
-        self,
-        x: torch.Tensor,
-        ids: torch.Tensor,
-        weights: torch.Tensor,
-        routing: Routing | None,
-        keep_routing: bool,
-        **kwargs: Any,
-    ) -> Any:
-        """AllToAll.dispatch along `routing` (its ids and weights, checked when it was made), or of
-        `ids` and `weights` (`keep_routing`)."""
-        if routing is not None:
-            return self.a2a.dispatch(x, routing=routing, **kwargs)
-        return self.a2a.dispatch(x, ids, weights, keep_routing=keep_routing, **kwargs)
-
-    def _make_room(self) -> None:
-        """Close a closable dispatch left open; refuse to start one over any other."""
-        if self._d is not None and self._closable:
-            assert self.open is not None
-            self.combine_send(torch.zeros_like(self._d.expert_x), self.open, weighted=False)
-            self.combine_recv()
-        if self._d is not None or self._pending is not None:
-            seq = self.open.seq if self.open is not None else "?"
-            raise RuntimeError(
-                f"dispatch: the dispatch of handle #{seq} has not been combined yet; "
-                "every dispatch must be followed by its combine"
-            )
-
-    def dispatch_recv(
-        self,
-        row_scale: torch.Tensor | None = None,
-        row_dot: torch.Tensor | None = None,
-        row_weights: bool = False,
-        dequantize: torch.dtype | None = None,
-    ) -> Dispatched:
-        d = self.a2a.dispatch(
-            handle=self._pending,
-            send=False,
-            row_scale=row_scale,
-            row_dot=row_dot,
-            row_weights=row_weights,
-            dequantize=dequantize,
-        )
-        assert isinstance(d, Dispatched)
-        self._pending, self._d = None, d
-        return d
-
-    def dispatch(self, x: torch.Tensor, h: RoutingHandle, closable: bool) -> Dispatched:
-        d = self.dispatch_whole(x, h.topk_ids, h.topk_weights, closable, routing=h.routing)
-        self.open = h
-        return d
-
-    def combine_send(
-        self,
-        y: torch.Tensor,
-        h: RoutingHandle,
-        weighted: bool,
-        in_place: bool = True,
-        row_values: torch.Tensor | None = None,
-    ) -> None:
-        if not self.is_open_for(h):
-            raise RuntimeError(
-                f"combine: handle #{h.seq} is not the dispatch in flight on this instance; "
-                "combine each dispatch before the next one"
-            )
-        self._pending = self.a2a.combine(
-            y, self._d, weighted=weighted, recv=False, in_place=in_place, row_values=row_values
-        )
-        self._d = None
-
-    def combine_recv(self, values_out: torch.Tensor | None = None) -> torch.Tensor:
-        out = self.a2a.combine(handle=self._pending, send=False, values_out=values_out)
-        assert isinstance(out, torch.Tensor)
-        self._pending, self.open = None, None
-        return out
 
 
 class ExpertParallel:
@@ -264,7 +45,7 @@ class ExpertParallel:
     `cfg` is the forward's `Config`; `grad_dtype` ("bf16" or "fp32") is what
     gradients travel in. Layers may share one `ExpertParallel` (each layer's
     forward and backward pairs stay in order) or hold their own. At most
-    `max_live_handles` handles are alive at once: a model with L layers
+    `max_live_routings` routings are alive at once: a model with L layers
     needs L (2L with activation recomputation); more is an error, never a
     silent overwrite.
     """
@@ -278,7 +59,7 @@ class ExpertParallel:
         ranks_per_node: int | None = None,
         num_nics: int | None = None,
         grad_dtype: str = "bf16",
-        max_live_handles: int = 64,
+        max_live_routings: int = 64,
         nics: Sequence[str] | str | None = None,
     ) -> None:
         if not isinstance(cfg, Config):
@@ -286,14 +67,14 @@ class ExpertParallel:
         if grad_dtype not in GRAD_DTYPES:
             raise ValueError(f"grad_dtype: got {grad_dtype!r}; expected one of {list(GRAD_DTYPES)}")
         if (
-            not isinstance(max_live_handles, int)
-            or isinstance(max_live_handles, bool)
-            or max_live_handles < 1
+            not isinstance(max_live_routings, int)
+            or isinstance(max_live_routings, bool)
+            or max_live_routings < 1
         ):
-            raise ValueError(f"max_live_handles: got {max_live_handles!r}; expected an integer >= 1")
+            raise ValueError(f"max_live_routings: got {max_live_routings!r}; expected an integer >= 1")
         self.cfg = cfg
         self.grad_dtype = grad_dtype
-        self.max_live_handles = max_live_handles
+        self.max_live_routings = max_live_routings
         self.id = next(_ids)
         self._seq = itertools.count(1)
         self._live = 0
@@ -312,8 +93,8 @@ class ExpertParallel:
         else:
             grad_cfg = dataclasses.replace(cfg, dispatch_dtype=grad_dtype, combine_dtype=grad_dtype)
             self.backward_a2a = AllToAll(grad_cfg, **opts)
-        self._fwd = _Channel(self.forward_a2a)
-        self._bwd = self._fwd if self.backward_a2a is self.forward_a2a else _Channel(self.backward_a2a)
+        self._fwd = Channel(self.forward_a2a)
+        self._bwd = self._fwd if self.backward_a2a is self.forward_a2a else Channel(self.backward_a2a)
         self.rank, self.world_size = self.forward_a2a.rank, self.forward_a2a.world_size
         self.num_local_experts = self.forward_a2a.num_local_experts
         self.device = self.forward_a2a.device
@@ -328,50 +109,50 @@ class ExpertParallel:
         topk_ids: torch.Tensor | None = None,
         topk_weights: torch.Tensor | None = None,
         *,
-        handle: RoutingHandle | None = None,
+        routing: ExpertRouting | None = None,
         recv: bool = True,
-        pending: PendingRouted | None = None,
+        handle: PendingRouted | None = None,
     ) -> Routed | PendingRouted:
         """Send rows to their experts' ranks; differentiable w.r.t. `x` and `topk_weights`.
 
-        With `handle=` (a cached handle), `x` goes along that handle's routing
-        and its weights; `topk_ids` and `topk_weights` must then be left out.
+        With `routing=` (an earlier dispatch's `routed.routing`), `x` goes along that
+        routing and its weights; `topk_ids` and `topk_weights` must then be left out.
         `recv=False` returns after the send half (`PendingRouted`), so other work
-        can run while rows travel; `dispatch(pending=p)` finishes it.
+        can run while rows travel; `dispatch(handle=p)` finishes it.
         """
         self._check_open()
-        if pending is not None:
-            if not isinstance(pending, PendingRouted) or x is not None or handle is not None:
-                raise ValueError(
-                    "dispatch: pending= takes the PendingRouted of dispatch(..., recv=False) alone"
-                )
-            return self._dispatch_recv(pending, sent=True)
-        if not isinstance(x, torch.Tensor) or x.dtype not in GRAD_DTYPES.values():
-            raise ValueError(f"dispatch: x: got {_describe(x)}; expected a bfloat16 or float32 tensor")
         if handle is not None:
-            self._check_handle("dispatch", handle)
+            if not isinstance(handle, PendingRouted) or x is not None or routing is not None:
+                raise ValueError(
+                    "dispatch: handle= takes the PendingRouted of dispatch(..., recv=False) alone"
+                )
+            return self._dispatch_recv(handle, sent=True)
+        if not isinstance(x, torch.Tensor) or x.dtype not in GRAD_DTYPES.values():
+            raise ValueError(f"dispatch: x: got {describe(x)}; expected a bfloat16 or float32 tensor")
+        if routing is not None:
+            self._check_routing("dispatch", routing)
             if topk_ids is not None or topk_weights is not None:
                 raise ValueError(
-                    "dispatch: with handle=, leave topk_ids and topk_weights out (the handle has them)"
+                    "dispatch: with routing=, leave topk_ids and topk_weights out (the routing has them)"
                 )
-            ids, weights = handle.topk_ids, handle.topk_weights
+            ids, weights = routing.topk_ids, routing.topk_weights
         else:
             if not isinstance(topk_weights, torch.Tensor) or not topk_weights.dtype.is_floating_point:
                 raise ValueError(
-                    f"dispatch: topk_weights: got {_describe(topk_weights)}; expected a float tensor"
+                    f"dispatch: topk_weights: got {describe(topk_weights)}; expected a float tensor"
                 )
             ids, weights = self._check_ids(topk_ids), topk_weights
-        if self._live >= self.max_live_handles:
+        if self._live >= self.max_live_routings:
             raise RuntimeError(
-                f"dispatch: {self._live} routing handles are alive, the most max_live_handles="
-                f"{self.max_live_handles} allows; finish the backward of earlier steps (or call "
-                "handle.release()) or raise max_live_handles"
+                f"dispatch: {self._live} routings are alive, the most max_live_routings="
+                f"{self.max_live_routings} allows; finish the backward of earlier steps (or call "
+                "routed.routing.release()) or raise max_live_routings"
             )
-        p = PendingRouted(x, ids, weights, handle, torch.is_grad_enabled())
+        p = PendingRouted(x, ids, weights, routing, torch.is_grad_enabled())
         if recv:
             return self._dispatch_recv(p, sent=False)
         # The caller's x, which it may change before the receive half: not read in place.
-        self._forward_dispatch_send(x, ids, weights, handle, in_place=False)
+        self._forward_dispatch_send(x, ids, weights, routing, in_place=False)
         return p
 
     def _dispatch_recv(self, p: PendingRouted, sent: bool) -> Routed:
@@ -380,11 +161,11 @@ class ExpertParallel:
             expert_x, row_weights = _DispatchFn.apply(
                 self, box, p.x, p.topk_weights, p.topk_ids, p.cached, sent
             )
-        h: RoutingHandle = box["handle"]
+        h: ExpertRouting = box["routing"]
         if not p.track or p.cached is not None:
             row_weights = h.row_weights
         return Routed(
-            expert_x=expert_x, tokens_per_expert=h.tokens_per_expert, handle=h, row_weights=row_weights
+            expert_x=expert_x, tokens_per_expert=h.tokens_per_expert, routing=h, row_weights=row_weights
         )
 
     def combine(
@@ -394,34 +175,32 @@ class ExpertParallel:
         *,
         weighted: bool = True,
         recv: bool = True,
-        pending: PendingCombined | None = None,
+        handle: PendingCombined | None = None,
     ) -> torch.Tensor | PendingCombined:
         """Return expert rows to their tokens: `out[t] = sum_k w[t,k] * y[row of (t,k)]`.
 
         `weighted=False` sums the rows unweighted (apply `routed.row_weights` to
         `y` yourself; autograd then owns their gradient). Differentiable w.r.t. `y`
         and, in weighted mode, the dispatch's `topk_weights`. `recv=False` and
-        `combine(pending=p)` split it in halves, as for dispatch.
+        `combine(handle=p)` split it in halves, as for dispatch.
         """
         self._check_open()
-        if pending is not None:
-            if not isinstance(pending, PendingCombined) or y is not None or routed is not None:
+        if handle is not None:
+            if not isinstance(handle, PendingCombined) or y is not None or routed is not None:
                 raise ValueError(
-                    "combine: pending= takes the PendingCombined of combine(..., recv=False) alone"
+                    "combine: handle= takes the PendingCombined of combine(..., recv=False) alone"
                 )
-            return self._combine_apply(pending, sent=True)
+            return self._combine_apply(handle, sent=True)
         if not isinstance(routed, Routed):
             raise TypeError(
                 f"combine: routed: got {type(routed).__name__}; expected the Routed from dispatch"
             )
         if not isinstance(weighted, bool):
             raise ValueError(f"combine: weighted: got {weighted!r}; expected True or False")
-        h = routed.handle
-        self._check_handle("combine", h)
+        h = routed.routing
+        self._check_routing("combine", h)
         if not isinstance(y, torch.Tensor) or tuple(y.shape) != (h.num_rows, self.cfg.hidden):
-            raise ValueError(
-                f"combine: y: got {_describe(y)}; expected shape {(h.num_rows, self.cfg.hidden)}"
-            )
+            raise ValueError(f"combine: y: got {describe(y)}; expected shape {(h.num_rows, self.cfg.hidden)}")
         p = PendingCombined(y, routed, weighted)
         if recv:
             return self._combine_apply(p, sent=False)
@@ -431,10 +210,10 @@ class ExpertParallel:
     def _combine_apply(self, p: PendingCombined, sent: bool) -> torch.Tensor:
         r = p.routed
         w = r.row_weights if p.weighted and r.row_weights is not None else torch.empty(0)
-        return _CombineFn.apply(self, r.handle, p.y, w, p.weighted, sent)
+        return _CombineFn.apply(self, r.routing, p.y, w, p.weighted, sent)
 
     @property
-    def live_handles(self) -> int:
+    def live_routings(self) -> int:
         return self._live
 
     def close(self) -> None:
@@ -453,16 +232,16 @@ class ExpertParallel:
 
     # -- the work behind the autograd functions ---------------------------------------------------
 
-    def _new_handle(
+    def _new_routing(
         self,
         ids: torch.Tensor,
         weights: torch.Tensor,
         d: Dispatched,
         x_dtype: torch.dtype,
-        cached: RoutingHandle | None,
-    ) -> RoutingHandle:
-        """The handle of a dispatch just received (along `cached`'s routing: the same rows)."""
-        h = RoutingHandle(
+        cached: ExpertRouting | None,
+    ) -> ExpertRouting:
+        """The routing of a dispatch just received (along `cached`: the same rows)."""
+        h = ExpertRouting(
             owner=self.id,
             seq=next(self._seq),
             topk_ids=ids,
@@ -472,15 +251,15 @@ class ExpertParallel:
             expert_padding=self.cfg.expert_padding,
             row_weights=cached.row_weights if cached is not None else d.row_weights,
             x_dtype=x_dtype,
-            routing=d.routing,
+            gathered=d.routing,
         )
         if h.row_weights is not None:
             h._weights_version = h.row_weights._version
         self._live += 1
-        h._finalizer = weakref.finalize(h, self._drop_handle)
+        h._finalizer = weakref.finalize(h, self._drop_routing)
         return h
 
-    def _drop_handle(self) -> None:
+    def _drop_routing(self) -> None:
         self._live -= 1
 
     def _forward_dispatch_send(
@@ -488,21 +267,21 @@ class ExpertParallel:
         x: torch.Tensor,
         ids: torch.Tensor,
         weights: torch.Tensor,
-        cached: RoutingHandle | None = None,
+        cached: ExpertRouting | None = None,
         in_place: bool = True,
     ) -> None:
         """The forward dispatch's send half, along `cached`'s routing when given. `in_place`:
         the receive half follows with no caller's code between (x unchanged)."""
-        routing = cached.routing if cached is not None else None
+        routing = cached.gathered if cached is not None else None
         self._fwd.dispatch_send(
             x, ids, weights, closable=False, routing=routing, keep_routing=True, in_place=in_place
         )
 
     def _forward_dispatch(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, cached: RoutingHandle | None
-    ) -> tuple[torch.Tensor, RoutingHandle]:
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, cached: ExpertRouting | None
+    ) -> tuple[torch.Tensor, ExpertRouting]:
         """The forward dispatch as one call (its receive kernel launched right after the send's)."""
-        routing = cached.routing if cached is not None else None
+        routing = cached.gathered if cached is not None else None
         d = self._fwd.dispatch_whole(
             x,
             ids,
@@ -510,7 +289,7 @@ class ExpertParallel:
             closable=False,
             routing=routing,
             keep_routing=True,
-            row_weights=cached is None,
+            rows=RowRequest(row_weights=cached is None),
             dequantize=self._dequantize(x.dtype),
         )
         return self._forward_routed(d, x.dtype, ids, weights, cached)
@@ -520,10 +299,10 @@ class ExpertParallel:
         return x_dtype if self.cfg.dispatch_dtype == "fp8" else None
 
     def _forward_dispatch_recv(
-        self, x_dtype: torch.dtype, ids: torch.Tensor, weights: torch.Tensor, cached: RoutingHandle | None
-    ) -> tuple[torch.Tensor, RoutingHandle]:
-        # Each row's weight rides in its tail; along a cached routing they are the handle's.
-        d = self._fwd.dispatch_recv(row_weights=cached is None, dequantize=self._dequantize(x_dtype))
+        self, x_dtype: torch.dtype, ids: torch.Tensor, weights: torch.Tensor, cached: ExpertRouting | None
+    ) -> tuple[torch.Tensor, ExpertRouting]:
+        # Each row's weight rides in its tail; along a cached routing they are the routing's.
+        d = self._fwd.dispatch_recv(RowRequest(row_weights=cached is None), self._dequantize(x_dtype))
         return self._forward_routed(d, x_dtype, ids, weights, cached)
 
     def _forward_routed(
@@ -532,9 +311,9 @@ class ExpertParallel:
         x_dtype: torch.dtype,
         ids: torch.Tensor,
         weights: torch.Tensor,
-        cached: RoutingHandle | None,
-    ) -> tuple[torch.Tensor, RoutingHandle]:
-        h = self._new_handle(ids, weights, d, x_dtype, cached)
+        cached: ExpertRouting | None,
+    ) -> tuple[torch.Tensor, ExpertRouting]:
+        h = self._new_routing(ids, weights, d, x_dtype, cached)
         self._fwd.open = h
         expert_x = d.expert_x  # fp8 rows come dequantised (_dequantize)
         # A fresh tensor object for autograd, which sets its grad_fn: the channel's
@@ -543,7 +322,7 @@ class ExpertParallel:
         return expert_x.to(x_dtype).detach(), h
 
     def _forward_combine_send(
-        self, y: torch.Tensor, h: RoutingHandle, weighted: bool, in_place: bool = True
+        self, y: torch.Tensor, h: ExpertRouting, weighted: bool, in_place: bool = True
     ) -> None:
         self._fwd.combine_send(y.contiguous(), h, weighted, in_place)
 
@@ -551,7 +330,7 @@ class ExpertParallel:
         return self._fwd.combine_recv()
 
     def _backward_combine(
-        self, grad_out: torch.Tensor, h: RoutingHandle, weighted: bool, y: torch.Tensor | None
+        self, grad_out: torch.Tensor, h: ExpertRouting, weighted: bool, y: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Combine's backward: the output gradient dispatched along h (rows of every copy), in
         grad_dtype; `weighted`, each row times its weight and, with `y`, <row, y[row]> (the
@@ -569,8 +348,9 @@ class ExpertParallel:
             scale = h.row_weights
             if y is not None:  # bf16 or fp32 as they are (the kernel sums in fp32)
                 dot = y if y.dtype in GRAD_DTYPES.values() else y.to(gd)
+        rows = RowRequest(row_scale=scale, row_dot=dot)
         d = self._bwd.dispatch_whole(
-            grad, h.topk_ids, h.topk_weights, closable=True, routing=h.routing, row_scale=scale, row_dot=dot
+            grad, h.topk_ids, h.topk_weights, closable=True, routing=h.gathered, rows=rows
         )
         self._bwd.open = h
         return d.expert_x, d.row_dot
@@ -579,7 +359,7 @@ class ExpertParallel:
         self,
         grad_rows: torch.Tensor | None,
         grad_row_weights: torch.Tensor | None,
-        h: RoutingHandle,
+        h: ExpertRouting,
         weights_grad: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Dispatch's backward: the row gradients summed onto their tokens and, with
@@ -609,19 +389,19 @@ class ExpertParallel:
         for a2a in self._all:  # a failure in any of them stops them all
             a2a._check_usable()
 
-    def _check_handle(self, what: str, h: Any) -> None:
-        if not isinstance(h, RoutingHandle):
-            raise TypeError(f"{what}: handle: got {type(h).__name__}; expected a RoutingHandle")
+    def _check_routing(self, what: str, h: Any) -> None:
+        if not isinstance(h, ExpertRouting):
+            raise TypeError(f"{what}: routing: got {type(h).__name__}; expected an ExpertRouting")
         if h.owner != self.id:
             raise RuntimeError(
-                f"{what}: the handle belongs to ExpertParallel #{h.owner}, not to this one (#{self.id})"
+                f"{what}: the routing belongs to ExpertParallel #{h.owner}, not to this one (#{self.id})"
             )
 
     def _check_ids(self, topk_ids: Any) -> torch.Tensor:
         """Integer [T, topk] ids, in a dtype the core takes as it is."""
         if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.dtype.is_floating_point:
             raise ValueError(
-                f"dispatch: topk_ids: got {_describe(topk_ids)}; expected an integer [T, topk] tensor"
+                f"dispatch: topk_ids: got {describe(topk_ids)}; expected an integer [T, topk] tensor"
             )
         if topk_ids.dtype not in self._ids_dtypes:
             topk_ids = topk_ids.to(self._ids_dtypes[-1])
@@ -637,17 +417,17 @@ class _DispatchFn(torch.autograd.Function):
         x: torch.Tensor,
         weights: torch.Tensor,
         ids: torch.Tensor,
-        cached: RoutingHandle | None,
+        cached: ExpertRouting | None,
         sent: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if sent:
             expert_x, h = ep._forward_dispatch_recv(x.dtype, ids, weights, cached)
         else:
             expert_x, h = ep._forward_dispatch(x, ids, weights, cached)
-        box["handle"] = h
+        box["routing"] = h
         ctx.ep, ctx.handle = ep, h
         assert h.row_weights is not None
-        # A new tensor object on the handle's storage (autograd sets its grad_fn; the handle
+        # A new tensor object on the routing's storage (autograd sets its grad_fn; the routing
         # keeps the plain one); the backward refuses weights changed in place since.
         row_weights = h.row_weights.detach()
         if cached is not None:
@@ -658,7 +438,7 @@ class _DispatchFn(torch.autograd.Function):
     def backward(
         ctx: Any, grad_rows: torch.Tensor | None, grad_row_weights: torch.Tensor | None
     ) -> tuple[Any, ...]:
-        h: RoutingHandle = ctx.handle
+        h: ExpertRouting = ctx.handle
         weights_grad = bool(ctx.needs_input_grad[3])
         grad_x, grad_w = ctx.ep._backward_dispatch(grad_rows, grad_row_weights, h, weights_grad)
         grad_x = grad_x.to(h.x_dtype) if ctx.needs_input_grad[2] else None
@@ -670,7 +450,7 @@ class _CombineFn(torch.autograd.Function):
     def forward(
         ctx: Any,
         ep: ExpertParallel,
-        h: RoutingHandle,
+        h: ExpertRouting,
         y: torch.Tensor,
         row_weights: torch.Tensor,
         weighted: bool,
@@ -679,10 +459,10 @@ class _CombineFn(torch.autograd.Function):
         if not sent:
             ep._forward_combine_send(y, h, weighted)
         out = ep._forward_combine_recv()
-        if h.routing is not None and any(ctx.needs_input_grad):
+        if h.gathered is not None and any(ctx.needs_input_grad):
             # While the GPU runs this layer: the row count the backward's dispatch along the
             # routing needs, memoised, instead of on the host at the backward's start.
-            h.routing.received_rows(ep.cfg.expert_padding)
+            h.gathered.received_rows(ep.cfg.expert_padding)
         ctx.ep, ctx.handle, ctx.weighted = ep, h, weighted
         ctx.y_dtype = y.dtype
         ctx.save_for_backward(y if weighted else None)
@@ -691,7 +471,7 @@ class _CombineFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         ep: ExpertParallel = ctx.ep
-        h: RoutingHandle = ctx.handle
+        h: ExpertRouting = ctx.handle
         (y,) = ctx.saved_tensors
         if ctx.weighted and h.row_weights is None:
             raise RuntimeError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -61,8 +62,6 @@ class Bootstrap:
         hosts = [host for host, _ in placed]
         # Checked on every rank alike: one rank failing its own layout check would
         # leave the others waiting for it in their next collective.
-        from moe_a2a.agreement import difference
-
         differs = difference("ranks_per_node", [given for _, given in placed])
         if differs is not None:
             raise ValueError(
@@ -114,7 +113,7 @@ class Bootstrap:
         failed = [(r, m.decode()) for r, m in enumerate(self.allgather(mine)) if m]
         if error is not None:
             others = [r for r, _ in failed if r != self.rank]
-            if others:
+            if others and sys.version_info >= (3, 11):  # notes are 3.11's
                 error.add_note(f"{what} failed on {ranks_text(others)} as well")
             raise error
         if failed:
@@ -148,6 +147,19 @@ class Bootstrap:
         if self._comm is not None:
             self._comm.Abort(code)
         os._exit(code)
+
+
+MISSING = object()  # a value a rank did not send (for settings: another library version)
+
+
+def difference(name: str, values: list[Any]) -> str | None:
+    """'name: 8 on ranks 0, 2, 12 on rank 1' for values that differ (index = rank), else None."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        ranks_of.setdefault("(none)" if value is MISSING else repr(value), []).append(rank)
+    if len(ranks_of) == 1:
+        return None
+    return f"{name}: " + ", ".join(f"{v} on {ranks_text(r)}" for v, r in ranks_of.items())
 
 
 def ranks_text(ranks: list[int]) -> str:

@@ -98,7 +98,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("cleanup", help="remove /dev/shm files left by ranks that died")
     p.add_argument("--dir", default=SHM_DIR, help="where to look (default: %(default)s)")
     p.add_argument("--pid", type=int, action="append", help="only files of this pid (repeatable)")

@@ -29,8 +29,12 @@ Group = _core.Group
 MEMORY_KINDS = ("host", "cuda")  # only host memory registers with the libfabric backend built here
 
 
-def default_provider() -> str:
-    """`MOE_A2A_PROVIDER`, else `efa` where libfabric offers it, else `tcp`."""
+def default_provider(provider: str | None = "auto") -> str:
+    """The libfabric provider a rank uses: `provider` as given, or for "auto" (and None or "")
+    `MOE_A2A_PROVIDER`, else `efa` where libfabric offers it, else `tcp`. The one place where
+    "auto" is resolved; each rank resolves it from its own environment."""
+    if provider and provider != "auto":
+        return provider
     chosen = switches.get("MOE_A2A_PROVIDER")
     if chosen:
         return str(chosen)
@@ -92,7 +96,7 @@ class Engine:
     ) -> None:
         """This rank's part of start-up: check the arguments, pick the NICs, open them."""
         bootstrap = self.bootstrap
-        provider = provider or default_provider()
+        provider = default_provider(provider)
         if not isinstance(provider, str) or not provider:
             raise ValueError(f"provider: got {provider!r}; expected one of {PROVIDERS} or a libfabric name")
         if backend not in _core.backend_names():
@@ -151,7 +155,13 @@ class Engine:
 
     def group(self, peers: Sequence[int], remotes: Sequence[RemoteRegion | None]) -> Group:
         """A peer group whose writes land in each peer's `remotes[peer]` region."""
-        return self.core.create_group(list(peers), [remotes[p] for p in peers])
+        regions: list[RemoteRegion] = []
+        for p in peers:
+            region = remotes[p]
+            if region is None:
+                raise ValueError(f"remotes: peer {p} has none; expected a region for every peer of the group")
+            regions.append(region)
+        return self.core.create_group(list(peers), regions)
 
 
 # -- one engine per process, provider and set of ranks ------------------------------------------
@@ -242,7 +252,7 @@ def lease_engine(
     gpu: int | str | None = None,
 ) -> EngineLease:
     """The process's engine for this provider, NICs and ranks (collective: every rank calls it)."""
-    provider = provider or default_provider()
+    provider = default_provider(provider)
     members = bootstrap.allgather(pickle.dumps((socket.gethostname(), os.getpid())))
     named = nics if nics is None or isinstance(nics, str) else tuple(nics)
     key = (provider, num_nics, named, gpu, tuple(members))

@@ -236,4 +236,5 @@ def current_gpu_address() -> str | None:
     if not hasattr(props, "pci_bus_id"):
         return None
     domain = getattr(props, "pci_domain_id", 0)
-    return f"{domain:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    device = getattr(props, "pci_device_id", 0)  # torch's stub names pci_bus_id only
+    return f"{domain:04x}:{props.pci_bus_id:02x}:{device:02x}.0"

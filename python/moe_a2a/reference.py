@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-FP8_BLOCK = 128
-FP8_MAX = 448.0
+from moe_a2a._core import FP8_BLOCK, FP8_MAX
 
 DTYPES = {
     "bf16": torch.bfloat16,
@@ -70,13 +69,13 @@ def dispatch_reference(
     world = len(xs)
     local = num_experts // world
     hidden = xs[0].shape[1]
-    payload = []
-    scales = []
+    payload: list[torch.Tensor] = []
+    scales: list[torch.Tensor | None] = []
     for x in xs:
         if dispatch_dtype == "fp8":
-            q, s = quantize_fp8(x)
+            q, q_scale = quantize_fp8(x)
             payload.append(q)
-            scales.append(s)
+            scales.append(q_scale)
         else:
             payload.append(x.to(DTYPES[dispatch_dtype]))
             scales.append(None)
@@ -95,8 +94,9 @@ def dispatch_reference(
                 hits = (topk_ids[s] == expert).nonzero()
                 for t, k in hits.tolist():
                     rows.append(payload[s][t])
-                    if scales[s] is not None:
-                        scale_rows.append(scales[s][t])
+                    scale = scales[s]
+                    if scale is not None:
+                        scale_rows.append(scale[t])
                     origin.append((s, t, k))
                 n += hits.shape[0]
             counts.append(n)

@@ -559,7 +559,7 @@ def gather_trace(
         start_ns=np.stack([p["start_ns"] for p in parts]),
         end_ns=np.stack([p["end_ns"] for p in parts]),
         # Each rank counts only its own experts (zeros elsewhere), so the sum is the global count.
-        tokens_per_expert=np.sum([p["tokens_per_expert"] for p in parts], axis=0, dtype=np.int64),
+        tokens_per_expert=np.stack([p["tokens_per_expert"] for p in parts]).sum(axis=0, dtype=np.int64),
         bytes_per_peer=np.stack([p["bytes_per_peer"] for p in parts]),
         phases=recorder.phases,
     )

@@ -41,8 +41,6 @@ inline size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
 inline size_t dtype_bytes(DType d) { return d == DType::kFp32 ? 4 : d == DType::kBf16 ? 2 : 1; }
 
-inline const char* dtype_name(DType d) { return d == DType::kFp32 ? "fp32" : d == DType::kBf16 ? "bf16" : "fp8"; }
-
 struct A2AConfig {
   int rank = 0;
   int world = 1;

@@ -19,8 +19,8 @@ import torch
 from ranks import COMM, DEVICE, PROVIDER, RANK, WORLD, device_pytestmark, layouts
 
 from moe_a2a import FabricError, PeerFailedError
-from moe_a2a.all_to_all import AllToAll, CapacityError, Config
-from moe_a2a.reference import combine_reference, dequantize_fp8, dispatch_reference
+from moe_a2a.all_to_all import AllToAll, CapacityError, Config, RowRequest
+from moe_a2a.reference import combine_reference, dequantize_fp8, dispatch_reference, quantize_fp8
 
 pytestmark = device_pytestmark
 HIDDEN = 200  # not a multiple of 128: the last fp8 block is short
@@ -126,13 +126,13 @@ def check_round(
     clobber = split and not in_place
     if split:
         x = x.clone()  # on the CPU, mine() hands out the reference's own tensor
-        pending = a2a.dispatch(x, ids, w, recv=False, in_place=in_place)
+        pending = a2a._dispatch_rows(RowRequest(in_place=in_place), x, ids, w, recv=False)
         if clobber:
             x.fill_(float("nan"))
         other_work()  # while bytes fly
-        d = a2a.dispatch(handle=pending, send=False, row_weights=True)
+        d = a2a._dispatch_rows(RowRequest(row_weights=True), handle=pending, send=False)
     else:
-        d = a2a.dispatch(x, ids, w, row_weights=True)
+        d = a2a._dispatch_rows(RowRequest(row_weights=True), x, ids, w)
     ref = dispatch_reference(inp.xs, inp.ids, cfg.num_experts, cfg.dispatch_dtype, cfg.expert_padding)
     ours = ref[RANK]
     assert d.expert_x.device.type == d.tokens_per_expert.device.type == DEVICE
@@ -158,14 +158,14 @@ def check_round(
 
     y = expert_fn(d.expert_x, d.expert_x_scale)
     if split:
-        pending_c = a2a.combine(y, d, recv=False, in_place=in_place, row_values=values)
+        pending_c = a2a._combine_rows(RowRequest(in_place=in_place, row_values=values), y, d, recv=False)
         if clobber:
             y.fill_(float("nan"))
             values.fill_(float("nan"))
         other_work()
-        out = a2a.combine(handle=pending_c, send=False, values_out=values_out)
+        out = a2a._combine_rows(RowRequest(values_out=values_out), handle=pending_c, send=False)
     else:
-        out = a2a.combine(y, d, row_values=values, values_out=values_out)
+        out = a2a._combine_rows(RowRequest(row_values=values, values_out=values_out), y, d)
     tokens = torch.arange(x.shape[0])[:, None].expand(-1, cfg.topk)
     mine_origin = torch.stack(
         [torch.full_like(tokens, RANK), tokens, torch.arange(cfg.topk).expand_as(tokens)], -1
@@ -196,11 +196,12 @@ def test_dequantized_receive(
             inp = make_inputs(2000 + it, a2a.cfg)
             x, ids, w = mine(inp)
             x = x.to(x_dtype)
+            rows = RowRequest(row_weights=True)
             if split:
                 pending = a2a.dispatch(x, ids, w, recv=False)
-                d = a2a.dispatch(handle=pending, send=False, dequantize=out_dtype, row_weights=True)
+                d = a2a._dispatch_rows(rows, handle=pending, send=False, dequantize=out_dtype)
             else:
-                d = a2a.dispatch(x, ids, w, dequantize=out_dtype, row_weights=True)
+                d = a2a._dispatch_rows(rows, x, ids, w, dequantize=out_dtype)
             ref = dispatch_reference(inp.xs, inp.ids, a2a.cfg.num_experts, "fp8", 4)[RANK]
             assert ref.expert_x_scale is not None
             want = dequantize_fp8(ref.expert_x, ref.expert_x_scale).to(out_dtype)
@@ -210,6 +211,35 @@ def test_dequantized_receive(
             assert not bool(d.expert_x.cpu()[~valid].any()), "padding rows must hold zeros"
             assert d.row_weights is not None and not bool(d.row_weights.cpu()[~valid].any())
             a2a.combine(d.expert_x, d)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_prequantised_fp8_rows_come_as_a_pair() -> None:
+    """x = (fp8 rows, their scales) travels as it is: the reference quantises the same rows to the
+    same bits. A pair that is not one is named, and the instance stops on every rank."""
+    a2a = make_a2a(None, dispatch_dtype="fp8", expert_padding=2)
+    try:
+        inp = make_inputs(2100, a2a.cfg)
+        x, ids, w = mine(inp)
+        q, scale = quantize_fp8(x.cpu())
+        d = a2a.dispatch((q.to(DEVICE), scale.to(DEVICE)), ids, w)
+        ref = dispatch_reference(inp.xs, inp.ids, a2a.cfg.num_experts, "fp8", 2)[RANK]
+        valid = ref.origin[:, 0] >= 0
+        assert d.expert_x_scale is not None and ref.expert_x_scale is not None
+        assert torch.equal(d.expert_x.cpu()[valid].view(torch.uint8), ref.expert_x[valid].view(torch.uint8))
+        assert torch.equal(d.expert_x_scale.cpu()[valid], ref.expert_x_scale[valid])
+        a2a.combine(torch.zeros(d.expert_x.shape, dtype=torch.bfloat16, device=DEVICE), d)
+        bad = [
+            ("fp8 rows come as the pair", lambda: a2a.dispatch(q.to(DEVICE), ids, w)),
+            ("only for already-quantised fp8 x", lambda: a2a.dispatch((x, scale.to(DEVICE)), ids, w)),
+            ("a sequence of 3", lambda: a2a.dispatch((x, x, x), ids, w)),
+        ]
+        for match, call in bad:
+            with pytest.raises(ValueError, match=match):
+                call()
+            a2a = a2a.reopen()
+    finally:
+        a2a.close()
 
 
 @pytest.mark.mpi(min_size=1)
@@ -341,10 +371,10 @@ def test_row_tail_arguments_are_checked() -> None:
         for match, kwargs in bad:
             d = a2a.dispatch(x, ids, w)
             with pytest.raises(ValueError, match=match):
-                a2a.combine(d.expert_x, d, **kwargs)
+                a2a._combine_rows(RowRequest(**kwargs), d.expert_x, d)
             a2a = a2a.reopen()
         with pytest.raises(ValueError, match="row_values= belongs to the send half"):
-            a2a.combine(send=False, row_values=wrong)
+            a2a._combine_rows(RowRequest(row_values=wrong), send=False)
         a2a = a2a.reopen()
         check_round(a2a, make_inputs(4, cfg))
     finally:
@@ -376,12 +406,12 @@ def test_validation_errors() -> None:
         (
             ValueError,
             "in_place: got 'yes'; expected True, False or None",
-            lambda: a2a.dispatch(x, ids, w, in_place="yes"),
+            lambda: a2a._dispatch_rows(RowRequest(in_place="yes"), x, ids, w),  # type: ignore[arg-type]
         ),
         (
             ValueError,
             "in_place= belongs to the send half",
-            lambda: a2a.dispatch(send=False, in_place=True),
+            lambda: a2a._dispatch_rows(RowRequest(in_place=True), send=False),
         ),
         (
             RuntimeError,
@@ -391,7 +421,7 @@ def test_validation_errors() -> None:
         (
             ValueError,
             "row_weights: got 1; expected True or False",
-            lambda: a2a.dispatch(x, ids, w, row_weights=1),
+            lambda: a2a._dispatch_rows(RowRequest(row_weights=1), x, ids, w),  # type: ignore[arg-type]
         ),
         (
             ValueError,
@@ -402,6 +432,11 @@ def test_validation_errors() -> None:
             ValueError,
             "dequantize= belong to the receive half",
             lambda: a2a.dispatch(x, ids, w, recv=False, dequantize=torch.bfloat16),
+        ),
+        (
+            ValueError,
+            "dispatch: values_out belong to the other call kind",
+            lambda: a2a._dispatch_rows(RowRequest(values_out=w), x, ids, w),
         ),
     ]
     if DEVICE == "cpu":

@@ -191,11 +191,11 @@ def run_both(
 @pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "unweighted"])
 def test_gradients_match_reference(ep: ExpertParallel, case: str, seed: int, weighted: bool) -> None:
     run_both(ep, case, seed, weighted)
-    assert ep.live_handles == 0, "every handle is released once its backward ran"
+    assert ep.live_routings == 0, "every routing is released once its backward ran"
 
 
 def test_layers_in_flight_between_forward_and_backward(ep: ExpertParallel, case: str, seed: int) -> None:
-    """Three layers run forward on one instance before any backward: each handle keeps its routing."""
+    """Three layers run forward on one instance before any backward: each keeps its own routing."""
     run_both(ep, case, seed + 1, weighted=True, layers=3)
 
 
@@ -204,18 +204,18 @@ def test_activation_recomputation(ep: ExpertParallel, case: str, seed: int) -> N
     run_both(ep, case, seed + 2, weighted=True, layers=2, ckpt=True)
 
 
-def test_cached_handle_dispatches_new_rows(ep: ExpertParallel, case: str, seed: int) -> None:
+def test_cached_routing_dispatches_new_rows(ep: ExpertParallel, case: str, seed: int) -> None:
     pb = problem(seed + 3)
     ids = pb.ids[RANK].to(DEVICE)
     first = ep.dispatch(pb.xs[RANK].to(DEVICE), ids, pb.weights[RANK].to(DEVICE))
     ep.combine(torch.zeros_like(first.expert_x), first)
     x2 = pb.grad_out[RANK].to(DEVICE)
-    again = ep.dispatch(x2, handle=first.handle)
+    again = ep.dispatch(x2, routing=first.routing)
     fresh = ep.dispatch  # the same rows as a fresh dispatch of x2 along the same routing
     ep.combine(torch.zeros_like(again.expert_x), again)
     want = fresh(x2, ids, pb.weights[RANK].to(DEVICE))
     ep.combine(torch.zeros_like(want.expert_x), want)
-    real = again.handle.real_rows
+    real = again.routing.real_rows
     got_rows, want_rows = again.expert_x, want.expert_x
     if real is not None:
         got_rows, want_rows = got_rows[real], want_rows[real]
@@ -228,11 +228,11 @@ def test_padding_rows_are_zero(ep: ExpertParallel, case: str, seed: int) -> None
     with torch.no_grad():
         r = ep.dispatch(pb.xs[RANK].to(DEVICE), pb.ids[RANK].to(DEVICE), pb.weights[RANK].to(DEVICE))
         ep.combine(torch.zeros_like(r.expert_x), r)
-    if r.handle.real_rows is not None:
-        assert not bool(r.expert_x[~r.handle.real_rows].any()), "padding rows must hold zeros"
+    if r.routing.real_rows is not None:
+        assert not bool(r.expert_x[~r.routing.real_rows].any()), "padding rows must hold zeros"
 
 
-def test_live_handles_are_bounded(case: str, seed: int) -> None:
+def test_live_routings_are_bounded(case: str, seed: int) -> None:
     if case != "fp32":
         pytest.skip("one dtype is enough for the bound")
     dispatch, grad, pad = CASES[case]
@@ -245,7 +245,7 @@ def test_live_handles_are_bounded(case: str, seed: int) -> None:
         combine_dtype="fp32",
         timeout_s=TIMEOUT_S,
     )
-    with ExpertParallel(cfg, device=DEVICE, provider=PROVIDER, grad_dtype=grad, max_live_handles=2) as small:
+    with ExpertParallel(cfg, device=DEVICE, provider=PROVIDER, grad_dtype=grad, max_live_routings=2) as small:
         pb = problem(seed + 5)
         args = (pb.xs[RANK].to(DEVICE), pb.ids[RANK].to(DEVICE), pb.weights[RANK].to(DEVICE))
         kept = []
@@ -253,14 +253,14 @@ def test_live_handles_are_bounded(case: str, seed: int) -> None:
             r = small.dispatch(*args)
             small.combine(torch.zeros_like(r.expert_x), r)
             kept.append(r)
-        with pytest.raises(RuntimeError, match="max_live_handles=2"):
+        with pytest.raises(RuntimeError, match="max_live_routings=2"):
             small.dispatch(*args)
-        kept[0].handle.release()
+        kept[0].routing.release()
         r = small.dispatch(*args)  # a released slot is usable again, and the instance still pairs
         small.combine(torch.zeros_like(r.expert_x), r)
 
 
-def test_foreign_handle_is_refused(ep: ExpertParallel, case: str, seed: int) -> None:
+def test_foreign_routing_is_refused(ep: ExpertParallel, case: str, seed: int) -> None:
     if case != "fp32":
         pytest.skip("one dtype is enough")
     cfg = ep.cfg
@@ -291,7 +291,7 @@ def test_a_token_may_pick_an_expert_twice(ep: ExpertParallel, case: str, seed: i
 
 
 def test_row_weights_changed_in_place_are_refused(ep: ExpertParallel, case: str, seed: int) -> None:
-    """The weighted combine's backward scales by the handle's row weights, which routed.row_weights
+    """The weighted combine's backward scales by the routing's row weights, which routed.row_weights
     shares: a change in place is an error on every rank (each made it), before anything is sent."""
     pb = problem(seed + 11)
     x, wt = leaf(pb.xs[RANK]), leaf(pb.weights[RANK])
@@ -317,13 +317,13 @@ def test_split_halves_match_whole_calls(ep: ExpertParallel, case: str, seed: int
         if split:
             pending = ep.dispatch(x, ids, wt, recv=False)
             shared = torch.tanh(x)  # other work while rows travel
-            routed = ep.dispatch(pending=pending)
+            routed = ep.dispatch(handle=pending)
         else:
             routed, shared = ep.dispatch(x, ids, wt), torch.tanh(x)
         y = experts(routed.expert_x, routed.tokens_per_expert, w_local, ep.cfg.expert_padding)
         if split:
             pc = ep.combine(y, routed, recv=False)
-            out = ep.combine(pending=pc)
+            out = ep.combine(handle=pc)
         else:
             out = ep.combine(y, routed)
         ((out.float() + shared) * pb.grad_out[RANK].to(DEVICE)).sum().backward()

@@ -20,6 +20,7 @@ import torch
 from ranks import DEVICE, PROVIDER, RANK, WORLD, device_pytestmark, layouts
 
 from moe_a2a import AllToAll, CapacityError, Config, Routing
+from moe_a2a.all_to_all import RowRequest
 from moe_a2a.autograd import ExpertParallel
 from moe_a2a.backends.common import RowMath, apply_row_math
 
@@ -159,9 +160,9 @@ def test_a_weighted_receive_scales_rows_and_takes_dots(
         want_rows, want_dot = apply_row_math(plain.expert_x, RowMath(scale, ys))
         assert plain.row_dot is None
         a.combine(torch.zeros_like(plain.expert_x), plain)
-        got = a.dispatch(rows.to(gd), routing=d.routing, row_scale=scale, row_dot=ys)
+        got = a._dispatch_rows(RowRequest(row_scale=scale, row_dot=ys), rows.to(gd), routing=d.routing)
         a.combine(torch.zeros_like(got.expert_x), got)
-        only = a.dispatch(rows.to(gd), routing=d.routing, row_scale=scale)  # no dot: rows only
+        only = a._dispatch_rows(RowRequest(row_scale=scale), rows.to(gd), routing=d.routing)  # rows only
         a.combine(torch.zeros_like(only.expert_x), only)
     assert got.expert_x.dtype == gd and torch.equal(
         got.tokens_per_expert.cpu(), plain.tokens_per_expert.cpu()
@@ -192,19 +193,20 @@ def test_bad_routing_names_the_argument(rpn: int | None, seed: int) -> None:
         assert d.routing is not None
         wrong = torch.zeros(rows.shape[0] + 1, HIDDEN, dtype=rows.dtype, device=DEVICE)
         ones3 = torch.ones(3, device=DEVICE)
+        ones999, dot1 = torch.ones(999, device=DEVICE), torch.ones(1, HIDDEN, device=DEVICE)
         bad: list[tuple[type[Exception], str, Any]] = [
             (TypeError, "routing: got Tensor", lambda a: a.dispatch(rows, routing=d.routing.matrix)),
             (ValueError, "leave topk_ids out", lambda a: a.dispatch(rows, ids, routing=d.routing)),
             (ValueError, "x: got", lambda a: a.dispatch(wrong, routing=d.routing)),
             (ValueError, "keep_routing: got", lambda a: a.dispatch(x, ids, w, keep_routing=1)),
             (ValueError, r"row_scale: got .* expected float32 of shape \(",
-             lambda a: a.dispatch(rows, routing=d.routing, row_scale=torch.ones(999, device=DEVICE))),
+             lambda a: a._dispatch_rows(RowRequest(row_scale=ones999), rows, routing=d.routing)),
             (ValueError, "row_dot= needs row_scale=",
-             lambda a: a.dispatch(rows, routing=d.routing, row_dot=torch.ones(1, HIDDEN, device=DEVICE))),
+             lambda a: a._dispatch_rows(RowRequest(row_dot=dot1), rows, routing=d.routing)),
             (ValueError, "row_scale= needs a call along routing=",
-             lambda a: a.dispatch(x, ids, w, row_scale=ones3)),
+             lambda a: a._dispatch_rows(RowRequest(row_scale=ones3), x, ids, w)),
             (ValueError, "row_scale=, row_dot=, row_weights= and dequantize= belong to the receive half",
-             lambda a: a.dispatch(rows, routing=d.routing, recv=False, row_scale=ones3)),
+             lambda a: a._dispatch_rows(RowRequest(row_scale=ones3), rows, routing=d.routing, recv=False)),
         ]  # fmt: skip
         if DEVICE == "cpu":  # where checking costs no stream synchronisation: a changed row of ours
             changed = d.routing.matrix.clone()
@@ -229,7 +231,7 @@ def ep(rpn: int | None) -> Iterator[ExpertParallel]:
 
 
 def test_backward_exchanges_no_routing(ep: ExpertParallel, seed: int) -> None:
-    """Layers 1..L forward, then one backward: every dispatch of the backward goes along a handle."""
+    """Layers 1..L forward, then one backward: every dispatch of the backward goes along a kept routing."""
     instances = {id(a): a for a in (ep.forward_a2a, ep.backward_a2a)}.values()
     x = layer_inputs(seed, 0)[0].float().requires_grad_()
     h = x

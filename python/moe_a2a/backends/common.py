@@ -9,8 +9,7 @@ import numpy as np
 import torch
 
 from moe_a2a import _core
-
-FP8_BLOCK = 128
+from moe_a2a._core import FP8_BLOCK
 
 CORE_DTYPE = {
     torch.bfloat16: _core.DType.bf16,

@@ -14,7 +14,7 @@ class CpuBackend:
     """Drives `_core.CpuAllToAll`; outputs are allocated at their exact size."""
 
     device = torch.device("cpu")
-    ids_dtypes = (torch.int32,)
+    ids_dtypes: tuple[torch.dtype, ...] = (torch.int32,)
     checks_ids = False  # the front end checks the id range (no stream to synchronise)
 
     def __init__(self, setup: Setup) -> None:
@@ -114,7 +114,7 @@ class CpuBackend:
         return int(self._impl.routing_rows_sent), int(self._impl.routing_rows_received)
 
     def close(self) -> None:
-        self._impl = None
+        self._impl = None  # type: ignore[assignment]
 
     def check(self) -> None:
         """Nothing runs asynchronously on the CPU: every error was raised where it happened."""

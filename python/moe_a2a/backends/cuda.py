@@ -25,6 +25,7 @@ graph; errors are then raised by `AllToAll.check()`.
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,7 +74,7 @@ def _zero_unfilled_rows(
 class CudaBackend:
     """Drives `_core.CudaAllToAll` on the current CUDA device and stream."""
 
-    ids_dtypes = (torch.int32, torch.int64)
+    ids_dtypes: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
     checks_ids = True  # the routing kernel drops out-of-range ids; the receive half raises
 
     def __init__(self, setup: Setup, graph_safe: bool) -> None:
@@ -96,7 +97,7 @@ class CudaBackend:
             self._impl.open_node([h if r in setup.node else b"" for r, h in enumerate(handles)])
         self.max_output_rows = int(self._impl.max_output_rows)
         self._local_experts = setup.cfg.num_experts // setup.bootstrap.world_size
-        self._alive: tuple[torch.Tensor | None, ...] = ()
+        self._alive: tuple[Any, ...] = ()  # tensors (and RowMath) the kernels read
         self._last_matrix: torch.Tensor | None = None  # the last call's, when it was cached
         self._last_rows: tuple[int, int] | None = None  # and its routing_rows
 
@@ -277,6 +278,6 @@ class CudaBackend:
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)
-        self._impl = None
+        self._impl = None  # type: ignore[assignment]
         self._alive = ()
         self._setup = None  # type: ignore[assignment]

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from moe_a2a import report, switches
+from moe_a2a._core import FP8_BLOCK
 from moe_a2a.bench import engine_ref
 from moe_a2a.bench.args import int_at_least
 
@@ -49,7 +50,6 @@ COPY_BYTES = 1 << 30
 # than the host takes to submit it: the start event then fires when the GPU
 # reaches the work, so the span leaves out the launch latency.
 QUEUE_SLEEP_CYCLES = 200_000
-FP8_BLOCK = 128
 
 
 @dataclass
@@ -163,7 +163,7 @@ def timed(comm: Any, fn: Any) -> tuple[Any, float]:
 
 
 def run_shape(name: str, args: argparse.Namespace, comm: Any, copy_gbs: float) -> dict[str, Any]:
-    from moe_a2a.all_to_all import AllToAll, Config
+    from moe_a2a.all_to_all import AllToAll, Config, Dispatched
 
     rank, world = comm.Get_rank(), comm.Get_size()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -217,6 +217,7 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, copy_gbs: float) -
 
         def step(r: Round) -> None:
             d = a2a.dispatch(r.x, r.ids, r.weights)
+            assert isinstance(d, Dispatched)  # a whole call
             a2a.combine(y_full[: d.expert_x.shape[0]], d)
 
         # The whole step and the torch-native version in alternating blocks, so that

@@ -183,16 +183,20 @@ def summarize(size: int, world: int, fabric_s: np.ndarray, mpi_s: np.ndarray) ->
     """`*_s[rank, iteration]` in seconds -> one Row (slowest rank per iteration)."""
     ours = report.percentiles_us(fabric_s.max(axis=0) * 1e9, (50, 90))
     base = report.percentiles_us(mpi_s.max(axis=0) * 1e9, (50, 90))
+    got = [ours["p50"], ours["p90"], base["p50"], base["p90"]]
+    if any(v is None for v in got):
+        raise ValueError(f"summarize: size {size} has no finite timing; expected at least one iteration")
+    o50, o90, b50, b90 = (float(v) for v in got if v is not None)
     sent = (world - 1) * size
     return Row(
         size=size,
-        moe_a2a_p50_us=ours["p50"],
-        moe_a2a_p90_us=ours["p90"],
-        baseline_p50_us=base["p50"],
-        baseline_p90_us=base["p90"],
-        ratio=base["p50"] / ours["p50"],
-        moe_a2a_gbps=sent / (ours["p50"] * 1e-6) / 1e9,
-        baseline_gbps=sent / (base["p50"] * 1e-6) / 1e9,
+        moe_a2a_p50_us=o50,
+        moe_a2a_p90_us=o90,
+        baseline_p50_us=b50,
+        baseline_p90_us=b90,
+        ratio=b50 / o50,
+        moe_a2a_gbps=sent / (o50 * 1e-6) / 1e9,
+        baseline_gbps=sent / (b50 * 1e-6) / 1e9,
     )
 
 
@@ -303,6 +307,7 @@ def run(args: argparse.Namespace, bootstrap: Any) -> list[Row]:
         all_fabric = comm.gather(fabric_s, root=0)
         all_mpi = comm.gather(mpi_s, root=0)
         if rank == 0:
+            assert all_fabric is not None and all_mpi is not None  # gathered to rank 0
             rows.append(summarize(size, world, np.stack(all_fabric), np.stack(all_mpi)))
     bar.close()
     if core.error:

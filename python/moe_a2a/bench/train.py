@@ -362,7 +362,8 @@ def summarize(contenders: list[Contender]) -> list[dict[str, Any]]:
     rows = []
     for phase in PHASES:
         ours = samples[OURS][phase]
-        for base in [c.name for c in contenders[1:]] or [None]:
+        bases: list[str | None] = [c.name for c in contenders[1:]] or [None]
+        for base in bases:
             theirs = samples[base][phase] if base else {}
             row: dict[str, Any] = {"phase": phase, "baseline": base}
             row.update({f"moe_a2a_p{q}_us": ours[f"p{q}"] for q in report.PERCENTILES})

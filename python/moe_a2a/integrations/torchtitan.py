@@ -18,7 +18,8 @@ import torch
 from torchtitan.models.common.token_dispatcher import BaseEPTokenDispatcher, LocalTokenDispatcher
 
 from moe_a2a.all_to_all import COMBINE_DTYPES, DISPATCH_DTYPES, Config
-from moe_a2a.autograd import GRAD_DTYPES, ExpertParallel, Routed
+from moe_a2a.autograd import GRAD_DTYPES, ExpertParallel
+from moe_a2a.ep_types import Routed
 
 # One ExpertParallel per (process group, shape, device): the layers of a model share it
 # (each layer's forward and backward pairs stay in order, see moe_a2a.autograd).
@@ -140,7 +141,7 @@ class MoeA2ATokenDispatcher(BaseEPTokenDispatcher):
         topk_expert_ids_TK: torch.Tensor,
         num_local_tokens_per_expert_E: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """Rows for this rank's experts (expert-major), their counts, and the routing handle."""
+        """Rows for this rank's experts (expert-major), their counts, and the routing (an ExpertRouting)."""
         if self.ep is None:
             if self.ep_mesh is None:
                 return LocalTokenDispatcher.dispatch(
@@ -155,6 +156,7 @@ class MoeA2ATokenDispatcher(BaseEPTokenDispatcher):
                 "it is not set: set it to the largest local_batch_size * seq_len)"
             )
         routed = self.ep.dispatch(x_TD, topk_expert_ids_TK, topk_scores_TK)
+        assert isinstance(routed, Routed)  # a whole call
         counts = routed.tokens_per_expert.to(x_TD.device)
         return routed.expert_x, counts, routed
 
@@ -163,4 +165,6 @@ class MoeA2ATokenDispatcher(BaseEPTokenDispatcher):
         if not isinstance(metadata, Routed):
             return LocalTokenDispatcher.combine(self, routed_output_RD, metadata, x_TD)
         assert self.ep is not None
-        return self.ep.combine(routed_output_RD, metadata).to(x_TD.dtype)
+        out = self.ep.combine(routed_output_RD, metadata)
+        assert isinstance(out, torch.Tensor)  # a whole call
+        return out.to(x_TD.dtype)

@@ -40,7 +40,7 @@ def use_moe_a2a(config: Trainer.Config, **dispatcher: Any) -> Trainer.Config:
             raise ValueError(f"use_moe_a2a: got {name}={dispatcher[name]!r}; it is taken from the model")
     model = config.model_spec.model if config.model_spec is not None else None
     moes = [layer.moe for layer in getattr(model, "layers", []) if getattr(layer, "moe", None) is not None]
-    if not moes:
+    if model is None or not moes:
         raise ValueError("use_moe_a2a: config.model_spec has no MoE layer (layers[i].moe)")
     for moe in moes:
         moe.routed_experts.token_dispatcher = MoeA2ATokenDispatcher.Config(

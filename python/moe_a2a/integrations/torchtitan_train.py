@@ -46,13 +46,15 @@ def cpu_device_module() -> types.ModuleType:
     """`torch.cpu` plus the calls TorchTitan's device-memory monitor makes (no CPU memory stats: -1)."""
     mod = types.ModuleType("moe_a2a_cpu_device")
     mod.__dict__.update({k: v for k, v in vars(torch.cpu).items() if not k.startswith("__")})
-    mod.get_device_name = lambda device=None: "cpu"
-    mod.get_device_properties = lambda device=None: _Properties()
-    mod.memory_stats = lambda device=None: {}
-    mod.reset_peak_memory_stats = lambda device=None: None
-    mod.empty_cache = lambda: None
-    # TorchTitan passes it to barrier(device_ids=[...]), which takes integers.
-    mod.current_device = lambda: 0
+    mod.__dict__.update(
+        get_device_name=lambda device=None: "cpu",
+        get_device_properties=lambda device=None: _Properties(),
+        memory_stats=lambda device=None: {},
+        reset_peak_memory_stats=lambda device=None: None,
+        empty_cache=lambda: None,
+        # TorchTitan passes it to barrier(device_ids=[...]), which takes integers.
+        current_device=lambda: 0,
+    )
     return mod
 
 

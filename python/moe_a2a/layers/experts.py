@@ -7,7 +7,7 @@ import logging
 import torch
 from torch.nn import functional
 
-FP8_BLOCK = 128  # elements per fp32 scale in fp8 dispatch (docs/protocol.md)
+from moe_a2a._core import FP8_BLOCK  # elements per fp32 scale in fp8 dispatch (docs/protocol.md)
 
 log = logging.getLogger(__name__)
 

@@ -89,6 +89,9 @@ class MoELayer(nn.Module):
     expert, and `update_expert_bias` (after the optimizer step) moves the bias.
     """
 
+    expert_bias_E: torch.Tensor | None  # noqa: N815 (buffers, typed for the checker; shapes in names)
+    tokens_per_expert_E: torch.Tensor  # noqa: N815
+
     def __init__(
         self,
         shape: MoEShape,
@@ -107,10 +110,11 @@ class MoELayer(nn.Module):
             raise ValueError(
                 f"weights: got expert_hidden {weights.expert_hidden}; the shape expects {shape.expert_hidden}"
             )
-        if weights.has_shared != (shape.num_shared_experts > 0) or (
-            weights.has_shared and weights.shared_w1.shape[0] != shape.shared_hidden
+        shared = weights.shared
+        got = shared[0].shape[0] if shared is not None else 0
+        if (shared is not None) != (shape.num_shared_experts > 0) or (
+            shared is not None and got != shape.shared_hidden
         ):
-            got = weights.shared_w1.shape[0] if weights.has_shared else 0
             raise ValueError(f"weights: shared expert width {got}; the shape expects {shape.shared_hidden}")
         if not isinstance(expert_padding, int) or expert_padding < 1:
             raise ValueError(f"expert_padding: got {expert_padding!r}; expected a positive integer")
@@ -126,11 +130,7 @@ class MoELayer(nn.Module):
         self.load_balance_coeff = load_balance_coeff
         self.router = TopKRouter(shape, weights.gate)
         self.routed_experts = RoutedExperts(GroupedExperts(weights.w1, weights.w2, weights.w3))
-        self.shared_experts = (
-            SharedExpert(weights.shared_w1, weights.shared_w2, weights.shared_w3)
-            if weights.has_shared
-            else None
-        )
+        self.shared_experts = SharedExpert(*shared) if shared is not None else None
         bias = weights.expert_bias
         if bias is None and load_balance_coeff is not None:
             bias = torch.zeros(shape.num_experts, dtype=torch.float32, device=weights.gate.device)

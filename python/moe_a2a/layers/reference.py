@@ -66,10 +66,8 @@ def reference_forward(
         tokens = flat_tokens[picks]
         y = swiglu(xr[tokens], weights.w1[e].float(), weights.w2[e].float(), weights.w3[e].float())
         out.index_add_(0, tokens, y * flat_w[picks].unsqueeze(1))
-    if weights.has_shared:
-        out += swiglu(
-            x.float(), weights.shared_w1.float(), weights.shared_w2.float(), weights.shared_w3.float()
-        )
+    if (shared := weights.shared) is not None:
+        out += swiglu(x.float(), shared[0].float(), shared[1].float(), shared[2].float())
     return out
 
 
@@ -125,8 +123,8 @@ def reference_train_step(
             "the reference needs the whole layer"
         )
 
-    def leaf(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.detach().to(torch.float32).clone().requires_grad_(True)
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(torch.float32).clone().requires_grad_(True)
 
     params = {
         "router.gate.weight": leaf(weights.gate),
@@ -134,16 +132,15 @@ def reference_train_step(
         "routed_experts.inner_experts.w2_EDF": leaf(weights.w2),
         "routed_experts.inner_experts.w3_EFD": leaf(weights.w3),
     }
-    if weights.has_shared:
+    if (shared := weights.shared) is not None:
         params.update(
             {
-                "shared_experts.w1.weight": leaf(weights.shared_w1),
-                "shared_experts.w2.weight": leaf(weights.shared_w2),
-                "shared_experts.w3.weight": leaf(weights.shared_w3),
+                "shared_experts.w1.weight": leaf(shared[0]),
+                "shared_experts.w2.weight": leaf(shared[1]),
+                "shared_experts.w3.weight": leaf(shared[2]),
             }
         )
     xf = leaf(x)
-    assert xf is not None
     gate = params["router.gate.weight"]
     if topk_weights is None:
         logits = xf @ gate.t()

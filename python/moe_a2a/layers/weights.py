@@ -70,6 +70,13 @@ class MoEWeights:
     def has_shared(self) -> bool:
         return self.shared_w1 is not None
 
+    @property
+    def shared(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(shared_w1, shared_w2, shared_w3), or None without a shared expert (all or none are set)."""
+        if self.shared_w1 is None or self.shared_w2 is None or self.shared_w3 is None:
+            return None
+        return self.shared_w1, self.shared_w2, self.shared_w3
+
     def nbytes(self) -> int:
         """Bytes held by all tensors."""
         return sum(t.numel() * t.element_size() for t in self._tensors().values())
@@ -77,10 +84,11 @@ class MoEWeights:
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> MoEWeights:
         """A copy on `device`; `dtype` applies to expert weights only (router stays as is)."""
 
-        def move(t: torch.Tensor | None, cast: bool) -> torch.Tensor | None:
-            if t is None:
-                return None
+        def move(t: torch.Tensor, cast: bool) -> torch.Tensor:
             return t.to(device=device, dtype=dtype if cast else None)
+
+        def move_if(t: torch.Tensor | None, cast: bool) -> torch.Tensor | None:
+            return None if t is None else move(t, cast)
 
         return replace(
             self,
@@ -88,10 +96,10 @@ class MoEWeights:
             w1=move(self.w1, True),
             w2=move(self.w2, True),
             w3=move(self.w3, True),
-            shared_w1=move(self.shared_w1, True),
-            shared_w2=move(self.shared_w2, True),
-            shared_w3=move(self.shared_w3, True),
-            expert_bias=move(self.expert_bias, False),
+            shared_w1=move_if(self.shared_w1, True),
+            shared_w2=move_if(self.shared_w2, True),
+            shared_w3=move_if(self.shared_w3, True),
+            expert_bias=move_if(self.expert_bias, False),
         )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -105,8 +113,8 @@ class MoEWeights:
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         out = {GATE: self.gate, EXPERT_KEYS[0]: self.w1, EXPERT_KEYS[1]: self.w2, EXPERT_KEYS[2]: self.w3}
-        if self.shared_w1 is not None:
-            out.update(zip(SHARED_KEYS, (self.shared_w1, self.shared_w2, self.shared_w3), strict=True))
+        shared = (self.shared_w1, self.shared_w2, self.shared_w3)
+        out.update({k: t for k, t in zip(SHARED_KEYS, shared, strict=True) if t is not None})
         if self.expert_bias is not None:
             out[BIAS] = self.expert_bias
         return out
@@ -226,7 +234,11 @@ def shard_state_dict(
     E, D = gate.shape
     w1 = layer[EXPERT_KEYS[0]]
     F = w1.shape[1] if w1.dim() == 3 else -1
-    expected = {EXPERT_KEYS[0]: (E, F, D), EXPERT_KEYS[1]: (E, D, F), EXPERT_KEYS[2]: (E, F, D)}
+    expected: dict[str, tuple[int, ...]] = {
+        EXPERT_KEYS[0]: (E, F, D),
+        EXPERT_KEYS[1]: (E, D, F),
+        EXPERT_KEYS[2]: (E, F, D),
+    }
     shared_present = [k for k in SHARED_KEYS if k in layer]
     if shared_present and len(shared_present) != len(SHARED_KEYS):
         raise ValueError(
@@ -252,20 +264,22 @@ def shard_state_dict(
             "expert_hidden": F,
             "shared_hidden": layer[SHARED_KEYS[0]].shape[0] if shared_present else 0,
         }
-        for name, value in found.items():
-            if getattr(shape, name) != value:
+        for field_name, value in found.items():
+            if getattr(shape, field_name) != value:
                 raise ValueError(
-                    f"state_dict: {name} is {value}; the model shape expects {getattr(shape, name)}"
+                    f"state_dict: {field_name} is {value}; the model shape expects "
+                    f"{getattr(shape, field_name)}"
                 )
     block = local_experts(E, rank, world_size)
 
-    def keep(t: torch.Tensor | None, cast: bool = True, rows: range | None = None) -> torch.Tensor | None:
-        if t is None:
-            return None
+    def keep(t: torch.Tensor, cast: bool = True, rows: range | None = None) -> torch.Tensor:
         if rows is not None:
             t = t[rows.start : rows.stop]
         # clone: a slice would keep the whole unsharded storage alive.
         return t.detach().to(device=device, dtype=dtype if cast else None).clone()
+
+    def keep_if(t: torch.Tensor | None, cast: bool = True) -> torch.Tensor | None:
+        return None if t is None else keep(t, cast)
 
     return MoEWeights(
         gate=keep(gate, cast=False),
@@ -273,10 +287,10 @@ def shard_state_dict(
         w2=keep(layer[EXPERT_KEYS[1]], rows=block),
         w3=keep(layer[EXPERT_KEYS[2]], rows=block),
         expert_offset=block.start,
-        shared_w1=keep(layer.get(SHARED_KEYS[0])),
-        shared_w2=keep(layer.get(SHARED_KEYS[1])),
-        shared_w3=keep(layer.get(SHARED_KEYS[2])),
-        expert_bias=keep(layer.get(BIAS), cast=False),
+        shared_w1=keep_if(layer.get(SHARED_KEYS[0])),
+        shared_w2=keep_if(layer.get(SHARED_KEYS[1])),
+        shared_w3=keep_if(layer.get(SHARED_KEYS[2])),
+        expert_bias=keep_if(layer.get(BIAS), cast=False),
     )
 
 

@@ -1,0 +1,148 @@
+"""An AllToAll's start-up: its arguments checked, the core's config, the workspace mapped on
+every rank of the node, the engine leased and the backend started (collective steps).
+
+Each step that can fail on one rank runs inside `Bootstrap.together`, so it fails on all.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from moe_a2a import _core, switches
+from moe_a2a.a2a_types import COMBINE_DTYPES, DEVICES, DISPATCH_DTYPES, Config
+from moe_a2a.backends.common import CORE_DTYPE, Backend, Setup
+from moe_a2a.bootstrap import Bootstrap, Topology
+from moe_a2a.fabric import EngineLease, lease_engine
+from moe_a2a.nics import current_gpu_address
+
+
+def check_arguments(cfg: Config, device: str, graph_safe: bool, abort_on_error: bool | None) -> None:
+    """This rank's checks of the constructor's arguments (and of the switches)."""
+    if abort_on_error is not None and not isinstance(abort_on_error, bool):
+        raise ValueError(f"abort_on_error: got {abort_on_error!r}; expected True, False or None")
+    if not isinstance(cfg, Config):
+        raise TypeError(f"cfg: got {type(cfg).__name__}; expected moe_a2a.Config")
+    if device not in DEVICES:
+        raise ValueError(f"device: got {device!r}; expected one of {list(DEVICES)}")
+    if graph_safe and device != "cuda":
+        raise ValueError("graph_safe: only device='cuda' has CUDA graphs to capture")
+    if device == "cuda":
+        from moe_a2a.backends.cuda import MAX_TOPK as CUDA_MAX_TOPK
+        from moe_a2a.backends.cuda import cuda_available
+
+        reason = cuda_available()
+        if reason is not None:
+            raise RuntimeError(f"device='cuda': {reason}")
+        if cfg.topk > CUDA_MAX_TOPK:
+            raise ValueError(f"topk: got {cfg.topk}; device='cuda' takes at most {CUDA_MAX_TOPK}")
+    switches.check_all()  # a mistyped switch is an error, not a silent default
+
+
+def core_config(
+    cfg: Config, topo: Topology, max_private_tokens: int, max_recv_tokens: int, slice_bytes: int
+) -> Any:
+    """The core's `A2AConfig` for this rank (its `instance` is set once the engine is leased)."""
+    c = _core.A2AConfig()
+    c.rank, c.world, c.ranks_per_node = topo.rank, topo.world_size, topo.local_size
+    c.max_tokens, c.hidden, c.num_experts, c.topk = cfg.max_tokens, cfg.hidden, cfg.num_experts, cfg.topk
+    c.dispatch_dtype = CORE_DTYPE[DISPATCH_DTYPES[cfg.dispatch_dtype]]
+    c.combine_dtype = CORE_DTYPE[COMBINE_DTYPES[cfg.combine_dtype]]
+    c.expert_padding = cfg.expert_padding
+    c.max_private_tokens, c.max_recv_tokens = max_private_tokens, max_recv_tokens
+    c.timeout_s = float(cfg.timeout_s)
+    c.slice_bytes = slice_bytes
+    return c
+
+
+def open_workspace(boot: Bootstrap, core_cfg: Any, node: set[int], share_rows: bool) -> Any:
+    """This rank's workspace, with every same-node peer's mapped (collective)."""
+    name = f"/moe-a2a-{os.getpid()}-{uuid.uuid4().hex[:12]}-r{boot.rank}"
+    with boot.together("allocating the workspace"):
+        workspace = _core.Workspace(core_cfg, name, share_rows)
+    names = boot.allgather(name.encode())
+    with boot.together("mapping the node's workspaces"):
+        workspace.map_node([n.decode() if r in node else "" for r, n in enumerate(names)])
+    boot.barrier()  # everyone has mapped everyone: the names can go
+    workspace.unlink()
+    return workspace
+
+
+@dataclass(frozen=True)
+class Opened:
+    """What `open_backend` started: the engine lease (None with no remote peer), the session and
+    the backend that drives it."""
+
+    lease: EngineLease | None
+    setup: Setup
+    backend: Backend
+
+
+def open_backend(
+    boot: Bootstrap,
+    cfg: Config,
+    core_cfg: Any,
+    device: str,
+    provider: str,
+    num_nics: int,
+    nics: Sequence[str] | str | None,
+    graph_safe: bool,
+) -> Opened:
+    """Lease the engine, open and register the workspace, start the backend (collective). A step
+    that fails fails on every rank, before anyone wrote: what was made so far is released."""
+    topo = boot.topology
+    node = set(topo.node_ranks)
+    remote_peers = [r for r in range(topo.world_size) if r not in node]
+    lease: EngineLease | None = None
+    setup: Setup | None = None
+    try:
+        # No engine (no endpoint, thread or /dev/shm file) where every peer shares our node.
+        gpu = current_gpu_address() if device == "cuda" else None
+        lease = lease_engine(boot, provider, num_nics, nics=nics, gpu=gpu) if remote_peers else None
+        core_cfg.instance = lease.slot if lease else 0
+        engine = lease.engine if lease else None
+        setup = Setup(
+            cfg=cfg,
+            core_cfg=core_cfg,
+            workspace=None,
+            engine=engine,
+            region=None,  # no engine: nothing registered
+            group=None,
+            remote_peers=remote_peers,
+            node=node,
+            bootstrap=boot,
+            pids=[],
+        )
+        # Same-node peers read our rows only on the CPU backend; elsewhere the rows
+        # are private memory (huge pages where the kernel gives them, which the
+        # fabric moves faster than shared memory's 4 KB pages).
+        setup.workspace = open_workspace(boot, core_cfg, node, share_rows=device == "cpu" and len(node) > 1)
+        if engine is not None:
+            with boot.together("registering the workspace"):
+                setup.region = engine.core.register_region(setup.workspace.ptr, setup.workspace.size)
+            remotes = engine.exchange_region(setup.region)
+            with boot.together("creating the peer group"):
+                setup.group = engine.group(remote_peers, remotes)
+        setup.pids = boot.local_pids()
+        return Opened(lease, setup, _start_backend(boot, setup, device, graph_safe))
+    except BaseException:
+        if lease is not None:  # every rank failed at the same step: nobody wrote yet
+            if setup is not None:
+                lease.close(setup.region, setup.group, setup.workspace, 0.0)
+            else:
+                lease.close(None, None, None, 0.0)
+        raise
+
+
+def _start_backend(boot: Bootstrap, setup: Setup, device: str, graph_safe: bool) -> Backend:
+    if device == "cuda":
+        from moe_a2a.backends.cuda import CudaBackend
+
+        return CudaBackend(setup, graph_safe)
+    from moe_a2a.backends.cpu import CpuBackend
+
+    with boot.together("starting the cpu backend"):
+        return CpuBackend(setup)
