@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from moe_a2a import _core, switches
+from moe_a2a import _core, process, switches
 from moe_a2a.agreement import all_to_all_settings, check_agreement
 from moe_a2a.backends.common import (
     CORE_DTYPE,
@@ -205,7 +205,7 @@ def _counted(what: str) -> Callable[[F], F]:
                 return fn(self, *args, **kwargs)
             except CapacityError:
                 raise  # every rank raised it for the same call: the next one starts clean
-            except Exception as exc:
+            except BaseException as exc:  # KeyboardInterrupt too: a wait ends with it (wait.h)
                 self._fail(what, exc)
                 raise
 
@@ -254,6 +254,7 @@ class AllToAll:
         nics: Sequence[str] | str | None = None,
         abort_on_error: bool | None = None,
     ) -> None:
+        self._pid = process.adopt(self)  # a forked child neither calls nor releases it (moe_a2a.process)
         self._boot = Bootstrap(comm, ranks_per_node)
         # Each local step of start-up fails on every rank if it fails on one (a
         # missing GPU, a mistyped switch, a NIC name, memory): a rank that only
@@ -885,6 +886,7 @@ class AllToAll:
         self._backend.check()
 
     def _check_open(self) -> None:
+        process.check_not_forked("AllToAll", self._pid)
         if self._setup is None:
             raise RuntimeError("AllToAll is closed")
 
@@ -897,7 +899,7 @@ class AllToAll:
                 "close it and create a new AllToAll on every rank: a2a = a2a.reopen()"
             )
 
-    def _fail(self, what: str, exc: Exception) -> None:
+    def _fail(self, what: str, exc: BaseException) -> None:
         """Stop this instance after a failed call, and tell the peers, whose calls cannot pair with ours."""
         epoch = self._backend.epoch
         if isinstance(exc, PeerFailedError):
@@ -951,8 +953,8 @@ class AllToAll:
         Collective while healthy: it first waits until no peer can still write into
         this rank's buffers. Pass `wait_for_peers=False` when peers are gone.
         """
-        if self._setup is None:
-            return
+        if self._setup is None or process.in_forked_child(self._pid):
+            return  # a forked child's copy: the parent's workspace, engine and proxy are not its own
         settled = wait_for_peers and self._failure is None
         if settled:
             if self.device.type == "cuda":
