@@ -200,7 +200,9 @@ def _counted(what: str) -> Callable[[F], F]:
         @functools.wraps(fn)
         def call(self: AllToAll, *args: Any, **kwargs: Any) -> Any:
             self._check_usable()
+            self._check_idle(what)
             self._calls += 1
+            self._busy = what
             try:
                 return fn(self, *args, **kwargs)
             except CapacityError:
@@ -208,6 +210,8 @@ def _counted(what: str) -> Callable[[F], F]:
             except BaseException as exc:  # KeyboardInterrupt too: a wait ends with it (wait.h)
                 self._fail(what, exc)
                 raise
+            finally:
+                self._busy = None
 
         return call  # type: ignore[return-value]
 
@@ -255,6 +259,7 @@ class AllToAll:
         abort_on_error: bool | None = None,
     ) -> None:
         self._pid = process.adopt(self)  # a forked child neither calls nor releases it (moe_a2a.process)
+        self._busy: str | None = None  # the call under way: signal handlers run inside its waits
         self._boot = Bootstrap(comm, ranks_per_node)
         # Each local step of start-up fails on every rank if it fails on one (a
         # missing GPU, a mistyped switch, a NIC name, memory): a rank that only
@@ -899,6 +904,14 @@ class AllToAll:
                 "close it and create a new AllToAll on every rank: a2a = a2a.reopen()"
             )
 
+    def _check_idle(self, what: str) -> None:
+        if self._busy is not None:
+            raise RuntimeError(
+                f"{what}: the {self._busy} of this AllToAll is still under way (called from a signal "
+                "handler, which runs inside the call's waits, or from another thread); expected one call "
+                "at a time"
+            )
+
     def _fail(self, what: str, exc: BaseException) -> None:
         """Stop this instance after a failed call, and tell the peers, whose calls cannot pair with ours."""
         epoch = self._backend.epoch
@@ -955,6 +968,7 @@ class AllToAll:
         """
         if self._setup is None or process.in_forked_child(self._pid):
             return  # a forked child's copy: the parent's workspace, engine and proxy are not its own
+        self._check_idle("close")
         settled = wait_for_peers and self._failure is None
         if settled:
             if self.device.type == "cuda":

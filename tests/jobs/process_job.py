@@ -4,10 +4,11 @@ Not under mpirun, which forwards the harness's signals to every rank and ends
 the job when one rank ends. Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 
 `interrupt PROVIDER RPN`: 3 ranks. Ranks 0 and 1 call dispatch while rank 2
-does not (it waits for a line on stdin); the harness sends SIGINT to rank 0
-once its main thread sleeps in the call's wait, then releases rank 2. Each
-rank prints `raised NAME at T: MESSAGE` (T: time.monotonic()) for its call,
-then `next NAME` for its next call.
+does not (it waits for a line on stdin). The harness sends SIGUSR1 to rank 1,
+whose handler tries to close the instance in the middle of the call and prints
+`handler: ...`; then SIGINT to rank 0 once its main thread sleeps in the
+call's wait; then releases rank 2. Each rank prints `raised NAME at T:
+MESSAGE` (T: time.monotonic()) for its call, then `next NAME` for its next call.
 
 `fork PROVIDER RPN`: 2 ranks run ROUNDS rounds, each checked against the
 reference; in the middle rank 0 forks a child that calls dispatch, closes the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import sys
 import time
 
@@ -68,7 +70,16 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
+def close_in_handler(*_: object) -> None:
+    try:
+        a2a.close()
+        say("handler: closed")
+    except RuntimeError as exc:
+        say(f"handler: {exc}")
+
+
 def interrupt() -> None:
+    signal.signal(signal.SIGUSR1, close_in_handler)
     exact_round(0)
     dist.barrier()
     x, ids, w = inputs(1, rank)

@@ -168,6 +168,9 @@ def test_ctrl_c_ends_a_blocked_call_and_every_rank_fails_together(rpn: str) -> N
         for p in ranks[:2]:
             _line(p, "calling")
         # Rank 2 has not called: ranks 0 and 1 wait in the core, whose waits sleep.
+        _until("rank 1 sleeps in its call's wait", lambda: _in_sleep(ranks[1].pid), 20.0)
+        ranks[1].send_signal(signal.SIGUSR1)  # its handler runs in the wait, and may not close the instance
+        handler = _line(ranks[1], "handler")
         _until("rank 0 sleeps in its call's wait", lambda: _in_sleep(ranks[0].pid), 20.0)
         sent = time.monotonic()
         ranks[0].send_signal(signal.SIGINT)
@@ -183,6 +186,7 @@ def test_ctrl_c_ends_a_blocked_call_and_every_rank_fails_together(rpn: str) -> N
         for p in ranks:
             if p.poll() is None:
                 p.kill()
+    assert "the dispatch of this AllToAll is still under way" in handler, handler
     assert all(got), got
     kinds = [m[1] for m in got]  # type: ignore[index]
     took = [float(m[2]) - sent for m in got]  # type: ignore[index]
