@@ -190,6 +190,7 @@ def test_ctrl_c_ends_a_blocked_call_and_every_rank_fails_together(rpn: str) -> N
     assert all(got), got
     kinds = [m[1] for m in got]  # type: ignore[index]
     took = [float(m[2]) - sent for m in got]  # type: ignore[index]
+    print(f"rpn {rpn}: raised {kinds} at {', '.join(f'{t:.3f}' for t in took)} s after the SIGINT")
     assert kinds == ["KeyboardInterrupt", "PeerFailedError", "PeerFailedError"], got
     assert took[0] < 0.5, f"rank 0 raised KeyboardInterrupt {took[0]:.2f} s after SIGINT"
     assert took[1] < 2.0, f"rank 1 failed {took[1]:.2f} s after rank 0's SIGINT"
