@@ -66,6 +66,35 @@ def test_a_sigterm_handler_installed_before_the_import_still_runs() -> None:
     assert (p.returncode, lines) == (0, ["handled SIGTERM", "after"]), f"rc {p.returncode}\n{err[-2000:]}"
 
 
+# Every disposition as the C library has it (the handler's address, which Python's
+# signal.getsignal does not show for handlers installed by C code).
+DISPOSITIONS = """
+import ctypes, signal
+def dispositions():
+    sigaction = ctypes.CDLL(None).sigaction
+    out = {}
+    for s in range(1, signal.NSIG):
+        buf = ctypes.create_string_buffer(512)
+        if sigaction(s, None, buf) == 0:
+            out[s] = buf.raw[:ctypes.sizeof(ctypes.c_void_p)]
+    return out
+"""
+
+
+@pytest.mark.skipif(not HAVE_SHM, reason="no shm provider here, whose first endpoint takes handlers")
+@pytest.mark.timeout(60)
+def test_opening_engines_changes_no_disposition() -> None:
+    code = (
+        DISPOSITIONS
+        + "import moe_a2a\nbefore = dispositions()\n"
+        + _open_engines_code()
+        + "print(sorted(s for s, h in dispositions().items() if h != before[s]), flush=True)\n"
+    )
+    p = _python(code)
+    out, err = p.communicate(timeout=50)
+    assert (p.returncode, out.strip()) == (0, "[]"), f"rc {p.returncode}\n{err[-2000:]}"
+
+
 @pytest.mark.timeout(60)
 def test_sigint_in_time_sleep_raises_keyboard_interrupt() -> None:
     code = (
