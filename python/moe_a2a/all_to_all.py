@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from moe_a2a import _core, switches
+from moe_a2a import _core, process, switches
 from moe_a2a.a2a_checks import CallChecks, resolve_in_place
 from moe_a2a.a2a_startup import check_arguments, core_config, open_backend
 from moe_a2a.a2a_types import (
@@ -57,14 +57,18 @@ def _counted(what: str) -> Callable[[F], F]:
         @functools.wraps(fn)
         def call(self: AllToAll, *args: Any, **kwargs: Any) -> Any:
             self._check_usable()
+            self._check_idle(what)
             self._calls += 1
+            self._busy = what
             try:
                 return fn(self, *args, **kwargs)
             except CapacityError:
                 raise  # every rank raised it for the same call: the next one starts clean
-            except Exception as exc:
+            except BaseException as exc:  # KeyboardInterrupt too: a wait ends with it (wait.h)
                 self._fail(what, exc)
                 raise
+            finally:
+                self._busy = None
 
         return call  # type: ignore[return-value]
 
@@ -93,6 +97,8 @@ class AllToAll:
         nics: Sequence[str] | str | None = None,
         abort_on_error: bool | None = None,
     ) -> None:
+        self._pid = process.adopt(self)  # a forked child neither calls nor releases it (moe_a2a.process)
+        self._busy: str | None = None  # the call under way: signal handlers run inside its waits
         self._boot = Bootstrap(comm, ranks_per_node)
         # Each local step of start-up fails on every rank if it fails on one (a
         # missing GPU, a mistyped switch, a NIC name, memory): a rank that only
@@ -468,6 +474,7 @@ class AllToAll:
         self._backend.check()
 
     def _check_open(self) -> None:
+        process.check_not_forked("AllToAll", self._pid)
         if self._setup is None:
             raise RuntimeError("AllToAll is closed")
 
@@ -480,7 +487,15 @@ class AllToAll:
                 "close it and create a new AllToAll on every rank: a2a = a2a.reopen()"
             )
 
-    def _fail(self, what: str, exc: Exception) -> None:
+    def _check_idle(self, what: str) -> None:
+        if self._busy is not None:
+            raise RuntimeError(
+                f"{what}: the {self._busy} of this AllToAll is still under way (called from a signal "
+                "handler, which runs inside the call's waits, or from another thread); expected one call "
+                "at a time"
+            )
+
+    def _fail(self, what: str, exc: BaseException) -> None:
         """Stop this instance after a failed call, and tell the peers, whose calls cannot pair with ours."""
         epoch = self._backend.epoch
         if isinstance(exc, PeerFailedError):
@@ -534,8 +549,9 @@ class AllToAll:
         Collective while healthy: it first waits until no peer can still write into
         this rank's buffers. Pass `wait_for_peers=False` when peers are gone.
         """
-        if self._setup is None:
-            return
+        if self._setup is None or process.in_forked_child(self._pid):
+            return  # a forked child's copy: the parent's workspace, engine and proxy are not its own
+        self._check_idle("close")
         settled = wait_for_peers and self._failure is None
         if settled:
             if self.device.type == "cuda":

@@ -7,7 +7,8 @@ SIGKILL (or the OOM killer) never closes it, and nothing the library runs can
 then remove it. The library avoids the endpoint where it can (no engine is
 opened when every peer shares the node); where it cannot, this removes the
 files whose owning process is gone. A file is removed only when its name
-carries a pid and no process with that pid exists: files of live processes,
+carries a pid and no process with that pid runs (a zombie, dead but not yet
+reaped by its launcher, counts as gone): files of live processes,
 and files this module does not know, are left alone. Pids are those of this
 host's pid namespace, so run it where the job ran.
 """
@@ -42,13 +43,21 @@ def _pid_of(name: str) -> int | None:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether `pid` runs: it exists and is not a zombie, a dead process its parent has not
+    reaped yet (mpirun right after a forced end), as the library's own peer watch holds."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # another user's live process
-    return True
+        pass  # another user's process: its state says whether it runs
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:  # no /proc here, or it just ended
+        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
+    state = stat[stat.rfind(")") + 2 :][:1]  # the name may hold spaces and parentheses
+    return state not in ("Z", "X")
 
 
 def dead_files(directory: str = SHM_DIR, pids: Iterable[int] | None = None) -> list[Leftover]:

@@ -278,6 +278,17 @@ def write_trace(path: str | os.PathLike[str], trace: RunTrace) -> None:
 # --------------------------------------------------------------------------- reader
 
 
+def _json_attr(path: object, f: Any, name: str) -> Any:
+    """Attribute `name` of the file, parsed as the JSON it must be; the error names it."""
+    value = f.attrs[name]
+    try:
+        return json.loads(value)
+    except (TypeError, ValueError) as exc:
+        raise TraceFormatError(
+            f"{path}: corrupt moe-a2a trace: attribute {name!r} is not JSON ({type(exc).__name__}: {exc})"
+        ) from None
+
+
 def read_trace(path: str | os.PathLike[str]) -> RunTrace:
     """Read a trace written by `write_trace`.
 
@@ -322,10 +333,11 @@ def read_trace(path: str | os.PathLike[str]) -> RunTrace:
         missing += [f"@{name}" for name in ("config", "environment") if name not in f.attrs]
         if missing:
             raise TraceFormatError(f"{path}: incomplete moe-a2a trace: missing {', '.join(missing)}")
+        config, environment = (_json_attr(path, f, name) for name in ("config", "environment"))
         try:
             trace = RunTrace(
-                config=json.loads(f.attrs["config"]),
-                environment=json.loads(f.attrs["environment"]),
+                config=config,
+                environment=environment,
                 hosts=list(f["hosts"].asstr()[()]),
                 start_ns=f["timing/start_ns"][()],
                 end_ns=f["timing/end_ns"][()],

@@ -14,6 +14,21 @@
 
 namespace moe_a2a::a2a {
 
+// Signals while a caller waits (docs/process.md, "Signals"): the Python
+// bindings install a check that, on the thread that runs Python's signal
+// handlers, runs them and throws what they raise (KeyboardInterrupt for
+// Ctrl-C), so a blocked call ends as a failed call. Other threads (the proxy,
+// the fabric worker) and a core used without Python never see it.
+using InterruptCheck = void (*)();
+inline std::atomic<InterruptCheck> interrupt_check{nullptr};
+// How often a wait looks: the check takes the GIL, so a wait shorter than
+// this never does.
+constexpr std::chrono::milliseconds kInterruptInterval{50};
+
+inline void check_interrupt() {
+  if (InterruptCheck check = interrupt_check.load(std::memory_order_acquire)) check();
+}
+
 struct Backoff {
   static constexpr int kSpins = 128;
   static constexpr int kYields = 512;
@@ -21,14 +36,25 @@ struct Backoff {
   static constexpr int kShortSleeps = kYields + 256;  // about 5 ms of short slices
   static constexpr std::chrono::microseconds kLongSleep{1000};
   int round = 0;
+  std::chrono::steady_clock::time_point next_interrupt{};  // the first look: kInterruptInterval into the wait
   void pause() {
     ++round;
     if (round < kSpins) return;
+    if (round >= kYields || (round & 63) == 0) poll_interrupt();
     if (round < kYields) {
       sched_yield();
       return;
     }
     std::this_thread::sleep_for(round < kShortSleeps ? kSleep : kLongSleep);
+  }
+  void poll_interrupt() {
+    const auto now = std::chrono::steady_clock::now();
+    if (next_interrupt == std::chrono::steady_clock::time_point{}) {
+      next_interrupt = now + kInterruptInterval;
+    } else if (now >= next_interrupt) {
+      next_interrupt = now + kInterruptInterval;
+      check_interrupt();
+    }
   }
 };
 

@@ -13,9 +13,12 @@
 #include "../fabric/memory_engine.h"
 #include "../fabric/sharding.h"
 #include "../fabric/wire.h"
+#include "a2a/wait.h"
+#include "keep_signals.h"
 
 namespace nb = nanobind;
 using namespace moe_a2a::fabric;
+using moe_a2a::bindings::KeepSignals;
 
 namespace {
 
@@ -119,8 +122,12 @@ void bind_memory_fabric(nb::module_& m) {
 void bind_fabric(nb::module_& m) {
   using release = nb::call_guard<nb::gil_scoped_release>;
 
-  m.def("libfabric_providers", &libfabric_providers, "Provider names libfabric offers on this machine.");
-  m.def("libfabric_domains", &libfabric_domains, nb::arg("provider"),
+  // Calls that may start libfabric or a provider keep the signal dispositions (keep_signals.h).
+  m.def(
+      "libfabric_providers", [] { KeepSignals keep; return libfabric_providers(); },
+      "Provider names libfabric offers on this machine.");
+  m.def(
+      "libfabric_domains", [](const std::string& p) { KeepSignals keep; return libfabric_domains(p); }, nb::arg("provider"),
         "Domain (device) names a provider offers for the engine's endpoints, in libfabric's order.");
   m.def("backend_names", &backend_names, "Backends built into this module (open_backend's names).");
   m.def(
@@ -129,6 +136,7 @@ void bind_fabric(nb::module_& m) {
         Capabilities c;
         {
           nb::gil_scoped_release r;
+          KeepSignals keep;
           c = open_backend({backend, provider, 0, domain})->capabilities();
         }
         return capabilities_dict(c);
@@ -214,12 +222,17 @@ void bind_fabric(nb::module_& m) {
           },
           nb::arg("group"), nb::arg("region"), nb::arg("items"), nb::arg("tag") = nb::none())
       .def(
-          "barrier", [](ProxyEngine& e, GroupId group, uint32_t tag, double timeout_s) { e.barrier(group, tag, timeout_s); },
+          "barrier",
+          [](ProxyEngine& e, GroupId group, uint32_t tag, double timeout_s) {
+            moe_a2a::a2a::Backoff looks;  // Ctrl-C ends the wait (wait.h)
+            e.barrier(group, tag, timeout_s, [&looks] { looks.poll_interrupt(); });
+          },
           nb::arg("group"), nb::arg("tag"), nb::arg("timeout_s"), release())
       .def(
           "wait_imm",
           [](ProxyEngine& e, uint32_t tag, int peer, uint64_t count, double timeout_s) {
-            e.wait_imm(tag, peer, count, timeout_s);
+            moe_a2a::a2a::Backoff looks;  // Ctrl-C ends the wait (wait.h)
+            e.wait_imm(tag, peer, count, timeout_s, [&looks] { looks.poll_interrupt(); });
           },
           nb::arg("tag"), nb::arg("peer"), nb::arg("count"), nb::arg("timeout_s"), release())
       .def("imm_count", &ProxyEngine::imm_count, nb::arg("tag"), nb::arg("peer"))
@@ -233,6 +246,7 @@ void bind_fabric(nb::module_& m) {
           "__init__",
           [](TransferEngine* e, int rank, int world, const std::string& provider, int num_nics,
              uint64_t split_threshold, const std::vector<std::string>& domains, const std::string& backend) {
+            KeepSignals keep;
             new (e) TransferEngine(rank, world, EngineOptions{backend, provider, num_nics, split_threshold, domains});
           },
           nb::arg("rank"), nb::arg("world"), nb::arg("provider") = "tcp", nb::arg("num_nics") = 1,

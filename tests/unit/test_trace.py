@@ -244,6 +244,15 @@ def test_read_corrupt_shapes(trace_file: Path) -> None:
         read_trace(trace_file)
 
 
+@pytest.mark.parametrize("name", ["config", "environment"])
+@pytest.mark.parametrize("value", ["{model: 1}", np.int64(3)])  # not JSON; not text at all
+def test_read_attribute_that_is_not_json_names_it(trace_file: Path, name: str, value: object) -> None:
+    with h5py.File(trace_file, "a") as f:
+        f.attrs[name] = value
+    with pytest.raises(ValueError, match=f"corrupt moe-a2a trace: attribute '{name}' is not JSON"):
+        read_trace(trace_file)
+
+
 # --------------------------------------------------------------------------- derived views
 
 
