@@ -21,10 +21,9 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from moe_a2a import _core, switches
+from moe_a2a import _core, memory_plan, switches
 from moe_a2a.agreement import all_to_all_settings, check_agreement
 from moe_a2a.backends.common import (
-    CORE_DTYPE,
     Backend,
     RecvRequest,
     RowMath,
@@ -291,6 +290,8 @@ class AllToAll:
         self.num_local_experts = cfg.num_experts // self.world_size
         self._node = set(topo.node_ranks)
         self._core_cfg = self._core_config(topo.local_size)
+        with self._boot.together("checking that the workspace fits in memory"):
+            memory_plan.check_fits(memory_plan.plan_of(self._core_cfg, cfg, device))
         self._setup: Setup | None = None
         self._lease: EngineLease | None = None
         try:
@@ -387,17 +388,7 @@ class AllToAll:
             self._lease = None
 
     def _core_config(self, local_size: int) -> Any:
-        cfg = self.cfg
-        c = _core.A2AConfig()
-        c.rank, c.world, c.ranks_per_node = self.rank, self.world_size, local_size
-        c.max_tokens, c.hidden, c.num_experts, c.topk = cfg.max_tokens, cfg.hidden, cfg.num_experts, cfg.topk
-        c.dispatch_dtype = CORE_DTYPE[DISPATCH_DTYPES[cfg.dispatch_dtype]]
-        c.combine_dtype = CORE_DTYPE[COMBINE_DTYPES[cfg.combine_dtype]]
-        c.expert_padding = cfg.expert_padding
-        c.max_private_tokens, c.max_recv_tokens = self.max_private_tokens, self.max_recv_tokens
-        c.timeout_s = float(cfg.timeout_s)
-        c.slice_bytes = self._slice_bytes
-        return c
+        return memory_plan.core_config(self.cfg, self.rank, self.world_size, local_size, self._slice_bytes)
 
     def _open_workspace(self) -> Any:
         name = f"/moe-a2a-{os.getpid()}-{uuid.uuid4().hex[:12]}-r{self.rank}"

@@ -10,6 +10,7 @@
 
 #include "../env.h"
 #include "../errors.h"
+#include "scratch.h"
 #include "../plan.h"
 #include "../wait.h"
 #include "fabric/error.h"
@@ -18,7 +19,6 @@
 namespace moe_a2a::a2a::cuda {
 namespace {
 
-constexpr size_t kScratchAlign = 256;
 constexpr double kNsPerSecond = 1e9;
 // Kernels give the proxy time to report its own timeout first (as the CPU
 // path does): twice the configured timeout plus a second.
@@ -100,28 +100,8 @@ void CudaAllToAll::allocate() {
   check_cuda(cudaMemset(device_ws_, 0, layout_.total), "cudaMemset(device workspace)");
   peers_[cfg_.rank].device = device_ws_;
 
-  const size_t copies = static_cast<size_t>(cfg_.max_tokens) * cfg_.topk;
-  const size_t sizes[] = {
-      sizeof(int32_t),                                  // num_tokens
-      copies * sizeof(int32_t),                         // slots
-      copies * sizeof(int32_t),                         // copy_rank
-      copies * sizeof(uint8_t*),                        // copy_dst
-      static_cast<size_t>(route_blocks(static_cast<int64_t>(copies))) * cfg_.num_experts * sizeof(int32_t),  // block_base
-      sizeof(int32_t),                                  // dropped
-      sizeof(uint32_t),                                 // done_blocks
-      cfg_.world * sizeof(SenderPlan),                  // senders
-      static_cast<size_t>(cfg_.num_experts) * sizeof(Segment),  // segments
-      sizeof(int32_t),                                  // output_rows
-      sizeof(uint64_t),                                 // plan_ready
-      sizeof(uint32_t),                                 // plan_ticket
-      cfg_.world * sizeof(uint32_t),                    // stage_chunks
-      cfg_.world * kMaxPeerSlices * sizeof(uint32_t),   // stage_slices
-      sizeof(uint64_t),                                 // epoch
-      copies * sizeof(int32_t),                         // self_copy
-      copies * sizeof(int32_t),                         // self_row
-  };
-  size_t total = 0;
-  for (size_t s : sizes) total += aligned_size(s);
+  const auto sizes = scratch_sizes(cfg_);
+  const size_t total = scratch_bytes(cfg_);
   check_cuda(cudaMalloc(&scratch_mem_, total), "cudaMalloc(scratch)");
   check_cuda(cudaMemset(scratch_mem_, 0, total), "cudaMemset(scratch)");
   uint8_t* at = scratch_mem_;
