@@ -26,8 +26,10 @@ inline PrivateRange private_rows_range(const Layout& l, bool share_rows) {
 // whole host workspace, and device memory is allocated whole.
 struct MemoryPlan {
   size_t workspace = 0;             // one host workspace (Layout::total)
-  size_t host_shared = 0;           // of it: a POSIX shared-memory file (/dev/shm) the node's ranks map
-  size_t host_private = 0;          // of it: private memory (rows no peer reads)
+  // The workspace in whole pages: a POSIX shared-memory file (/dev/shm) the
+  // node's ranks map, and private memory (rows no peer reads).
+  size_t host_shared = 0;
+  size_t host_private = 0;
   size_t fabric_registered = 0;     // registered with the transfer engine (0 without remote peers)
   size_t cuda_pinned = 0;           // host memory registered with CUDA: our workspace and peers' heads
   size_t peer_mapped = 0;           // same-node peers' workspaces mapped here (their memory, not ours)
@@ -46,7 +48,7 @@ inline MemoryPlan plan_memory(const A2AConfig& c, bool cuda, bool share_rows, bo
   MemoryPlan p;
   p.workspace = l.total;
   p.host_private = rows.empty() ? 0 : rows.end - rows.begin;
-  p.host_shared = l.total - p.host_private;
+  p.host_shared = align_up(l.total, kPageBytes) - p.host_private;  // whole pages, as the kernel counts them
   p.fabric_registered = has_remote ? l.total : 0;
   p.peer_mapped = same_node_peers * l.total;
   if (cuda) {
