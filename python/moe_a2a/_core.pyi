@@ -388,6 +388,11 @@ class A2AConfig:
 
     def validate(self) -> None: ...
 
+def plan_memory(config: A2AConfig, cuda: bool, share_rows: bool, has_remote: bool) -> dict[str, int]:
+    """
+    Bytes per rank by kind (memory_plan.h), for config as this rank would open it.
+    """
+
 class Workspace:
     def __init__(self, config: A2AConfig, name: str, share_rows: bool = True) -> None: ...
 

@@ -15,7 +15,7 @@ from typing import Any
 from moe_a2a import _core, switches
 from moe_a2a.a2a_types import COMBINE_DTYPES, DEVICES, DISPATCH_DTYPES, Config
 from moe_a2a.backends.common import CORE_DTYPE, Backend, Setup
-from moe_a2a.bootstrap import Bootstrap, Topology
+from moe_a2a.bootstrap import Bootstrap
 from moe_a2a.fabric import EngineLease, lease_engine
 from moe_a2a.nics import current_gpu_address
 
@@ -42,17 +42,16 @@ def check_arguments(cfg: Config, device: str, graph_safe: bool, abort_on_error: 
     switches.check_all()  # a mistyped switch is an error, not a silent default
 
 
-def core_config(
-    cfg: Config, topo: Topology, max_private_tokens: int, max_recv_tokens: int, slice_bytes: int
-) -> Any:
-    """The core's `A2AConfig` for this rank (its `instance` is set once the engine is leased)."""
+def core_config(cfg: Config, rank: int, world_size: int, ranks_per_node: int, slice_bytes: int = 0) -> Any:
+    """The core's `A2AConfig` of one rank, `max_private_tokens` and `max_recv_tokens` resolved
+    (its `instance` is set once the engine is leased). The memory plan sizes the same one."""
     c = _core.A2AConfig()
-    c.rank, c.world, c.ranks_per_node = topo.rank, topo.world_size, topo.local_size
+    c.rank, c.world, c.ranks_per_node = rank, world_size, ranks_per_node
     c.max_tokens, c.hidden, c.num_experts, c.topk = cfg.max_tokens, cfg.hidden, cfg.num_experts, cfg.topk
     c.dispatch_dtype = CORE_DTYPE[DISPATCH_DTYPES[cfg.dispatch_dtype]]
     c.combine_dtype = CORE_DTYPE[COMBINE_DTYPES[cfg.combine_dtype]]
     c.expert_padding = cfg.expert_padding
-    c.max_private_tokens, c.max_recv_tokens = max_private_tokens, max_recv_tokens
+    c.max_private_tokens, c.max_recv_tokens = cfg.resolved(world_size)
     c.timeout_s = float(cfg.timeout_s)
     c.slice_bytes = slice_bytes
     return c

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from moe_a2a import _core, process, switches
+from moe_a2a import _core, memory_plan, process, switches
 from moe_a2a.a2a_checks import CallChecks, resolve_in_place
 from moe_a2a.a2a_startup import check_arguments, core_config, open_backend
 from moe_a2a.a2a_types import (
@@ -135,9 +135,9 @@ class AllToAll:
         self.max_private_tokens, self.max_recv_tokens = cfg.resolved(self.world_size)
         self.num_local_experts = cfg.num_experts // self.world_size
         self._node = set(topo.node_ranks)
-        self._core_cfg = core_config(
-            cfg, topo, self.max_private_tokens, self.max_recv_tokens, self._slice_bytes
-        )
+        self._core_cfg = core_config(cfg, self.rank, self.world_size, topo.local_size, self._slice_bytes)
+        with self._boot.together("checking that the workspace fits in memory"):
+            memory_plan.check_fits(memory_plan.plan_of(self._core_cfg, cfg, device))
         opened = open_backend(self._boot, cfg, self._core_cfg, device, provider, num_nics, nics, graph_safe)
         self._lease: EngineLease | None = opened.lease
         self._setup: Setup | None = opened.setup

@@ -187,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     cleanup.add_parser(sub)
 
+    from moe_a2a import memory_plan
+
+    memory_plan.add_parser(sub)
+
     info = sub.add_parser("info", help="what this build and machine offer")
     info.add_argument("--provider", help="only this provider (default: every provider offered)")
     info.add_argument(

@@ -2,15 +2,14 @@
 
 #include <stdexcept>
 
+#include "memory_plan.h"
+
 namespace moe_a2a::a2a {
 
 Workspace::Workspace(const A2AConfig& cfg, const std::string& name, bool share_rows)
     : cfg_(cfg), layout_(Layout::of(cfg)) {
   cfg_.validate();
-  constexpr size_t kPage = 4096;
-  PrivateRange rows;
-  if (!share_rows) rows = {align_up(layout_.private_rows, kPage), layout_.aborts / kPage * kPage};
-  own_ = std::make_unique<ShmSegment>(name, layout_.total, true, rows.empty() ? PrivateRange{} : rows);
+  own_ = std::make_unique<ShmSegment>(name, layout_.total, true, private_rows_range(layout_, share_rows));
   node_.assign(cfg.world, nullptr);
   node_[cfg.rank] = own_->data();
 }

@@ -2,6 +2,7 @@
 // workspace and the CPU implementation. Tensors stay in Python; only their
 // data pointers cross.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
 
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
@@ -12,6 +13,7 @@
 #include "a2a/cpu/convert.h"
 #include "a2a/cpu/cpu_all_to_all.h"
 #include "a2a/errors.h"
+#include "a2a/memory_plan.h"
 #include "a2a/workspace.h"
 #include "pointers.h"
 
@@ -108,6 +110,21 @@ void bind_a2a(nb::module_& m) {
       .def_prop_ro("caller_timeout_s", &A2AConfig::caller_timeout_s,
                    "How long a rank waits for its proxy, and a closed instance's memory stays (the deadline rule).")
       .def("validate", &A2AConfig::validate);
+
+  // Bytes one rank allocates for a configuration, before anything is (memory_plan.h).
+  m.def(
+      "plan_memory",
+      [](const A2AConfig& c, bool cuda, bool share_rows, bool has_remote) {
+        c.validate();
+        const MemoryPlan p = plan_memory(c, cuda, share_rows, has_remote);
+        return std::map<std::string, size_t>{
+            {"workspace", p.workspace},        {"host_shared", p.host_shared},
+            {"host_private", p.host_private},  {"fabric_registered", p.fabric_registered},
+            {"cuda_pinned", p.cuda_pinned},    {"peer_mapped", p.peer_mapped},
+            {"device_workspace", p.device_workspace}, {"device_scratch", p.device_scratch}};
+      },
+      nb::arg("config"), nb::arg("cuda"), nb::arg("share_rows"), nb::arg("has_remote"),
+      "Bytes per rank by kind (memory_plan.h), for config as this rank would open it.");
 
   nb::class_<Workspace>(m, "Workspace")
       .def(nb::init<const A2AConfig&, const std::string&, bool>(), nb::arg("config"), nb::arg("name"),

@@ -17,7 +17,7 @@ import pytest
 from ranks import COMM, DEVICE, PROVIDER, RANK, WORLD, device_pytestmark
 from test_a2a import check_round, make_inputs, make_params
 
-from moe_a2a import AllToAll, Config, _core, fabric
+from moe_a2a import AllToAll, Config, _core, fabric, memory_plan
 from moe_a2a.all_to_all import PeerFailedError
 from moe_a2a.nics import NicError
 
@@ -91,6 +91,7 @@ def _raise(what: str) -> object:
 # Steps whose real failures need a machine out of memory: the last rank's call
 # raises instead (the others run the real thing).
 INJECTED = {
+    "checking that the workspace fits in memory": (memory_plan, "check_fits"),
     "allocating the workspace": (_core, "Workspace"),
     "creating the peer group": (fabric.Engine, "group"),
     "starting the cpu backend": (_core, "CpuAllToAll"),

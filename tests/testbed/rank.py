@@ -14,6 +14,9 @@ management veth. Scenarios:
         against the whole module with its LocalTokenDispatcher in this process:
         the output, the input's gradient and every parameter's gradient, then
         `steps` SGD steps whose global losses must follow the reference's.
+  node  the ranks' node layout as the bootstrap finds it from host names (several ranks
+        per emulated host), then dispatch and combine across those nodes, exactly equal
+        to moe_a2a.reference (fp32 combine).
   a2a_rate
         timed dispatch + combine steps (after one untimed step) with one rank per
         emulated host; each rank reports its seconds and the payload bytes it sent
@@ -97,6 +100,45 @@ def a2a(group: object, rank: int, world: int, args: dict[str, str]) -> dict[str,
     return {"rounds": rounds, "tokens": tokens[rank]}
 
 
+def node(group: object, rank: int, world: int, args: dict[str, str]) -> dict[str, object]:
+    import socket
+
+    from moe_a2a.all_to_all import AllToAll, Config
+    from moe_a2a.reference import combine_reference, dispatch_reference
+
+    topo = Bootstrap(group).topology  # ranks per node from host names, as a job would
+    cfg = Config(max_tokens=24, hidden=160, num_experts=2 * world, topk=3, combine_dtype="fp32",
+                 timeout_s=TIMEOUT_S)  # fmt: skip
+    a2a = AllToAll(cfg, comm=group, device="cpu", provider="tcp", num_nics=2)
+    g = torch.Generator().manual_seed(17)
+    tokens = [int(torch.randint(0, cfg.max_tokens + 1, (1,), generator=g)) for _ in range(world)]
+    xs = [(torch.randn(t, cfg.hidden, generator=g) * 3).to(torch.bfloat16) for t in tokens]
+    ids = [torch.stack([torch.randperm(cfg.num_experts, generator=g)[: cfg.topk] for _ in range(t)])
+           .reshape(t, cfg.topk) for t in tokens]  # fmt: skip
+    ws = [torch.rand(t, cfg.topk, generator=g) for t in tokens]
+    ref = dispatch_reference(xs, ids, cfg.num_experts)
+    d = a2a.dispatch(xs[rank], ids[rank], ws[rank])
+    ours = ref[rank]
+    assert torch.equal(d.tokens_per_expert.cpu(), ours.tokens_per_expert)
+    valid = ours.origin[:, 0] >= 0
+    assert torch.equal(d.expert_x[valid].view(torch.uint8), ours.expert_x[valid].view(torch.uint8))
+    y = (d.expert_x.float() * 0.5 - 1.0).to(torch.bfloat16)
+    out = a2a.combine(y, d)
+    ys = [(r.expert_x.float() * 0.5 - 1.0).to(torch.bfloat16) for r in ref]
+    expected = combine_reference(ys, ref, ws, "fp32")[rank]
+    assert torch.equal(out, expected), f"combine differs by up to {(out - expected).abs().max()}"
+    traffic = a2a.traffic()  # [peer, path]: path 0 within the node, 1 across the fabric
+    a2a.close()
+    return {
+        "host": socket.gethostname(),
+        "node_ranks": list(topo.node_ranks),
+        "local_size": topo.local_size,
+        "tokens": tokens[rank],
+        "node_bytes": traffic[:, 0].tolist(),
+        "fabric_bytes": traffic[:, 1].tolist(),
+    }
+
+
 def titan(group: object, rank: int, world: int, args: dict[str, str]) -> dict[str, object]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from torch.distributed.device_mesh import init_device_mesh
@@ -150,7 +192,11 @@ def a2a_rate(group: object, rank: int, world: int, args: dict[str, str]) -> dict
     tokens, hidden, steps = int(args["tokens"]), int(args["hidden"]), int(args["steps"])
     private = int(args["private"]) if "private" in args else None
     cfg = Config(
-        max_tokens=tokens, hidden=hidden, num_experts=2 * world, topk=2, timeout_s=TIMEOUT_S,
+        max_tokens=tokens,
+        hidden=hidden,
+        num_experts=2 * world,
+        topk=2,
+        timeout_s=TIMEOUT_S,
         max_private_tokens=private,
     )
     a2a = AllToAll(
@@ -182,7 +228,7 @@ def main() -> int:
     dist.init_process_group("gloo", init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(range(world)), backend="gloo")
-    scenarios = {"send": send, "a2a": a2a, "a2a_rate": a2a_rate, "titan": titan}
+    scenarios = {"send": send, "a2a": a2a, "a2a_rate": a2a_rate, "titan": titan, "node": node}
     result = scenarios[scenario](group, rank, world, args)
     with open(out, "w") as f:
         json.dump({"rank": rank, **result}, f)

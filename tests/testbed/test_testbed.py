@@ -36,17 +36,17 @@ def run_ranks(
     env: dict[str, str] | None = None,
     **args: object,
 ) -> list[dict]:
-    """One rank per host (`env`: more variables for each); returns each rank's JSON report (rank
-    order); fails with the ranks' output."""
-    world = bed.hosts
+    """Every rank of the testbed, on its host (`env`: more variables for each); returns each
+    rank's JSON report (rank order); fails with the ranks' output."""
+    world = bed.ranks
     procs, logs = [], []
-    for h in range(world):
-        log = open(tmp / f"{scenario}-{h}.log", "w")  # noqa: SIM115 (closed below, after the ranks end)
+    for r in range(world):
+        log = open(tmp / f"{scenario}-{r}.log", "w")  # noqa: SIM115 (closed below, after the ranks end)
         logs.append(log)
-        argv = [sys.executable, RANK, scenario, str(tmp / f"{scenario}-{h}.json")]
+        argv = [sys.executable, RANK, scenario, str(tmp / f"{scenario}-{r}.json")]
         argv += [f"{k}={v}" for k, v in args.items()]
-        rank_env = bed.rank_env(h, world, {"MOE_A2A_NICS": names, **(env or {})})
-        procs.append(bed.popen(h, argv, rank_env, stdout=log, stderr=subprocess.STDOUT))
+        rank_env = bed.rank_env(r, world, {"MOE_A2A_NICS": names, **(env or {})})
+        procs.append(bed.popen(bed.host_of(r), argv, rank_env, stdout=log, stderr=subprocess.STDOUT))
     try:
         codes = [p.wait(timeout=RUN_S) for p in procs]
     except subprocess.TimeoutExpired:

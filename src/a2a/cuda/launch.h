@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "params.h"
+#include "scratch.h"  // route_blocks
 #include "tuning.h"
 
 namespace moe_a2a::a2a::cuda {
@@ -47,12 +48,6 @@ cudaError_t launch_route(const DispatchSendParams& p, cudaStream_t stream);
 // (dispatch_bulk.cu), after launch_route, where bulk_pack_fits.
 bool bulk_pack_fits(const DispatchSendParams& p);
 cudaError_t launch_bulk_pack(const DispatchSendParams& p, cudaStream_t stream);
-
-// Copies that one block of the large calls' routing handles.
-constexpr int kRouteBlockCopies = RouteTuning::kBlockCopies;
-inline int route_blocks(int64_t max_copies) {
-  return static_cast<int>((max_copies + kRouteBlockCopies - 1) / kRouteBlockCopies);
-}
 
 // Rows of the dispatch output buffers that a call may fill.
 inline int64_t max_output_rows(const Instance& in) {

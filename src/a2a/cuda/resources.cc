@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "launch.h"
+#include "scratch.h"
 
 namespace moe_a2a::a2a::cuda {
 
@@ -19,34 +20,6 @@ void check_cuda(cudaError_t err, const char* what) {
 }
 
 namespace {
-
-constexpr size_t kScratchAlign = 256;
-
-// Every section of the device scratch, in order: `section(pointer, count)`
-// names the pointer a section is carved for and its element count. Carving
-// walks it twice: once to add up the sizes, once to hand out the addresses.
-template <typename Section>
-void scratch_sections(const A2AConfig& cfg, Scratch& s, uint64_t*& epoch, Section&& section) {
-  const size_t copies = static_cast<size_t>(cfg.max_tokens) * cfg.topk;
-  const size_t route_blocks_experts = static_cast<size_t>(route_blocks(static_cast<int64_t>(copies))) * cfg.num_experts;
-  section(s.num_tokens, 1);
-  section(s.slots, copies);
-  section(s.copy_rank, copies);
-  section(s.copy_dst, copies);
-  section(s.block_base, route_blocks_experts);
-  section(s.dropped, 1);
-  section(s.done_blocks, 1);
-  section(s.senders, static_cast<size_t>(cfg.world));
-  section(s.segments, static_cast<size_t>(cfg.num_experts));
-  section(s.output_rows, 1);
-  section(s.plan_ready, 1);
-  section(s.plan_ticket, 1);
-  section(s.stage_chunks, static_cast<size_t>(cfg.world));
-  section(s.stage_slices, static_cast<size_t>(cfg.world) * kMaxPeerSlices);
-  section(epoch, 1);
-  section(s.self_copy, copies);
-  section(s.self_row, copies);
-}
 
 // Pinned host memory, mapped for the GPU.
 void* host_alloc_mapped(size_t bytes, const char* what) {
@@ -91,14 +64,12 @@ CudaResources::CudaResources(const A2AConfig& config, const Layout& layout) : cf
 }
 
 void CudaResources::allocate_scratch() {
-  size_t total = 0;
-  const auto size_of = [](auto* p, size_t count) { return align_up(sizeof(*p) * count, kScratchAlign); };
-  scratch_sections(cfg_, scratch_, epoch_device_, [&](auto*& p, size_t count) { total += size_of(p, count); });
+  const size_t total = scratch_bytes(cfg_);
   check_cuda(cudaMalloc(&scratch_mem_, total), "cudaMalloc(scratch)");
   check_cuda(cudaMemset(scratch_mem_, 0, total), "cudaMemset(scratch)");
   uint8_t* at = scratch_mem_;
   scratch_sections(cfg_, scratch_, epoch_device_, [&](auto*& p, size_t count) {
-    const size_t bytes = size_of(p, count);
+    const size_t bytes = scratch_section_bytes(p, count);
     p = reinterpret_cast<std::remove_reference_t<decltype(p)>>(at);
     at += bytes;
   });
