@@ -13,39 +13,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import NoReturn
 
-USAGE_ERROR = 2
-
-
-def _launcher_rank() -> int:
-    """This process's rank from the launcher's environment, before MPI starts (0 if unknown)."""
-    from moe_a2a.layers.driver import _env_rank
-
-    return _env_rank()
-
-
-def usage_error(prog: str, message: str) -> NoReturn:
-    """One line from rank 0, exit status 2 on every rank: each rank found the same error."""
-    if _launcher_rank() == 0:
-        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(USAGE_ERROR)
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse without silent abbreviations (`--iter` is an error, not `--iters`).
-
-    Sub-parsers are made with the parent's class, so every subcommand inherits this.
-    """
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-
-    def error(self, message: str) -> NoReturn:
-        if _launcher_rank() == 0:
-            self.print_usage(sys.stderr)
-        usage_error(self.prog, message)
+from moe_a2a.usage import USAGE_ERROR, Parser, launcher_rank, usage_error
 
 
 def _gpu_line() -> str:
@@ -211,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(exc.code, str):
             raise
         # `raise SystemExit("bench a2a: ...")`: a usage error every rank finds alike.
-        if _launcher_rank() == 0:
+        if launcher_rank() == 0:
             print(f"moe-a2a {exc.code}", file=sys.stderr, flush=True)
         return USAGE_ERROR
     except BrokenPipeError:

@@ -82,7 +82,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Stand-alone entry point: `python -m moe_a2a.trace_tools summary FILE`."""
-    from moe_a2a.cli import Parser
+    from moe_a2a.usage import Parser
 
     parser = Parser(prog="moe-a2a")
     add_parser(parser.add_subparsers(dest="command", required=True))
