@@ -27,7 +27,6 @@ words); `--output` writes the same rows as CSV or JSON.
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +35,7 @@ import numpy as np
 from moe_a2a import report
 from moe_a2a.bench import engine_ref
 from moe_a2a.bench.args import int_at_least
+from moe_a2a.bench.common import local_rank, share_cores, timed
 
 if TYPE_CHECKING:
     import torch
@@ -68,25 +68,6 @@ def make_round(seed: int, rank: int, tokens: int, hidden: int, experts: int, top
     ids = torch.argsort(torch.rand(tokens, experts, generator=g), dim=1)[:, :topk].contiguous()
     weights = torch.rand(tokens, topk, generator=g)
     return Round(x, ids, weights)
-
-
-def timed(comm: Any, fn: Any, device: Any = None) -> tuple[Any, float]:
-    """Run fn after a barrier (and until the GPU is done); the slowest rank's time in ns."""
-    import torch
-
-    comm.Barrier()
-    start = time.perf_counter_ns()
-    result = fn()
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elapsed = time.perf_counter_ns() - start
-    return result, comm.allreduce(elapsed, op=_max_op())
-
-
-def _max_op() -> Any:
-    from mpi4py import MPI
-
-    return MPI.MAX
 
 
 def expert_stand_in(expert_x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -324,10 +305,10 @@ def main(args: argparse.Namespace) -> int:
         return _run_cuda(args)
     comm = MPI.COMM_WORLD
     if args.device == "cuda":
-        torch.cuda.set_device(_local_rank(comm) % torch.cuda.device_count())  # one rank per GPU
+        torch.cuda.set_device(local_rank(comm) % torch.cuda.device_count())  # one rank per GPU
         device = torch.device("cuda", torch.cuda.current_device())
     else:
-        _share_cores(comm)
+        share_cores(comm)
         device = torch.device("cpu")
     args.baseline = args.baseline or "mpi"
     exchange = make_exchange(args, comm, device)
@@ -342,23 +323,6 @@ def main(args: argparse.Namespace) -> int:
             report.write_output(args.output, rows, {**report.run_meta("a2a", settings), "note": NOTE})
             print(f"figures written to {args.output}")
     return 0
-
-
-def _local_rank(comm: Any) -> int:
-    from mpi4py import MPI
-
-    return comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
-
-
-def _share_cores(comm: Any) -> None:
-    """Give torch's intra-op threads an equal share of the host's cores (both sides use torch)."""
-    import os
-
-    import torch
-    from mpi4py import MPI
-
-    on_host = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // on_host))
 
 
 def _run_cuda(args: argparse.Namespace) -> int:

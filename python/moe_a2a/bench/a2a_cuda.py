@@ -29,7 +29,6 @@ import argparse
 import json
 import re
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +36,7 @@ import numpy as np
 import torch
 
 from moe_a2a import report, switches
-from moe_a2a.bench import engine_ref
+from moe_a2a.bench import common, engine_ref
 from moe_a2a.bench.args import int_at_least
 
 PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
@@ -145,21 +144,12 @@ def torch_native(r: Round, y: torch.Tensor) -> tuple[Any, Any]:
 
 
 def timed(comm: Any, fn: Any) -> tuple[Any, float]:
-    """Run fn on every rank from a barrier until its stream is idle: ms from the first start to the last end.
+    """`bench.common.timed` in ms, on the GPU's clock where there is one.
 
-    Ranks that share a GPU run by time slices, so per-rank GPU timers would overlap and
-    overcount; host clocks (one machine, CLOCK_MONOTONIC) give the span of the whole phase.
-    Without CUDA (the tests' CPU AllToAll) there is no stream to drain.
+    Without CUDA (the tests' CPU AllToAll) it is the host's clock.
     """
-    drain = torch.cuda.is_available()
-    comm.Barrier()
-    start = time.perf_counter_ns()
-    out = fn()
-    if drain:
-        torch.cuda.current_stream().synchronize()
-    end = time.perf_counter_ns()
-    first, last = comm.allreduce(start, op=_op("MIN")), comm.allreduce(end, op=_op("MAX"))
-    return out, (last - first) / 1e6
+    result, ns = common.timed(comm, fn, torch.device("cuda") if torch.cuda.is_available() else None)
+    return result, ns / 1e6
 
 
 def run_shape(name: str, args: argparse.Namespace, comm: Any, copy_gbs: float) -> dict[str, Any]:
@@ -345,12 +335,6 @@ def graph_step_ms(
         torch.cuda.synchronize()
         a2a.check()
         return launched, span
-
-
-def _op(name: str) -> Any:
-    from mpi4py import MPI
-
-    return getattr(MPI, name)
 
 
 def _us(ms: float | None) -> float | None:

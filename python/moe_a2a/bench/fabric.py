@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -29,6 +28,7 @@ import numpy as np
 
 from moe_a2a import report
 from moe_a2a.bench.args import int_at_least, positive_seconds
+from moe_a2a.bench.common import elapsed_ns
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -289,16 +289,12 @@ def run(args: argparse.Namespace, bootstrap: Any) -> list[Row]:
         mpi_s = np.empty(args.iters)
         for it in range(args.warmup + args.iters):
             comm.Barrier()
-            t0 = time.perf_counter()
-            fabric_exchange()
-            t1 = time.perf_counter()
+            _, fabric_ns = elapsed_ns(fabric_exchange)
             comm.Barrier()
-            t2 = time.perf_counter()
-            mpi_exchange()
-            t3 = time.perf_counter()
+            _, mpi_ns = elapsed_ns(mpi_exchange)
             if it >= args.warmup:
-                fabric_s[it - args.warmup] = t1 - t0
-                mpi_s[it - args.warmup] = t3 - t2
+                fabric_s[it - args.warmup] = fabric_ns * 1e-9
+                mpi_s[it - args.warmup] = mpi_ns * 1e-9
             bar.update()
         all_fabric = comm.gather(fabric_s, root=0)
         all_mpi = comm.gather(mpi_s, root=0)

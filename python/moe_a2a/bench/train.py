@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from moe_a2a import report
-from moe_a2a.bench.a2a import _max_op, timed
+from moe_a2a.bench.common import local_rank, max_op, share_cores, timed
 
 # DeepSeek-V3 training: 4096 tokens per rank, hidden 7168, 256 experts, top-8.
 TRAIN_SHAPE = dict(tokens=4096, hidden=7168, num_experts=256, topk=8)
@@ -327,7 +327,7 @@ def run(args: argparse.Namespace, comm: Any, device: Any, shape: dict[str, int])
             del results
         bar.close()
         ranks_per_node = ep.forward_a2a._boot.topology.local_size
-    rss_mib = comm.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, op=_max_op())
+    rss_mib = comm.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, op=max_op())
     settings = dict(
         world=world,
         ranks_per_node=ranks_per_node,
@@ -432,8 +432,6 @@ def main(args: argparse.Namespace) -> int:
     import torch
     from mpi4py import MPI
 
-    from moe_a2a.bench.a2a import _local_rank, _share_cores
-
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     args.dispatch_dtype = args.dispatch_dtype or "bf16"
@@ -451,10 +449,10 @@ def main(args: argparse.Namespace) -> int:
             print(f"moe-a2a bench a2a --train: error: {e}", file=sys.stderr)
         return 2
     if args.device == "cuda":
-        torch.cuda.set_device(_local_rank(comm) % torch.cuda.device_count())
+        torch.cuda.set_device(local_rank(comm) % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
     else:
-        _share_cores(comm)
+        share_cores(comm)
         device = torch.device("cpu")
     try:
         result = run(args, comm, device, shape)

@@ -1,0 +1,71 @@
+"""What every benchmark shares: the one clock, and the per-host setup of a rank.
+
+Timing: `elapsed_ns` times one call on this rank, with CUDA events on a CUDA
+device (the GPU's own clock, no device synchronisation, so other streams and
+ranks run on) and `time.perf_counter_ns` otherwise; `timed` starts every rank
+together and reports the slowest rank, since a collective phase takes as long
+as its slowest rank. Every benchmark times through these two.
+
+Ranks that share one GPU run by time slices, so their event times overlap and
+each rank's time includes the others' work; the benchmarks' figures assume one
+GPU per rank, as on the H200 machines.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def elapsed_ns(fn: Callable[[], T], device: Any = None) -> tuple[T, float]:
+    """fn's result and how long it took on this rank, in ns.
+
+    On a CUDA `device` the span is between two CUDA events on the current stream:
+    everything fn queued is in it, and the host waits on the end event only.
+    """
+    if device is not None and getattr(device, "type", device) == "cuda":
+        import torch
+
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn()
+        end.record()
+        end.synchronize()
+        return result, start.elapsed_time(end) * 1e6
+    t0 = time.perf_counter_ns()
+    result = fn()
+    return result, float(time.perf_counter_ns() - t0)
+
+
+def timed(comm: Any, fn: Callable[[], T], device: Any = None) -> tuple[T, float]:
+    """After a barrier, fn's result and the slowest rank's `elapsed_ns`."""
+    comm.Barrier()
+    result, ns = elapsed_ns(fn, device)
+    return result, float(comm.allreduce(ns, op=max_op()))
+
+
+def max_op() -> Any:
+    """MPI.MAX, imported late so that importing a benchmark does not start MPI."""
+    from mpi4py import MPI
+
+    return MPI.MAX
+
+
+def local_rank(comm: Any) -> int:
+    """This rank's index among the ranks of its host."""
+    from mpi4py import MPI
+
+    return comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+
+
+def share_cores(comm: Any) -> None:
+    """Give torch's intra-op threads an equal share of the host's cores."""
+    import torch
+    from mpi4py import MPI
+
+    on_host = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // on_host))
