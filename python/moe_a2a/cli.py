@@ -4,8 +4,9 @@ Each subcommand lives in its own module, which registers its parser through
 `add_parser(subparsers)` and sets `func`; heavy imports stay inside those
 modules so `moe-a2a --help` is instant.
 
-Under mpirun every rank parses the same arguments: usage errors are printed by
-rank 0 alone, as one line, with exit status 2.
+Under mpirun every rank parses the same arguments: a usage error is one line,
+`moe-a2a <cmd>: error: ...`, printed by rank 0 alone, and every rank exits with
+status 2 together (moe_a2a.usage).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import argparse
 import os
 import sys
 
-from moe_a2a.usage import USAGE_ERROR, Parser, launcher_rank, usage_error
+from moe_a2a.usage import Parser, UsageError, usage_error
 
 
 def _gpu_line() -> str:
@@ -123,7 +124,7 @@ def _check_provider(args: argparse.Namespace) -> None:
     if any(provider in (name, name.split(";")[0]) for name in offered):
         return
     usage_error(
-        f"moe-a2a {args.command}" + (f" {args.bench}" if getattr(args, "bench", None) else ""),
+        command_prog(args),
         f"--provider: got {provider!r}, which libfabric does not offer on this machine; "
         f"expected auto or one of: {', '.join(sorted({n.split(';')[0] for n in offered})) or 'none'}",
     )
@@ -140,7 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     driver.add_parser(sub)
 
-    bench = sub.add_parser("bench", help="benchmarks (run under mpirun)")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks (run under mpirun)",
+        description="Benchmarks, run under mpirun: the transfer engine against MPI (fabric), "
+        "dispatch and combine against a baseline (a2a).",
+    )
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from moe_a2a.bench import a2a as bench_a2a
     from moe_a2a.bench import fabric as bench_fabric
@@ -156,19 +162,43 @@ def build_parser() -> argparse.ArgumentParser:
 
     cleanup.add_parser(sub)
 
-    info = sub.add_parser("info", help="what this build and machine offer")
-    info.add_argument("--provider", help="only this provider (default: every provider offered)")
-    info.add_argument(
-        "--num-nics", type=int, default=None, help="NICs per rank (default MOE_A2A_NUM_NICS, else 1)"
+    info = sub.add_parser(
+        "info",
+        help="what this build and machine offer",
+        description="The build (libfabric providers, backends, CUDA), whether a GPU is usable, the NICs "
+        "a rank would open, and the environment switches.",
     )
-    info.add_argument("--local-rank", type=int, default=0, help="which group of MOE_A2A_NICS to show")
-    info.add_argument("--sysfs", default="/sys", help="sysfs root to read the topology from")
+    info.add_argument(
+        "--provider", metavar="PROVIDER", help="only this provider (default: every provider offered)"
+    )
+    info.add_argument(
+        "--num-nics",
+        type=int,
+        default=None,
+        metavar="N",
+        help="NICs per rank (default MOE_A2A_NUM_NICS, else 1)",
+    )
+    info.add_argument(
+        "--local-rank", type=int, default=0, metavar="N", help="which group of MOE_A2A_NICS to show"
+    )
+    info.add_argument("--sysfs", default="/sys", metavar="DIR", help="sysfs root to read the topology from")
     info.set_defaults(func=_info)
     return parser
 
 
+def command_prog(args: argparse.Namespace) -> str:
+    """The command line's name for errors: `moe-a2a run`, `moe-a2a bench a2a`, ..."""
+    words = ["moe-a2a", getattr(args, "command", None)]
+    words += [getattr(args, "bench", None), getattr(args, "trace_command", None)]
+    return " ".join(w for w in words if w)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    prog = command_prog(args)
+    if unknown:
+        usage_error(prog, f"unrecognized arguments: {' '.join(unknown)} (see {prog} --help)")
     _check_provider(args)
     if args.command == "run" and getattr(args, "trace", None):
         # `run` refuses a trace whose folder is missing; make it, as `trace plot -o` does.
@@ -176,13 +206,13 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.trace)), exist_ok=True)
     try:
         return int(args.func(args) or 0)
+    except UsageError as err:  # found alike on every rank
+        usage_error(prog, str(err))
     except SystemExit as exc:
         if not isinstance(exc.code, str):
             raise
-        # `raise SystemExit("bench a2a: ...")`: a usage error every rank finds alike.
-        if launcher_rank() == 0:
-            print(f"moe-a2a {exc.code}", file=sys.stderr, flush=True)
-        return USAGE_ERROR
+        # `raise SystemExit("...")`: a usage error every rank finds alike.
+        usage_error(prog, exc.code)
     except BrokenPipeError:
         # The reader went away (`moe-a2a trace compare ... | head`): stop quietly, and
         # point stdout at /dev/null so the interpreter's final flush does not complain.

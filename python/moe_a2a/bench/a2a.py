@@ -36,6 +36,7 @@ from moe_a2a import report
 from moe_a2a.bench import engine_ref
 from moe_a2a.bench.args import int_at_least
 from moe_a2a.bench.common import local_rank, share_cores, timed
+from moe_a2a.usage import UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -111,9 +112,7 @@ def make_exchange(args: argparse.Namespace, comm: Any, device: Any) -> Any:
         return MpiExchange(comm)
     wanted = "cuda" if args.baseline == "nccl" else "cpu"
     if device.type != wanted:
-        raise SystemExit(
-            f"bench a2a: --baseline {args.baseline} needs --device {wanted}; got --device {device.type}"
-        )
+        raise UsageError(f"--baseline {args.baseline}: needs --device {wanted}; got --device {device.type}")
     return TorchExchange(comm, device)
 
 
@@ -124,6 +123,22 @@ def shape_of(name: str, args: argparse.Namespace) -> dict[str, int]:
         if getattr(args, key) is not None:
             shape[key] = getattr(args, key)
     return shape
+
+
+def check_shapes(args: argparse.Namespace, world: int) -> None:
+    """Refuse, alike on every rank and before any exchange, shapes that `world` ranks cannot run."""
+    for name in _shapes(args):
+        shape = shape_of(name, args)
+        if shape["num_experts"] % world:
+            raise UsageError(
+                f"--num-experts: got {shape['num_experts']} ({name}), which is not divisible by the "
+                f"{world} ranks; every rank hosts the same number of experts"
+            )
+        if shape["topk"] > shape["num_experts"]:
+            raise UsageError(
+                f"--topk: got {shape['topk']}; expected at most --num-experts={shape['num_experts']} "
+                "(a token picks distinct experts)"
+            )
 
 
 def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, device: Any) -> dict[str, Any]:
@@ -298,12 +313,13 @@ def main(args: argparse.Namespace) -> int:
 
         return train.main(args)
     if args.grad_dtype is not None:
-        raise SystemExit("bench a2a: --grad-dtype: only used with --train")
+        raise UsageError("--grad-dtype: only used with --train")
     args.mode = args.mode or "both"
     args.dispatch_dtype = args.dispatch_dtype or "fp8"
     if args.device == "cuda" and args.baseline is None:
         return _run_cuda(args)
     comm = MPI.COMM_WORLD
+    check_shapes(args, comm.Get_size())
     if args.device == "cuda":
         torch.cuda.set_device(local_rank(comm) % torch.cuda.device_count())  # one rank per GPU
         device = torch.device("cuda", torch.cuda.current_device())
@@ -331,7 +347,7 @@ def _run_cuda(args: argparse.Namespace) -> int:
 
     reason = cuda_available()
     if reason is not None:
-        raise SystemExit(f"bench a2a --device cuda: {reason}")
+        raise UsageError(f"--device cuda: {reason}")
     from moe_a2a.bench import a2a_cuda
 
     cuda_args = argparse.Namespace(
@@ -365,23 +381,32 @@ def add_parser(subparsers: Any) -> None:
         help="decode (128 tokens/rank) or prefill (1024), DeepSeek-V3's hidden 7168, 256 experts, top-8; "
         "the name `run --mode` uses (default: both; --train runs its training shape instead)",
     )
-    p.add_argument("--tokens", type=POSITIVE, help="tokens per rank (default: the shape's)")
-    p.add_argument("--hidden", type=POSITIVE, help="hidden size (default: the shape's, 7168)")
-    p.add_argument("--num-experts", type=POSITIVE, help="routed experts (default: the shape's, 256)")
-    p.add_argument("--topk", type=POSITIVE, help="experts per token (default: the shape's, 8)")
+    p.add_argument("--tokens", type=POSITIVE, metavar="T", help="tokens per rank (default: the shape's)")
+    p.add_argument("--hidden", type=POSITIVE, metavar="D", help="hidden size (default: the shape's, 7168)")
+    p.add_argument(
+        "--num-experts", type=POSITIVE, metavar="E", help="routed experts (default: the shape's, 256)"
+    )
+    p.add_argument("--topk", type=POSITIVE, metavar="K", help="experts per token (default: the shape's, 8)")
     p.add_argument(
         "--dispatch-dtype",
         choices=["fp8", "bf16"],
         default=None,
         help="dispatch payload (default: fp8; bf16 with --train)",
     )
-    p.add_argument("--iters", type=POSITIVE, default=20, help="timed iterations (default: %(default)s)")
     p.add_argument(
-        "--warmup", type=int_at_least(0), default=3, help="untimed iterations first (default: %(default)s)"
+        "--iters", type=POSITIVE, default=20, metavar="N", help="timed iterations (default: %(default)s)"
+    )
+    p.add_argument(
+        "--warmup",
+        type=int_at_least(0),
+        default=3,
+        metavar="N",
+        help="untimed iterations first (default: %(default)s)",
     )
     p.add_argument(
         "--provider",
         default="auto",
+        metavar="PROVIDER",
         help="libfabric provider: tcp, shm, efa, verbs or auto (default: %(default)s: "
         "$MOE_A2A_PROVIDER, else efa where offered, else tcp)",
     )
@@ -389,6 +414,7 @@ def add_parser(subparsers: Any) -> None:
         "--ranks-per-node",
         type=POSITIVE,
         default=None,
+        metavar="N",
         help="virtual nodes of this many ranks, so one host runs the cross-node path "
         "(default: the real hosts)",
     )

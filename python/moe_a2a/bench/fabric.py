@@ -29,6 +29,7 @@ import numpy as np
 from moe_a2a import report
 from moe_a2a.bench.args import int_at_least, positive_seconds
 from moe_a2a.bench.common import elapsed_ns
+from moe_a2a.usage import Parser, UsageError, usage_error
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -48,7 +49,7 @@ _UNITS = {
 }
 
 
-class BenchArgumentError(ValueError):
+class BenchArgumentError(UsageError):
     """A flag with a value the benchmark cannot use (the same on every rank)."""
 
 
@@ -92,13 +93,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--provider",
         default=None,
+        metavar="PROVIDER",
         help="libfabric provider: tcp, shm, efa, verbs (default: $MOE_A2A_PROVIDER, else efa where "
         "offered, else tcp)",
     )
-    parser.add_argument("--num-nics", type=int_at_least(1), default=1, help="NICs per rank (default: 1)")
+    parser.add_argument(
+        "--num-nics", type=int_at_least(1), default=1, metavar="N", help="NICs per rank (default: 1)"
+    )
     parser.add_argument(
         "--nics",
         default=None,
+        metavar="LIST",
         help="domain names per rank, as MOE_A2A_NICS ('a,b' or 'a,b;c,d' per local rank) "
         "(default: the nearest)",
     )
@@ -106,25 +111,39 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--split-threshold",
         type=parse_size,
         default=MIB,
+        metavar="BYTES",
         help="writes of at least this many bytes are split across the NICs (default: 1M)",
     )
     parser.add_argument(
         "--sizes",
         type=parse_sizes,
         default=DEFAULT_SIZES,
+        metavar="LIST",
         help="bytes per peer, comma-separated; K and M mean KiB and MiB (default: 1K,4K,16K,64K,256K,1M,4M)",
     )
     parser.add_argument(
-        "--iters", type=int_at_least(1), default=100, help="timed exchanges per size (default: 100)"
+        "--iters",
+        type=int_at_least(1),
+        default=100,
+        metavar="N",
+        help="timed exchanges per size (default: 100)",
     )
     parser.add_argument(
-        "--warmup", type=int_at_least(0), default=10, help="untimed exchanges per size first (default: 10)"
+        "--warmup",
+        type=int_at_least(0),
+        default=10,
+        metavar="N",
+        help="untimed exchanges per size first (default: 10)",
     )
     parser.add_argument(
-        "--timeout", type=positive_seconds, default=60.0, help="seconds any one wait may take (default: 60)"
+        "--timeout",
+        type=positive_seconds,
+        default=60.0,
+        metavar="S",
+        help="seconds any one wait may take (default: 60)",
     )
     parser.add_argument(
-        "--seed", type=int_at_least(0), default=0, help="seed of the checked data (default: 0)"
+        "--seed", type=int_at_least(0), default=0, metavar="N", help="seed of the checked data (default: 0)"
     )
     report.add_output_argument(parser, "one row per size")
     report.add_progress_argument(parser)
@@ -347,10 +366,8 @@ def main(args: argparse.Namespace) -> int:
     args.provider = args.provider or default_provider()
     try:
         rows = run(args, bootstrap)
-    except BenchArgumentError as e:  # raised alike on every rank: no abort needed
-        if rank == 0:
-            print(f"moe-a2a bench fabric: error: {e}", file=sys.stderr)
-        return 2
+    except BenchArgumentError:  # raised alike on every rank: moe_a2a.cli ends them together
+        raise
     except Exception:
         # The others may wait for us in a collective or an engine wait: end the job.
         sys.stderr.write(f"moe-a2a bench fabric: rank {rank} failed:\n{traceback.format_exc()}")
@@ -370,10 +387,13 @@ def main(args: argparse.Namespace) -> int:
 
 def _standalone(argv: list[str] | None = None) -> int:
     """`python -m moe_a2a.bench.fabric [flags]`, for use without the `moe-a2a` command."""
-    parser = argparse.ArgumentParser(prog="python -m moe_a2a.bench.fabric", allow_abbrev=False)
+    parser = Parser(prog="python -m moe_a2a.bench.fabric")
     add_parser(parser.add_subparsers(dest="bench", required=True))
     args = parser.parse_args(["fabric", *(sys.argv[1:] if argv is None else argv)])
-    return main(args)
+    try:
+        return main(args)
+    except UsageError as err:
+        usage_error(parser.prog, str(err))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ import numpy as np
 
 from moe_a2a import report
 from moe_a2a.bench.common import local_rank, max_op, share_cores, timed
+from moe_a2a.usage import UsageError
 
 # DeepSeek-V3 training: 4096 tokens per rank, hidden 7168, 256 experts, top-8.
 TRAIN_SHAPE = dict(tokens=4096, hidden=7168, num_experts=256, topk=8)
@@ -53,7 +54,7 @@ LOCAL = "LocalTokenDispatcher"
 PHASES = ("fwd", "bwd", "fwd+bwd")
 
 
-class TrainArgumentError(ValueError):
+class TrainArgumentError(UsageError):
     """A flag that `--train` cannot use; raised alike on every rank. The message starts with the flag."""
 
 
@@ -436,18 +437,14 @@ def main(args: argparse.Namespace) -> int:
     rank = comm.Get_rank()
     args.dispatch_dtype = args.dispatch_dtype or "bf16"
     args.grad_dtype = args.grad_dtype or "bf16"
-    try:
-        shape = check_args(args, comm.Get_size())
-        if args.device == "cuda":
-            from moe_a2a.backends.cuda import cuda_available
+    # A TrainArgumentError is found alike on every rank: moe_a2a.cli ends them together.
+    shape = check_args(args, comm.Get_size())
+    if args.device == "cuda":
+        from moe_a2a.backends.cuda import cuda_available
 
-            why = cuda_available()
-            if why is not None:
-                raise TrainArgumentError(f"--device: got 'cuda'; {why}")
-    except TrainArgumentError as e:  # alike on every rank: no abort needed
-        if rank == 0:
-            print(f"moe-a2a bench a2a --train: error: {e}", file=sys.stderr)
-        return 2
+        why = cuda_available()
+        if why is not None:
+            raise TrainArgumentError(f"--device: got 'cuda'; {why}")
     if args.device == "cuda":
         torch.cuda.set_device(local_rank(comm) % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())

@@ -24,7 +24,7 @@ from typing import Any
 
 from moe_a2a.layers.presets import MoEShape
 from moe_a2a.layers.run_args import PROG, add_arguments, token_mode, validate_args, verify_bytes
-from moe_a2a.usage import UsageError, launcher_rank
+from moe_a2a.usage import UsageError, usage_error
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -43,14 +43,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Entry point of `moe-a2a run`; returns the exit status (0 ok, 1 verify failed, 2 usage)."""
+    """Entry point of `moe-a2a run`; returns the exit status (0 ok, 1 verify failed).
+
+    A usage error, found alike on every rank before any collective step, ends
+    every rank with status 2 (moe_a2a.usage).
+    """
     try:
         shape = validate_args(args)
     except UsageError as err:
-        # Every rank finds the same error; one line from rank 0 is enough.
-        if launcher_rank() == 0:
-            print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
+        usage_error(PROG, str(err))
 
     from mpi4py import MPI
 
@@ -58,18 +59,27 @@ def main(args: argparse.Namespace) -> int:
     try:
         return _run(args, shape, comm)
     except UsageError as err:
-        # Raised by every rank alike before any collective step of the run.
-        if comm.Get_rank() == 0:
-            print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
+        usage_error(PROG, str(err))
     except Exception as err:
         # One failing rank would leave the others waiting in a collective: end the job.
         import traceback
 
-        traceback.print_exc()
-        print(f"{PROG}: rank {comm.Get_rank()}: error: {err}; aborting the job", file=sys.stderr, flush=True)
+        from moe_a2a.all_to_all import CapacityError
+
+        if not isinstance(err, CapacityError):  # a capacity error is the user's, and says it all
+            traceback.print_exc()
+        print(
+            f"{PROG}: rank {comm.Get_rank()}: error: {_for_the_cli(err)}; aborting the job",
+            file=sys.stderr,
+            flush=True,
+        )
         comm.Abort(1)
         return 1
+
+
+def _for_the_cli(err: Exception) -> str:
+    """The error's message, naming the command line's flag where the library names a Config field."""
+    return str(err).replace("raise max_recv_tokens in Config", "raise --max-recv-tokens")
 
 
 def _run(args: argparse.Namespace, shape: MoEShape, comm: Any) -> int:

@@ -182,6 +182,7 @@ def _add_a2a_group(a2a: Any) -> None:
     a2a.add_argument(
         "--provider",
         default="auto",
+        metavar="PROVIDER",
         help="libfabric provider: auto, tcp, shm, efa, verbs (default: %(default)s)",
     )
     a2a.add_argument(

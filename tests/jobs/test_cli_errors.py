@@ -1,0 +1,79 @@
+"""Usage errors of the `moe-a2a` command under mpirun reach the terminal, every time.
+
+mpirun kills the other ranks as soon as one exits with a non-zero status; only
+rank 0 prints the error, so it must have written it before any rank exits
+(moe_a2a.usage: the ranks exit together). The error was lost when rank 0 ran
+behind the others; the test starts rank 0 late by a different delay in each of
+its runs, from none to well past the time a rank needs to parse its arguments.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun (Open MPI)")
+
+MOE_A2A = str(Path(sys.executable).with_name("moe-a2a"))
+MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
+RUNS = 20
+AT_ONCE = 4
+
+
+def _job(
+    argv: list[str], ranks: int = 2, timeout: float = 120, rank0_late_s: float = 0.0, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """`mpirun -n ranks moe-a2a argv`; rank 0 starts `rank0_late_s` after the others."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_COMM_WORLD")} | env
+    late = ["sh", "-c", f'sleep {rank0_late_s}; exec "$0" "$@"'] if rank0_late_s else []
+    command = [*MPIRUN, "-n", "1", *late, MOE_A2A, *argv]
+    if ranks > 1:
+        command += [":", "-n", str(ranks - 1), MOE_A2A, *argv]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environ)
+
+
+def _error_lines(done: subprocess.CompletedProcess[str]) -> list[str]:
+    return [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("moe-a2a")]
+
+
+@pytest.mark.timeout(600)
+def test_usage_errors_reach_the_terminal_in_every_run() -> None:
+    """20 jobs of 2 ranks with a usage error (a misspelled flag, an unknown provider), rank 0
+    late by 0 to 0.95 s: each shows the one-line error once and ends with status 2."""
+    cases = [
+        (["run", "--bogus-flag"], "moe-a2a run: error: unrecognized arguments: --bogus-flag"),
+        (["run", "--provider", "tpc"], "moe-a2a run: error: --provider: got 'tpc'"),
+    ]
+    jobs = [(*cases[i % len(cases)], i / 20) for i in range(RUNS)]
+    with ThreadPoolExecutor(AT_ONCE) as pool:
+        results = list(pool.map(lambda job: _job(job[0], rank0_late_s=job[2]), jobs))
+    lost = []
+    for (argv, expected, late), done in zip(jobs, results, strict=True):
+        lines = _error_lines(done)
+        if done.returncode != 2 or len(lines) != 1 or not lines[0].startswith(expected):
+            lost.append(
+                f"{' '.join(argv)} (rank 0 late by {late:.1f} s): status {done.returncode}, lines {lines}"
+            )
+    assert lost == [], f"{len(lost)} of {RUNS} runs lost or garbled the error:\n" + "\n".join(lost)
+
+
+@pytest.mark.timeout(300)
+def test_capacity_error_names_the_command_line_flag() -> None:
+    """A run whose routing overflows --max-recv-tokens names that flag, not the library's Config field."""
+    done = _job(
+        ["run", "--model", "tiny", "--max-recv-tokens", "1", "--iters", "1", "--warmup", "0"],
+        ranks=1,
+        MOE_A2A_PROVIDER="tcp",
+    )
+    text = done.stdout + done.stderr
+    assert done.returncode != 0
+    lines = [line for line in _error_lines(done) if "max_recv_tokens=1" in line]
+    assert len(lines) == 1, text
+    assert "raise --max-recv-tokens" in lines[0] and "Config" not in lines[0]
+    assert "Traceback" not in text
