@@ -510,9 +510,11 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_run_with_an_unknown_preset_prints_one_line_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
     args = parse("--model", "llama-moe")
     assert args.func is driver.main
-    assert driver.main(args) == 2
+    with pytest.raises(SystemExit) as exc:
+        driver.main(args)
+    assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err
+    assert "\n" not in err and err.startswith("moe-a2a run: error: --model: ")
     assert "unknown preset 'llama-moe'" in err and all(name in err for name in PRESETS)
 
 
