@@ -70,8 +70,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     compare = sub.add_parser(
         "compare",
         parents=[warmup],
-        help="two runs side by side with ratios B/A",
-        description="p50 and p99 of each phase for runs A and B, and the ratios B/A.",
+        help="two runs side by side with ratios A/B",
+        description="p50 and p99 of each phase for runs A (the baseline) and B, and the ratios "
+        "A/B (A's time over B's: above 1, B is faster).",
     )
     compare.add_argument("a", metavar="A", help="baseline trace file")
     compare.add_argument("b", metavar="B", help="trace file compared with A")

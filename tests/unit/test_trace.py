@@ -445,6 +445,18 @@ def test_compare_ratios(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert "A/B = A's time / B's time: above 1, B is faster" in out
 
 
+def test_compare_help_names_the_ratio_the_table_prints() -> None:
+    """`trace compare --help` and the table read the ratio the same way (A/B, A the baseline)."""
+    parser = argparse.ArgumentParser(prog="moe-a2a")
+    trace_tools.add_parser(parser.add_subparsers(dest="command", required=True))
+    (trace,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    (sub,) = (a for a in trace.choices["trace"]._actions if isinstance(a, argparse._SubParsersAction))
+    compare = sub.choices["compare"]
+    helps = [compare.description, *(c.help for c in sub._choices_actions if c.dest == "compare")]
+    for text in helps:
+        assert "ratios A/B" in text and "B/A" not in text, text
+
+
 def cells(line: str) -> list[str]:
     """The cells of one line of a github-style table."""
     return [c.strip() for c in line.strip().strip("|").split("|")]
