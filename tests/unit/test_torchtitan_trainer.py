@@ -146,3 +146,39 @@ def test_titan_trainer_with_moe_a2a_follows_its_all_to_all(assets: tuple[Path, P
     assert worst[0][1] <= WEIGHT_TOL, f"|ours - reference| / |reference's change|, worst: {worst}"
     trained = [n for n in want if not torch.equal(want[n], init[n])]
     assert any("routed_experts" in n for n in trained) and any("router.gate" in n for n in trained)
+
+
+def _trainer(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "moe_a2a.integrations.torchtitan_train", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_trainer_help_and_bad_config_are_plain_lines() -> None:
+    """`--help` alone is a help text (TorchTitan's parser wants --module first); a wrong --config
+    of moe-a2a's module names its configs only, not its helper functions; no tracebacks."""
+    from moe_a2a.integrations import torchtitan_configs, torchtitan_train
+
+    configs = torchtitan_train.config_functions()
+    assert configs == [
+        "deepseek_v3_debugmodel",
+        "deepseek_v3_debugmodel_gloo",
+        "deepseek_v3_debugmodel_cpu",
+        "deepseek_v3_debugmodel_cpu_titan",
+    ]
+    assert all(callable(getattr(torchtitan_configs, name)) for name in configs)
+    done = _trainer("--help")
+    assert done.returncode == 0 and "--module MODULE" in done.stdout and ", ".join(configs) in done.stdout
+    assert done.stderr == ""
+    done = _trainer("--module", torchtitan_train.OUR_CONFIGS, "--config", "use_moe_a2a")
+    assert done.returncode == 2
+    assert done.stderr == (
+        f"{torchtitan_train.PROG}: error: --config: got 'use_moe_a2a'; expected one of {', '.join(configs)}\n"
+    )
+    done = _trainer("--config", "deepseek_v3_debugmodel_cpu")
+    assert done.returncode == 2 and done.stderr.startswith(
+        f"{torchtitan_train.PROG}: error: --module: missing"
+    )
