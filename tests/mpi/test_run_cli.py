@@ -48,7 +48,10 @@ def run(*argv: str) -> int:
     parser = argparse.ArgumentParser(prog="moe-a2a")
     driver.add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["run", "--provider", PROVIDER, "--progress", "never", *argv])
-    return args.func(args)
+    try:
+        return args.func(args)
+    except SystemExit as exc:  # a usage error ends every rank with status 2 (moe_a2a.usage)
+        return int(exc.code)
 
 
 @pytest.fixture
