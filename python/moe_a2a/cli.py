@@ -44,17 +44,31 @@ def _info(args: argparse.Namespace) -> int:
     print("CUDA kernels built:", "yes" if getattr(_core, "HAVE_CUDA", False) else "no")
     print("GPU usable (device='cuda'):", _gpu_line())
     _info_nics(args)
-    _print_switches()
+    _print_switches(args.all)
     return 0
 
 
-def _print_switches() -> None:
-    """Every environment switch, who reads it, and its value now (moe_a2a.switches)."""
+def _test_only(name: str, read_by: str) -> bool:
+    return read_by == "tests" or name.startswith("MOE_A2A_TEST_")
+
+
+def _print_switches(show_all: bool) -> None:
+    """The environment switches, who reads them, their values now (moe_a2a.switches), wrapped
+    to the terminal; the test harness's own only with --all."""
+    import shutil
+
     from moe_a2a import switches
     from moe_a2a.report import table
 
-    print("environment switches (docs/running.md):")
-    print(table(["switch", "read by", "value now", "what it does"], switches.table()))
+    rows = [row for row in switches.table() if show_all or not _test_only(row[0], row[1])]
+    hidden = len(switches.table()) - len(rows)
+    print(
+        "environment switches (docs/running.md)"
+        + (f"; {hidden} for tests only: --all" if hidden else "")
+        + ":"
+    )
+    width = shutil.get_terminal_size().columns
+    print(table(["switch", "read by", "value now", "what it does"], rows, width=width))
 
 
 def _info_nics(args: argparse.Namespace) -> None:
@@ -182,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--local-rank", type=int, default=0, metavar="N", help="which group of MOE_A2A_NICS to show"
     )
     info.add_argument("--sysfs", default="/sys", metavar="DIR", help="sysfs root to read the topology from")
+    info.add_argument("--all", action="store_true", help="also the switches only the tests read")
     info.set_defaults(func=_info)
     return parser
 

@@ -62,14 +62,36 @@ def ratio(baseline: float | None, ours: float | None) -> float | None:
 
 
 def table(
-    headers: Sequence[str], rows: Iterable[Sequence[Any]], floatfmt: str | Sequence[str] = ".1f"
+    headers: Sequence[str],
+    rows: Iterable[Sequence[Any]],
+    floatfmt: str | Sequence[str] = ".1f",
+    width: int | None = None,
 ) -> str:
-    """The one table style: numbers right-aligned, missing values as '-'."""
+    """The one table style: numbers right-aligned, missing values as '-'.
+
+    `width`: wrap the last column so that every line fits in that many characters
+    (where the other columns leave it room; at least 20).
+    """
     from tabulate import tabulate
 
-    return tabulate(
-        list(rows), headers=list(headers), tablefmt=TABLE_FORMAT, floatfmt=floatfmt, missingval="-"
-    )
+    rows = [list(r) for r in rows]
+
+    def render(wrap: list[int | None] | None) -> str:
+        return tabulate(
+            rows,
+            headers=list(headers),
+            tablefmt=TABLE_FORMAT,
+            floatfmt=floatfmt,
+            missingval="-",
+            maxcolwidths=wrap,
+        )
+
+    text = render(None)
+    over = max(map(len, text.splitlines()), default=0) - (width or 0)
+    if width is None or over <= 0 or not rows:
+        return text
+    last = max(len(str(x)) for x in [headers[-1], *(r[-1] for r in rows)])
+    return render([None] * (len(headers) - 1) + [max(20, last - over)])
 
 
 def columns_table(

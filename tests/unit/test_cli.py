@@ -248,3 +248,18 @@ def test_bench_a2a_refuses_experts_that_do_not_divide_over_the_ranks() -> None:
     args = parser.parse_args(["bench", "a2a", "--mode", "decode", "--num-experts", "4", "--topk", "8"])
     with pytest.raises(UsageError, match=r"^--topk: got 8; expected at most --num-experts=4"):
         a2a.check_shapes(args, 2)
+
+
+def test_info_switch_table_fits_the_terminal_and_hides_test_switches(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COLUMNS", "100")
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    switches = out[out.index("environment switches") :].splitlines()
+    assert max(map(len, switches)) <= 100, max(switches, key=len)
+    assert "MOE_A2A_PROVIDER" in out and "MOE_A2A_TEST_" not in out and "MOE_A2A_RANK_LOGS" not in out
+    assert "for tests only: --all" in switches[0]
+    assert cli.main(["info", "--all"]) == 0
+    out = capsys.readouterr().out
+    assert "MOE_A2A_TEST_PROVIDER" in out and "MOE_A2A_TEST_DELAY_WRITES_MS" in out
