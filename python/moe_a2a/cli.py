@@ -215,10 +215,6 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         usage_error(prog, f"unrecognized arguments: {' '.join(unknown)} (see {prog} --help)")
     _check_provider(args)
-    if args.command == "run" and getattr(args, "trace", None):
-        # `run` refuses a trace whose folder is missing; make it, as `trace plot -o` does.
-        # Every rank may get here: exist_ok makes that harmless.
-        os.makedirs(os.path.dirname(os.path.abspath(args.trace)), exist_ok=True)
     try:
         return int(args.func(args) or 0)
     except UsageError as err:  # found alike on every rank

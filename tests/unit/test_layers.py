@@ -526,7 +526,6 @@ def test_run_with_an_unknown_preset_prints_one_line_and_fails(capsys: pytest.Cap
         (["--num-experts", "10"], None),  # accepted: tiny's 4 groups no longer divide, grouping is dropped
         (["--skew", "2"], "--skew: applies to --routing skewed"),
         (["--max-nodes", "1"], "--max-nodes: limits the router's choice"),
-        (["--trace", "/nonexistent/dir/t.h5"], "--trace: folder /nonexistent/dir does not exist"),
     ],
 )
 def test_run_flags_are_validated_before_mpi(argv: list[str], message: str | None) -> None:

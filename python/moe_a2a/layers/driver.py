@@ -23,7 +23,14 @@ import sys
 from typing import Any
 
 from moe_a2a.layers.presets import MoEShape
-from moe_a2a.layers.run_args import PROG, add_arguments, token_mode, validate_args, verify_bytes
+from moe_a2a.layers.run_args import (
+    PROG,
+    add_arguments,
+    check_trace_path,
+    token_mode,
+    validate_args,
+    verify_bytes,
+)
 from moe_a2a.usage import UsageError, usage_error
 
 
@@ -93,6 +100,8 @@ def _run(args: argparse.Namespace, shape: MoEShape, comm: Any) -> int:
 
     rank, world = comm.Get_rank(), comm.Get_size()
     _check_world(args, shape, world)
+    if args.trace:
+        _check_trace(comm, args.trace)
     if args.device == "cuda":
         _set_cuda_device(rank)
     try:
@@ -140,6 +149,19 @@ def _check_world(args: argparse.Namespace, shape: MoEShape, world: int) -> None:
                 f"above --verify-max-gib {args.verify_max_gib:g}; raise the limit or shrink the layer "
                 "(--num-experts, --expert-hidden, --hidden)"
             )
+
+
+def _check_trace(comm: Any, path: str) -> None:
+    """Rank 0 writes the trace, so rank 0 checks the path; every rank then refuses alike."""
+    problem = None
+    if comm.Get_rank() == 0:
+        try:
+            check_trace_path(path)
+        except UsageError as err:
+            problem = str(err)
+    problem = comm.bcast(problem, root=0)
+    if problem is not None:
+        raise UsageError(problem)
 
 
 def _set_cuda_device(rank: int) -> None:

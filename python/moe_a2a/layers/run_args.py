@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from typing import Any
 
 from moe_a2a import report
@@ -294,11 +295,27 @@ def validate_args(args: argparse.Namespace) -> MoEShape:
         raise UsageError("--max-nodes: limits the router's choice; use it with --routing router")
     if args.routing != "skewed" and args.skew != 1.0:
         raise UsageError(f"--skew: applies to --routing skewed, got --routing {args.routing}")
-    if args.trace is not None:
-        folder = os.path.dirname(os.path.abspath(args.trace))
-        if not os.path.isdir(folder):
-            raise UsageError(f"--trace: folder {folder} does not exist")
     return shape
+
+
+def check_trace_path(path: str) -> None:
+    """Refuse a --trace path the run could not write at its end (one line naming it).
+
+    Makes the folder (as `trace plot -o` does) and creates and removes a file in it:
+    writing is the one test every file system and permission scheme answers alike.
+    """
+    if os.path.isdir(path):
+        raise UsageError(f"--trace: got {path}, a folder; expected the path of a file to write")
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"--trace: cannot make the folder {folder} ({err.strerror})") from None
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".moe-a2a-trace-probe-"):
+            pass
+    except OSError as err:
+        raise UsageError(f"--trace: cannot write in the folder {folder} ({err.strerror})") from None
 
 
 def verify_bytes(shape: MoEShape, weight_dtype: str) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -132,7 +133,7 @@ def finish(
 
     `failed` (what rank 0's verification found) makes the status 1.
     """
-    from moe_a2a.trace import gather_trace, write_trace
+    from moe_a2a.trace import gather_trace
 
     world = comm.Get_size()
     config = _run_config(args, shape, tokens, world, topology, provider)
@@ -140,14 +141,36 @@ def finish(
     status = 0
     if comm.Get_rank() == 0:
         assert trace is not None
-        if args.trace:
-            write_trace(args.trace, trace)
         header = [_header(args, shape, tokens, world, topology, provider)]
-        if args.trace:
-            footer = [*footer, f"trace: {args.trace} (details: moe-a2a trace summary {args.trace})"]
-        print(format_summary(trace, tokens * world, header, footer), flush=True)
         status = 1 if args.verify and failed else 0
+        status = max(status, publish(trace, tokens * world, header, footer, args.trace))
     return int(comm.bcast(status, root=0))
+
+
+def publish(
+    trace: RunTrace, tokens_per_iter: int, header: list[str], footer: list[str], path: str | None
+) -> int:
+    """Write the trace to `path` (if given), then print the summary; 1 if the trace could not be written.
+
+    The results come first either way: a trace that fails to write (a full disk, a
+    folder gone since the run started) costs the file, not the run's figures.
+    """
+    from moe_a2a.trace import write_trace
+
+    problem = None
+    if path:
+        try:
+            write_trace(path, trace)
+            footer = [*footer, f"trace: {path} (details: moe-a2a trace summary {path})"]
+        except OSError as err:
+            problem = (
+                f"{PROG}: error: --trace {path}: could not write the trace ({err}); nothing was written there"
+            )
+    print(format_summary(trace, tokens_per_iter, header, footer), flush=True)
+    if problem is None:
+        return 0
+    print(problem, file=sys.stderr, flush=True)
+    return 1
 
 
 def provider_name(args: argparse.Namespace) -> str:
