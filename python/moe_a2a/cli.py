@@ -224,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # `raise SystemExit("...")`: a usage error every rank finds alike.
         usage_error(prog, exc.code)
+    except KeyboardInterrupt:  # Ctrl-C where the command kept no partial results to show
+        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+        return 130  # 128 + SIGINT
     except BrokenPipeError:
         # The reader went away (`moe-a2a trace compare ... | head`): stop quietly, and
         # point stdout at /dev/null so the interpreter's final flush does not complain.

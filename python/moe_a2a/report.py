@@ -239,6 +239,25 @@ def progress(total: int, desc: str, *, rank: int, mode: str = "auto", stream: Te
     )
 
 
+def case_done(line: str, *, rank: int, mode: str = "auto", stream: TextIO | None = None) -> None:
+    """Rank 0 says a case (a shape, a size) finished, where no progress bar shows it.
+
+    Off a terminal (a log, CI) the bar is hidden: without these lines a long benchmark
+    would print nothing until its table. `--progress never` silences them too.
+    """
+    stream = stream or sys.stderr
+    if rank == 0 and mode != "never" and not progress_enabled(mode, rank, stream):
+        print(line, file=stream, flush=True)
+
+
+def interrupted(prog: str, finished: Sequence[str], *, rank: int) -> int:
+    """After Ctrl-C: rank 0 says what finished (its results were printed above); status 130."""
+    if rank == 0:
+        done = ", ".join(finished) if finished else "nothing"
+        print(f"{prog}: interrupted; finished: {done}", file=sys.stderr, flush=True)
+    return 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
+
+
 def add_output_argument(parser: Any, rows: str = "one row per line") -> None:
     """`--output PATH` (.csv or .json, checked when parsed), as every benchmark takes it."""
     parser.add_argument(

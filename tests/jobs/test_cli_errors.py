@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -77,3 +78,24 @@ def test_capacity_error_names_the_command_line_flag() -> None:
     assert len(lines) == 1, text
     assert "raise --max-recv-tokens" in lines[0] and "Config" not in lines[0]
     assert "Traceback" not in text
+
+
+@pytest.mark.timeout(300)
+def test_bench_a2a_off_a_terminal_says_what_finished_and_ctrl_c_keeps_it() -> None:
+    """stderr to a pipe (a log): a line per finished shape; Ctrl-C during the next one prints the
+    finished shape's table, says what finished and exits 130."""
+    small = ["--hidden", "256", "--num-experts", "8", "--topk", "2", "--warmup", "0", "--provider", "tcp"]
+    # prefill moves 8x decode's tokens: still running when decode's line arrives.
+    argv = [MOE_A2A, "bench", "a2a", *small, "--iters", "30", "--mode", "both"]
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_")}
+    with subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ
+    ) as proc:
+        assert proc.stderr is not None
+        first = proc.stderr.readline()  # blocks until the line comes: no timing assumed
+        proc.send_signal(signal.SIGINT)
+        out, rest = proc.communicate(timeout=120)
+    assert first == "moe-a2a bench a2a: decode done\n", first + rest
+    assert proc.returncode == 130, rest
+    assert rest.strip().splitlines()[-1] == "moe-a2a bench a2a: interrupted; finished: decode"
+    assert "| decode " in out and "| prefill " not in out and "moe-a2a/engine" not in out

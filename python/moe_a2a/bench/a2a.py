@@ -35,7 +35,7 @@ import numpy as np
 from moe_a2a import report
 from moe_a2a.bench import engine_ref
 from moe_a2a.bench.args import int_at_least
-from moe_a2a.bench.common import local_rank, share_cores, timed
+from moe_a2a.bench.common import INTERRUPTS, local_rank, share_cores, timed
 from moe_a2a.usage import UsageError
 
 if TYPE_CHECKING:
@@ -173,6 +173,7 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, dev
         if alone is not None:
             times.update(engine_dispatch=alone.samples["dispatch"], engine_combine=alone.samples["combine"])
         for it in range(args.warmup + args.iters):
+            INTERRUPTS.check()
             r = make_round(it, rank, tokens, cfg.hidden, cfg.num_experts, topk)
             r = Round(r.x.to(device), r.ids.to(device), r.weights.to(device))
             d, t_d = timed(comm, lambda r=r: a2a.dispatch(r.x, r.ids, r.weights), device)
@@ -255,8 +256,13 @@ BASELINE_WHAT = {
 }
 NOTE = (
     f"{report.RATIO_NOTE}; each phase is the slowest rank's, after a barrier; "
-    f"total = dispatch + combine of each iteration; {engine_ref.NOTE}"
+    "total = dispatch + combine of each iteration"
 )
+
+
+def note_of(rows: list[dict[str, Any]]) -> str:
+    """The footnote: the engine's column explained only where the table has it."""
+    return f"{NOTE}; {engine_ref.NOTE}" if any("engine_p50_us" in r for r in rows) else NOTE
 
 
 def settings_of(args: argparse.Namespace, world: int, ranks_per_node: int, exchange: Any) -> dict[str, Any]:
@@ -328,17 +334,35 @@ def main(args: argparse.Namespace) -> int:
         device = torch.device("cpu")
     args.baseline = args.baseline or "mpi"
     exchange = make_exchange(args, comm, device)
-    results = [run_shape(name, args, comm, exchange, device) for name in _shapes(args)]
+    results: list[dict[str, Any]] = []
+    INTERRUPTS.install()
+    try:
+        for name in _shapes(args):
+            results.append(run_shape(name, args, comm, exchange, device))
+            report.case_done(f"moe-a2a bench a2a: {name} done", rank=comm.Get_rank(), mode=args.progress)
+    except KeyboardInterrupt:
+        # Ctrl-C: what finished is every rank's already (run_shape gathers its samples).
+        if comm.Get_rank() == 0:
+            _print_results(args, comm, exchange, results)
+        return report.interrupted("moe-a2a bench a2a", [r["shape"] for r in results], rank=comm.Get_rank())
     if hasattr(exchange, "close"):
         exchange.close()
     if comm.Get_rank() == 0:
-        settings = settings_of(args, comm.Get_size(), results[0]["ranks_per_node"], exchange)
-        rows = [row for result in results for row in rows_of(result)]
-        print(format_config(settings), "", format_table(rows), f"({NOTE})", sep="\n")
-        if args.output:
-            report.write_output(args.output, rows, {**report.run_meta("a2a", settings), "note": NOTE})
-            print(f"figures written to {args.output}")
+        _print_results(args, comm, exchange, results)
     return 0
+
+
+def _print_results(args: argparse.Namespace, comm: Any, exchange: Any, results: list[dict[str, Any]]) -> None:
+    """Rank 0: the configuration block, the table of the shapes in `results`, and --output."""
+    if not results:
+        return
+    settings = settings_of(args, comm.Get_size(), results[0]["ranks_per_node"], exchange)
+    rows = [row for result in results for row in rows_of(result)]
+    note = note_of(rows)
+    print(format_config(settings), "", format_table(rows), f"({note})", sep="\n", flush=True)
+    if args.output:
+        report.write_output(args.output, rows, {**report.run_meta("a2a", settings), "note": note})
+        print(f"figures written to {args.output}")
 
 
 def _run_cuda(args: argparse.Namespace) -> int:

@@ -6,9 +6,9 @@ Run under mpirun (ranks may share one GPU, each its own process), e.g.
 In one run, for each shape (DeepSeek-V3: hidden 7168, 256 experts, top-8, fp8
 dispatch, bf16 combine; decode 128 tokens per rank, prefill 4096):
 - each phase of moe-a2a (dispatch send, dispatch recv, combine send, combine
-  recv), eager (as `AllToAll` runs it), from a barrier until the last rank's
-  stream is idle, median over iterations; its bandwidth is the bytes all ranks
-  read and wrote in it over that time;
+  recv), eager (as `AllToAll` runs it), after a barrier, the slowest rank's
+  time between CUDA events (bench/common.py), median over iterations; its
+  bandwidth is the bytes all ranks read and wrote in it over that time;
 - the whole step (dispatch, then combine) timed the same way in one span, as
   the torch-native version is: their ratio compares like with like;
 - at one rank, the whole decode step captured in a CUDA graph and replayed,
@@ -413,8 +413,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 NOTE = (
-    "phases: from a barrier until the last rank's stream is idle, median; GB/s: bytes all ranks read "
-    "and wrote over that time; step: dispatch then combine in one span; baseline: the same data "
+    "phases: after a barrier, the slowest rank's time between CUDA events, median; GB/s: bytes all "
+    "ranks read and wrote over that time; step: dispatch then combine in one span; baseline: the same data "
     f"movement in torch operations; {report.RATIO_NOTE}; copy floor: the step's bytes at the "
     "device-to-device copy bandwidth; graph replay: one rank, the step in a CUDA graph, from the call"
 )
@@ -529,7 +529,10 @@ def run(args: argparse.Namespace) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
         ceilings = (copy_bandwidth_gbs(device), fill_bandwidth_gbs(device))
     copy_gbs, fill_gbs = comm.bcast(ceilings)
-    results = [run_shape(name, args, comm, copy_gbs) for name in args.shapes]
+    results = []
+    for name in args.shapes:
+        results.append(run_shape(name, args, comm, copy_gbs))
+        report.case_done(f"moe-a2a bench a2a: {name} done", rank=comm.Get_rank(), mode=args.progress)
     for res in results:
         res["fill_gbs"] = fill_gbs
     if comm.Get_rank() == 0:

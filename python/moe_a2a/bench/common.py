@@ -14,6 +14,7 @@ GPU per rank, as on the H200 machines.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -46,6 +47,34 @@ def timed(comm: Any, fn: Callable[[], T], device: Any = None) -> tuple[T, float]
     comm.Barrier()
     result, ns = elapsed_ns(fn, device)
     return result, float(comm.allreduce(ns, op=max_op()))
+
+
+class Interrupts:
+    """Ctrl-C (SIGINT, or the SIGTERM mpirun passes it on as) ends a benchmark between iterations.
+
+    The first signal is noted and `check()` raises KeyboardInterrupt at the next
+    iteration's start, outside any call, so the all-to-all closes from a state it
+    knows; a second signal interrupts at once.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._note)
+
+    def _note(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def check(self) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+
+
+INTERRUPTS = Interrupts()
 
 
 def max_op() -> Any:

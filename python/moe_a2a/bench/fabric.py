@@ -319,6 +319,7 @@ def run(args: argparse.Namespace, bootstrap: Any) -> list[Row]:
         all_mpi = comm.gather(mpi_s, root=0)
         if rank == 0:
             rows.append(summarize(size, world, np.stack(all_fabric), np.stack(all_mpi)))
+        report.case_done(f"moe-a2a bench fabric: {size} B done", rank=rank, mode=args.progress)
     bar.close()
     if core.error:
         raise RuntimeError(f"rank {rank}: transfer engine error after the run: {core.error}")
