@@ -218,13 +218,23 @@ def _run_config(
     return config
 
 
+def _ranks_text(args: argparse.Namespace, world: int, topology: Any) -> str:
+    """`4 on 2 node(s) of 2`; with --ranks-per-node, says the nodes are virtual (hosts may be fewer)."""
+    if args.ranks_per_node is None:
+        return f"{world} on {topology.num_nodes} node(s) of {topology.local_size}"
+    return (
+        f"{world} in {topology.num_nodes} virtual node(s) of {topology.local_size} "
+        f"(--ranks-per-node {args.ranks_per_node})"
+    )
+
+
 def _header(
     args: argparse.Namespace, shape: MoEShape, tokens: int, world: int, topology: Any, provider: str
 ) -> str:
     """The configuration block above the summary table (the same style as `bench`'s)."""
     settings = {
         "model": f"{args.model} {args.mode}",
-        "ranks": f"{world} on {topology.num_nodes} node(s) of {topology.local_size}",
+        "ranks": _ranks_text(args, world, topology),
         "provider": provider,
         "device": args.device,
         "sizes": report.sizes_text(tokens, shape.hidden, shape.num_experts, shape.topk),

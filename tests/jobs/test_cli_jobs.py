@@ -99,3 +99,37 @@ def test_bench_a2a_off_a_terminal_says_what_finished_and_ctrl_c_keeps_it() -> No
     assert proc.returncode == 130, rest
     assert rest.strip().splitlines()[-1] == "moe-a2a bench a2a: interrupted; finished: decode"
     assert "| decode " in out and "| prefill " not in out and "moe-a2a/engine" not in out
+
+
+@pytest.mark.timeout(300)
+def test_main_job_prints_its_command_and_next_steps_that_work_in_a_plain_shell(tmp_path: Path) -> None:
+    """tools/main_job.sh (the quick start's `run`) shows the mpirun line it runs, and its
+    `next` commands work in a shell that has not activated the virtualenv."""
+    root = Path(__file__).resolve().parents[2]
+    venv_bin = str(Path(sys.executable).parent)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_")}
+    environ |= {"MOE_A2A_OUT": str(tmp_path), "PATH": f"{venv_bin}:{environ['PATH']}"}
+    done = subprocess.run(
+        ["bash", str(root / "tools" / "main_job.sh")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=environ,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    trace = tmp_path / "decode-tiny.h5"
+    assert lines[0].startswith("$ mpirun -n 4 ") and "moe-a2a run --mode decode" in lines[0]
+    assert lines[0].endswith(f"--trace {trace}")
+    assert "  ranks:      4 in 2 virtual node(s) of 2 (--ranks-per-node 2)" in lines
+    assert any(line.startswith("verify: OK") for line in lines)
+    steps = [line.strip() for line in lines[lines.index("next, in your shell:") + 1 :] if line.strip()]
+    assert steps[0] == f"source {root}/.venv/bin/activate"
+    assert steps[1] == f"moe-a2a trace summary {trace}"
+    # The user's shell: without the virtualenv on PATH, as after the quick start.
+    plain = {k: v for k, v in environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    plain["PATH"] = os.pathsep.join(p for p in environ["PATH"].split(os.pathsep) if p != venv_bin)
+    shell = subprocess.run(
+        ["bash", "-c", f"{steps[0]} && {steps[1]}"], capture_output=True, text=True, timeout=120, env=plain
+    )
+    assert shell.returncode == 0 and "microseconds" in shell.stdout, shell.stderr
