@@ -182,3 +182,13 @@ def test_trainer_help_and_bad_config_are_plain_lines() -> None:
     assert done.returncode == 2 and done.stderr.startswith(
         f"{torchtitan_train.PROG}: error: --module: missing"
     )
+
+
+def test_trainer_outputs_go_under_out_unless_a_dump_folder_is_named() -> None:
+    """TorchTitan's default `./outputs` would land untracked in the repository; ours is out/."""
+    from moe_a2a.integrations.torchtitan_train import DUMP_FOLDER, with_dump_folder
+
+    assert DUMP_FOLDER == "out/torchtitan"
+    assert with_dump_folder(["--config", "x"]) == ["--config", "x", "--dump-folder", "out/torchtitan"]
+    for named in (["--dump-folder", "/tmp/t"], ["--dump-folder=/tmp/t"], ["--dump_folder", "/tmp/t"]):
+        assert with_dump_folder(["--config", "x", *named]) == ["--config", "x", *named]

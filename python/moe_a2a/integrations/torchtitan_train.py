@@ -3,8 +3,11 @@
     torchrun --nproc-per-node 2 -m moe_a2a.integrations.torchtitan_train \\
         --module moe_a2a.integrations.torchtitan_configs --config deepseek_v3_debugmodel_cpu ...
 
-Every argument goes to TorchTitan unchanged. Before TorchTitan is imported this sets
-only what TorchTitan 0.3.0 cannot find on its own (see docs/training.md):
+Every argument goes to TorchTitan unchanged, with one default added: without
+`--dump-folder`, TorchTitan's checkpoints, logs and traces go to `out/torchtitan`
+(TorchTitan's own default, `./outputs`, would litter the working directory; `out/`
+is ignored by git). Before TorchTitan is imported this sets only what TorchTitan
+0.3.0 cannot find on its own (see docs/training.md):
 
 - **The device on a machine without an accelerator.** TorchTitan binds
   `device_type = _get_available_device_type() or "cuda"` at import and has no flag
@@ -99,6 +102,7 @@ docs/training.md). Every argument goes to TorchTitan unchanged.
 
   --module MODULE  a module of config functions; moe-a2a's: {OUR_CONFIGS}
   --config CONFIG  one of its config functions; moe-a2a's: {{configs}}
+  --dump-folder DIR  TorchTitan's outputs (default here: out/torchtitan)
 
 example: torchrun --nproc-per-node 2 -m moe_a2a.integrations.torchtitan_train {EXAMPLE}
 TorchTitan's own flags: {PROG} --module MODULE --config CONFIG --help
@@ -142,6 +146,16 @@ def check_args(argv: list[str]) -> str | None:
     return None
 
 
+DUMP_FOLDER = "out/torchtitan"
+
+
+def with_dump_folder(argv: list[str]) -> list[str]:
+    """`argv`, with `--dump-folder DUMP_FOLDER` added where it names no dump folder."""
+    if any(a.split("=", 1)[0] in ("--dump-folder", "--dump_folder") for a in argv):
+        return argv
+    return [*argv, "--dump-folder", DUMP_FOLDER]
+
+
 def main() -> None:
     argv = sys.argv[1:]
     if _flag(argv, "--module") is None and any(a in ("-h", "--help") for a in argv):
@@ -152,6 +166,7 @@ def main() -> None:
         from moe_a2a.usage import usage_error
 
         usage_error(PROG, problem)
+    sys.argv[1:] = with_dump_folder(argv)
     device_type = prepare()
     from torchtitan.train import main as titan_main
 
