@@ -231,3 +231,18 @@ def test_bench_fabric_columns_use_the_same_words() -> None:
         "baseline p90 (us)",
         "baseline/moe-a2a",
     ]
+
+
+def test_bench_fabric_says_what_transport_each_side_used() -> None:
+    """MPI's transport comes from the launcher's settings; one host on Open MPI's default is
+    shared memory against moe-a2a's tcp, which the output says is not like with like."""
+    ompi = {"OMPI_COMM_WORLD_SIZE": "4"}
+    default = fabric.mpi_transport(ompi, one_host=True)
+    assert default == "Open MPI's default: shared memory (one host)"
+    assert "not like with like" in (fabric.transport_warning("tcp", default) or "")
+    assert fabric.transport_warning("shm", default) is None
+    forced = fabric.mpi_transport({**ompi, "OMPI_MCA_btl": "self,tcp"}, one_host=True)
+    assert forced == "Open MPI btl self,tcp" and fabric.transport_warning("tcp", forced) is None
+    assert fabric.mpi_transport(ompi, one_host=False).endswith(
+        "shared memory within a host, tcp between hosts"
+    )

@@ -17,10 +17,11 @@ load. Before timing, one exchange of each kind is checked byte for byte.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -327,9 +328,35 @@ def run(args: argparse.Namespace, bootstrap: Any) -> list[Row]:
     return rows
 
 
-def settings_of(args: argparse.Namespace, world: int) -> dict[str, Any]:
+def mpi_transport(environ: Mapping[str, str], one_host: bool) -> str:
+    """What the MPI baseline moved its bytes over, as far as the launcher's settings say.
+
+    mpirun passes `--mca btl X` to the ranks as OMPI_MCA_btl; without it Open MPI
+    picks shared memory between the ranks of a host and tcp between hosts.
+    """
+    btl, pml = environ.get("OMPI_MCA_btl"), environ.get("OMPI_MCA_pml")
+    if btl:
+        return f"Open MPI btl {btl}" + (f", pml {pml}" if pml else "")
+    if "OMPI_COMM_WORLD_SIZE" not in environ:
+        return "the MPI library's own choice"
+    default = "shared memory (one host)" if one_host else "shared memory within a host, tcp between hosts"
+    return f"Open MPI's default: {default}"
+
+
+def transport_warning(provider: str, mpi: str) -> str | None:
+    """A line saying the two sides did not use the same transport, where that is plain."""
+    if mpi.startswith("Open MPI's default: shared memory (one host)") and provider.split(";")[0] != "shm":
+        return (
+            f"note: MPI used shared memory, moe-a2a {provider}: not like with like; for both over tcp: "
+            "mpirun --mca btl self,tcp ..., for both over shared memory: --provider shm"
+        )
+    return None
+
+
+def settings_of(args: argparse.Namespace, world: int, one_host: bool) -> dict[str, Any]:
     return dict(
         provider=args.provider,
+        mpi_transport=mpi_transport(os.environ, one_host),
         world_size=world,
         num_nics=args.num_nics,
         nics=args.nics,
@@ -346,10 +373,10 @@ def format_config(s: dict[str, Any]) -> str:
         "moe-a2a bench fabric",
         {
             "ranks": s["world_size"],
-            "provider": s["provider"],
+            "provider": f"{s['provider']} (moe-a2a's transport)",
             "NICs per rank": s["num_nics"] if not s["nics"] else f"{s['num_nics']} ({s['nics']})",
             "split threshold": format_size(s["split_threshold"]),
-            "baseline": f"{s['baseline']} on numpy buffers, the same counts",
+            "baseline": f"{s['baseline']} on numpy buffers, the same counts, over {s['mpi_transport']}",
             "sizes": ", ".join(format_size(x) for x in s["sizes"]) + " per peer",
             "iterations": f"{s['iters']} timed after {s['warmup']} warm-up, per size",
             "switches": report.switches_set(),
@@ -377,8 +404,11 @@ def main(args: argparse.Namespace) -> int:
             bootstrap.abort(1)
         raise
     if rank == 0:
-        settings = settings_of(args, world)
+        settings = settings_of(args, world, bootstrap.topology.num_nodes == 1)
         print(format_config(settings), "", format_table(rows), f"({NOTE})", sep="\n")
+        warning = transport_warning(settings["provider"], settings["mpi_transport"])
+        if warning:
+            print(warning)
         if args.output is not None:
             meta = {**report.run_meta("fabric", settings), "note": NOTE}
             report.write_output(args.output, [asdict(r) for r in rows], meta)
