@@ -227,6 +227,10 @@ def _allreduce_grads(comm: Any, params: list[Any]) -> None:
         offset += n
 
 
+def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().cpu()
+
+
 def _verify_train(
     comm: Any,
     args: argparse.Namespace,
@@ -252,9 +256,7 @@ def _verify_train(
     from moe_a2a.layers.reference import reference_train_step
     from moe_a2a.layers.weights import MoEWeights
 
-    def cpu(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.detach().cpu()
-
+    cpu = _cpu
     routed = [n for n in before if n.startswith(ROUTED)]
     local = {
         "x": cpu(x),
