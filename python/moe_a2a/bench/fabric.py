@@ -238,25 +238,31 @@ def _check(what: str, size: int, rank: int, world: int, seed: int, recv: np.ndar
             )
 
 
-def run(args: argparse.Namespace, bootstrap: Any) -> list[Row]:
-    """Measure every size; rank 0 gets the rows (other ranks an empty list)."""
-    from mpi4py import MPI
-
+def _check_job(world: int, provider: str) -> None:
+    """Refuse, alike on every rank, a job of one rank or a provider libfabric does not offer."""
     from moe_a2a import _core
-    from moe_a2a.fabric import Engine, ScatterItem, default_provider
 
-    comm = MPI.COMM_WORLD
-    rank, world = bootstrap.rank, bootstrap.world_size
     if world < 2:
         raise BenchArgumentError(
             f"world size: got {world}; expected at least 2 ranks (run under mpirun -n 2 or more)"
         )
-    provider = args.provider or default_provider()
     offered = _core.libfabric_providers()
     if provider.split(";")[0] not in {name.split(";")[0] for name in offered}:
         raise BenchArgumentError(
             f"--provider: got {provider!r}; expected one that libfabric offers here: {', '.join(offered)}"
         )
+
+
+def run(args: argparse.Namespace, bootstrap: Any) -> list[Row]:
+    """Measure every size; rank 0 gets the rows (other ranks an empty list)."""
+    from mpi4py import MPI
+
+    from moe_a2a.fabric import Engine, ScatterItem, default_provider
+
+    comm = MPI.COMM_WORLD
+    rank, world = bootstrap.rank, bootstrap.world_size
+    provider = args.provider or default_provider()
+    _check_job(world, provider)
     engine = Engine(
         bootstrap, provider, num_nics=args.num_nics, split_threshold=args.split_threshold, nics=args.nics
     )

@@ -256,6 +256,23 @@ def step(comm: Any, device: Any, c: Contender, b: Batch, grad_out: Any, keep: bo
     return {"out": out.detach(), "x.grad": x.grad, "scores.grad": scores.grad}
 
 
+def skipped_dispatchers(reason: str | None, world: int) -> dict[str, str]:
+    """TorchTitan's dispatchers this run leaves out, and why (`reason`: TorchTitan is unusable)."""
+    import torch
+
+    skipped: dict[str, str] = {}
+    if reason is not None:
+        skipped[ALL_TO_ALL] = skipped[LOCAL] = reason
+    elif world > 1:
+        skipped[LOCAL] = f"runs at one rank only (it does no exchange); this run has {world}"
+    if reason is None and not hasattr(torch.compiler, "_is_non_strict_tracing"):
+        # TorchTitan 0.3.0's all-to-all path calls it; torch 2.11 (the GPU image's) lacks it.
+        skipped[ALL_TO_ALL] = (
+            f"TorchTitan 0.3.0 calls torch.compiler._is_non_strict_tracing; torch {torch.__version__} lacks"
+        )
+    return skipped
+
+
 def run(args: argparse.Namespace, comm: Any, device: Any, shape: dict[str, int]) -> dict[str, Any]:
     import torch
 
@@ -283,17 +300,8 @@ def run(args: argparse.Namespace, comm: Any, device: Any, shape: dict[str, int])
         max_recv_tokens=recv_capacity(comm, routings, E),
         timeout_s=300.0,
     )
-    skipped: dict[str, str] = {}
     reason = torchtitan_skip_reason(comm, device)
-    if reason is not None:
-        skipped[ALL_TO_ALL] = skipped[LOCAL] = reason
-    elif world > 1:
-        skipped[LOCAL] = f"runs at one rank only (it does no exchange); this run has {world}"
-    if reason is None and not hasattr(torch.compiler, "_is_non_strict_tracing"):
-        # TorchTitan 0.3.0's all-to-all path calls it; torch 2.11 (the GPU image's) lacks it.
-        skipped[ALL_TO_ALL] = (
-            f"TorchTitan 0.3.0 calls torch.compiler._is_non_strict_tracing; torch {torch.__version__} lacks"
-        )
+    skipped = skipped_dispatchers(reason, world)
     with contextlib.ExitStack() as stack:
         ep = stack.enter_context(
             ExpertParallel(
@@ -329,7 +337,21 @@ def run(args: argparse.Namespace, comm: Any, device: Any, shape: dict[str, int])
         bar.close()
         ranks_per_node = ep.forward_a2a._boot.topology.local_size
     rss_mib = comm.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, op=max_op())
-    settings = dict(
+    return dict(
+        settings=settings_of(args, world, ranks_per_node, device, shape),
+        rows=summarize(contenders),
+        agreement=gather_agreement(comm, checks),
+        skipped=skipped,
+        max_recv_tokens=cfg.max_recv_tokens,
+        peak_rss_mib_per_rank=rss_mib,
+    )
+
+
+def settings_of(
+    args: argparse.Namespace, world: int, ranks_per_node: int, device: Any, shape: dict[str, int]
+) -> dict[str, Any]:
+    """The run's configuration, for the block above the table and the JSON."""
+    return dict(
         world=world,
         ranks_per_node=ranks_per_node,
         provider=args.provider,
@@ -339,14 +361,6 @@ def run(args: argparse.Namespace, comm: Any, device: Any, shape: dict[str, int])
         iters=args.iters,
         warmup=args.warmup,
         **shape,
-    )
-    return dict(
-        settings=settings,
-        rows=summarize(contenders),
-        agreement=gather_agreement(comm, checks),
-        skipped=skipped,
-        max_recv_tokens=cfg.max_recv_tokens,
-        peak_rss_mib_per_rank=rss_mib,
     )
 
 
