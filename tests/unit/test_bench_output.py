@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from moe_a2a import cli, report
-from moe_a2a.bench import a2a, a2a_cuda, engine_ref, fabric, train
+from moe_a2a.bench import a2a, a2a_cuda, common, engine_ref, fabric, train
 
 # Columns every moe-a2a-against-a-baseline table has, in this order, after its labels.
 COMPARED = [
@@ -237,12 +237,15 @@ def test_bench_fabric_says_what_transport_each_side_used() -> None:
     """MPI's transport comes from the launcher's settings; one host on Open MPI's default is
     shared memory against moe-a2a's tcp, which the output says is not like with like."""
     ompi = {"OMPI_COMM_WORLD_SIZE": "4"}
-    default = fabric.mpi_transport(ompi, one_host=True)
+    default = common.mpi_transport(ompi, one_host=True)
     assert default == "Open MPI's default: shared memory (one host)"
-    assert "not like with like" in (fabric.transport_warning("tcp", default) or "")
-    assert fabric.transport_warning("shm", default) is None
-    forced = fabric.mpi_transport({**ompi, "OMPI_MCA_btl": "self,tcp"}, one_host=True)
-    assert forced == "Open MPI btl self,tcp" and fabric.transport_warning("tcp", forced) is None
-    assert fabric.mpi_transport(ompi, one_host=False).endswith(
+    assert "not like with like" in (common.transport_warning("tcp", default) or "")
+    assert (
+        common.transport_warning("shm", default) is None
+        and common.transport_warning("shm (auto)", default) is None
+    )
+    forced = common.mpi_transport({**ompi, "OMPI_MCA_btl": "self,tcp"}, one_host=True)
+    assert forced == "Open MPI btl self,tcp" and common.transport_warning("tcp", forced) is None
+    assert common.mpi_transport(ompi, one_host=False).endswith(
         "shared memory within a host, tcp between hosts"
     )

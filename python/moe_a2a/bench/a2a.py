@@ -27,6 +27,7 @@ words); `--output` writes the same rows as CSV or JSON.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +36,7 @@ import numpy as np
 from moe_a2a import report
 from moe_a2a.bench import engine_ref
 from moe_a2a.bench.args import int_at_least
-from moe_a2a.bench.common import INTERRUPTS, local_rank, share_cores, timed
+from moe_a2a.bench.common import INTERRUPTS, local_rank, mpi_transport, share_cores, timed, transport_warning
 from moe_a2a.usage import UsageError
 
 if TYPE_CHECKING:
@@ -265,9 +266,13 @@ def note_of(rows: list[dict[str, Any]]) -> str:
     return f"{NOTE}; {engine_ref.NOTE}" if any("engine_p50_us" in r for r in rows) else NOTE
 
 
-def settings_of(args: argparse.Namespace, world: int, ranks_per_node: int, exchange: Any) -> dict[str, Any]:
+def settings_of(
+    args: argparse.Namespace, world: int, ranks_per_node: int, exchange: Any, one_host: bool = True
+) -> dict[str, Any]:
     """The run's configuration, for the block above the table and the JSON."""
+    mpi = exchange.name == "MPI"
     return dict(
+        mpi_transport=mpi_transport(os.environ, one_host) if mpi else None,
         world=world,
         ranks_per_node=ranks_per_node,
         provider=_provider_name(args.provider),
@@ -289,7 +294,8 @@ def format_config(s: dict[str, Any]) -> str:
             "ranks": f"{s['world']} ({s['ranks_per_node']} per node)",
             "provider": s["provider"],
             "device": s["device"],
-            "baseline": f"{s['baseline']}: {BASELINE_WHAT[s['baseline']]}",
+            "baseline": f"{s['baseline']}: {BASELINE_WHAT[s['baseline']]}"
+            + (f", over {s['mpi_transport']}" if s.get("mpi_transport") else ""),
             "payloads": f"dispatch {s['dispatch_dtype']}, combine {s['combine_dtype']}",
             "sizes": shapes,
             "iterations": f"{s['iters']} timed after {s['warmup']} warm-up",
@@ -334,6 +340,8 @@ def main(args: argparse.Namespace) -> int:
         device = torch.device("cpu")
     args.baseline = args.baseline or "mpi"
     exchange = make_exchange(args, comm, device)
+    # Collective, so every rank asks (rank 0 alone prints): are all ranks on one host?
+    one_host = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size() == comm.Get_size()
     results: list[dict[str, Any]] = []
     INTERRUPTS.install()
     try:
@@ -343,23 +351,28 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         # Ctrl-C: what finished is every rank's already (run_shape gathers its samples).
         if comm.Get_rank() == 0:
-            _print_results(args, comm, exchange, results)
+            _print_results(args, comm, exchange, results, one_host)
         return report.interrupted("moe-a2a bench a2a", [r["shape"] for r in results], rank=comm.Get_rank())
     if hasattr(exchange, "close"):
         exchange.close()
     if comm.Get_rank() == 0:
-        _print_results(args, comm, exchange, results)
+        _print_results(args, comm, exchange, results, one_host)
     return 0
 
 
-def _print_results(args: argparse.Namespace, comm: Any, exchange: Any, results: list[dict[str, Any]]) -> None:
+def _print_results(
+    args: argparse.Namespace, comm: Any, exchange: Any, results: list[dict[str, Any]], one_host: bool
+) -> None:
     """Rank 0: the configuration block, the table of the shapes in `results`, and --output."""
     if not results:
         return
-    settings = settings_of(args, comm.Get_size(), results[0]["ranks_per_node"], exchange)
+    settings = settings_of(args, comm.Get_size(), results[0]["ranks_per_node"], exchange, one_host)
     rows = [row for result in results for row in rows_of(result)]
     note = note_of(rows)
     print(format_config(settings), "", format_table(rows), f"({note})", sep="\n", flush=True)
+    warning = settings["mpi_transport"] and transport_warning(settings["provider"], settings["mpi_transport"])
+    if warning:
+        print(warning)
     if args.output:
         report.write_output(args.output, rows, {**report.run_meta("a2a", settings), "note": note})
         print(f"figures written to {args.output}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -98,3 +98,31 @@ def share_cores(comm: Any) -> None:
 
     on_host = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // on_host))
+
+
+def mpi_transport(environ: Mapping[str, str], one_host: bool) -> str:
+    """What the MPI baseline moved its bytes over, as far as the launcher's settings say.
+
+    mpirun passes `--mca btl X` to the ranks as OMPI_MCA_btl; without it Open MPI
+    picks shared memory between the ranks of a host and tcp between hosts.
+    """
+    btl, pml = environ.get("OMPI_MCA_btl"), environ.get("OMPI_MCA_pml")
+    if btl:
+        return f"Open MPI btl {btl}" + (f", pml {pml}" if pml else "")
+    if "OMPI_COMM_WORLD_SIZE" not in environ:
+        return "the MPI library's own choice"
+    default = "shared memory (one host)" if one_host else "shared memory within a host, tcp between hosts"
+    return f"Open MPI's default: {default}"
+
+
+def transport_warning(provider: str, mpi: str) -> str | None:
+    """A line saying the two sides did not use the same transport, where that is plain."""
+    if (
+        mpi.startswith("Open MPI's default: shared memory (one host)")
+        and provider.split()[0].split(";")[0] != "shm"
+    ):
+        return (
+            f"note: MPI used shared memory, moe-a2a {provider}: not like with like; for both over tcp: "
+            "mpirun --mca btl self,tcp ..., for both over shared memory: --provider shm"
+        )
+    return None

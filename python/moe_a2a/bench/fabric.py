@@ -21,7 +21,7 @@ import os
 import re
 import sys
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ import numpy as np
 
 from moe_a2a import report
 from moe_a2a.bench.args import int_at_least, positive_seconds
-from moe_a2a.bench.common import elapsed_ns
+from moe_a2a.bench.common import elapsed_ns, mpi_transport, transport_warning
 from moe_a2a.usage import Parser, UsageError, usage_error
 
 KIB = 1024
@@ -332,31 +332,6 @@ def run(args: argparse.Namespace, bootstrap: Any) -> list[Row]:
         raise RuntimeError(f"rank {rank}: transfer engine error after the run: {core.error}")
     comm.Barrier()  # nobody drops the engine while a peer may still write into it
     return rows
-
-
-def mpi_transport(environ: Mapping[str, str], one_host: bool) -> str:
-    """What the MPI baseline moved its bytes over, as far as the launcher's settings say.
-
-    mpirun passes `--mca btl X` to the ranks as OMPI_MCA_btl; without it Open MPI
-    picks shared memory between the ranks of a host and tcp between hosts.
-    """
-    btl, pml = environ.get("OMPI_MCA_btl"), environ.get("OMPI_MCA_pml")
-    if btl:
-        return f"Open MPI btl {btl}" + (f", pml {pml}" if pml else "")
-    if "OMPI_COMM_WORLD_SIZE" not in environ:
-        return "the MPI library's own choice"
-    default = "shared memory (one host)" if one_host else "shared memory within a host, tcp between hosts"
-    return f"Open MPI's default: {default}"
-
-
-def transport_warning(provider: str, mpi: str) -> str | None:
-    """A line saying the two sides did not use the same transport, where that is plain."""
-    if mpi.startswith("Open MPI's default: shared memory (one host)") and provider.split(";")[0] != "shm":
-        return (
-            f"note: MPI used shared memory, moe-a2a {provider}: not like with like; for both over tcp: "
-            "mpirun --mca btl self,tcp ..., for both over shared memory: --provider shm"
-        )
-    return None
 
 
 def settings_of(args: argparse.Namespace, world: int, one_host: bool) -> dict[str, Any]:
