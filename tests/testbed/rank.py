@@ -150,11 +150,7 @@ def a2a_rate(group: object, rank: int, world: int, args: dict[str, str]) -> dict
     tokens, hidden, steps = int(args["tokens"]), int(args["hidden"]), int(args["steps"])
     private = int(args["private"]) if "private" in args else None
     cfg = Config(
-        max_tokens=tokens,
-        hidden=hidden,
-        num_experts=2 * world,
-        topk=2,
-        timeout_s=TIMEOUT_S,
+        max_tokens=tokens, hidden=hidden, num_experts=2 * world, topk=2, timeout_s=TIMEOUT_S,
         max_private_tokens=private,
     )
     a2a = AllToAll(
