@@ -108,8 +108,15 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("cleanup", help="remove /dev/shm files left by ranks that died")
-    p.add_argument("--dir", default=SHM_DIR, help="where to look (default: %(default)s)")
-    p.add_argument("--pid", type=int, action="append", help="only files of this pid (repeatable)")
+    p = sub.add_parser(
+        "cleanup",
+        help="remove /dev/shm files left by ranks that died",
+        description="Remove the shared-memory files (/dev/shm) of ranks whose process is gone; "
+        "files of live processes are kept.",
+    )
+    p.add_argument("--dir", default=SHM_DIR, metavar="DIR", help="where to look (default: %(default)s)")
+    p.add_argument(
+        "--pid", type=int, action="append", metavar="PID", help="only files of this pid (repeatable)"
+    )
     p.add_argument("--dry-run", action="store_true", help="list, do not remove")
     p.set_defaults(func=_run)

@@ -4,8 +4,9 @@ Each subcommand lives in its own module, which registers its parser through
 `add_parser(subparsers)` and sets `func`; heavy imports stay inside those
 modules so `moe-a2a --help` is instant.
 
-Under mpirun every rank parses the same arguments: usage errors are printed by
-rank 0 alone, as one line, with exit status 2.
+Under mpirun every rank parses the same arguments: a usage error is one line,
+`moe-a2a <cmd>: error: ...`, printed by rank 0 alone, and every rank exits with
+status 2 together (moe_a2a.usage).
 """
 
 from __future__ import annotations
@@ -13,39 +14,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import NoReturn
 
-USAGE_ERROR = 2
-
-
-def _launcher_rank() -> int:
-    """This process's rank from the launcher's environment, before MPI starts (0 if unknown)."""
-    from moe_a2a.layers.driver import _env_rank
-
-    return _env_rank()
-
-
-def usage_error(prog: str, message: str) -> NoReturn:
-    """One line from rank 0, exit status 2 on every rank: each rank found the same error."""
-    if _launcher_rank() == 0:
-        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(USAGE_ERROR)
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse without silent abbreviations (`--iter` is an error, not `--iters`).
-
-    Sub-parsers are made with the parent's class, so every subcommand inherits this.
-    """
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-
-    def error(self, message: str) -> NoReturn:
-        if _launcher_rank() == 0:
-            self.print_usage(sys.stderr)
-        usage_error(self.prog, message)
+from moe_a2a.usage import Parser, UsageError, usage_error
 
 
 def _gpu_line() -> str:
@@ -74,17 +44,31 @@ def _info(args: argparse.Namespace) -> int:
     print("CUDA kernels built:", "yes" if getattr(_core, "HAVE_CUDA", False) else "no")
     print("GPU usable (device='cuda'):", _gpu_line())
     _info_nics(args)
-    _print_switches()
+    _print_switches(args.all)
     return 0
 
 
-def _print_switches() -> None:
-    """Every environment switch, who reads it, and its value now (moe_a2a.switches)."""
+def _test_only(name: str, read_by: str) -> bool:
+    return read_by == "tests" or name.startswith("MOE_A2A_TEST_")
+
+
+def _print_switches(show_all: bool) -> None:
+    """The environment switches, who reads them, their values now (moe_a2a.switches), wrapped
+    to the terminal; the test harness's own only with --all."""
+    import shutil
+
     from moe_a2a import switches
     from moe_a2a.report import table
 
-    print("environment switches (docs/running.md):")
-    print(table(["switch", "read by", "value now", "what it does"], switches.table()))
+    rows = [row for row in switches.table() if show_all or not _test_only(row[0], row[1])]
+    hidden = len(switches.table()) - len(rows)
+    print(
+        "environment switches (docs/running.md)"
+        + (f"; {hidden} for tests only: --all" if hidden else "")
+        + ":"
+    )
+    width = shutil.get_terminal_size().columns
+    print(table(["switch", "read by", "value now", "what it does"], rows, width=width))
 
 
 def _info_nics(args: argparse.Namespace) -> None:
@@ -154,7 +138,7 @@ def _check_provider(args: argparse.Namespace) -> None:
     if any(provider in (name, name.split(";")[0]) for name in offered):
         return
     usage_error(
-        f"moe-a2a {args.command}" + (f" {args.bench}" if getattr(args, "bench", None) else ""),
+        command_prog(args),
         f"--provider: got {provider!r}, which libfabric does not offer on this machine; "
         f"expected auto or one of: {', '.join(sorted({n.split(';')[0] for n in offered})) or 'none'}",
     )
@@ -171,7 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     driver.add_parser(sub)
 
-    bench = sub.add_parser("bench", help="benchmarks (run under mpirun)")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks (run under mpirun)",
+        description="Benchmarks, run under mpirun: the transfer engine against MPI (fabric), "
+        "dispatch and combine against a baseline (a2a).",
+    )
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from moe_a2a.bench import a2a as bench_a2a
     from moe_a2a.bench import fabric as bench_fabric
@@ -187,37 +176,61 @@ def build_parser() -> argparse.ArgumentParser:
 
     cleanup.add_parser(sub)
 
-    from moe_a2a import memory_plan
+    from moe_a2a import plan_cli
 
-    memory_plan.add_parser(sub)
+    plan_cli.add_parser(sub)
 
-    info = sub.add_parser("info", help="what this build and machine offer")
-    info.add_argument("--provider", help="only this provider (default: every provider offered)")
-    info.add_argument(
-        "--num-nics", type=int, default=None, help="NICs per rank (default MOE_A2A_NUM_NICS, else 1)"
+    info = sub.add_parser(
+        "info",
+        help="what this build and machine offer",
+        description="The build (libfabric providers, backends, CUDA), whether a GPU is usable, the NICs "
+        "a rank would open, and the environment switches.",
     )
-    info.add_argument("--local-rank", type=int, default=0, help="which group of MOE_A2A_NICS to show")
-    info.add_argument("--sysfs", default="/sys", help="sysfs root to read the topology from")
+    info.add_argument(
+        "--provider", metavar="PROVIDER", help="only this provider (default: every provider offered)"
+    )
+    info.add_argument(
+        "--num-nics",
+        type=int,
+        default=None,
+        metavar="N",
+        help="NICs per rank (default MOE_A2A_NUM_NICS, else 1)",
+    )
+    info.add_argument(
+        "--local-rank", type=int, default=0, metavar="N", help="which group of MOE_A2A_NICS to show"
+    )
+    info.add_argument("--sysfs", default="/sys", metavar="DIR", help="sysfs root to read the topology from")
+    info.add_argument("--all", action="store_true", help="also the switches only the tests read")
     info.set_defaults(func=_info)
     return parser
 
 
+def command_prog(args: argparse.Namespace) -> str:
+    """The command line's name for errors: `moe-a2a run`, `moe-a2a bench a2a`, ..."""
+    words = ["moe-a2a", getattr(args, "command", None)]
+    words += [getattr(args, "bench", None), getattr(args, "trace_command", None)]
+    return " ".join(w for w in words if w)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    prog = command_prog(args)
+    if unknown:
+        usage_error(prog, f"unrecognized arguments: {' '.join(unknown)} (see {prog} --help)")
     _check_provider(args)
-    if args.command == "run" and getattr(args, "trace", None):
-        # `run` refuses a trace whose folder is missing; make it, as `trace plot -o` does.
-        # Every rank may get here: exist_ok makes that harmless.
-        os.makedirs(os.path.dirname(os.path.abspath(args.trace)), exist_ok=True)
     try:
         return int(args.func(args) or 0)
+    except UsageError as err:  # found alike on every rank
+        usage_error(prog, str(err))
     except SystemExit as exc:
         if not isinstance(exc.code, str):
             raise
-        # `raise SystemExit("bench a2a: ...")`: a usage error every rank finds alike.
-        if _launcher_rank() == 0:
-            print(f"moe-a2a {exc.code}", file=sys.stderr, flush=True)
-        return USAGE_ERROR
+        # `raise SystemExit("...")`: a usage error every rank finds alike.
+        usage_error(prog, exc.code)
+    except KeyboardInterrupt:  # Ctrl-C where the command kept no partial results to show
+        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+        return 130  # 128 + SIGINT
     except BrokenPipeError:
         # The reader went away (`moe-a2a trace compare ... | head`): stop quietly, and
         # point stdout at /dev/null so the interpreter's final flush does not complain.

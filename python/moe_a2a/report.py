@@ -62,14 +62,36 @@ def ratio(baseline: float | None, ours: float | None) -> float | None:
 
 
 def table(
-    headers: Sequence[str], rows: Iterable[Sequence[Any]], floatfmt: str | Sequence[str] = ".1f"
+    headers: Sequence[str],
+    rows: Iterable[Sequence[Any]],
+    floatfmt: str | Sequence[str] = ".1f",
+    width: int | None = None,
 ) -> str:
-    """The one table style: numbers right-aligned, missing values as '-'."""
+    """The one table style: numbers right-aligned, missing values as '-'.
+
+    `width`: wrap the last column so that every line fits in that many characters
+    (where the other columns leave it room; at least 20).
+    """
     from tabulate import tabulate
 
-    return tabulate(
-        list(rows), headers=list(headers), tablefmt=TABLE_FORMAT, floatfmt=floatfmt, missingval="-"
-    )
+    rows = [list(r) for r in rows]
+
+    def render(wrap: list[int | None] | None) -> str:
+        return tabulate(
+            rows,
+            headers=list(headers),
+            tablefmt=TABLE_FORMAT,
+            floatfmt=floatfmt,
+            missingval="-",
+            maxcolwidths=wrap,
+        )
+
+    text = render(None)
+    over = max(map(len, text.splitlines()), default=0) - (width or 0)
+    if width is None or over <= 0 or not rows:
+        return text
+    last = max(len(str(x)) for x in [headers[-1], *(r[-1] for r in rows)])
+    return render([None] * (len(headers) - 1) + [max(20, last - over)])
 
 
 def columns_table(
@@ -215,6 +237,25 @@ def progress(total: int, desc: str, *, rank: int, mode: str = "auto", stream: Te
         dynamic_ncols=True,
         delay=2.0 if mode == "auto" else 0.0,
     )
+
+
+def case_done(line: str, *, rank: int, mode: str = "auto", stream: TextIO | None = None) -> None:
+    """Rank 0 says a case (a shape, a size) finished, where no progress bar shows it.
+
+    Off a terminal (a log, CI) the bar is hidden: without these lines a long benchmark
+    would print nothing until its table. `--progress never` silences them too.
+    """
+    stream = stream or sys.stderr
+    if rank == 0 and mode != "never" and not progress_enabled(mode, rank, stream):
+        print(line, file=stream, flush=True)
+
+
+def interrupted(prog: str, finished: Sequence[str], *, rank: int) -> int:
+    """After Ctrl-C: rank 0 says what finished (its results were printed above); status 130."""
+    if rank == 0:
+        done = ", ".join(finished) if finished else "nothing"
+        print(f"{prog}: interrupted; finished: {done}", file=sys.stderr, flush=True)
+    return 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
 
 
 def add_output_argument(parser: Any, rows: str = "one row per line") -> None:

@@ -70,8 +70,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     compare = sub.add_parser(
         "compare",
         parents=[warmup],
-        help="two runs side by side with ratios B/A",
-        description="p50 and p99 of each phase for runs A and B, and the ratios B/A.",
+        help="two runs side by side with ratios A/B",
+        description="p50 and p99 of each phase for runs A (the baseline) and B, and the ratios "
+        "A/B (A's time over B's: above 1, B is faster).",
     )
     compare.add_argument("a", metavar="A", help="baseline trace file")
     compare.add_argument("b", metavar="B", help="trace file compared with A")
@@ -82,7 +83,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Stand-alone entry point: `python -m moe_a2a.trace_tools summary FILE`."""
-    from moe_a2a.cli import Parser
+    from moe_a2a.usage import Parser
 
     parser = Parser(prog="moe-a2a")
     add_parser(parser.add_subparsers(dest="command", required=True))

@@ -48,7 +48,10 @@ def run(*argv: str) -> int:
     parser = argparse.ArgumentParser(prog="moe-a2a")
     driver.add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["run", "--provider", PROVIDER, "--progress", "never", *argv])
-    return args.func(args)
+    try:
+        return args.func(args)
+    except SystemExit as exc:  # a usage error ends every rank with status 2 (moe_a2a.usage)
+        return int(exc.code)
 
 
 @pytest.fixture
@@ -220,3 +223,17 @@ def test_experts_that_do_not_split_over_the_ranks_are_refused(capsys: pytest.Cap
     assert all_ranks(status) == [2] * WORLD
     if RANK == 0:
         assert f"--num-experts: got {experts}, not divisible by the {WORLD} ranks" in capsys.readouterr().err
+
+
+def test_a_trace_path_rank_0_cannot_write_is_refused_before_the_run(
+    shared_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rank 0 writes the trace, so rank 0 checks its path; every rank ends with status 2."""
+    status = run("--model", "tiny", "--iters", "1", "--warmup", "0", "--trace", shared_dir)
+    assert all_ranks(status) == [2] * WORLD
+    err = capsys.readouterr().err
+    if RANK == 0:
+        expected = f"--trace: got {shared_dir}, a folder; expected the path of a file to write"
+        assert err.strip() == f"moe-a2a run: error: {expected}"
+    else:
+        assert err == ""

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from moe_a2a import cli, report
-from moe_a2a.bench import a2a, a2a_cuda, engine_ref, fabric, train
+from moe_a2a.bench import a2a, a2a_cuda, common, engine_ref, fabric, train
 
 # Columns every moe-a2a-against-a-baseline table has, in this order, after its labels.
 COMPARED = [
@@ -199,7 +199,7 @@ def test_bench_a2a_cuda_compares_whole_phases_with_the_engine_alone() -> None:
     assert cells(lines[6])[2:4] == ["dispatch", "5000.0"] and cells(lines[6])[-2:] == ["2000.0", "2.50"]
     assert cells(lines[2])[-2:] == ["-", "-"]
     note = a2a_cuda.note_of(rows)
-    assert note.startswith(a2a_cuda.NOTE) and note.endswith(engine_ref.NOTE) and engine_ref.NOTE in a2a.NOTE
+    assert note.startswith(a2a_cuda.NOTE) and note.endswith(engine_ref.NOTE)
     assert "dispatch, combine: each whole phase (send and recv halves) in one span" in note
 
 
@@ -207,6 +207,13 @@ def test_bench_a2a_cuda_without_remote_peers_has_no_engine_columns() -> None:
     rows = a2a_cuda.rows_of([_cuda_result(2)])
     assert cells(a2a_cuda.format_table(rows).splitlines()[0]) == [h for _, h in a2a_cuda.COLUMNS]
     assert a2a_cuda.note_of(rows) == a2a_cuda.NOTE
+
+
+def test_bench_a2a_footnote_explains_the_engine_column_only_with_it() -> None:
+    rows = [{"phase": "dispatch", "moe_a2a_p50_us": 5.0}]
+    assert a2a.note_of(rows) == a2a.NOTE and "moe-a2a/engine" not in a2a.NOTE
+    rows[0].update(engine_p50_us=2.0, phase_engine=2.5)
+    assert a2a.note_of(rows) == f"{a2a.NOTE}; {engine_ref.NOTE}"
 
 
 def test_engine_fields_are_the_p50_and_the_phase_over_it() -> None:
@@ -224,3 +231,21 @@ def test_bench_fabric_columns_use_the_same_words() -> None:
         "baseline p90 (us)",
         "baseline/moe-a2a",
     ]
+
+
+def test_bench_fabric_says_what_transport_each_side_used() -> None:
+    """MPI's transport comes from the launcher's settings; one host on Open MPI's default is
+    shared memory against moe-a2a's tcp, which the output says is not like with like."""
+    ompi = {"OMPI_COMM_WORLD_SIZE": "4"}
+    default = common.mpi_transport(ompi, one_host=True)
+    assert default == "Open MPI's default: shared memory (one host)"
+    assert "not like with like" in (common.transport_warning("tcp", default) or "")
+    assert (
+        common.transport_warning("shm", default) is None
+        and common.transport_warning("shm (auto)", default) is None
+    )
+    forced = common.mpi_transport({**ompi, "OMPI_MCA_btl": "self,tcp"}, one_host=True)
+    assert forced == "Open MPI btl self,tcp" and common.transport_warning("tcp", forced) is None
+    assert common.mpi_transport(ompi, one_host=False).endswith(
+        "shared memory within a host, tcp between hosts"
+    )

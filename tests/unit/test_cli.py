@@ -97,7 +97,10 @@ def test_usage_error_one_line_from_rank_0(
     assert _main(argv, "0", monkeypatch) == 2
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if "error:" in line]
-    assert errors == ["moe-a2a bench a2a: error: argument --warmup: got '-5'; expected an integer >= 0"]
+    assert errors == [
+        "moe-a2a bench a2a: error: argument --warmup: got '-5'; expected an integer >= 0 "
+        "(see moe-a2a bench a2a --help)"
+    ]
     assert "Traceback" not in err
     # The other ranks found the same error: they stay silent and exit alike.
     assert _main(argv, "1", monkeypatch) == 2
@@ -167,7 +170,7 @@ def test_subcommand_usage_message_is_one_line_and_exit_2() -> None:
         timeout=120,
     )
     assert done.returncode == 2, (done.returncode, done.stderr)
-    assert done.stderr.strip() == "moe-a2a bench a2a: --grad-dtype: only used with --train"
+    assert done.stderr.strip() == "moe-a2a bench a2a: error: --grad-dtype: only used with --train"
 
 
 def test_info_shows_what_each_backend_can_do(capsys: pytest.CaptureFixture[str]) -> None:
@@ -178,3 +181,85 @@ def test_info_shows_what_each_backend_can_do(capsys: pytest.CaptureFixture[str])
     assert len(caps) == 1, out
     assert "backend libfabric (shm), GPU memory registration no (host memory only)" in caps[0]
     assert "max message " in caps[0] and "inject " in caps[0] and "immediate 8 B" in caps[0]
+
+
+def _value_options(parser: argparse.ArgumentParser) -> Iterator[tuple[str, argparse.Action]]:
+    """(longest flag, action) of every option that takes a value."""
+    for action in parser._actions:
+        if action.option_strings and action.nargs != 0 and not isinstance(action, argparse._HelpAction):
+            yield max(action.option_strings, key=len), action
+
+
+def test_one_placeholder_style_across_subcommands() -> None:
+    """Every value placeholder is named (not argparse's NUM_EXPERTS from the flag), and one flag
+    has one placeholder in every subcommand."""
+    seen: dict[str, set[str]] = {}
+    unnamed = []
+    for parser in _parsers(cli.build_parser()):
+        for flag, action in _value_options(parser):
+            if action.choices is not None or flag == "--output":
+                continue  # choices show as {a,b,c}; --output is a FILE for bench, a DIR for trace plot
+            if action.metavar is None:
+                unnamed.append(f"{parser.prog} {flag}")
+            else:
+                seen.setdefault(flag, set()).add(str(action.metavar))
+    assert unnamed == []
+    assert {flag: names for flag, names in seen.items() if len(names) > 1} == {}
+
+
+def test_every_subcommand_has_a_description() -> None:
+    missing = [p.prog for p in _parsers(cli.build_parser()) if not p.description]
+    assert missing == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["trace"], "moe-a2a trace: error: expected a command: summary, plot, compare"),
+        ([], "moe-a2a: error: expected a command: run, bench, trace, cleanup, plan, info"),
+        (["run", "--bogus-flag"], "moe-a2a run: error: unrecognized arguments: --bogus-flag"),
+        (["bench", "a2a", "--tokens", "x"], "moe-a2a bench a2a: error: argument --tokens: got 'x'"),
+        (["bench", "a2a", "--grad-dtype", "bf16"], "moe-a2a bench a2a: error: --grad-dtype: only used"),
+    ],
+)
+def test_usage_errors_are_one_line_naming_the_command(
+    argv: list[str], expected: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE", raising=False)
+    assert _main(argv, "0", monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(expected) and err.count("\n") == 1, err
+
+
+def test_bench_a2a_refuses_experts_that_do_not_divide_over_the_ranks() -> None:
+    """`bench a2a` at 3 ranks: a usage error found before any exchange (alike on every rank),
+    not a traceback from each rank's AllToAll."""
+    from moe_a2a.bench import a2a
+    from moe_a2a.usage import UsageError
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["bench", "a2a", "--mode", "decode"])
+    args.mode = args.mode or "both"
+    with pytest.raises(
+        UsageError, match=r"^--num-experts: got 256 \(decode\), which is not divisible by the 3"
+    ):
+        a2a.check_shapes(args, 3)
+    a2a.check_shapes(args, 4)
+    args = parser.parse_args(["bench", "a2a", "--mode", "decode", "--num-experts", "4", "--topk", "8"])
+    with pytest.raises(UsageError, match=r"^--topk: got 8; expected at most --num-experts=4"):
+        a2a.check_shapes(args, 2)
+
+
+def test_info_switch_table_fits_the_terminal_and_hides_test_switches(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COLUMNS", "100")
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    switches = out[out.index("environment switches") :].splitlines()
+    assert max(map(len, switches)) <= 100, max(switches, key=len)
+    assert "MOE_A2A_PROVIDER" in out and "MOE_A2A_TEST_" not in out and "MOE_A2A_RANK_LOGS" not in out
+    assert "for tests only: --all" in switches[0]
+    assert cli.main(["info", "--all"]) == 0
+    out = capsys.readouterr().out
+    assert "MOE_A2A_TEST_PROVIDER" in out and "MOE_A2A_TEST_DELAY_WRITES_MS" in out

@@ -53,7 +53,7 @@ PATH_RE = re.compile(r"(?<![\w./$-])(?:" + "|".join(map(re.escape, FOLDERS)) + r
 SHELL_LANGS = ("", "sh", "bash", "console", "shell", "shell-session")
 #: Where a backticked span names a command rather than a whole command line, these
 #: parse errors only say that an argument's value is left out, which naming allows.
-NAMING_ERRORS = ("the following arguments are required", "expected one argument")
+NAMING_ERRORS = ("the following arguments are required", "expected one argument", "expected a command")
 MAX_DOC_LINES = 500
 
 

@@ -435,7 +435,7 @@ def test_choices_match_the_python_side() -> None:
     probe = (
         "import json\n"
         "from moe_a2a.layers.presets import PRESETS\n"
-        "from moe_a2a.layers.driver import MODES\n"
+        "from moe_a2a.layers.run_args import MODES\n"
         "from moe_a2a.fabric import PROVIDERS\n"
         "print(json.dumps([list(PRESETS), list(MODES), list(PROVIDERS)]))\n"
     )

@@ -148,5 +148,7 @@ def test_plan_command_says_what_does_not_fit(capsys: pytest.CaptureFixture[str])
     ],
 )
 def test_plan_command_usage_errors(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
-    assert cli.main(["plan", *argv]) == 2
-    assert f"moe-a2a plan: {message}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["plan", *argv])
+    assert exit_.value.code == 2
+    assert f"moe-a2a plan: error: {message}" in capsys.readouterr().err

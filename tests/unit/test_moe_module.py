@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from moe_a2a import reference as a2a_reference
-from moe_a2a.layers import driver
+from moe_a2a.layers import driver, run_args
 from moe_a2a.layers.moe import MoELayer
 from moe_a2a.layers.presets import MoEShape
 from moe_a2a.layers.reference import max_relative_error
 from moe_a2a.layers.weights import random_weights
+from moe_a2a.usage import UsageError
 
 moe = pytest.importorskip("torchtitan.models.common.moe", reason="TorchTitan 0.3.0 is a test dependency")
 
@@ -314,11 +315,11 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_train_flags_and_their_defaults() -> None:
     args = parse("--model", "tiny", "--mode", "train")
-    shape = driver.validate_args(args)
+    shape = run_args.validate_args(args)
     assert (args.routing, args.optimizer, args.lr, args.grad_dtype) == ("router", "adamw", 1e-3, "bf16")
-    assert shape.tokens(driver.token_mode("train")) == shape.prefill_tokens
+    assert shape.tokens(run_args.token_mode("train")) == shape.prefill_tokens
     args = parse("--model", "tiny")
-    driver.validate_args(args)
+    run_args.validate_args(args)
     assert args.routing == "random"
     for flags, message in [
         (["--optimizer", "sgd"], "--optimizer: applies to --mode train, got --mode decode"),
@@ -329,10 +330,10 @@ def test_train_flags_and_their_defaults() -> None:
         (["--mode", "train", "--lr", "0"], "--lr: got 0.0; expected a positive number"),
         (["--mode", "train", "--load-balance-coeff", "-1"], "--load-balance-coeff: got -1.0"),
     ]:
-        with pytest.raises(driver.UsageError, match=message):
-            driver.validate_args(parse("--model", "tiny", *flags))
+        with pytest.raises(UsageError, match=message):
+            run_args.validate_args(parse("--model", "tiny", *flags))
     args = parse("--model", "tiny", "--mode", "train", "--tokens", "40")
-    assert driver.validate_args(args).prefill_tokens == 40
+    assert run_args.validate_args(args).prefill_tokens == 40
 
 
 def test_train_reference_has_no_gradient_for_a_gate_with_given_weights(tmp_path: Path) -> None:

@@ -91,6 +91,6 @@ def test_traces_record_the_set_switches(monkeypatch: pytest.MonkeyPatch) -> None
 def test_info_lists_every_switch(capsys: pytest.CaptureFixture[str]) -> None:
     from moe_a2a.cli import main
 
-    assert main(["info"]) == 0
+    assert main(["info", "--all"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in switches.REGISTRY)

@@ -454,6 +454,18 @@ def test_compare_ratios(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert "A/B = A's time / B's time: above 1, B is faster" in out
 
 
+def test_compare_help_names_the_ratio_the_table_prints() -> None:
+    """`trace compare --help` and the table read the ratio the same way (A/B, A the baseline)."""
+    parser = argparse.ArgumentParser(prog="moe-a2a")
+    trace_tools.add_parser(parser.add_subparsers(dest="command", required=True))
+    (trace,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    (sub,) = (a for a in trace.choices["trace"]._actions if isinstance(a, argparse._SubParsersAction))
+    compare = sub.choices["compare"]
+    helps = [compare.description, *(c.help for c in sub._choices_actions if c.dest == "compare")]
+    for text in helps:
+        assert "ratios A/B" in text and "B/A" not in text, text
+
+
 def cells(line: str) -> list[str]:
     """The cells of one line of a github-style table."""
     return [c.strip() for c in line.strip().strip("|").split("|")]
@@ -531,3 +543,38 @@ def test_cli_error_exit_status_without_traceback(tmp_path: Path) -> None:
     assert (
         proc.stderr.strip() == f"moe-a2a trace summary: error: trace file not found: {tmp_path / 'absent.h5'}"
     )
+
+
+# --------------------------------------------------------------------------- run --trace
+
+
+def test_run_refuses_a_trace_path_it_could_not_write(tmp_path: Path) -> None:
+    """Checked before the run: a folder given as the file, a folder that cannot be made."""
+    from moe_a2a.layers.run_args import check_trace_path
+    from moe_a2a.usage import UsageError
+
+    with pytest.raises(UsageError, match=f"^--trace: got {tmp_path}, a folder; expected the path of a file"):
+        check_trace_path(str(tmp_path))
+    (tmp_path / "plain").write_text("a file, not a folder")
+    with pytest.raises(UsageError, match=r"^--trace: cannot make the folder .*plain/sub \(Not a directory\)"):
+        check_trace_path(str(tmp_path / "plain" / "sub" / "run.h5"))
+    check_trace_path(str(tmp_path / "new" / "run.h5"))  # a missing folder is made, and left empty
+    assert (tmp_path / "new").is_dir() and list((tmp_path / "new").iterdir()) == []
+
+
+def test_run_prints_its_results_when_the_trace_cannot_be_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The folder went away after the check (here: replaced by a file): the table still prints,
+    then one line saying nothing was written; status 1."""
+    from moe_a2a.layers.run_report import publish
+
+    (tmp_path / "gone").write_text("was a folder when the run started")
+    path = str(tmp_path / "gone" / "run.h5")
+    assert publish(make_trace(), 100, ["head"], ["foot"], path) == 1
+    out, err = capsys.readouterr()
+    assert "measured iterations" in out and "foot" in out and "trace:" not in out
+    assert err.startswith(f"moe-a2a run: error: --trace {path}: could not write the trace (")
+    assert err.strip().endswith("nothing was written there") and err.count("\n") == 1
+    assert publish(make_trace(), 100, ["head"], [], str(tmp_path / "ok.h5")) == 0
+    assert f"trace: {tmp_path / 'ok.h5'}" in capsys.readouterr().out

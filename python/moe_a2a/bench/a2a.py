@@ -27,7 +27,8 @@ words); `--output` writes the same rows as CSV or JSON.
 from __future__ import annotations
 
 import argparse
-import time
+import functools
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,8 @@ import numpy as np
 from moe_a2a import report
 from moe_a2a.bench import engine_ref
 from moe_a2a.bench.args import int_at_least
+from moe_a2a.bench.common import INTERRUPTS, local_rank, mpi_transport, share_cores, timed, transport_warning
+from moe_a2a.usage import UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -68,25 +71,6 @@ def make_round(seed: int, rank: int, tokens: int, hidden: int, experts: int, top
     ids = torch.argsort(torch.rand(tokens, experts, generator=g), dim=1)[:, :topk].contiguous()
     weights = torch.rand(tokens, topk, generator=g)
     return Round(x, ids, weights)
-
-
-def timed(comm: Any, fn: Any, device: Any = None) -> tuple[Any, float]:
-    """Run fn after a barrier (and until the GPU is done); the slowest rank's time in ns."""
-    import torch
-
-    comm.Barrier()
-    start = time.perf_counter_ns()
-    result = fn()
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elapsed = time.perf_counter_ns() - start
-    return result, comm.allreduce(elapsed, op=_max_op())
-
-
-def _max_op() -> Any:
-    from mpi4py import MPI
-
-    return MPI.MAX
 
 
 def expert_stand_in(expert_x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -130,9 +114,7 @@ def make_exchange(args: argparse.Namespace, comm: Any, device: Any) -> Any:
         return MpiExchange(comm)
     wanted = "cuda" if args.baseline == "nccl" else "cpu"
     if device.type != wanted:
-        raise SystemExit(
-            f"bench a2a: --baseline {args.baseline} needs --device {wanted}; got --device {device.type}"
-        )
+        raise UsageError(f"--baseline {args.baseline}: needs --device {wanted}; got --device {device.type}")
     return TorchExchange(comm, device)
 
 
@@ -145,9 +127,27 @@ def shape_of(name: str, args: argparse.Namespace) -> dict[str, int]:
     return shape
 
 
+def check_shapes(args: argparse.Namespace, world: int) -> None:
+    """Refuse, alike on every rank and before any exchange, shapes that `world` ranks cannot run."""
+    for name in _shapes(args):
+        shape = shape_of(name, args)
+        if shape["num_experts"] % world:
+            raise UsageError(
+                f"--num-experts: got {shape['num_experts']} ({name}), which is not divisible by the "
+                f"{world} ranks; every rank hosts the same number of experts"
+            )
+        if shape["topk"] > shape["num_experts"]:
+            raise UsageError(
+                f"--topk: got {shape['topk']}; expected at most --num-experts={shape['num_experts']} "
+                "(a token picks distinct experts)"
+            )
+
+
 def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, device: Any) -> dict[str, Any]:
     """Time one shape; every rank gets the slowest rank's samples (ns) per side and phase."""
-    from moe_a2a.all_to_all import AllToAll, Config
+    import torch
+
+    from moe_a2a.all_to_all import AllToAll, Config, Dispatched
     from moe_a2a.bench.baseline import Baseline
 
     shape = shape_of(name, args)
@@ -177,16 +177,17 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, dev
         if alone is not None:
             times.update(engine_dispatch=alone.samples["dispatch"], engine_combine=alone.samples["combine"])
         for it in range(args.warmup + args.iters):
+            INTERRUPTS.check()
             r = make_round(it, rank, tokens, cfg.hidden, cfg.num_experts, topk)
             r = Round(r.x.to(device), r.ids.to(device), r.weights.to(device))
-            d, t_d = timed(comm, lambda r=r: a2a.dispatch(r.x, r.ids, r.weights), device)
+            d, t_d = timed(comm, functools.partial(a2a.dispatch, r.x, r.ids, r.weights), device)
+            assert isinstance(d, Dispatched)  # a whole call, not a half
             y = expert_stand_in(d.expert_x, d.expert_x_scale)
-            out, t_c = timed(comm, lambda y=y, d=d: a2a.combine(y, d), device)
-            state, b_d = timed(comm, lambda r=r: baseline.dispatch(r.x, r.ids), device)
+            out, t_c = timed(comm, functools.partial(a2a.combine, y, d), device)
+            assert isinstance(out, torch.Tensor)
+            state, b_d = timed(comm, functools.partial(baseline.dispatch, r.x, r.ids), device)
             yb = expert_stand_in(*baseline.expert_input(state, cfg.hidden))
-            ref, b_c = timed(
-                comm, lambda yb=yb, state=state, r=r: baseline.combine(yb, state, r.weights), device
-            )
+            ref, b_c = timed(comm, functools.partial(baseline.combine, yb, state, r.weights), device)
             if it == 0:
                 check_agree(out, ref, cfg.dispatch_dtype == "fp8" and device.type == "cuda")
             if it >= args.warmup:
@@ -259,13 +260,22 @@ BASELINE_WHAT = {
 }
 NOTE = (
     f"{report.RATIO_NOTE}; each phase is the slowest rank's, after a barrier; "
-    f"total = dispatch + combine of each iteration; {engine_ref.NOTE}"
+    "total = dispatch + combine of each iteration"
 )
 
 
-def settings_of(args: argparse.Namespace, world: int, ranks_per_node: int, exchange: Any) -> dict[str, Any]:
+def note_of(rows: list[dict[str, Any]]) -> str:
+    """The footnote: the engine's column explained only where the table has it."""
+    return f"{NOTE}; {engine_ref.NOTE}" if any("engine_p50_us" in r for r in rows) else NOTE
+
+
+def settings_of(
+    args: argparse.Namespace, world: int, ranks_per_node: int, exchange: Any, one_host: bool = True
+) -> dict[str, Any]:
     """The run's configuration, for the block above the table and the JSON."""
+    mpi = exchange.name == "MPI"
     return dict(
+        mpi_transport=mpi_transport(os.environ, one_host) if mpi else None,
         world=world,
         ranks_per_node=ranks_per_node,
         provider=_provider_name(args.provider),
@@ -287,7 +297,8 @@ def format_config(s: dict[str, Any]) -> str:
             "ranks": f"{s['world']} ({s['ranks_per_node']} per node)",
             "provider": s["provider"],
             "device": s["device"],
-            "baseline": f"{s['baseline']}: {BASELINE_WHAT[s['baseline']]}",
+            "baseline": f"{s['baseline']}: {BASELINE_WHAT[s['baseline']]}"
+            + (f", over {s['mpi_transport']}" if s.get("mpi_transport") else ""),
             "payloads": f"dispatch {s['dispatch_dtype']}, combine {s['combine_dtype']}",
             "sizes": shapes,
             "iterations": f"{s['iters']} timed after {s['warmup']} warm-up",
@@ -317,48 +328,57 @@ def main(args: argparse.Namespace) -> int:
 
         return train.main(args)
     if args.grad_dtype is not None:
-        raise SystemExit("bench a2a: --grad-dtype: only used with --train")
+        raise UsageError("--grad-dtype: only used with --train")
     args.mode = args.mode or "both"
     args.dispatch_dtype = args.dispatch_dtype or "fp8"
     if args.device == "cuda" and args.baseline is None:
         return _run_cuda(args)
     comm = MPI.COMM_WORLD
+    check_shapes(args, comm.Get_size())
     if args.device == "cuda":
-        torch.cuda.set_device(_local_rank(comm) % torch.cuda.device_count())  # one rank per GPU
+        torch.cuda.set_device(local_rank(comm) % torch.cuda.device_count())  # one rank per GPU
         device = torch.device("cuda", torch.cuda.current_device())
     else:
-        _share_cores(comm)
+        share_cores(comm)
         device = torch.device("cpu")
     args.baseline = args.baseline or "mpi"
     exchange = make_exchange(args, comm, device)
-    results = [run_shape(name, args, comm, exchange, device) for name in _shapes(args)]
+    # Collective, so every rank asks (rank 0 alone prints): are all ranks on one host?
+    one_host = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size() == comm.Get_size()
+    results: list[dict[str, Any]] = []
+    INTERRUPTS.install()
+    try:
+        for name in _shapes(args):
+            results.append(run_shape(name, args, comm, exchange, device))
+            report.case_done(f"moe-a2a bench a2a: {name} done", rank=comm.Get_rank(), mode=args.progress)
+    except KeyboardInterrupt:
+        # Ctrl-C: what finished is every rank's already (run_shape gathers its samples).
+        if comm.Get_rank() == 0:
+            _print_results(args, comm, exchange, results, one_host)
+        return report.interrupted("moe-a2a bench a2a", [r["shape"] for r in results], rank=comm.Get_rank())
     if hasattr(exchange, "close"):
         exchange.close()
     if comm.Get_rank() == 0:
-        settings = settings_of(args, comm.Get_size(), results[0]["ranks_per_node"], exchange)
-        rows = [row for result in results for row in rows_of(result)]
-        print(format_config(settings), "", format_table(rows), f"({NOTE})", sep="\n")
-        if args.output:
-            report.write_output(args.output, rows, {**report.run_meta("a2a", settings), "note": NOTE})
-            print(f"figures written to {args.output}")
+        _print_results(args, comm, exchange, results, one_host)
     return 0
 
 
-def _local_rank(comm: Any) -> int:
-    from mpi4py import MPI
-
-    return comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
-
-
-def _share_cores(comm: Any) -> None:
-    """Give torch's intra-op threads an equal share of the host's cores (both sides use torch)."""
-    import os
-
-    import torch
-    from mpi4py import MPI
-
-    on_host = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // on_host))
+def _print_results(
+    args: argparse.Namespace, comm: Any, exchange: Any, results: list[dict[str, Any]], one_host: bool
+) -> None:
+    """Rank 0: the configuration block, the table of the shapes in `results`, and --output."""
+    if not results:
+        return
+    settings = settings_of(args, comm.Get_size(), results[0]["ranks_per_node"], exchange, one_host)
+    rows = [row for result in results for row in rows_of(result)]
+    note = note_of(rows)
+    print(format_config(settings), "", format_table(rows), f"({note})", sep="\n", flush=True)
+    warning = settings["mpi_transport"] and transport_warning(settings["provider"], settings["mpi_transport"])
+    if warning:
+        print(warning)
+    if args.output:
+        report.write_output(args.output, rows, {**report.run_meta("a2a", settings), "note": note})
+        print(f"figures written to {args.output}")
 
 
 def _run_cuda(args: argparse.Namespace) -> int:
@@ -367,7 +387,7 @@ def _run_cuda(args: argparse.Namespace) -> int:
 
     reason = cuda_available()
     if reason is not None:
-        raise SystemExit(f"bench a2a --device cuda: {reason}")
+        raise UsageError(f"--device cuda: {reason}")
     from moe_a2a.bench import a2a_cuda
 
     cuda_args = argparse.Namespace(
@@ -401,23 +421,32 @@ def add_parser(subparsers: Any) -> None:
         help="decode (128 tokens/rank) or prefill (1024), DeepSeek-V3's hidden 7168, 256 experts, top-8; "
         "the name `run --mode` uses (default: both; --train runs its training shape instead)",
     )
-    p.add_argument("--tokens", type=POSITIVE, help="tokens per rank (default: the shape's)")
-    p.add_argument("--hidden", type=POSITIVE, help="hidden size (default: the shape's, 7168)")
-    p.add_argument("--num-experts", type=POSITIVE, help="routed experts (default: the shape's, 256)")
-    p.add_argument("--topk", type=POSITIVE, help="experts per token (default: the shape's, 8)")
+    p.add_argument("--tokens", type=POSITIVE, metavar="T", help="tokens per rank (default: the shape's)")
+    p.add_argument("--hidden", type=POSITIVE, metavar="D", help="hidden size (default: the shape's, 7168)")
+    p.add_argument(
+        "--num-experts", type=POSITIVE, metavar="E", help="routed experts (default: the shape's, 256)"
+    )
+    p.add_argument("--topk", type=POSITIVE, metavar="K", help="experts per token (default: the shape's, 8)")
     p.add_argument(
         "--dispatch-dtype",
         choices=["fp8", "bf16"],
         default=None,
         help="dispatch payload (default: fp8; bf16 with --train)",
     )
-    p.add_argument("--iters", type=POSITIVE, default=20, help="timed iterations (default: %(default)s)")
     p.add_argument(
-        "--warmup", type=int_at_least(0), default=3, help="untimed iterations first (default: %(default)s)"
+        "--iters", type=POSITIVE, default=20, metavar="N", help="timed iterations (default: %(default)s)"
+    )
+    p.add_argument(
+        "--warmup",
+        type=int_at_least(0),
+        default=3,
+        metavar="N",
+        help="untimed iterations first (default: %(default)s)",
     )
     p.add_argument(
         "--provider",
         default="auto",
+        metavar="PROVIDER",
         help="libfabric provider: tcp, shm, efa, verbs or auto (default: %(default)s: "
         "$MOE_A2A_PROVIDER, else efa where offered, else tcp)",
     )
@@ -425,6 +454,7 @@ def add_parser(subparsers: Any) -> None:
         "--ranks-per-node",
         type=POSITIVE,
         default=None,
+        metavar="N",
         help="virtual nodes of this many ranks, so one host runs the cross-node path "
         "(default: the real hosts)",
     )

@@ -6,9 +6,9 @@ Run under mpirun (ranks may share one GPU, each its own process), e.g.
 In one run, for each shape (DeepSeek-V3: hidden 7168, 256 experts, top-8, fp8
 dispatch, bf16 combine; decode 128 tokens per rank, prefill 4096):
 - each phase of moe-a2a (dispatch send, dispatch recv, combine send, combine
-  recv), eager (as `AllToAll` runs it), from a barrier until the last rank's
-  stream is idle, median over iterations; its bandwidth is the bytes all ranks
-  read and wrote in it over that time;
+  recv), eager (as `AllToAll` runs it), after a barrier, the slowest rank's
+  time between CUDA events (bench/common.py), median over iterations; its
+  bandwidth is the bytes all ranks read and wrote in it over that time;
 - the whole step (dispatch, then combine) timed the same way in one span, as
   the torch-native version is: their ratio compares like with like;
 - at one rank, the whole decode step captured in a CUDA graph and replayed,
@@ -29,7 +29,6 @@ import argparse
 import json
 import re
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +37,7 @@ import torch
 
 from moe_a2a import report, switches
 from moe_a2a._core import FP8_BLOCK
-from moe_a2a.bench import engine_ref
+from moe_a2a.bench import common, engine_ref
 from moe_a2a.bench.args import int_at_least
 
 PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
@@ -145,21 +144,12 @@ def torch_native(r: Round, y: torch.Tensor) -> tuple[Any, Any]:
 
 
 def timed(comm: Any, fn: Any) -> tuple[Any, float]:
-    """Run fn on every rank from a barrier until its stream is idle: ms from the first start to the last end.
+    """`bench.common.timed` in ms, on the GPU's clock where there is one.
 
-    Ranks that share a GPU run by time slices, so per-rank GPU timers would overlap and
-    overcount; host clocks (one machine, CLOCK_MONOTONIC) give the span of the whole phase.
-    Without CUDA (the tests' CPU AllToAll) there is no stream to drain.
+    Without CUDA (the tests' CPU AllToAll) it is the host's clock.
     """
-    drain = torch.cuda.is_available()
-    comm.Barrier()
-    start = time.perf_counter_ns()
-    out = fn()
-    if drain:
-        torch.cuda.current_stream().synchronize()
-    end = time.perf_counter_ns()
-    first, last = comm.allreduce(start, op=_op("MIN")), comm.allreduce(end, op=_op("MAX"))
-    return out, (last - first) / 1e6
+    result, ns = common.timed(comm, fn, torch.device("cuda") if torch.cuda.is_available() else None)
+    return result, ns / 1e6
 
 
 def run_shape(name: str, args: argparse.Namespace, comm: Any, copy_gbs: float) -> dict[str, Any]:
@@ -348,12 +338,6 @@ def graph_step_ms(
         return launched, span
 
 
-def _op(name: str) -> Any:
-    from mpi4py import MPI
-
-    return getattr(MPI, name)
-
-
 def _us(ms: float | None) -> float | None:
     return None if ms is None else ms * 1e3
 
@@ -430,8 +414,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 NOTE = (
-    "phases: from a barrier until the last rank's stream is idle, median; GB/s: bytes all ranks read "
-    "and wrote over that time; step: dispatch then combine in one span; baseline: the same data "
+    "phases: after a barrier, the slowest rank's time between CUDA events, median; GB/s: bytes all "
+    "ranks read and wrote over that time; step: dispatch then combine in one span; baseline: the same data "
     f"movement in torch operations; {report.RATIO_NOTE}; copy floor: the step's bytes at the "
     "device-to-device copy bandwidth; graph replay: one rank, the step in a CUDA graph, from the call"
 )
@@ -546,7 +530,10 @@ def run(args: argparse.Namespace) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
         ceilings = (copy_bandwidth_gbs(device), fill_bandwidth_gbs(device))
     copy_gbs, fill_gbs = comm.bcast(ceilings)
-    results = [run_shape(name, args, comm, copy_gbs) for name in args.shapes]
+    results = []
+    for name in args.shapes:
+        results.append(run_shape(name, args, comm, copy_gbs))
+        report.case_done(f"moe-a2a bench a2a: {name} done", rank=comm.Get_rank(), mode=args.progress)
     for res in results:
         res["fill_gbs"] = fill_gbs
     if comm.Get_rank() == 0:

@@ -24,7 +24,6 @@ cuda` (`moe_a2a.bench.a2a_cuda`), print it with `COLUMNS` and `NOTE` and put
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -164,12 +163,9 @@ class EngineReference:
 
     def slowest_rank(self, phase: Callable[[], None]) -> float:
         """The default clock: after a barrier, the slowest rank's time (ns)."""
-        from mpi4py import MPI
+        from moe_a2a.bench.common import timed
 
-        self.comm.Barrier()
-        start = time.perf_counter_ns()
-        phase()
-        return float(self.comm.allreduce(time.perf_counter_ns() - start, op=MPI.MAX))
+        return timed(self.comm, phase)[1]
 
     def close(self) -> None:
         """Collective: nobody drops the engine while a peer may still write into it."""

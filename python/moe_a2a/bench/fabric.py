@@ -17,9 +17,9 @@ load. Before timing, one exchange of each kind is checked byte for byte.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
-import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -29,6 +29,8 @@ import numpy as np
 
 from moe_a2a import report
 from moe_a2a.bench.args import int_at_least, positive_seconds
+from moe_a2a.bench.common import elapsed_ns, mpi_transport, transport_warning
+from moe_a2a.usage import Parser, UsageError, usage_error
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -48,7 +50,7 @@ _UNITS = {
 }
 
 
-class BenchArgumentError(ValueError):
+class BenchArgumentError(UsageError):
     """A flag with a value the benchmark cannot use (the same on every rank)."""
 
 
@@ -92,13 +94,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--provider",
         default=None,
+        metavar="PROVIDER",
         help="libfabric provider: tcp, shm, efa, verbs (default: $MOE_A2A_PROVIDER, else efa where "
         "offered, else tcp)",
     )
-    parser.add_argument("--num-nics", type=int_at_least(1), default=1, help="NICs per rank (default: 1)")
+    parser.add_argument(
+        "--num-nics", type=int_at_least(1), default=1, metavar="N", help="NICs per rank (default: 1)"
+    )
     parser.add_argument(
         "--nics",
         default=None,
+        metavar="LIST",
         help="domain names per rank, as MOE_A2A_NICS ('a,b' or 'a,b;c,d' per local rank) "
         "(default: the nearest)",
     )
@@ -106,25 +112,39 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--split-threshold",
         type=parse_size,
         default=MIB,
+        metavar="BYTES",
         help="writes of at least this many bytes are split across the NICs (default: 1M)",
     )
     parser.add_argument(
         "--sizes",
         type=parse_sizes,
         default=DEFAULT_SIZES,
+        metavar="LIST",
         help="bytes per peer, comma-separated; K and M mean KiB and MiB (default: 1K,4K,16K,64K,256K,1M,4M)",
     )
     parser.add_argument(
-        "--iters", type=int_at_least(1), default=100, help="timed exchanges per size (default: 100)"
+        "--iters",
+        type=int_at_least(1),
+        default=100,
+        metavar="N",
+        help="timed exchanges per size (default: 100)",
     )
     parser.add_argument(
-        "--warmup", type=int_at_least(0), default=10, help="untimed exchanges per size first (default: 10)"
+        "--warmup",
+        type=int_at_least(0),
+        default=10,
+        metavar="N",
+        help="untimed exchanges per size first (default: 10)",
     )
     parser.add_argument(
-        "--timeout", type=positive_seconds, default=60.0, help="seconds any one wait may take (default: 60)"
+        "--timeout",
+        type=positive_seconds,
+        default=60.0,
+        metavar="S",
+        help="seconds any one wait may take (default: 60)",
     )
     parser.add_argument(
-        "--seed", type=int_at_least(0), default=0, help="seed of the checked data (default: 0)"
+        "--seed", type=int_at_least(0), default=0, metavar="N", help="seed of the checked data (default: 0)"
     )
     report.add_output_argument(parser, "one row per size")
     report.add_progress_argument(parser)
@@ -222,25 +242,31 @@ def _check(what: str, size: int, rank: int, world: int, seed: int, recv: np.ndar
             )
 
 
-def run(args: argparse.Namespace, bootstrap: Any) -> list[Row]:
-    """Measure every size; rank 0 gets the rows (other ranks an empty list)."""
-    from mpi4py import MPI
-
+def _check_job(world: int, provider: str) -> None:
+    """Refuse, alike on every rank, a job of one rank or a provider libfabric does not offer."""
     from moe_a2a import _core
-    from moe_a2a.fabric import Engine, ScatterItem, default_provider
 
-    comm = MPI.COMM_WORLD
-    rank, world = bootstrap.rank, bootstrap.world_size
     if world < 2:
         raise BenchArgumentError(
             f"world size: got {world}; expected at least 2 ranks (run under mpirun -n 2 or more)"
         )
-    provider = args.provider or default_provider()
     offered = _core.libfabric_providers()
     if provider.split(";")[0] not in {name.split(";")[0] for name in offered}:
         raise BenchArgumentError(
             f"--provider: got {provider!r}; expected one that libfabric offers here: {', '.join(offered)}"
         )
+
+
+def run(args: argparse.Namespace, bootstrap: Any) -> list[Row]:
+    """Measure every size; rank 0 gets the rows (other ranks an empty list)."""
+    from mpi4py import MPI
+
+    from moe_a2a.fabric import Engine, ScatterItem, default_provider
+
+    comm = MPI.COMM_WORLD
+    rank, world = bootstrap.rank, bootstrap.world_size
+    provider = args.provider or default_provider()
+    _check_job(world, provider)
     engine = Engine(
         bootstrap, provider, num_nics=args.num_nics, split_threshold=args.split_threshold, nics=args.nics
     )
@@ -293,22 +319,19 @@ def run(args: argparse.Namespace, bootstrap: Any) -> list[Row]:
         mpi_s = np.empty(args.iters)
         for it in range(args.warmup + args.iters):
             comm.Barrier()
-            t0 = time.perf_counter()
-            fabric_exchange()
-            t1 = time.perf_counter()
+            _, fabric_ns = elapsed_ns(fabric_exchange)
             comm.Barrier()
-            t2 = time.perf_counter()
-            mpi_exchange()
-            t3 = time.perf_counter()
+            _, mpi_ns = elapsed_ns(mpi_exchange)
             if it >= args.warmup:
-                fabric_s[it - args.warmup] = t1 - t0
-                mpi_s[it - args.warmup] = t3 - t2
+                fabric_s[it - args.warmup] = fabric_ns * 1e-9
+                mpi_s[it - args.warmup] = mpi_ns * 1e-9
             bar.update()
         all_fabric = comm.gather(fabric_s, root=0)
         all_mpi = comm.gather(mpi_s, root=0)
         if rank == 0:
             assert all_fabric is not None and all_mpi is not None  # gathered to rank 0
             rows.append(summarize(size, world, np.stack(all_fabric), np.stack(all_mpi)))
+        report.case_done(f"moe-a2a bench fabric: {size} B done", rank=rank, mode=args.progress)
     bar.close()
     if core.error:
         raise RuntimeError(f"rank {rank}: transfer engine error after the run: {core.error}")
@@ -316,9 +339,10 @@ def run(args: argparse.Namespace, bootstrap: Any) -> list[Row]:
     return rows
 
 
-def settings_of(args: argparse.Namespace, world: int) -> dict[str, Any]:
+def settings_of(args: argparse.Namespace, world: int, one_host: bool) -> dict[str, Any]:
     return dict(
         provider=args.provider,
+        mpi_transport=mpi_transport(os.environ, one_host),
         world_size=world,
         num_nics=args.num_nics,
         nics=args.nics,
@@ -335,10 +359,10 @@ def format_config(s: dict[str, Any]) -> str:
         "moe-a2a bench fabric",
         {
             "ranks": s["world_size"],
-            "provider": s["provider"],
+            "provider": f"{s['provider']} (moe-a2a's transport)",
             "NICs per rank": s["num_nics"] if not s["nics"] else f"{s['num_nics']} ({s['nics']})",
             "split threshold": format_size(s["split_threshold"]),
-            "baseline": f"{s['baseline']} on numpy buffers, the same counts",
+            "baseline": f"{s['baseline']} on numpy buffers, the same counts, over {s['mpi_transport']}",
             "sizes": ", ".join(format_size(x) for x in s["sizes"]) + " per peer",
             "iterations": f"{s['iters']} timed after {s['warmup']} warm-up, per size",
             "switches": report.switches_set(),
@@ -356,10 +380,8 @@ def main(args: argparse.Namespace) -> int:
     args.provider = args.provider or default_provider()
     try:
         rows = run(args, bootstrap)
-    except BenchArgumentError as e:  # raised alike on every rank: no abort needed
-        if rank == 0:
-            print(f"moe-a2a bench fabric: error: {e}", file=sys.stderr)
-        return 2
+    except BenchArgumentError:  # raised alike on every rank: moe_a2a.cli ends them together
+        raise
     except Exception:
         # The others may wait for us in a collective or an engine wait: end the job.
         sys.stderr.write(f"moe-a2a bench fabric: rank {rank} failed:\n{traceback.format_exc()}")
@@ -368,8 +390,11 @@ def main(args: argparse.Namespace) -> int:
             bootstrap.abort(1)
         raise
     if rank == 0:
-        settings = settings_of(args, world)
+        settings = settings_of(args, world, bootstrap.topology.num_nodes == 1)
         print(format_config(settings), "", format_table(rows), f"({NOTE})", sep="\n")
+        warning = transport_warning(settings["provider"], settings["mpi_transport"])
+        if warning:
+            print(warning)
         if args.output is not None:
             meta = {**report.run_meta("fabric", settings), "note": NOTE}
             report.write_output(args.output, [asdict(r) for r in rows], meta)
@@ -379,10 +404,13 @@ def main(args: argparse.Namespace) -> int:
 
 def _standalone(argv: list[str] | None = None) -> int:
     """`python -m moe_a2a.bench.fabric [flags]`, for use without the `moe-a2a` command."""
-    parser = argparse.ArgumentParser(prog="python -m moe_a2a.bench.fabric", allow_abbrev=False)
+    parser = Parser(prog="python -m moe_a2a.bench.fabric")
     add_parser(parser.add_subparsers(dest="bench", required=True))
     args = parser.parse_args(["fabric", *(sys.argv[1:] if argv is None else argv)])
-    return main(args)
+    try:
+        return main(args)
+    except UsageError as err:
+        usage_error(parser.prog, str(err))
 
 
 if __name__ == "__main__":

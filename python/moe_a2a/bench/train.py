@@ -43,7 +43,8 @@ from typing import Any
 import numpy as np
 
 from moe_a2a import report
-from moe_a2a.bench.a2a import _max_op, timed
+from moe_a2a.bench.common import local_rank, max_op, share_cores, timed
+from moe_a2a.usage import UsageError
 
 # DeepSeek-V3 training: 4096 tokens per rank, hidden 7168, 256 experts, top-8.
 TRAIN_SHAPE = dict(tokens=4096, hidden=7168, num_experts=256, topk=8)
@@ -53,7 +54,7 @@ LOCAL = "LocalTokenDispatcher"
 PHASES = ("fwd", "bwd", "fwd+bwd")
 
 
-class TrainArgumentError(ValueError):
+class TrainArgumentError(UsageError):
     """A flag that `--train` cannot use; raised alike on every rank. The message starts with the flag."""
 
 
@@ -255,6 +256,23 @@ def step(comm: Any, device: Any, c: Contender, b: Batch, grad_out: Any, keep: bo
     return {"out": out.detach(), "x.grad": x.grad, "scores.grad": scores.grad}
 
 
+def skipped_dispatchers(reason: str | None, world: int) -> dict[str, str]:
+    """TorchTitan's dispatchers this run leaves out, and why (`reason`: TorchTitan is unusable)."""
+    import torch
+
+    skipped: dict[str, str] = {}
+    if reason is not None:
+        skipped[ALL_TO_ALL] = skipped[LOCAL] = reason
+    elif world > 1:
+        skipped[LOCAL] = f"runs at one rank only (it does no exchange); this run has {world}"
+    if reason is None and not hasattr(torch.compiler, "_is_non_strict_tracing"):
+        # TorchTitan 0.3.0's all-to-all path calls it; torch 2.11 (the GPU image's) lacks it.
+        skipped[ALL_TO_ALL] = (
+            f"TorchTitan 0.3.0 calls torch.compiler._is_non_strict_tracing; torch {torch.__version__} lacks"
+        )
+    return skipped
+
+
 def run(args: argparse.Namespace, comm: Any, device: Any, shape: dict[str, int]) -> dict[str, Any]:
     import torch
 
@@ -282,17 +300,8 @@ def run(args: argparse.Namespace, comm: Any, device: Any, shape: dict[str, int])
         max_recv_tokens=recv_capacity(comm, routings, E),
         timeout_s=300.0,
     )
-    skipped: dict[str, str] = {}
     reason = torchtitan_skip_reason(comm, device)
-    if reason is not None:
-        skipped[ALL_TO_ALL] = skipped[LOCAL] = reason
-    elif world > 1:
-        skipped[LOCAL] = f"runs at one rank only (it does no exchange); this run has {world}"
-    if reason is None and not hasattr(torch.compiler, "_is_non_strict_tracing"):
-        # TorchTitan 0.3.0's all-to-all path calls it; torch 2.11 (the GPU image's) lacks it.
-        skipped[ALL_TO_ALL] = (
-            f"TorchTitan 0.3.0 calls torch.compiler._is_non_strict_tracing; torch {torch.__version__} lacks"
-        )
+    skipped = skipped_dispatchers(reason, world)
     with contextlib.ExitStack() as stack:
         ep = stack.enter_context(
             ExpertParallel(
@@ -327,8 +336,22 @@ def run(args: argparse.Namespace, comm: Any, device: Any, shape: dict[str, int])
             del results
         bar.close()
         ranks_per_node = ep.forward_a2a._boot.topology.local_size
-    rss_mib = comm.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, op=_max_op())
-    settings = dict(
+    rss_mib = comm.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, op=max_op())
+    return dict(
+        settings=settings_of(args, world, ranks_per_node, device, shape),
+        rows=summarize(contenders),
+        agreement=gather_agreement(comm, checks),
+        skipped=skipped,
+        max_recv_tokens=cfg.max_recv_tokens,
+        peak_rss_mib_per_rank=rss_mib,
+    )
+
+
+def settings_of(
+    args: argparse.Namespace, world: int, ranks_per_node: int, device: Any, shape: dict[str, int]
+) -> dict[str, Any]:
+    """The run's configuration, for the block above the table and the JSON."""
+    return dict(
         world=world,
         ranks_per_node=ranks_per_node,
         provider=args.provider,
@@ -338,14 +361,6 @@ def run(args: argparse.Namespace, comm: Any, device: Any, shape: dict[str, int])
         iters=args.iters,
         warmup=args.warmup,
         **shape,
-    )
-    return dict(
-        settings=settings,
-        rows=summarize(contenders),
-        agreement=gather_agreement(comm, checks),
-        skipped=skipped,
-        max_recv_tokens=cfg.max_recv_tokens,
-        peak_rss_mib_per_rank=rss_mib,
     )
 
 
@@ -433,29 +448,23 @@ def main(args: argparse.Namespace) -> int:
     import torch
     from mpi4py import MPI
 
-    from moe_a2a.bench.a2a import _local_rank, _share_cores
-
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     args.dispatch_dtype = args.dispatch_dtype or "bf16"
     args.grad_dtype = args.grad_dtype or "bf16"
-    try:
-        shape = check_args(args, comm.Get_size())
-        if args.device == "cuda":
-            from moe_a2a.backends.cuda import cuda_available
-
-            why = cuda_available()
-            if why is not None:
-                raise TrainArgumentError(f"--device: got 'cuda'; {why}")
-    except TrainArgumentError as e:  # alike on every rank: no abort needed
-        if rank == 0:
-            print(f"moe-a2a bench a2a --train: error: {e}", file=sys.stderr)
-        return 2
+    # A TrainArgumentError is found alike on every rank: moe_a2a.cli ends them together.
+    shape = check_args(args, comm.Get_size())
     if args.device == "cuda":
-        torch.cuda.set_device(_local_rank(comm) % torch.cuda.device_count())
+        from moe_a2a.backends.cuda import cuda_available
+
+        why = cuda_available()
+        if why is not None:
+            raise TrainArgumentError(f"--device: got 'cuda'; {why}")
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank(comm) % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
     else:
-        _share_cores(comm)
+        share_cores(comm)
         device = torch.device("cpu")
     try:
         result = run(args, comm, device, shape)

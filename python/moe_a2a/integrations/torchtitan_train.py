@@ -3,8 +3,11 @@
     torchrun --nproc-per-node 2 -m moe_a2a.integrations.torchtitan_train \\
         --module moe_a2a.integrations.torchtitan_configs --config deepseek_v3_debugmodel_cpu ...
 
-Every argument goes to TorchTitan unchanged. Before TorchTitan is imported this sets
-only what TorchTitan 0.3.0 cannot find on its own (see docs/training.md):
+Every argument goes to TorchTitan unchanged, with one default added: without
+`--dump-folder`, TorchTitan's checkpoints, logs and traces go to `out/torchtitan`
+(TorchTitan's own default, `./outputs`, would litter the working directory; `out/`
+is ignored by git). Before TorchTitan is imported this sets only what TorchTitan
+0.3.0 cannot find on its own (see docs/training.md):
 
 - **The device on a machine without an accelerator.** TorchTitan binds
   `device_type = _get_available_device_type() or "cuda"` at import and has no flag
@@ -90,7 +93,82 @@ def unbound(device_type: str) -> list[str]:
     )
 
 
+PROG = "python -m moe_a2a.integrations.torchtitan_train"
+OUR_CONFIGS = "moe_a2a.integrations.torchtitan_configs"
+EXAMPLE = f"--module {OUR_CONFIGS} --config deepseek_v3_debugmodel_cpu"
+HELP = f"""usage: {PROG} --module MODULE --config CONFIG [TorchTitan's flags ...]
+
+Run TorchTitan's own trainer (torchtitan.train.main), under torchrun or mpirun,
+where it cannot start by itself (no accelerator, an older torch, gloo on one GPU:
+docs/training.md). Every argument goes to TorchTitan unchanged.
+
+  --module MODULE  a module of config functions; moe-a2a's: {OUR_CONFIGS}
+  --config CONFIG  one of its config functions; moe-a2a's: {{configs}}
+  --dump-folder DIR  TorchTitan's outputs (default here: out/torchtitan)
+
+example: torchrun --nproc-per-node 2 -m moe_a2a.integrations.torchtitan_train {EXAMPLE}
+TorchTitan's own flags: {PROG} --module MODULE --config CONFIG --help
+"""
+
+
+def config_functions() -> list[str]:
+    """The config functions of moe-a2a's config module: its public functions that take no argument.
+
+    Read from its source: importing it imports TorchTitan, which must wait for prepare().
+    """
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse((Path(__file__).with_name("torchtitan_configs.py")).read_text())
+    return [
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_") and not node.args.args
+    ]
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def check_args(argv: list[str]) -> str | None:
+    """What is wrong with --module and --config (one line), or None; TorchTitan checks the rest."""
+    module, config = _flag(argv, "--module"), _flag(argv, "--config")
+    if module is None:
+        return f"--module: missing; expected a module of config functions, e.g. {EXAMPLE}"
+    if config is None:
+        return f"--config: missing; expected one of {module}'s config functions"
+    if module == OUR_CONFIGS and config not in config_functions():
+        return f"--config: got {config!r}; expected one of {', '.join(config_functions())}"
+    return None
+
+
+DUMP_FOLDER = "out/torchtitan"
+
+
+def with_dump_folder(argv: list[str]) -> list[str]:
+    """`argv`, with `--dump-folder DUMP_FOLDER` added where it names no dump folder."""
+    if any(a.split("=", 1)[0] in ("--dump-folder", "--dump_folder") for a in argv):
+        return argv
+    return [*argv, "--dump-folder", DUMP_FOLDER]
+
+
 def main() -> None:
+    argv = sys.argv[1:]
+    if _flag(argv, "--module") is None and any(a in ("-h", "--help") for a in argv):
+        print(HELP.format(configs=", ".join(config_functions())), end="")
+        sys.exit(0)
+    problem = check_args(argv)
+    if problem is not None:
+        from moe_a2a.usage import usage_error
+
+        usage_error(PROG, problem)
+    sys.argv[1:] = with_dump_folder(argv)
     device_type = prepare()
     from torchtitan.train import main as titan_main
 
