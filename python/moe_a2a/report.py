@@ -120,6 +120,26 @@ def config_block(title: str, settings: Mapping[str, Any]) -> str:
     return "\n".join([title, *(f"  {k + ':':<{width}} {v}" for k, v in settings.items())])
 
 
+def cuda_tuning() -> dict[str, Any]:
+    """The CUDA kernels' launch tuning this build uses (src/a2a/cuda/tuning.h); {'cuda': False}
+    in a build without them."""
+    from moe_a2a import _core
+
+    return dict(_core.cuda_tuning())
+
+
+def tuning_set() -> str:
+    """The launch tuning as one header line: the build's architectures and a fingerprint of the
+    whole table (equal fingerprints: equal tuning); --output and --json carry the table itself."""
+    import hashlib
+
+    t = cuda_tuning()
+    if not t.get("cuda"):
+        return "no CUDA kernels in this build"
+    digest = hashlib.sha256(json.dumps(t, sort_keys=True).encode()).hexdigest()[:12]
+    return f"sm_{t['architectures']}, table {digest} (src/a2a/cuda/tuning.h)"
+
+
 def switches_set() -> str:
     """The library's switches that are set (moe_a2a.switches), as NAME=VALUE, or 'none set'."""
     from moe_a2a import switches
@@ -174,6 +194,7 @@ def run_meta(benchmark: str, settings: Mapping[str, Any]) -> dict[str, Any]:
         "moe_a2a_version": __version__,
         "command": command_line(),
         "switches": switches.recorded(),
+        "cuda_tuning": cuda_tuning(),
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "settings": dict(settings),

@@ -173,9 +173,11 @@ def test_bench_a2a_cuda_rows_and_table() -> None:
             "sizes",
             "iterations",
             "ceilings",
+            "tuning",
             "switches",
         )
     ]
+    assert config[9].split(":", 1)[1].strip() == report.tuning_set()  # the build's launch tuning
 
 
 def test_bench_a2a_cuda_compares_whole_phases_with_the_engine_alone() -> None:

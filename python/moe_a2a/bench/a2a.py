@@ -302,17 +302,17 @@ def format_config(s: dict[str, Any]) -> str:
             "payloads": f"dispatch {s['dispatch_dtype']}, combine {s['combine_dtype']}",
             "sizes": shapes,
             "iterations": f"{s['iters']} timed after {s['warmup']} warm-up",
+            **({"tuning": report.tuning_set()} if s["device"] == "cuda" else {}),
             "switches": report.switches_set(),
         },
     )
 
 
 def _provider_name(provider: str) -> str:
-    if provider != "auto":
-        return provider
     from moe_a2a.fabric import default_provider
 
-    return f"{default_provider()} (auto)"
+    chosen = default_provider(provider)
+    return chosen if chosen == provider else f"{chosen} (auto)"
 
 
 def _shapes(args: argparse.Namespace) -> list[str]:

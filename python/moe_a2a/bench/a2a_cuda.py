@@ -484,6 +484,7 @@ def format_config(s: dict[str, Any]) -> str:
             "iterations": f"{s['iters']} timed after {s['warmup']} warm-up, {s['rounds']} input sets",
             "ceilings": f"device-to-device copy {s['copy_gbs']:.0f} GB/s (read + write), "
             f"fill {s['fill_gbs']:.0f} GB/s (write only)",
+            "tuning": report.tuning_set(),
             "switches": report.switches_set(),
         },
     )
@@ -545,9 +546,10 @@ def run(args: argparse.Namespace) -> int:
         if kernels:
             print(kernels)
         if args.json:
+            run = {"switches": switches.recorded(), "cuda_tuning": report.cuda_tuning()}
             with open(args.json, "a") as f:
                 for res in results:
-                    f.write(json.dumps({**res, "switches": switches.recorded()}) + "\n")
+                    f.write(json.dumps({**res, **run}) + "\n")
         if args.output:
             meta = {**report.run_meta("a2a --device cuda", settings), "note": note}
             report.write_output(args.output, rows, meta)

@@ -93,7 +93,7 @@ class EngineReference:
         most = max(rows.dispatch, rows.combine)
         self.src = np.zeros(self.routes + max(max_send_copies, max_recv_copies) * most, np.uint8)
         self.recv = np.zeros(self.routes + max(max_send_copies, max_recv_copies) * most, np.uint8)
-        self.engine = Engine(Bootstrap(comm), None if provider in (None, "auto") else provider)
+        self.engine = Engine(Bootstrap(comm), provider)  # "auto" and None resolve alike (default_provider)
         self.src_region = self.engine.register(self.src)
         remotes = self.engine.exchange_region(self.engine.register(self.recv))
         self.group = self.engine.group(self.peers, remotes)

@@ -418,6 +418,7 @@ def format_config(result: dict[str, Any]) -> str:
             f"max_recv_tokens {result['max_recv_tokens']}",
             "iterations": f"{s['iters']} timed after {s['warmup']} warm-up",
             "peak RSS": f"{result['peak_rss_mib_per_rank']} MiB/rank",
+            **({"tuning": report.tuning_set()} if s["device"] == "cuda" else {}),
             "switches": report.switches_set(),
         },
     )

@@ -175,11 +175,9 @@ def publish(
 
 def provider_name(args: argparse.Namespace) -> str:
     """The provider the run uses: --provider, or the default one for auto."""
-    if args.provider != "auto":
-        return args.provider
     from moe_a2a.fabric import default_provider
 
-    return default_provider()
+    return default_provider(args.provider)
 
 
 def _run_config(

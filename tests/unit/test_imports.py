@@ -1,4 +1,4 @@
-"""The CLI's modules import each other in one direction only (no import circles).
+"""The package's modules import each other in one direction only (no import circles).
 
 Reads every `import` of the package's modules, at the top and inside functions,
 and looks for circles through the command-line side: `cli`, `usage`,
@@ -73,3 +73,12 @@ def test_elapsed_ns_on_the_host_clock() -> None:
     result, ns = common.elapsed_ns(lambda: sum(range(200_000)))
     assert result == sum(range(200_000))
     assert 0 < ns < 5e9
+
+
+def test_no_import_circle_between_any_modules() -> None:
+    """No module of the package reaches itself again through others' imports. The package's
+    `__init__` is left out: it re-exports the public names, and `from moe_a2a import _core`
+    names the compiled module, not the front end."""
+    graph = {m: edges - {"moe_a2a"} for m, edges in _import_graph().items() if m != "moe_a2a"}
+    circles = _circles_through(graph, ("moe_a2a.",))
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles[:5])
