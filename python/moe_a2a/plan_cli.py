@@ -56,23 +56,13 @@ def add_parser(sub: Any) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from moe_a2a.a2a_types import Config
     from moe_a2a.layers.presets import get_preset
+    from moe_a2a.layers.run_args import a2a_config
 
     try:
         shape = get_preset(args.model)
         tokens = args.tokens if args.tokens is not None else shape.tokens(args.mode)
-        cfg = Config(
-            max_tokens=tokens,
-            hidden=shape.hidden,
-            num_experts=shape.num_experts,
-            topk=shape.topk,
-            dispatch_dtype=args.dispatch_dtype,
-            combine_dtype=args.combine_dtype,
-            expert_padding=args.expert_padding,
-            max_private_tokens=args.max_private_tokens,
-            max_recv_tokens=args.max_recv_tokens,
-        )
+        cfg = a2a_config(args, shape, tokens)
         p = plan(cfg, args.ranks, args.ranks_per_node, args.device)
     except ValueError as err:
         raise UsageError(_flag_names(str(err))) from None

@@ -10,14 +10,13 @@ several ranks share it, each its own process), plus CUDA graph capture on cuda.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 from ranks import COMM, DEVICE, PROVIDER, RANK, WORLD, device_pytestmark, layouts
 
+from inputs import Inputs, Router, draw_inputs, expert_fn, random_ids
 from moe_a2a import FabricError, PeerFailedError
 from moe_a2a.all_to_all import AllToAll, CapacityError, Config, RowRequest
 from moe_a2a.reference import combine_reference, dequantize_fp8, dispatch_reference, quantize_fp8
@@ -70,41 +69,13 @@ def other_work() -> None:
     assert (a @ a).shape == (128, 128)
 
 
-@dataclass
-class Inputs:
-    xs: list[torch.Tensor]
-    ids: list[torch.Tensor]
-    weights: list[torch.Tensor]
-
-
-Router = Callable[[torch.Generator, int, int, int], torch.Tensor]
-
-
-def random_router(g: torch.Generator, tokens: int, experts: int, topk: int) -> torch.Tensor:
-    """Distinct experts per token, uniformly at random."""
-    if tokens == 0:
-        return torch.empty(0, topk, dtype=torch.int64)
-    return torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)])
+random_router = random_ids
 
 
 def make_inputs(
     seed: int, cfg: Config, router: Router = random_router, tokens: list[int] | None = None
 ) -> Inputs:
-    g = torch.Generator().manual_seed(seed)
-    if tokens is None:
-        tokens = [int(torch.randint(0, cfg.max_tokens + 1, (1,), generator=g)) for _ in range(WORLD)]
-    xs = [(torch.randn(t, cfg.hidden, generator=g) * 4).to(torch.bfloat16) for t in tokens]
-    ids = [router(g, t, cfg.num_experts, cfg.topk) for t in tokens]
-    weights = [torch.rand(t, cfg.topk, generator=g) for t in tokens]
-    return Inputs(xs, ids, weights)
-
-
-def expert_fn(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """A cheap stand-in for the experts that depends on every element."""
-    xf = x.float()
-    if scale is not None:
-        xf = xf * scale.repeat_interleave(128, dim=1)[:, : x.shape[1]]
-    return (xf * 0.75 + 0.5).to(torch.bfloat16)
+    return draw_inputs(seed, cfg, WORLD, tokens, router)
 
 
 def tail_value(origin: torch.Tensor) -> torch.Tensor:
