@@ -68,6 +68,186 @@ MemoryKind memory_kind(const std::string& kind) {
   throw FabricError("register_region: kind: got '" + kind + "'; expected 'host' or 'cuda'");
 }
 
+// What libfabric and the backends offer here, and the immediate's layout.
+void bind_probes(nb::module_& m) {
+  // Calls that may start libfabric or a provider keep the signal dispositions (keep_signals.h).
+  m.def(
+      "libfabric_providers", [] { KeepSignals keep; return libfabric_providers(); },
+      "Provider names libfabric offers on this machine.");
+  m.def(
+      "libfabric_domains", [](const std::string& p) { KeepSignals keep; return libfabric_domains(p); }, nb::arg("provider"),
+        "Domain (device) names a provider offers for the engine's endpoints, in libfabric's order.");
+  m.def("backend_names", &backend_names, "Backends built into this module (open_backend's names).");
+  m.def(
+      "backend_capabilities",
+      [](const std::string& provider, const std::string& domain, const std::string& backend) {
+        Capabilities c;
+        {
+          nb::gil_scoped_release r;
+          KeepSignals keep;
+          c = open_backend({backend, provider, 0, domain})->capabilities();
+        }
+        return capabilities_dict(c);
+      },
+      nb::arg("provider"), nb::arg("domain") = "", nb::arg("backend") = "libfabric",
+      "Opens one endpoint of `provider` (on `domain`, default the first) and returns what its backend reports.");
+  m.def("make_imm", &make_imm, nb::arg("tag"), nb::arg("peer"));
+  m.attr("IMM_PIECE_BIT") = kImmPieceBit;
+  m.attr("MAX_RANKS") = kMaxRanks;
+}
+
+// The receiver's counters, for unit tests of piece counting without a fabric.
+void bind_imm_counters(nb::module_& m) {
+  nb::class_<ImmCounters>(m, "ImmCounters")
+      .def(nb::init<int>(), nb::arg("num_nics"))
+      .def("add", &ImmCounters::add, nb::arg("wire_imm"), "Counts one arrival as it came off the wire.")
+      .def("count", &ImmCounters::peek, nb::arg("imm"), "Whole writes of `imm` counted.")
+      .def(
+          "wait",
+          [](ImmCounters& c, uint32_t imm, uint64_t n, double timeout_s) {
+            uint64_t seen = 0;
+            return c.wait(imm, n, std::chrono::nanoseconds(static_cast<int64_t>(timeout_s * 1e9)), [] {}, &seen);
+          },
+          nb::arg("imm"), nb::arg("count"), nb::arg("timeout_s"), nb::call_guard<nb::gil_scoped_release>(),
+          "Waits for and consumes `count` writes; False on timeout.");
+}
+
+// The handles, and the pure helpers of a write: its pieces, its NIC, the peers' address blobs.
+void bind_write_plan(nb::module_& m) {
+  bind_handle<RegionId>(m, "Region", "A memory region registered with this rank's engine.");
+  bind_handle<RemoteRegionId>(m, "RemoteRegion", "A peer's region, as its descriptor told us.");
+  bind_handle<GroupId>(m, "Group", "Peers bound to their remote regions, with the requests built once.");
+  m.def(
+      "split_write",
+      [](int slot, uint64_t length, int num_nics, uint64_t threshold) {
+        std::vector<std::tuple<int, uint64_t, uint64_t>> out;
+        for (const auto& p : split_write(slot, length, num_nics, threshold)) out.emplace_back(p.nic, p.offset, p.length);
+        return out;
+      },
+      nb::arg("slot"), nb::arg("length"), nb::arg("num_nics"), nb::arg("threshold"),
+      "Pieces (nic, offset, length) of one write.");
+  m.def("nic_for_peer", &nic_for_peer, nb::arg("slot"), nb::arg("num_nics"));
+  m.def("peer_slot", &peer_slot, nb::arg("rank"), nb::arg("peer"), nb::arg("world"));
+  m.def(
+      "encode_address",
+      [](const std::string& provider, const std::vector<nb::bytes>& nics) {
+        AddressBlob a{provider, {}};
+        for (const auto& n : nics) a.nics.push_back(from_py(n));
+        return to_py(encode_address(a));
+      },
+      nb::arg("provider"), nb::arg("nics"));
+  m.def(
+      "decode_address",
+      [](const nb::bytes& blob) {
+        AddressBlob a = decode_address(from_py(blob), "address blob");
+        std::vector<nb::bytes> nics;
+        for (const auto& n : a.nics) nics.push_back(to_py(n));
+        return std::make_pair(a.provider, nics);
+      },
+      nb::arg("blob"));
+}
+
+void bind_scatter_item(nb::module_& m) {
+  nb::class_<ScatterItem>(m, "ScatterItem")
+      .def(nb::init<>())
+      .def(
+          "__init__",
+          [](ScatterItem* s, uint32_t peer, uint64_t src_offset, uint64_t length, uint64_t dst_offset) {
+            new (s) ScatterItem{peer, src_offset, length, dst_offset};
+          },
+          nb::arg("peer"), nb::arg("src_offset"), nb::arg("length"), nb::arg("dst_offset"))
+      .def_rw("peer", &ScatterItem::peer)
+      .def_rw("src_offset", &ScatterItem::src_offset)
+      .def_rw("length", &ScatterItem::length)
+      .def_rw("dst_offset", &ScatterItem::dst_offset);
+}
+
+// The proxy's view of an engine (proxy_engine.h): what CpuAllToAll and
+// CudaAllToAll take, a TransferEngine or a MemoryEngine alike.
+void bind_proxy_engine(nb::module_& m) {
+  using release = nb::call_guard<nb::gil_scoped_release>;
+  nb::class_<ProxyEngine>(m, "ProxyEngine")
+      .def_prop_ro("rank", &ProxyEngine::rank)
+      .def_prop_ro("world", &ProxyEngine::world)
+      .def("write", &ProxyEngine::write, nb::arg("region"), nb::arg("src_offset"), nb::arg("length"),
+           nb::arg("remote"), nb::arg("dst_offset"), nb::arg("tag") = nb::none(), release())
+      .def(
+          "scatter",
+          [](ProxyEngine& e, GroupId group, RegionId region, const std::vector<ScatterItem>& items,
+             std::optional<uint32_t> tag) {
+            nb::gil_scoped_release r;
+            e.scatter(group, region, items.data(), items.size(), tag);
+          },
+          nb::arg("group"), nb::arg("region"), nb::arg("items"), nb::arg("tag") = nb::none())
+      .def(
+          "barrier",
+          [](ProxyEngine& e, GroupId group, uint32_t tag, double timeout_s) {
+            moe_a2a::a2a::Backoff looks;  // Ctrl-C ends the wait (wait.h)
+            e.barrier(group, tag, timeout_s, [&looks] { looks.poll_interrupt(); });
+          },
+          nb::arg("group"), nb::arg("tag"), nb::arg("timeout_s"), release())
+      .def(
+          "wait_imm",
+          [](ProxyEngine& e, uint32_t tag, int peer, uint64_t count, double timeout_s) {
+            moe_a2a::a2a::Backoff looks;  // Ctrl-C ends the wait (wait.h)
+            e.wait_imm(tag, peer, count, timeout_s, [&looks] { looks.poll_interrupt(); });
+          },
+          nb::arg("tag"), nb::arg("peer"), nb::arg("count"), nb::arg("timeout_s"), release())
+      .def("imm_count", &ProxyEngine::imm_count, nb::arg("tag"), nb::arg("peer"))
+      .def("wait_tx", &ProxyEngine::wait_tx, nb::arg("timeout_s"), release())
+      .def_prop_ro("tx_submitted", &ProxyEngine::tx_submitted)
+      .def_prop_ro("tx_completed", &ProxyEngine::tx_completed)
+      .def_prop_ro("error", &ProxyEngine::error);
+}
+
+void bind_transfer_engine(nb::module_& m) {
+  nb::class_<TransferEngine, ProxyEngine>(m, "TransferEngine")
+      .def(
+          "__init__",
+          [](TransferEngine* e, int rank, int world, const std::string& provider, int num_nics,
+             uint64_t split_threshold, const std::vector<std::string>& domains, const std::string& backend) {
+            KeepSignals keep;
+            new (e) TransferEngine(rank, world, EngineOptions{backend, provider, num_nics, split_threshold, domains});
+          },
+          nb::arg("rank"), nb::arg("world"), nb::arg("provider") = "tcp", nb::arg("num_nics") = 1,
+          nb::arg("split_threshold") = 1ull << 20, nb::arg("domains") = std::vector<std::string>{},
+          nb::arg("backend") = "libfabric")
+      .def_prop_ro("num_nics", &TransferEngine::num_nics)
+      .def_prop_ro("provider", &TransferEngine::provider)
+      .def_prop_ro("backend", &TransferEngine::backend)
+      .def(
+          "capabilities", [](const TransferEngine& e, int nic) { return capabilities_dict(e.capabilities(nic)); },
+          nb::arg("nic") = 0, "What NIC `nic`'s backend reports it can do.")
+      .def("address", [](const TransferEngine& e) { return to_py(e.address()); })
+      .def(
+          "connect",
+          [](TransferEngine& e, const std::vector<nb::bytes>& addrs) {
+            std::vector<Bytes> v;
+            for (const auto& a : addrs) v.push_back(from_py(a));
+            nb::gil_scoped_release r;
+            e.connect(v);
+          },
+          nb::arg("addresses"))
+      .def(
+          "register_region",
+          [](TransferEngine& e, uintptr_t ptr, uint64_t length, const std::string& kind, int device) {
+            MemoryKind k = memory_kind(kind);
+            nb::gil_scoped_release r;
+            return e.register_region(reinterpret_cast<void*>(ptr), length, k, device);
+          },
+          nb::arg("ptr"), nb::arg("length"), nb::arg("kind") = "host", nb::arg("device") = -1)
+      .def("region_descriptor", [](const TransferEngine& e, RegionId r) { return to_py(e.region_descriptor(r)); })
+      .def(
+          "add_remote_region",
+          [](TransferEngine& e, int peer, const nb::bytes& d) { return e.add_remote_region(peer, from_py(d)); },
+          nb::arg("peer"), nb::arg("descriptor"))
+      .def("create_group", &TransferEngine::create_group, nb::arg("peers"), nb::arg("remote_regions"))
+      .def("release", &TransferEngine::release, nb::arg("region"), nb::arg("group").none())
+      .def("arrivals", &TransferEngine::arrivals, nb::arg("nic"), "Immediates that arrived on NIC `nic` (debug).")
+      .def_prop_ro("hot_path_allocations", &TransferEngine::hot_path_allocations,
+                   "Times a queue of the write path grew (a heap allocation); 0 once the groups are registered.");
+}
+
 }  // namespace
 
 // The in-memory fabric (memory_engine.h): every rank of a world in this
@@ -120,172 +300,12 @@ void bind_memory_fabric(nb::module_& m) {
 }
 
 void bind_fabric(nb::module_& m) {
-  using release = nb::call_guard<nb::gil_scoped_release>;
-
-  // Calls that may start libfabric or a provider keep the signal dispositions (keep_signals.h).
-  m.def(
-      "libfabric_providers", [] { KeepSignals keep; return libfabric_providers(); },
-      "Provider names libfabric offers on this machine.");
-  m.def(
-      "libfabric_domains", [](const std::string& p) { KeepSignals keep; return libfabric_domains(p); }, nb::arg("provider"),
-        "Domain (device) names a provider offers for the engine's endpoints, in libfabric's order.");
-  m.def("backend_names", &backend_names, "Backends built into this module (open_backend's names).");
-  m.def(
-      "backend_capabilities",
-      [](const std::string& provider, const std::string& domain, const std::string& backend) {
-        Capabilities c;
-        {
-          nb::gil_scoped_release r;
-          KeepSignals keep;
-          c = open_backend({backend, provider, 0, domain})->capabilities();
-        }
-        return capabilities_dict(c);
-      },
-      nb::arg("provider"), nb::arg("domain") = "", nb::arg("backend") = "libfabric",
-      "Opens one endpoint of `provider` (on `domain`, default the first) and returns what its backend reports.");
-  m.def("make_imm", &make_imm, nb::arg("tag"), nb::arg("peer"));
-  m.attr("IMM_PIECE_BIT") = kImmPieceBit;
-  m.attr("MAX_RANKS") = kMaxRanks;
-
-  // The receiver's counters, for unit tests of piece counting without a fabric.
-  nb::class_<ImmCounters>(m, "ImmCounters")
-      .def(nb::init<int>(), nb::arg("num_nics"))
-      .def("add", &ImmCounters::add, nb::arg("wire_imm"), "Counts one arrival as it came off the wire.")
-      .def("count", &ImmCounters::peek, nb::arg("imm"), "Whole writes of `imm` counted.")
-      .def(
-          "wait",
-          [](ImmCounters& c, uint32_t imm, uint64_t n, double timeout_s) {
-            uint64_t seen = 0;
-            return c.wait(imm, n, std::chrono::nanoseconds(static_cast<int64_t>(timeout_s * 1e9)), [] {}, &seen);
-          },
-          nb::arg("imm"), nb::arg("count"), nb::arg("timeout_s"), nb::call_guard<nb::gil_scoped_release>(),
-          "Waits for and consumes `count` writes; False on timeout.");
-
-  bind_handle<RegionId>(m, "Region", "A memory region registered with this rank's engine.");
-  bind_handle<RemoteRegionId>(m, "RemoteRegion", "A peer's region, as its descriptor told us.");
-  bind_handle<GroupId>(m, "Group", "Peers bound to their remote regions, with the requests built once.");
-  m.def(
-      "split_write",
-      [](int slot, uint64_t length, int num_nics, uint64_t threshold) {
-        std::vector<std::tuple<int, uint64_t, uint64_t>> out;
-        for (const auto& p : split_write(slot, length, num_nics, threshold)) out.emplace_back(p.nic, p.offset, p.length);
-        return out;
-      },
-      nb::arg("slot"), nb::arg("length"), nb::arg("num_nics"), nb::arg("threshold"),
-      "Pieces (nic, offset, length) of one write.");
-  m.def("nic_for_peer", &nic_for_peer, nb::arg("slot"), nb::arg("num_nics"));
-  m.def("peer_slot", &peer_slot, nb::arg("rank"), nb::arg("peer"), nb::arg("world"));
-  m.def(
-      "encode_address",
-      [](const std::string& provider, const std::vector<nb::bytes>& nics) {
-        AddressBlob a{provider, {}};
-        for (const auto& n : nics) a.nics.push_back(from_py(n));
-        return to_py(encode_address(a));
-      },
-      nb::arg("provider"), nb::arg("nics"));
-  m.def(
-      "decode_address",
-      [](const nb::bytes& blob) {
-        AddressBlob a = decode_address(from_py(blob), "address blob");
-        std::vector<nb::bytes> nics;
-        for (const auto& n : a.nics) nics.push_back(to_py(n));
-        return std::make_pair(a.provider, nics);
-      },
-      nb::arg("blob"));
-
-  nb::class_<ScatterItem>(m, "ScatterItem")
-      .def(nb::init<>())
-      .def(
-          "__init__",
-          [](ScatterItem* s, uint32_t peer, uint64_t src_offset, uint64_t length, uint64_t dst_offset) {
-            new (s) ScatterItem{peer, src_offset, length, dst_offset};
-          },
-          nb::arg("peer"), nb::arg("src_offset"), nb::arg("length"), nb::arg("dst_offset"))
-      .def_rw("peer", &ScatterItem::peer)
-      .def_rw("src_offset", &ScatterItem::src_offset)
-      .def_rw("length", &ScatterItem::length)
-      .def_rw("dst_offset", &ScatterItem::dst_offset);
-
-  // The proxy's view of an engine (proxy_engine.h): what CpuAllToAll and
-  // CudaAllToAll take, a TransferEngine or a MemoryEngine alike.
-  nb::class_<ProxyEngine>(m, "ProxyEngine")
-      .def_prop_ro("rank", &ProxyEngine::rank)
-      .def_prop_ro("world", &ProxyEngine::world)
-      .def("write", &ProxyEngine::write, nb::arg("region"), nb::arg("src_offset"), nb::arg("length"),
-           nb::arg("remote"), nb::arg("dst_offset"), nb::arg("tag") = nb::none(), release())
-      .def(
-          "scatter",
-          [](ProxyEngine& e, GroupId group, RegionId region, const std::vector<ScatterItem>& items,
-             std::optional<uint32_t> tag) {
-            nb::gil_scoped_release r;
-            e.scatter(group, region, items.data(), items.size(), tag);
-          },
-          nb::arg("group"), nb::arg("region"), nb::arg("items"), nb::arg("tag") = nb::none())
-      .def(
-          "barrier",
-          [](ProxyEngine& e, GroupId group, uint32_t tag, double timeout_s) {
-            moe_a2a::a2a::Backoff looks;  // Ctrl-C ends the wait (wait.h)
-            e.barrier(group, tag, timeout_s, [&looks] { looks.poll_interrupt(); });
-          },
-          nb::arg("group"), nb::arg("tag"), nb::arg("timeout_s"), release())
-      .def(
-          "wait_imm",
-          [](ProxyEngine& e, uint32_t tag, int peer, uint64_t count, double timeout_s) {
-            moe_a2a::a2a::Backoff looks;  // Ctrl-C ends the wait (wait.h)
-            e.wait_imm(tag, peer, count, timeout_s, [&looks] { looks.poll_interrupt(); });
-          },
-          nb::arg("tag"), nb::arg("peer"), nb::arg("count"), nb::arg("timeout_s"), release())
-      .def("imm_count", &ProxyEngine::imm_count, nb::arg("tag"), nb::arg("peer"))
-      .def("wait_tx", &ProxyEngine::wait_tx, nb::arg("timeout_s"), release())
-      .def_prop_ro("tx_submitted", &ProxyEngine::tx_submitted)
-      .def_prop_ro("tx_completed", &ProxyEngine::tx_completed)
-      .def_prop_ro("error", &ProxyEngine::error);
-
-  nb::class_<TransferEngine, ProxyEngine>(m, "TransferEngine")
-      .def(
-          "__init__",
-          [](TransferEngine* e, int rank, int world, const std::string& provider, int num_nics,
-             uint64_t split_threshold, const std::vector<std::string>& domains, const std::string& backend) {
-            KeepSignals keep;
-            new (e) TransferEngine(rank, world, EngineOptions{backend, provider, num_nics, split_threshold, domains});
-          },
-          nb::arg("rank"), nb::arg("world"), nb::arg("provider") = "tcp", nb::arg("num_nics") = 1,
-          nb::arg("split_threshold") = 1ull << 20, nb::arg("domains") = std::vector<std::string>{},
-          nb::arg("backend") = "libfabric")
-      .def_prop_ro("num_nics", &TransferEngine::num_nics)
-      .def_prop_ro("provider", &TransferEngine::provider)
-      .def_prop_ro("backend", &TransferEngine::backend)
-      .def(
-          "capabilities", [](const TransferEngine& e, int nic) { return capabilities_dict(e.capabilities(nic)); },
-          nb::arg("nic") = 0, "What NIC `nic`'s backend reports it can do.")
-      .def("address", [](const TransferEngine& e) { return to_py(e.address()); })
-      .def(
-          "connect",
-          [](TransferEngine& e, const std::vector<nb::bytes>& addrs) {
-            std::vector<Bytes> v;
-            for (const auto& a : addrs) v.push_back(from_py(a));
-            nb::gil_scoped_release r;
-            e.connect(v);
-          },
-          nb::arg("addresses"))
-      .def(
-          "register_region",
-          [](TransferEngine& e, uintptr_t ptr, uint64_t length, const std::string& kind, int device) {
-            MemoryKind k = memory_kind(kind);
-            nb::gil_scoped_release r;
-            return e.register_region(reinterpret_cast<void*>(ptr), length, k, device);
-          },
-          nb::arg("ptr"), nb::arg("length"), nb::arg("kind") = "host", nb::arg("device") = -1)
-      .def("region_descriptor", [](const TransferEngine& e, RegionId r) { return to_py(e.region_descriptor(r)); })
-      .def(
-          "add_remote_region",
-          [](TransferEngine& e, int peer, const nb::bytes& d) { return e.add_remote_region(peer, from_py(d)); },
-          nb::arg("peer"), nb::arg("descriptor"))
-      .def("create_group", &TransferEngine::create_group, nb::arg("peers"), nb::arg("remote_regions"))
-      .def("release", &TransferEngine::release, nb::arg("region"), nb::arg("group").none())
-      .def("arrivals", &TransferEngine::arrivals, nb::arg("nic"), "Immediates that arrived on NIC `nic` (debug).")
-      .def_prop_ro("hot_path_allocations", &TransferEngine::hot_path_allocations,
-                   "Times a queue of the write path grew (a heap allocation); 0 once the groups are registered.");
-
+  // In this order: ProxyEngine before the engines derived from it; the stub (_core.pyi) follows it.
+  bind_probes(m);
+  bind_imm_counters(m);
+  bind_write_plan(m);
+  bind_scatter_item(m);
+  bind_proxy_engine(m);
+  bind_transfer_engine(m);
   bind_memory_fabric(m);
 }

@@ -92,7 +92,7 @@ def test_many_idle_instances_use_little_cpu(seed: int) -> None:
 @pytest.mark.mpi(min_size=1)
 def test_one_node_opens_no_endpoint(seed: int) -> None:
     """Every peer on this node: no engine, so no shm endpoint file that a killed rank could leak."""
-    before = set(shm_endpoint_files())  # engines that earlier tests keep (tests/mpi/test_fabric.py)
+    before = set(shm_endpoint_files())  # engines that earlier tests keep (tests/mpi/test_fabric*.py)
     a2a = make_a2a(None)
     try:
         engine = a2a._setup.engine if a2a._setup is not None else "closed"

@@ -14,7 +14,7 @@ Rank r keeps experts [r * E/N, (r+1) * E/N), the block that the all-to-all sends
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 import torch
@@ -210,6 +210,15 @@ def shard_state_dict(
     tensors can be freed. Shapes are checked against each other and, if given,
     against `shape`. `dtype` casts the expert weights.
     """
+    layer, name = _layer_entries(state_dict, prefix)
+    num_experts = _check_shapes(layer, prefix, name, shape)
+    return _copy_block(layer, local_experts(num_experts, rank, world_size), dtype, device)
+
+
+def _layer_entries(
+    state_dict: Mapping[str, torch.Tensor], prefix: str
+) -> tuple[dict[str, torch.Tensor], Callable[[str], str]]:
+    """The layer's tensors under `prefix` by this library's names, and how the caller spelled each key."""
     layer = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
     known = {GATE, *EXPERT_KEYS, *SHARED_KEYS, BIAS, *IGNORED_KEYS}
     unknown = sorted(set(layer) - known - set(TORCHTITAN_KEYS))
@@ -228,6 +237,13 @@ def shard_state_dict(
         raise ValueError(
             f"state_dict: missing {[prefix + k for k in missing]}; found {sorted(name(k) for k in layer)}"
         )
+    return layer, name
+
+
+def _check_shapes(
+    layer: dict[str, torch.Tensor], prefix: str, name: Callable[[str], str], shape: MoEShape | None
+) -> int:
+    """Checks the tensors' shapes against each other and `shape`; returns the number of experts."""
     gate = layer[GATE]
     if gate.dim() != 2:
         raise ValueError(f"state_dict[{prefix + GATE!r}]: got shape {tuple(gate.shape)}; expected [E, D]")
@@ -270,7 +286,16 @@ def shard_state_dict(
                     f"state_dict: {field_name} is {value}; the model shape expects "
                     f"{getattr(shape, field_name)}"
                 )
-    block = local_experts(E, rank, world_size)
+    return E
+
+
+def _copy_block(
+    layer: dict[str, torch.Tensor],
+    block: range,
+    dtype: torch.dtype | None,
+    device: torch.device | str | None,
+) -> MoEWeights:
+    """Copies of the router, the shared expert and the routed experts of `block`."""
 
     def keep(t: torch.Tensor, cast: bool = True, rows: range | None = None) -> torch.Tensor:
         if rows is not None:
@@ -282,7 +307,7 @@ def shard_state_dict(
         return None if t is None else keep(t, cast)
 
     return MoEWeights(
-        gate=keep(gate, cast=False),
+        gate=keep(layer[GATE], cast=False),
         w1=keep(layer[EXPERT_KEYS[0]], rows=block),
         w2=keep(layer[EXPERT_KEYS[1]], rows=block),
         w3=keep(layer[EXPERT_KEYS[2]], rows=block),
