@@ -275,6 +275,13 @@ class DType(enum.Enum):
 
     fp8 = 2
 
+class FabricRows(enum.Enum):
+    expert = 0
+
+    rank = 1
+
+    node = 2
+
 class A2AConfig:
     def __init__(self) -> None: ...
 
@@ -368,6 +375,15 @@ class A2AConfig:
     @slice_bytes.setter
     def slice_bytes(self, arg: int, /) -> None: ...
 
+    @property
+    def fabric_rows(self) -> FabricRows: ...
+
+    @fabric_rows.setter
+    def fabric_rows(self, arg: FabricRows, /) -> None: ...
+
+    @property
+    def routing_width(self) -> int: ...
+
     max_instances: Final[int] = ...
     """(arg: object, /) -> int"""
 
@@ -446,7 +462,7 @@ class CpuAllToAll:
 
     def copy_routing(self, out: int) -> None:
         """
-        The last dispatch's routing matrix [world][num_experts] (uint32) into out.
+        The last dispatch's routing matrix [world][num_experts + world] (uint32) into out.
         """
 
     @property

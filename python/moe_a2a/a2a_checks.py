@@ -92,7 +92,8 @@ class CallChecks:
         if topk_ids is not None:
             raise ValueError("dispatch: with routing=, leave topk_ids out (the routing has them)")
         want = (self.rank, self.world_size, self.cfg.num_experts, self.cfg.topk)
-        got = (routing.rank, routing.world_size, routing.matrix.shape[1], routing.topk_ids.shape[1])
+        experts = routing.matrix.shape[1] - routing.world_size  # the rest: wire rows per rank
+        got = (routing.rank, routing.world_size, experts, routing.topk_ids.shape[1])
         if got != want or routing.max_tokens > self.cfg.max_tokens:
             raise ValueError(
                 f"dispatch: routing: made for (rank, world size, num_experts, topk) = {got} and "
@@ -115,7 +116,7 @@ class CallChecks:
     def own_row(self, routing: Routing, ids: torch.Tensor) -> None:
         """Where it costs no stream synchronisation: our row of the matrix is what the ids count."""
         counts = torch.bincount(ids.flatten().to(torch.int64), minlength=self.cfg.num_experts)
-        if not torch.equal(counts.to(torch.int32), routing.matrix[self.rank]):
+        if not torch.equal(counts.to(torch.int32), routing.matrix[self.rank, : self.cfg.num_experts]):
             raise ValueError(
                 f"dispatch: routing: row {self.rank} of its matrix does not count its topk_ids; "
                 "expected the Routing as dispatch returned it, unchanged"

@@ -54,6 +54,7 @@ def core_config(cfg: Config, rank: int, world_size: int, ranks_per_node: int, sl
     c.max_private_tokens, c.max_recv_tokens = cfg.resolved(world_size)
     c.timeout_s = float(cfg.timeout_s)
     c.slice_bytes = slice_bytes
+    c.fabric_rows = getattr(_core.FabricRows, cfg.fabric_rows)
     return c
 
 

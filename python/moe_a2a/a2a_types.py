@@ -17,6 +17,10 @@ from moe_a2a.backends.common import routing_rows
 DISPATCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
 COMBINE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DEVICES = ("cpu", "cuda")
+# What one row on the fabric is (docs/protocol.md, "Rows per destination rank"): "rank" sends
+# a token once per remote destination rank and combines it reduced there; "expert" sends one
+# row per (token, k) copy, as before. Same-node peers exchange copies in both.
+FABRIC_ROWS = ("rank", "expert")
 PATHS = ("same_node", "fabric")
 
 # The core holds sizes and row indices as 32-bit ints.
@@ -42,6 +46,7 @@ class Config:
     max_private_tokens: int | None = None
     max_recv_tokens: int | None = None
     timeout_s: float = 60.0
+    fabric_rows: str = "rank"
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "hidden", "num_experts", "topk", "expert_padding"):
@@ -56,6 +61,10 @@ class Config:
             raise ValueError(
                 f"combine_dtype: got {self.combine_dtype!r}; expected one of {list(COMBINE_DTYPES)}"
             )
+        if self.fabric_rows == "node":
+            raise ValueError("fabric_rows: 'node' is not built yet; use 'rank' or 'expert'")
+        if self.fabric_rows not in FABRIC_ROWS:
+            raise ValueError(f"fabric_rows: got {self.fabric_rows!r}; expected one of {list(FABRIC_ROWS)}")
         if self.max_private_tokens is not None:
             positive_int("max_private_tokens", self.max_private_tokens, minimum=0)
         if self.max_recv_tokens is not None:
@@ -101,7 +110,9 @@ class Routing:
     they are: the positions of every rank's rows follow from them.
     """
 
-    matrix: torch.Tensor  # [world, num_experts] int32: count[s][e], on the host (pinned for CUDA)
+    # [world, num_experts + world] int32, on the host (pinned for CUDA): row s is count[s][e],
+    # then the wire rows s sends each rank (docs/protocol.md, "Rows per destination rank").
+    matrix: torch.Tensor
     topk_ids: torch.Tensor  # [T, topk], as the core took them
     topk_weights: torch.Tensor  # [T, topk] fp32
     rank: int = field(repr=False)

@@ -273,7 +273,7 @@ class AllToAll:
         if keep_routing:
             keep = torch.empty(
                 self.world_size,
-                self.cfg.num_experts,
+                self.cfg.num_experts + self.world_size,
                 dtype=torch.int32,
                 pin_memory=self.device.type == "cuda",
             )

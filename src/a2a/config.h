@@ -11,6 +11,14 @@ namespace moe_a2a::a2a {
 
 enum class DType : uint8_t { kBf16 = 0, kFp32 = 1, kFp8 = 2 };
 
+// What one row on the fabric is (docs/protocol.md, "Rows per destination
+// rank"). kExpert: one row per (token, k) copy, the combine returns one row
+// per copy. kRank: towards a rank of another node a token crosses once,
+// carrying its entries for that rank, and the combine comes back reduced,
+// one row per (token, origin). Same-node peers always exchange copies.
+// kNode (per-node forwarding) is reserved and refused.
+enum class FabricRows : uint8_t { kExpert = 0, kRank = 1, kNode = 2 };
+
 // Row math of a weighted dispatch receive (bf16 or fp32 rows), on the CPU and
 // the GPU: each output row delivered times a per-row scale, and its dot
 // product with a row of another tensor (the weighted combine's backward, in
@@ -29,7 +37,8 @@ constexpr size_t kSectionAlign = 64;  // workspace sections start on a cache lin
 // Every row ends with a tail of its own after its body: a dispatch row's holds
 // its copy's routing weight, a combine row's one value the expert side returns
 // for it (fp32 each; docs/protocol.md, "Row tails"). A whole 16 bytes, so the
-// body can leave in bulk copies and the tail in a store of its own.
+// body can leave in bulk copies and the tail in a store of its own. With
+// FabricRows::kRank the tails are wider (row_tail.h, A2AConfig::*_tail_bytes).
 constexpr size_t kRowTail = 16;
 // Immediate tags are 16 bits: 3 for the kind of write, 5 for the slice of a
 // peer's rows (slices.h: the part, then the slice in it), 8 for the instance.
@@ -62,6 +71,7 @@ struct A2AConfig {
   // Rows to one peer cross the fabric in writes of about this many bytes
   // (slices.h), at most 16 per part; 0: one write per part.
   uint64_t slice_bytes = 0;
+  FabricRows fabric_rows = FabricRows::kRank;
 
   // The one deadline rule: how long the compute side (a host wait, a kernel)
   // waits for its proxy. The proxy's own waits last up to timeout_s each, and
@@ -72,14 +82,29 @@ struct A2AConfig {
   int num_local_experts() const { return num_experts / world; }
   int node_of(int r) const { return r / ranks_per_node; }
   bool same_node(int r) const { return node_of(r) == node_of(rank); }
+  // Words of a routing row: count[s][0..E), then the wire rows u[s][0..N).
+  int routing_width() const { return num_experts + world; }
+  // Rows per destination rank are in use: mode rank with a peer on another
+  // node. Without one, mode rank is mode expert bit for bit, narrow tails too.
+  bool rank_rows() const { return fabric_rows == FabricRows::kRank && world > ranks_per_node; }
+  // Whether s and r exchange one row per (token, destination rank) rather
+  // than one per copy: mode rank and different nodes.
+  bool per_rank(int s, int r) const { return rank_rows() && node_of(s) != node_of(r); }
+  // m = min(K, L): the most entries one row per rank carries.
+  int max_entries() const { return topk < num_local_experts() ? topk : num_local_experts(); }
+  // Tail bytes (row_tail.h): mode expert 16; rank rows m entries of 8 bytes
+  // (dispatch) and m fp32 values (combine), each to a whole 16 bytes. One
+  // width for every row of an instance, so each section has one stride.
+  size_t dispatch_tail_bytes() const { return rank_rows() ? align_up(8 * static_cast<size_t>(max_entries()), 16) : kRowTail; }
+  size_t combine_tail_bytes() const { return rank_rows() ? align_up(4 * static_cast<size_t>(max_entries()), 16) : kRowTail; }
   int num_scales() const { return dispatch_dtype == DType::kFp8 ? (hidden + kFp8Block - 1) / kFp8Block : 0; }
   size_t payload_bytes() const { return static_cast<size_t>(hidden) * dtype_bytes(dispatch_dtype); }
   size_t dispatch_body_bytes() const { return align_up(payload_bytes() + num_scales() * sizeof(float), kRowAlign); }
-  size_t dispatch_row_bytes() const { return dispatch_body_bytes() + kRowTail; }
+  size_t dispatch_row_bytes() const { return dispatch_body_bytes() + dispatch_tail_bytes(); }
   size_t combine_body_bytes() const {
     return align_up(static_cast<size_t>(hidden) * dtype_bytes(combine_dtype), kRowAlign);
   }
-  size_t combine_row_bytes() const { return combine_body_bytes() + kRowTail; }
+  size_t combine_row_bytes() const { return combine_body_bytes() + combine_tail_bytes(); }
 
   // The Python layer validates with friendlier messages; this guards the core.
   void validate() const {
@@ -95,6 +120,12 @@ struct A2AConfig {
     if (expert_padding < 1) bad("expert_padding must be >= 1");
     if (max_private_tokens < 0 || max_recv_tokens < 1) bad("max_private_tokens >= 0 and max_recv_tokens >= 1 expected");
     if (combine_dtype == DType::kFp8) bad("combine_dtype must be bf16 or fp32");
+    if (fabric_rows == FabricRows::kNode) bad("fabric_rows='node' is not built yet; use 'rank' or 'expert'");
+    if (fabric_rows != FabricRows::kExpert && fabric_rows != FabricRows::kRank)
+      bad("fabric_rows " + std::to_string(static_cast<int>(fabric_rows)) + " unknown; expected 'rank' or 'expert'");
+    if (rank_rows() && (num_local_experts() >= 0xFFFF || topk > 0xFFFF))
+      bad("fabric_rows='rank' holds expert and k in 16 bits: " + std::to_string(num_local_experts()) +
+          " experts per rank and topk " + std::to_string(topk) + " must be below 65535");
     if (instance < 0 || instance >= kMaxInstances)
       bad("instance " + std::to_string(instance) + " outside [0, " + std::to_string(kMaxInstances) + ")");
   }

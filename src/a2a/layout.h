@@ -48,8 +48,11 @@ struct Layout {
   size_t total = 0;
   size_t dispatch_row = 0;
   size_t combine_row = 0;
-  size_t dispatch_tail = 0;  // offset of a dispatch row's tail (its copy's weight, fp32)
-  size_t combine_tail = 0;   // offset of a combine row's tail (its returned value, fp32)
+  size_t dispatch_tail = 0;  // offset of a dispatch row's tail (its copy's weight, fp32; rank rows: RouteEntry[m])
+  size_t combine_tail = 0;   // offset of a combine row's tail (its returned value, fp32; rank rows: m of them)
+  size_t dispatch_tail_bytes = 0;
+  size_t combine_tail_bytes = 0;
+  size_t routing_width = 0;  // words of a routing row: E + N
 
   static Layout of(const A2AConfig& c) {
     Layout l;
@@ -57,6 +60,9 @@ struct Layout {
     l.combine_row = c.combine_row_bytes();
     l.dispatch_tail = c.dispatch_body_bytes();
     l.combine_tail = c.combine_body_bytes();
+    l.dispatch_tail_bytes = c.dispatch_tail_bytes();
+    l.combine_tail_bytes = c.combine_tail_bytes();
+    l.routing_width = c.routing_width();
     size_t at = 0;
     auto section = [&at](size_t bytes) {
       size_t start = at;
@@ -65,7 +71,7 @@ struct Layout {
     };
     size_t world = c.world, max_copies = static_cast<size_t>(c.max_tokens) * c.topk;
     l.flags = section(world * kNumFlagKinds * kFlagStride);
-    l.routing = section(world * c.num_experts * sizeof(uint32_t));
+    l.routing = section(world * l.routing_width * sizeof(uint32_t));
     l.private_rows = section(world * c.max_private_tokens * l.dispatch_row);
     l.shared_rows = section(static_cast<size_t>(c.max_recv_tokens) * l.dispatch_row);
     l.send = section(max_copies * l.dispatch_row);
@@ -79,9 +85,7 @@ struct Layout {
 
   size_t flag(int sender, FlagKind kind) const { return flags + (static_cast<size_t>(sender) * kNumFlagKinds + kind) * kFlagStride; }
   size_t abort_record(int sender) const { return aborts + static_cast<size_t>(sender) * kAbortStride; }
-  size_t routing_row(int sender, int num_experts) const {
-    return routing + static_cast<size_t>(sender) * num_experts * sizeof(uint32_t);
-  }
+  size_t routing_row(int sender) const { return routing + static_cast<size_t>(sender) * routing_width * sizeof(uint32_t); }
 };
 
 inline RoutingStamp* routing_stamp_at(uint8_t* workspace, const Layout& l, int sender) {

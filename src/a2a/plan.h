@@ -1,5 +1,5 @@
 // The position formulas of docs/protocol.md, as pure functions of the routing
-// matrix (count[s][e], N x E). Every implementation (CPU loops, CUDA kernels,
+// matrix (count[s][e] and wire rows u[s][r], N x (E + N)). Every implementation (CPU loops, CUDA kernels,
 // the proxy) places rows with these, so they agree by construction.
 #pragma once
 
@@ -13,80 +13,127 @@
 
 namespace moe_a2a::a2a {
 
-// Read-only view of the gathered routing matrix.
+// Read-only view of the gathered routing matrix: row s is count[s][0..E),
+// then u[s][0..N), the wire rows s sends each rank (docs/protocol.md, "Rows
+// per destination rank"). Copies (to_rank, received) place the expert-major
+// output and bound capacity; wire rows (rows) place everything on the wire.
 struct RoutingView {
-  const uint32_t* counts = nullptr;  // [world][num_experts]
+  const uint32_t* counts = nullptr;  // [world][width]
   int world = 0;
   int num_experts = 0;
-  int local = 0;  // experts per rank
+  int local = 0;   // experts per rank
+  int width = 0;   // words per row: num_experts + ranks
 
-  uint32_t count(int s, int e) const { return counts[static_cast<size_t>(s) * num_experts + e]; }
+  RoutingView() = default;
+  // The whole matrix, `world` rows of E + world words.
+  RoutingView(const uint32_t* m, int n, int e, int l) : counts(m), world(n), num_experts(e), local(l), width(e + n) {}
+  // `rows` rows of `w` words (w = E + N): one sender's own row is RoutingView(row, 1, E, L, E + N).
+  RoutingView(const uint32_t* m, int rows, int e, int l, int w)
+      : counts(m), world(rows), num_experts(e), local(l), width(w) {}
+
+  uint32_t count(int s, int e) const { return counts[static_cast<size_t>(s) * width + e]; }
+  // u[s][r]: wire rows from sender s to rank r.
+  uint64_t rows(int s, int r) const { return counts[static_cast<size_t>(s) * width + num_experts + r]; }
   // c[s][r]: copies from sender s to rank r.
   uint64_t to_rank(int s, int r) const {
     uint64_t n = 0;
     for (int i = 0; i < local; ++i) n += count(s, r * local + i);
     return n;
   }
-  // send_off[s][r]: first send-buffer row of s's copies for r.
+  // send_off[s][r]: first send-buffer (and combine_recv) row of s's wire rows for r.
   uint64_t send_offset(int s, int r) const {
     uint64_t n = 0;
-    for (int q = 0; q < r; ++q) n += to_rank(s, q);
+    for (int q = 0; q < r; ++q) n += rows(s, q);
     return n;
   }
-  // Copies rank r receives in all.
+  // Copies rank r receives in all (what max_recv_tokens bounds).
   uint64_t received(int r) const {
     uint64_t n = 0;
     for (int s = 0; s < world; ++s) n += to_rank(s, r);
     return n;
   }
-  // shared_off[s] at receiver r: overflow rows of the senders before s.
+  // shared_off[s] at receiver r: overflow wire rows of the senders before s.
   uint64_t shared_offset(int s, int r, uint64_t private_slots) const {
     uint64_t n = 0;
     for (int q = 0; q < s; ++q) {
-      uint64_t c = to_rank(q, r);
-      n += c > private_slots ? c - private_slots : 0;
+      uint64_t u = rows(q, r);
+      n += u > private_slots ? u - private_slots : 0;
     }
     return n;
   }
 };
 
-// Fabric writes (DISPATCH immediates) that `copies` copies from one sender
-// take: one for the private part when any copy goes there (none when P = 0),
-// one more for the overflow past P. Sender and receiver both count with this.
-inline uint64_t private_copies(uint64_t copies, uint64_t private_slots) { return std::min(copies, private_slots); }
-inline uint64_t dispatch_writes(uint64_t copies, uint64_t private_slots) {
-  return (private_copies(copies, private_slots) > 0 ? 1 : 0) + (copies > private_slots ? 1 : 0);
+// u[0..N) of a sender's routing row from its topk_ids (counts[0..E) already
+// counted): towards a per-rank peer (A2AConfig::per_rank) the tokens with at
+// least one k on it, towards the others the copies.
+inline void count_wire_rows(const A2AConfig& c, const int32_t* topk_ids, int num_tokens, uint32_t* row) {
+  const int E = c.num_experts, L = c.num_local_experts(), N = c.world, K = c.topk;
+  uint32_t* u = row + E;
+  for (int r = 0; r < N; ++r) {
+    u[r] = 0;
+    if (!c.per_rank(c.rank, r))
+      for (int i = 0; i < L; ++i) u[r] += row[r * L + i];
+  }
+  if (!c.rank_rows()) return;
+  std::vector<int> last(N, -1);  // the last token counted towards each rank
+  for (int t = 0; t < num_tokens; ++t)
+    for (int k = 0; k < K; ++k) {
+      const int32_t e = topk_ids[static_cast<size_t>(t) * K + k];
+      if (e < 0 || e >= E) continue;
+      const int r = e / L;
+      if (c.per_rank(c.rank, r) && last[r] != t) {
+        last[r] = t;
+        ++u[r];
+      }
+    }
+}
+
+// Fabric writes (DISPATCH immediates) that `rows` wire rows (u) from one
+// sender take: one for the private part when any row goes there (none when
+// P = 0), one more for the overflow past P. Sender and receiver both count
+// with this.
+inline uint64_t private_copies(uint64_t rows, uint64_t private_slots) { return std::min(rows, private_slots); }
+inline uint64_t dispatch_writes(uint64_t rows, uint64_t private_slots) {
+  return (private_copies(rows, private_slots) > 0 ? 1 : 0) + (rows > private_slots ? 1 : 0);
 }
 
 // Everything receiver `rank` needs to place what it received.
+// Copies (from, tokens_per_expert, expert_start) place the output; wire rows
+// (wire, recv_base, shared_off, send_off_at) place rows on the wire.
 struct RecvPlan {
-  std::vector<uint64_t> from;         // c[s][rank]
-  std::vector<uint64_t> recv_base;    // sum_{s' < s} c[s'][rank]: combine_send staging row of (s, 0)
+  std::vector<uint64_t> from;         // c[s][rank]: copies
+  std::vector<uint64_t> wire;         // u[s][rank]: wire rows
+  std::vector<uint64_t> recv_base;    // sum_{s' < s} u[s'][rank]: combine_send staging row of (s, 0)
   std::vector<uint64_t> shared_off;   // shared row of (s, P)
   std::vector<uint64_t> send_off_at;  // send_off[s][rank]: where (s, 0) sits in s's send buffer / combine_recv
   std::vector<int32_t> tokens_per_expert;  // n[i], unpadded
   std::vector<uint64_t> expert_start;      // start[i] of the padded, expert-major output
-  uint64_t total_received = 0;
-  uint64_t output_rows = 0;  // padded
+  uint64_t total_received = 0;  // copies
+  uint64_t total_wire = 0;      // wire rows
+  uint64_t output_rows = 0;     // padded
 };
 
 inline RecvPlan make_recv_plan(const RoutingView& v, int rank, uint64_t private_slots, int expert_padding) {
   RecvPlan p;
   p.from.resize(v.world);
+  p.wire.resize(v.world);
   p.recv_base.resize(v.world);
   p.shared_off.resize(v.world);
   p.send_off_at.resize(v.world);
-  uint64_t base = 0, shared = 0;
+  uint64_t base = 0, shared = 0, copies = 0;
   for (int s = 0; s < v.world; ++s) {
-    uint64_t c = v.to_rank(s, rank);
-    p.from[s] = c;
+    const uint64_t u = v.rows(s, rank);
+    p.from[s] = v.to_rank(s, rank);
+    p.wire[s] = u;
     p.recv_base[s] = base;
     p.shared_off[s] = shared;
     p.send_off_at[s] = v.send_offset(s, rank);
-    base += c;
-    shared += c > private_slots ? c - private_slots : 0;
+    base += u;
+    copies += p.from[s];
+    shared += u > private_slots ? u - private_slots : 0;
   }
-  p.total_received = base;
+  p.total_received = copies;
+  p.total_wire = base;
   p.tokens_per_expert.resize(v.local);
   p.expert_start.resize(v.local);
   uint64_t start = 0;
@@ -135,24 +182,44 @@ inline std::string capacity_message(const A2AConfig& c, const Overflow& o = {}) 
 inline constexpr const char* kCachedMismatchHint =
     " (a peer that runs this dispatch along a cached routing sends none: every rank must run a call cached, or none)";
 
-// A cached call's matrix ([world][num_experts], docs/protocol.md "Cached
-// calls"), before anything is published: every row fits a send section and
-// ours holds as many copies as the call has, so no position computed from it
-// leaves its section. The front end passes only matrices the core produced;
-// this guards the memory if one was changed.
-inline void check_cached_routing(const A2AConfig& c, const uint32_t* routing, int num_tokens) {
+// A cached call's matrix ([world][E + N], docs/protocol.md "Cached calls"),
+// before anything is published: every row fits a send section, holds wire
+// rows that can be its copies' (u <= c, u > 0 exactly where c > 0, u = c
+// towards per-copy peers), and ours holds as many copies as the call has and,
+// where `own` (our row counted from this call's topk_ids, E + N words) is
+// given, its wire rows. So no position computed from it leaves its section.
+// The front end passes only matrices the core produced; this guards the
+// memory if one was changed.
+inline void check_cached_routing(const A2AConfig& c, const uint32_t* routing, int num_tokens,
+                                 const uint32_t* own = nullptr) {
   RoutingView v{routing, c.world, c.num_experts, c.num_local_experts()};
   const uint64_t max_copies = static_cast<uint64_t>(c.max_tokens) * c.topk;
+  auto bad = [](int s, const std::string& what) {
+    throw std::invalid_argument("dispatch: routing: row " + std::to_string(s) + " " + what);
+  };
   for (int s = 0; s < c.world; ++s) {
-    uint64_t n = 0;
-    for (int r = 0; r < c.world; ++r) n += v.to_rank(s, r);
-    const bool bad = s == c.rank ? n != static_cast<uint64_t>(num_tokens) * c.topk : n > max_copies;
-    if (bad)
-      throw std::invalid_argument("dispatch: routing: row " + std::to_string(s) + " holds " + std::to_string(n) +
-                                  " copies; expected " +
-                                  (s == c.rank ? std::to_string(static_cast<uint64_t>(num_tokens) * c.topk) +
-                                                     " (this call's tokens x topk)"
-                                               : "at most max_tokens x topk = " + std::to_string(max_copies)));
+    uint64_t n = 0, wire = 0;
+    for (int r = 0; r < c.world; ++r) {
+      const uint64_t copies = v.to_rank(s, r), u = v.rows(s, r);
+      n += copies;
+      wire += u;
+      const bool fits = c.per_rank(s, r) ? u <= copies && (u > 0) == (copies > 0) : u == copies;
+      if (!fits)
+        bad(s, "holds " + std::to_string(u) + " wire rows for rank " + std::to_string(r) + " with " +
+                   std::to_string(copies) + " copies; expected " +
+                   (c.per_rank(s, r) ? "between 1 and the copies (0 with none)" : "the copies"));
+      if (s == c.rank && own != nullptr && u != own[c.num_experts + r])
+        bad(s, "holds " + std::to_string(u) + " wire rows for rank " + std::to_string(r) + "; this call's topk_ids make " +
+                   std::to_string(own[c.num_experts + r]));
+    }
+    if (wire > max_copies)
+      bad(s, "holds " + std::to_string(wire) + " wire rows; expected at most max_tokens x topk = " +
+                 std::to_string(max_copies));
+    const bool wrong = s == c.rank ? n != static_cast<uint64_t>(num_tokens) * c.topk : n > max_copies;
+    if (wrong)
+      bad(s, "holds " + std::to_string(n) + " copies; expected " +
+                 (s == c.rank ? std::to_string(static_cast<uint64_t>(num_tokens) * c.topk) + " (this call's tokens x topk)"
+                              : "at most max_tokens x topk = " + std::to_string(max_copies)));
   }
 }
 

@@ -219,12 +219,12 @@ void Proxy::node_barrier(uint64_t epoch) {
 void Proxy::step(uint64_t epoch) {
   const A2AConfig& c = ctx_.config;
   const Layout& l = ctx_.layout;
-  const size_t routing_bytes = static_cast<size_t>(c.num_experts) * sizeof(uint32_t);
+  const size_t routing_bytes = l.routing_width * sizeof(uint32_t);
   // A cached call brings the whole matrix and exchanges no routing row.
   watch_.phase = dispatch_phase(epoch);
   cached_ = ctx_.signals->cached.get() == epoch;
   if (cached_) {
-    const size_t matrix_words = static_cast<size_t>(c.world) * c.num_experts;
+    const size_t matrix_words = static_cast<size_t>(c.world) * l.routing_width;
     routing_.assign(ctx_.signals->cached_routing, ctx_.signals->cached_routing + matrix_words);
   }
   at_ = CallPosition{};
@@ -236,7 +236,7 @@ void Proxy::step(uint64_t epoch) {
   //    is raised). No engine is opened when every peer shares our node.
   if (!ctx_.remote_peers.empty() && !cached_) {
     std::vector<ScatterItem> items;
-    const size_t my_row = l.routing_row(c.rank, c.num_experts);
+    const size_t my_row = l.routing_row(c.rank);
     for (size_t i = 0; i < ctx_.remote_peers.size(); ++i)
       items.push_back({static_cast<uint32_t>(i), my_row, routing_bytes, my_row});
     ctx_.engine->scatter(ctx_.group, ctx_.region, items.data(), items.size(), tag(kTagRoute));
@@ -365,7 +365,7 @@ bool Proxy::take_routes(uint64_t epoch) {
   if (!cached_) {
     exchange_routing(epoch);
     const auto* live = reinterpret_cast<const uint32_t*>(ctx_.workspace + ctx_.layout.routing);
-    routing_.assign(live, live + static_cast<size_t>(c.world) * c.num_experts);
+    routing_.assign(live, live + static_cast<size_t>(c.world) * ctx_.layout.routing_width);
   }
   at_.routed = true;
   const Overflow worst = worst_overflow(c, routing_.data());

@@ -85,6 +85,10 @@ void bind_a2a(nb::module_& m) {
   bind_number_formats(m);
 
   nb::enum_<DType>(m, "DType").value("bf16", DType::kBf16).value("fp32", DType::kFp32).value("fp8", DType::kFp8);
+  nb::enum_<FabricRows>(m, "FabricRows")
+      .value("expert", FabricRows::kExpert)
+      .value("rank", FabricRows::kRank)
+      .value("node", FabricRows::kNode);
 
   nb::class_<A2AConfig>(m, "A2AConfig")
       .def(nb::init<>())
@@ -103,6 +107,8 @@ void bind_a2a(nb::module_& m) {
       .def_rw("timeout_s", &A2AConfig::timeout_s)
       .def_rw("instance", &A2AConfig::instance)
       .def_rw("slice_bytes", &A2AConfig::slice_bytes)
+      .def_rw("fabric_rows", &A2AConfig::fabric_rows)
+      .def_prop_ro("routing_width", &A2AConfig::routing_width)
       .def_prop_ro_static("max_instances", [](nb::handle) { return kMaxInstances; })
       .def_prop_ro("dispatch_row_bytes", &A2AConfig::dispatch_row_bytes)
       .def_prop_ro("combine_row_bytes", &A2AConfig::combine_row_bytes)
@@ -202,7 +208,7 @@ void bind_cpu_all_to_all(nb::module_& m) {
       .def_prop_ro("tokens_per_expert", &cpu::CpuAllToAll::tokens_per_expert)
       .def(
           "copy_routing", [](const cpu::CpuAllToAll& a, uintptr_t out) { a.copy_routing(ptr<uint32_t>(out)); },
-          nb::arg("out"), "The last dispatch's routing matrix [world][num_experts] (uint32) into out.")
+          nb::arg("out"), "The last dispatch's routing matrix [world][num_experts + world] (uint32) into out.")
       .def_prop_ro("routing_rows_sent", &cpu::CpuAllToAll::routing_rows_sent)
       .def_prop_ro("routing_rows_received", &cpu::CpuAllToAll::routing_rows_received)
       .def("sent_counts", &cpu::CpuAllToAll::sent_counts)

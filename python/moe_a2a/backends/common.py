@@ -19,10 +19,10 @@ CORE_DTYPE = {
 
 
 def routing_rows(matrix: torch.Tensor, rank: int, padding: int) -> tuple[int, int]:
-    """Along a routing matrix ([world, num_experts] copies, on the host): the output rows
+    """Along a routing matrix ([world, num_experts + world], on the host): the output rows
     `rank` receives (each expert's padded to `padding`), and the most copies any rank receives."""
-    per_expert = matrix.numpy().sum(axis=0, dtype=np.int64)  # [num_experts] copies
     world = matrix.shape[0]
+    per_expert = matrix[:, : matrix.shape[1] - world].numpy().sum(axis=0, dtype=np.int64)  # copies
     local = per_expert.shape[0] // world
     most = int(per_expert.reshape(world, local).sum(axis=1).max())
     mine = per_expert[rank * local : (rank + 1) * local]
@@ -50,7 +50,7 @@ class RecvRequest:
     The backend fills the outputs."""
 
     dtype: torch.dtype  # the rows' (the dispatch dtype)
-    routing_out: torch.Tensor | None = None  # [world, num_experts] int32, the call's matrix
+    routing_out: torch.Tensor | None = None  # [world, num_experts + world] int32, the call's matrix
     math: RowMath | None = None
     row_weights: bool = False
     dequant: torch.dtype | None = None  # fp8 rows delivered dequantised, in this dtype

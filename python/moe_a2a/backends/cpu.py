@@ -56,7 +56,7 @@ class CpuBackend:
     def dispatch_recv(
         self, req: RecvRequest
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """`req.routing_out`: [world, num_experts] int32 that receives the call's routing matrix.
+        """`req.routing_out`: [world, num_experts + world] int32 that receives the call's routing matrix.
         Returns (rows, fp8 scales, tokens per expert, row_dot, row weights)."""
         dtype, routing_out, math = req.dtype, req.routing_out, req.math
         rows = self._impl.dispatch_wait()

@@ -159,7 +159,7 @@ class CudaBackend:
     def dispatch_recv(
         self, req: RecvRequest
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """`req.routing_out`: pinned [world, num_experts] int32, the call's matrix once this
+        """`req.routing_out`: pinned [world, num_experts + world] int32, the call's matrix once this
         returns. `req.math`: applied by the receive kernel itself, in the pass that delivers the
         rows. Returns (rows, fp8 scales, tokens per expert, row_dot, row weights)."""
         if not req.launched:
@@ -268,8 +268,11 @@ class CudaBackend:
             matrix = self._last_matrix.numpy().astype(np.uint32).ravel()
         else:
             start = self._setup.workspace.ptr + self._impl.layout["routing"]
-            matrix = np.frombuffer((ctypes.c_uint32 * (world * experts)).from_address(start), dtype=np.uint32)
-        per_rank = matrix.reshape(world, world, experts // world).sum(axis=2).astype(np.int64)
+            words = world * (experts + world)
+            matrix = np.frombuffer((ctypes.c_uint32 * words).from_address(start), dtype=np.uint32)
+        # Row s: count[s][0..E), then u[s][0..N) (docs/protocol.md, "Rows per destination rank").
+        counts = matrix.reshape(world, experts + world)[:, :experts]
+        per_rank = counts.reshape(world, world, experts // world).sum(axis=2).astype(np.int64)
         rank = self._setup.bootstrap.rank
         return per_rank[rank], per_rank[:, rank]
 

@@ -166,7 +166,9 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, copy_gbs: float) -
         # Room for twice the balanced load: random routing fits, buffers stay a fraction of the worst case.
         max_recv_tokens=min(worst, 2 * tokens * MODEL["topk"]),
         timeout_s=120.0,
-        **MODEL,
+        hidden=MODEL["hidden"],
+        num_experts=MODEL["num_experts"],
+        topk=MODEL["topk"],
     )
     rounds = [make_round(1000 * rank + i, tokens, device) for i in range(args.rounds)]
     result: dict[str, Any] = dict(shape=name, world=world, tokens=tokens, copy_gbs=copy_gbs)

@@ -14,7 +14,7 @@ CpuAllToAll::CpuAllToAll(Workspace* workspace, fabric::ProxyEngine* engine, fabr
     : ws_(workspace), engine_(engine), cfg_(workspace->config()), layout_(workspace->layout()) {
   maps_.self = ws_->self();
   maps_.node = &ws_->node();
-  call_.counts.assign(cfg_.num_experts, 0);
+  call_.counts.assign(cfg_.routing_width(), 0);
   call_.slots.assign(static_cast<size_t>(cfg_.max_tokens) * cfg_.topk, 0);
   call_.row_copy.assign(call_.slots.size(), 0);
   encoded_.assign(cfg_.max_tokens, nullptr);
@@ -97,7 +97,7 @@ void CpuAllToAll::dispatch_send(const DispatchSendArgs& args) {
   p.encoded = encoded_.data();
   count_experts(p);
   const uint32_t* routing = args.routing;
-  if (routing != nullptr) check_cached_routing(cfg_, routing, args.num_tokens);
+  if (routing != nullptr) check_cached_routing(cfg_, routing, args.num_tokens, call_.counts.data());
   const uint64_t epoch = ++call_.epoch;
   call_.num_tokens = args.num_tokens;
   call_.cached = routing != nullptr;
@@ -112,7 +112,7 @@ void CpuAllToAll::dispatch_send(const DispatchSendArgs& args) {
 
   // Rank by rank, each handed over as soon as its rows are in place.
   assign_rows(p);
-  RoutingView own{call_.counts.data(), 1, cfg_.num_experts, cfg_.num_local_experts()};
+  RoutingView own{call_.counts.data(), 1, cfg_.num_experts, cfg_.num_local_experts(), cfg_.routing_width()};
   std::vector<uint64_t> first(cfg_.world + 1, 0);
   for (int r = 0; r < cfg_.world; ++r) first[r + 1] = first[r] + own.to_rank(0, r);
   for (int r : send_order_) {
@@ -132,7 +132,7 @@ void CpuAllToAll::publish_routing(const uint32_t* routing) {
   const uint64_t epoch = call_.epoch;
   if (routing != nullptr) {
     // The proxy takes the whole matrix from here: nothing to publish.
-    call_.cached_matrix.assign(routing, routing + static_cast<size_t>(cfg_.world) * cfg_.num_experts);
+    call_.cached_matrix.assign(routing, routing + static_cast<size_t>(cfg_.world) * cfg_.routing_width());
     signals_.cached_routing = call_.cached_matrix.data();
     signals_.cached.set(epoch);
     call_.cached_hash = routing_hash(call_.cached_matrix.data(), call_.cached_matrix.size());
@@ -142,7 +142,7 @@ void CpuAllToAll::publish_routing(const uint32_t* routing) {
   const size_t row_bytes = call_.counts.size() * sizeof(uint32_t);
   for (int r = 0; r < cfg_.world; ++r) {
     if (!cfg_.same_node(r)) continue;
-    std::memcpy(maps_.of(r) + layout_.routing_row(cfg_.rank, cfg_.num_experts), call_.counts.data(), row_bytes);
+    std::memcpy(maps_.of(r) + layout_.routing_row(cfg_.rank), call_.counts.data(), row_bytes);
     rows_sent_ += r != cfg_.rank;
   }
   signal_node(kFlagRoute);
@@ -158,7 +158,7 @@ uint64_t CpuAllToAll::dispatch_wait() {
     call_.routing = call_.cached_matrix;
   } else {
     const auto* matrix = reinterpret_cast<const uint32_t*>(maps_.self + layout_.routing);
-    call_.routing.assign(matrix, matrix + static_cast<size_t>(cfg_.world) * cfg_.num_experts);
+    call_.routing.assign(matrix, matrix + static_cast<size_t>(cfg_.world) * cfg_.routing_width());
   }
   RoutingView view{call_.routing.data(), cfg_.world, cfg_.num_experts, cfg_.num_local_experts()};
   call_.plan = make_recv_plan(view, cfg_.rank, cfg_.max_private_tokens, cfg_.expert_padding);
@@ -288,7 +288,7 @@ void CpuAllToAll::combine_recv(const CombineRecvArgs& args) {
 void CpuAllToAll::copy_routing(uint32_t* out) const { std::copy(call_.routing.begin(), call_.routing.end(), out); }
 
 std::vector<uint64_t> CpuAllToAll::sent_counts() const {
-  RoutingView view{call_.counts.data(), 1, cfg_.num_experts, cfg_.num_local_experts()};
+  RoutingView view{call_.counts.data(), 1, cfg_.num_experts, cfg_.num_local_experts(), cfg_.routing_width()};
   std::vector<uint64_t> out(cfg_.world);
   for (int r = 0; r < cfg_.world; ++r) out[r] = view.to_rank(0, r);
   return out;

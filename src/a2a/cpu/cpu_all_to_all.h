@@ -25,7 +25,7 @@ struct DispatchSendArgs {
   const float* x_scale = nullptr;     // [T, num_scales] when x is fp8
   const int32_t* topk_ids = nullptr;  // [T, topk]
   int num_tokens = 0;
-  // The matrix [world][num_experts] of an earlier dispatch of these topk_ids
+  // The matrix [world][E + N] of an earlier dispatch of these topk_ids
   // (from copy_routing) makes this a cached call: no routing row is
   // published or awaited (docs/protocol.md, "Cached calls").
   const uint32_t* routing = nullptr;
@@ -97,7 +97,7 @@ class CpuAllToAll {
   void announce_failure(const std::string& text) { proxy_->announce_failure(text, call_.done); }
   // The senders in the order the last dispatch_unpack copied their rows.
   const std::vector<int>& unpack_order() const { return call_.unpack_order; }
-  // The routing matrix of the last dispatch_wait, [world][num_experts], into `out`.
+  // The routing matrix of the last dispatch_wait, [world][E + N], into `out`.
   void copy_routing(uint32_t* out) const;
   // Routing rows written to peers / peers' rows waited for, by this rank and its proxy.
   uint64_t routing_rows_sent() const { return rows_sent_ + proxy_->routing_rows_sent(); }

@@ -13,6 +13,7 @@ void count_experts(const DispatchSendParams& p) {
   const A2AConfig& c = *p.cfg;
   std::memset(p.counts, 0, c.num_experts * sizeof(uint32_t));
   for (int64_t i = 0; i < static_cast<int64_t>(p.num_tokens) * c.topk; ++i) ++p.counts[p.topk_ids[i]];
+  count_wire_rows(c, p.topk_ids, p.num_tokens, p.counts);
 }
 
 void assign_rows(const DispatchSendParams& p) {

@@ -29,13 +29,13 @@ struct DispatchSendParams {
   const int32_t* topk_ids = nullptr;  // [T, topk]
   const float* weights = nullptr;     // [T, topk]: each copy's weight, into its row's tail (null: zeros)
   int num_tokens = 0;
-  uint32_t* counts = nullptr;  // out: [num_experts], our routing row
+  uint32_t* counts = nullptr;  // out: [E + N], our routing row (copies per expert, wire rows per rank)
   int32_t* slots = nullptr;    // out: [T * topk], send row of each (t, k)
   int32_t* row_copy = nullptr;       // out: [T * topk], the copy t * topk + k at each send row
   const uint8_t** encoded = nullptr;  // scratch: [T], where token t's row was first stored (null: not yet)
 };
 
-// Counts copies per expert into `counts`.
+// Counts copies per expert and wire rows per rank into `counts`.
 void count_experts(const DispatchSendParams& p);
 // Assigns send rows (send order of docs/protocol.md): `slots` and its
 // inverse `row_copy`; clears `encoded`. After count_experts.

@@ -43,11 +43,11 @@ void CudaAllToAll::dispatch_send(const DispatchSendArgs& args, cudaStream_t stre
       throw std::invalid_argument("dispatch_send: a cached call takes num_tokens from the host, not num_tokens_device");
     check_cached_routing(cfg_, routing, args.num_tokens);
     call_.routing = mapped_device_pointer(routing, "routing");
-    call_.cached_hash = routing_hash(routing, static_cast<size_t>(cfg_.world) * cfg_.num_experts);
+    call_.cached_hash = routing_hash(routing, static_cast<size_t>(cfg_.world) * cfg_.routing_width());
     publish_routing_stamp(cfg_, layout_, res_.node_ws_cpu(), epoch, call_.cached_hash);  // before our kernels' flags
     if (has_remote_) {  // the proxy starts from the matrix at once: the kernels publish nothing
       ProxySignals* signals = res_.signals();
-      call_.cached.assign(routing, routing + static_cast<size_t>(cfg_.world) * cfg_.num_experts);
+      call_.cached.assign(routing, routing + static_cast<size_t>(cfg_.world) * cfg_.routing_width());
       signals->cached_routing = call_.cached.data();
       signals->cached.set(epoch);
       signals->route_ready.set(epoch);

@@ -68,10 +68,11 @@ __device__ inline void compute_plan(const DispatchRecvParams& p, int32_t* matrix
   if (ok) {  // rows of same-node senders from our device workspace, the others' where the proxy put them
     for (int i = tid; i < N * E; i += kPlanThreads) {
       const int s = i / E;
-      const uint32_t* row = p.routing != nullptr ? p.routing + static_cast<size_t>(s) * E  // a cached call's
-                                                 : routing_row(same_node(in, s) ? in.device_ws : in.host_ws, l, s, E);
+      const uint32_t* row = p.routing != nullptr ? p.routing + static_cast<size_t>(s) * l.routing_width  // a cached call's
+                                                 : routing_row(same_node(in, s) ? in.device_ws : in.host_ws, l, s);
       matrix[i] = static_cast<int32_t>(__ldcg(row + i % E));
-      if (p.routing_out != nullptr) p.routing_out[i] = static_cast<uint32_t>(matrix[i]);
+      // TODO(issue 30, CUDA): the wire rows u[s][0..N) after the E counts are not copied out yet.
+      if (p.routing_out != nullptr) p.routing_out[static_cast<size_t>(s) * l.routing_width + i % E] = static_cast<uint32_t>(matrix[i]);
     }
   }
   __syncthreads();

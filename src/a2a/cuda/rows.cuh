@@ -233,8 +233,9 @@ __device__ __forceinline__ uint64_t* flag_ptr(uint8_t* ws, const Layout& l, int 
   return reinterpret_cast<uint64_t*>(ws + l.flags + (static_cast<size_t>(sender) * kNumFlagKinds + kind) * kFlagStride);
 }
 
-__device__ __forceinline__ uint32_t* routing_row(uint8_t* ws, const Layout& l, int sender, int num_experts) {
-  return reinterpret_cast<uint32_t*>(ws + l.routing) + static_cast<size_t>(sender) * num_experts;
+// Row stride E + N (config.h, routing_width); the kernels write and read its first E words.
+__device__ __forceinline__ uint32_t* routing_row(uint8_t* ws, const Layout& l, int sender) {
+  return reinterpret_cast<uint32_t*>(ws + l.routing) + static_cast<size_t>(sender) * l.routing_width;
 }
 
 __device__ __forceinline__ bool same_node(const Instance& in, int r) { return in.peers[r].device != nullptr; }

@@ -69,7 +69,7 @@ __device__ int plan_peers(const StageParams& p, StagePeer* peers, int64_t* first
   const int N = in.world, L = in.local_experts;
   const size_t row = p.kind == kStageDispatch ? in.layout.dispatch_row : in.layout.combine_row;
   if (p.kind == kStageDispatch) {  // send_off[r] is over every rank, same-node ones included
-    const uint32_t* counts = routing_row(in.device_ws, in.layout, in.rank, in.num_experts);
+    const uint32_t* counts = routing_row(in.device_ws, in.layout, in.rank);
     first[0] = 0;
     for (int r = 0; r < N; ++r) {
       int64_t c = 0;
