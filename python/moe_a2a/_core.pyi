@@ -447,9 +447,9 @@ class CpuAllToAll:
         out_weight: [output rows] fp32, each row's weight from its tail (0: not wanted); row_scale ([rows] fp32): rows delivered times it; dot_y ([rows, hidden], dot_y_dtype): dot_out[r] = <row r as received, dot_y[r]>.
         """
 
-    def combine_send(self, y: int, y_dtype: DType, row_values: int = 0) -> None:
+    def combine_send(self, y: int, y_dtype: DType, row_values: int = 0, weighted: bool = True) -> None:
         """
-        row_values: [output rows] fp32, one per row back in its tail (0: zeros).
+        row_values: [output rows] fp32, one per row back in its tail (0: zeros); weighted: rows per rank are summed with the dispatch's weights (False: plainly), as the combine that follows.
         """
 
     def combine_recv(self, weights: int, out: int, values_out: int = 0) -> None:
@@ -471,9 +471,15 @@ class CpuAllToAll:
     @property
     def routing_rows_received(self) -> int: ...
 
-    def sent_counts(self) -> list[int]: ...
+    def sent_counts(self) -> list[int]:
+        """
+        Wire rows sent to each rank in the last dispatch (copies, but rows per rank).
+        """
 
-    def received_counts(self) -> list[int]: ...
+    def received_counts(self) -> list[int]:
+        """
+        Wire rows received from each rank in the last dispatch (copies, but rows per rank).
+        """
 
     @property
     def epoch(self) -> int: ...

@@ -457,7 +457,7 @@ class AllToAll:
                 f"(state {self._state}, epoch {self.epoch})"
             )
         y, values = self._checks.combine_inputs(y, d.expert_x.shape[0], row_values)
-        self._backend.combine_send(y.contiguous(), in_place, values)
+        self._backend.combine_send(y.contiguous(), in_place, values, weighted)
         self._state = "combine_sent"
         assert d.topk_weights is not None
         weights = d.topk_weights if weighted else self._ones(d.topk_weights.shape[0])
@@ -516,13 +516,17 @@ class AllToAll:
     # -- statistics and teardown ------------------------------------------------------------------
 
     def traffic(self) -> np.ndarray:
-        """Bytes this rank sent to each peer in the last dispatch + combine: int64 [world, len(PATHS)]."""
+        """Bytes this rank sent to each peer in the last dispatch + combine: int64 [world, len(PATHS)].
+
+        Routing row (E + N words, none when cached), then the wire rows (docs/protocol.md,
+        "Rows per destination rank") at the mode's row sizes: dispatch rows out, and one
+        combine row back for each row received."""
         self._check_open()
         out = np.zeros((self.world_size, len(PATHS)), dtype=np.int64)
         if self._last is None:
             return out
-        sent, received = self._backend.copies()
-        routing = 0 if self._last_cached else self.cfg.num_experts * 4
+        sent, received = self._backend.wire_rows()
+        routing = 0 if self._last_cached else self._core_cfg.routing_width * 4
         for peer in range(self.world_size):
             if peer == self.rank:
                 continue

@@ -128,25 +128,62 @@ def combine_reference(
     dispatched: list[ReferenceDispatch],
     topk_weights: list[torch.Tensor],
     combine_dtype: str = "bf16",
+    fabric_rows: str = "rank",
+    ranks_per_node: int = 1,
 ) -> list[torch.Tensor]:
     """Weighted sum of expert outputs per token, back on the rank that sent it.
 
-    `ys[r]` has the shape of `dispatched[r].expert_x`. Each output is converted
-    to `combine_dtype` first (the wire format), then accumulated in fp32 in k
-    order and stored as `combine_dtype`.
+    `ys[r]` has the shape of `dispatched[r].expert_x`. A copy that travels in a row
+    of its own (same node, or `fabric_rows="expert"`) is converted to
+    `combine_dtype` first (the wire format), then accumulated in fp32 in k order
+    with its weight. With `fabric_rows="rank"`, the copies of a token on a rank of
+    another node (ranks r // ranks_per_node apart) are first summed there, weighted,
+    in fp32 in k order, and converted once; the origin adds that row at the token's
+    first k on the rank (docs/protocol.md, "Rows per destination rank"). The result
+    is stored as `combine_dtype`. An unweighted combine is this with weights of one.
     """
     wire = DTYPES[combine_dtype]
     hidden = ys[0].shape[1] if ys else 0
-    gathered = [torch.zeros(w.shape[0], w.shape[1], hidden, dtype=torch.float32) for w in topk_weights]
+    per_copy = [torch.zeros(w.shape[0], w.shape[1], hidden, dtype=torch.float32) for w in topk_weights]
+    # Rows per rank: partial sums [T, K, hidden] at each (t, the first k on r), and where each (t, k) went.
+    reduced = [torch.zeros(w.shape[0], w.shape[1], hidden, dtype=torch.float32) for w in topk_weights]
+    target = [torch.full(w.shape, -1, dtype=torch.int64) for w in topk_weights]
     for r, d in enumerate(dispatched):
-        y = ys[r].to(wire).float()
-        for row, (s, t, k) in enumerate(d.origin.tolist()):
+        for s, t, k in d.origin.tolist():
             if s >= 0:
-                gathered[s][t, k] = y[row]
+                target[s][t, k] = r
+    for r, d in enumerate(dispatched):
+        y_wire = ys[r].to(wire).float()
+        y_full = ys[r].float()
+        by_copy = {(s, t, k): row for row, (s, t, k) in enumerate(d.origin.tolist()) if s >= 0}
+        for (s, t, k), row in by_copy.items():
+            if not (fabric_rows == "rank" and r // ranks_per_node != s // ranks_per_node):
+                per_copy[s][t, k] = y_wire[row]
+                continue
+            ks = [q for q in range(target[s].shape[1]) if int(target[s][t, q]) == r]
+            if k != ks[0]:
+                continue  # summed into the first k's row
+            acc = torch.zeros(hidden, dtype=torch.float32)
+            for q in ks:
+                acc = acc + topk_weights[s][t, q].float() * y_full[by_copy[(s, t, q)]]
+            reduced[s][t, k] = acc.to(wire).float()
     outs = []
     for s, w in enumerate(topk_weights):
         acc = torch.zeros(w.shape[0], hidden, dtype=torch.float32)
         for k in range(w.shape[1]):
-            acc = acc + w[:, k : k + 1].float() * gathered[s][:, k]
+            far = target[s][:, k] // ranks_per_node != s // ranks_per_node
+            rank_row = far & (fabric_rows == "rank")
+            first = torch.tensor(
+                [_first_on_rank(target[s], t, k) for t in range(w.shape[0])], dtype=torch.bool
+            )
+            own = w[:, k : k + 1].float() * per_copy[s][:, k]
+            term = torch.where(rank_row[:, None], reduced[s][:, k], own)
+            # A later k of a row per rank adds nothing (not even +0, which would turn a -0 sum into +0).
+            acc = torch.where((rank_row & ~first)[:, None], acc, acc + term)
         outs.append(acc.to(wire))
     return outs
+
+
+def _first_on_rank(target: torch.Tensor, t: int, k: int) -> bool:
+    """Whether k is token t's first k on rank target[t, k]."""
+    return all(int(target[t, q]) != int(target[t, k]) for q in range(k))

@@ -90,8 +90,11 @@ struct A2AConfig {
   // Whether s and r exchange one row per (token, destination rank) rather
   // than one per copy: mode rank and different nodes.
   bool per_rank(int s, int r) const { return rank_rows() && node_of(s) != node_of(r); }
-  // m = min(K, L): the most entries one row per rank carries.
-  int max_entries() const { return topk < num_local_experts() ? topk : num_local_experts(); }
+  // m: the most entries one row per rank carries. K, not min(K, L): a token
+  // may pick one expert more than once, each pick an entry of its own.
+  int max_entries() const { return topk; }
+  // Entries a receiver keeps per wire row (output row, weight of each): m with rank rows, else 1.
+  int entries_per_row() const { return rank_rows() ? max_entries() : 1; }
   // Tail bytes (row_tail.h): mode expert 16; rank rows m entries of 8 bytes
   // (dispatch) and m fp32 values (combine), each to a whole 16 bytes. One
   // width for every row of an instance, so each section has one stride.

@@ -104,7 +104,7 @@ void Proxy::check_stamps(bool force, bool node) {
     for (int k = 0; k < kStampKinds; ++k)  // the first write of each part (slices.h)
       for (int part = 0; part < 2; ++part) seen[k] += ctx_.engine->imm_count(tag(kStampTags[k], part, 0), s);
     RemoteBounds b;
-    b.dispatch = at_.routed ? dispatch_writes(view.to_rank(s, c.rank), c.max_private_tokens) : 0;
+    b.dispatch = at_.routed ? dispatch_writes(view.rows(s, c.rank), c.max_private_tokens) : 0;
     b.dispatch_max = dispatch_max_;
     b.fed = posted_[i] == dispatch_writes(to_[s], c.max_private_tokens);
     check_remote_stamps(c, at_, s, seen, b);
@@ -293,8 +293,8 @@ bool Proxy::dispatch(uint64_t epoch) {
   RoutingView own{cached_ ? routing_.data() : live, c.world, c.num_experts, c.num_local_experts()};
   to_.assign(c.world, 0);
   send_off_.assign(c.world, 0);
-  for (int r = 0, off = 0; r < c.world; ++r) {
-    to_[r] = own.to_rank(c.rank, r);
+  for (int r = 0, off = 0; r < c.world; ++r) {  // wire rows: what crosses
+    to_[r] = own.rows(c.rank, r);
     send_off_[r] = off;
     off += static_cast<int>(to_[r]);
   }
@@ -384,7 +384,7 @@ void Proxy::dispatch_overflow(uint64_t epoch) {
   const A2AConfig& c = ctx_.config;
   RoutingView view{routing_.data(), c.world, c.num_experts, c.num_local_experts()};
   for (int s : ctx_.remote_peers) {
-    const Slices& own = dispatch_slices_of(view.to_rank(s, c.rank)).part[0];
+    const Slices& own = dispatch_slices_of(view.rows(s, c.rank)).part[0];
     for (uint32_t k = 0; k < own.count; ++k) take_slice(kTagDispatch, s, 0, k);
   }
   node_barrier(epoch);
@@ -438,7 +438,7 @@ void Proxy::wait_dispatch_arrivals(uint64_t epoch) {
   std::vector<DispatchSlices> slices;
   for (int s : ctx_.remote_peers) {
     senders.push_back(s);
-    slices.push_back(dispatch_slices_of(view.to_rank(s, c.rank)));
+    slices.push_back(dispatch_slices_of(view.rows(s, c.rank)));
   }
   auto stamp = [&](int s) {
     if (cached_) take_routing_stamp(epoch, s);
@@ -495,12 +495,12 @@ bool Proxy::combine(uint64_t epoch) {
   uint64_t base = 0;
   for (int s = 0; s < c.world; ++s) {
     recv_base[s] = base;
-    base += view.to_rank(s, c.rank);
+    base += view.rows(s, c.rank);
   }
   for (size_t k = 0; k < order_.size(); ++k) {
     const size_t i = order_[k];
     const int s = ctx_.remote_peers[i];
-    const uint64_t n = view.to_rank(s, c.rank);
+    const uint64_t n = view.rows(s, c.rank);  // reduced rows back, for rows per rank
     const Slices sl = combine_slices_of(n).part[0];
     const uint64_t src = l.combine_send + recv_base[s] * crow, dst = l.combine_recv + view.send_offset(s, c.rank) * crow;
     // A peer that sent us nothing still gets one (empty) write: it waits for every peer's.
@@ -521,7 +521,7 @@ bool Proxy::combine(uint64_t epoch) {
   at_.combining = true;
   std::vector<DispatchSlices> slices;
   for (int r : ctx_.remote_peers) {
-    DispatchSlices d = combine_slices_of(view.to_rank(c.rank, r));
+    DispatchSlices d = combine_slices_of(view.rows(c.rank, r));
     if (d.part[0].count == 0) d.part[0].count = 1;  // the empty write
     slices.push_back(d);
   }

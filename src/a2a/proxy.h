@@ -158,7 +158,7 @@ class Proxy {
   std::string overflow_;
   std::vector<uint32_t> routing_;  // snapshot of the routing matrix of the current epoch
   std::vector<size_t> order_;      // remote peers (group indices) in the order we write to them
-  std::vector<uint64_t> to_, send_off_;  // of the current epoch: our copies to and first send row for each rank
+  std::vector<uint64_t> to_, send_off_;  // of the current epoch: our wire rows to and first send row for each rank
   // MOE_A2A_TEST_DELAY_WRITES_MS: a late peer, for tests. Only its dispatch
   // writes wait: a late combine would let its next dispatch start early by as
   // much (it hears the others' combine on time), and its rows would not be late.

@@ -193,11 +193,12 @@ void bind_cpu_all_to_all(nb::module_& m) {
           "received, dot_y[r]>.")
       .def(
           "combine_send",
-          [](cpu::CpuAllToAll& a, uintptr_t y, DType y_dtype, uintptr_t row_values) {
-            a.combine_send({ptr<const void>(y), y_dtype, ptr<const float>(row_values)});
+          [](cpu::CpuAllToAll& a, uintptr_t y, DType y_dtype, uintptr_t row_values, bool weighted) {
+            a.combine_send({ptr<const void>(y), y_dtype, ptr<const float>(row_values), weighted});
           },
-          nb::arg("y"), nb::arg("y_dtype"), nb::arg("row_values") = 0, release(),
-          "row_values: [output rows] fp32, one per row back in its tail (0: zeros).")
+          nb::arg("y"), nb::arg("y_dtype"), nb::arg("row_values") = 0, nb::arg("weighted") = true, release(),
+          "row_values: [output rows] fp32, one per row back in its tail (0: zeros); weighted: rows per rank "
+          "are summed with the dispatch's weights (False: plainly), as the combine that follows.")
       .def(
           "combine_recv",
           [](cpu::CpuAllToAll& a, uintptr_t weights, uintptr_t out, uintptr_t values_out) {
@@ -211,8 +212,10 @@ void bind_cpu_all_to_all(nb::module_& m) {
           nb::arg("out"), "The last dispatch's routing matrix [world][num_experts + world] (uint32) into out.")
       .def_prop_ro("routing_rows_sent", &cpu::CpuAllToAll::routing_rows_sent)
       .def_prop_ro("routing_rows_received", &cpu::CpuAllToAll::routing_rows_received)
-      .def("sent_counts", &cpu::CpuAllToAll::sent_counts)
-      .def("received_counts", &cpu::CpuAllToAll::received_counts)
+      .def("sent_counts", &cpu::CpuAllToAll::sent_counts,
+           "Wire rows sent to each rank in the last dispatch (copies, but rows per rank).")
+      .def("received_counts", &cpu::CpuAllToAll::received_counts,
+           "Wire rows received from each rank in the last dispatch (copies, but rows per rank).")
       .def_prop_ro("epoch", &cpu::CpuAllToAll::epoch);
 }
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
-from world import EXPERTS_PER_RANK, Rank, World, make_inputs
+from world import Rank, World, make_inputs
 
 from moe_a2a import _core
 
@@ -37,13 +36,11 @@ def expected_writes(
     """Writes `rank` posts in one uncached call within capacity: to each remote peer a routing row,
     its dispatch slices (private part, overflow), then its combine slices (one, empty, where it
     sent us nothing)."""
-    owners = [np.bincount(i.reshape(-1).numpy() // EXPERTS_PER_RANK, minlength=w.size) for i in ids]
-    core = _core.A2AConfig()
-    core.hidden, core.dispatch_dtype = w.cfg.hidden, getattr(_core.DType, w.cfg.dispatch_dtype)
+    core = w.core[rank]
     P = w.max_private_tokens
     n = 0
     for r in w.remote_peers(rank):
-        to, back = int(owners[rank][r]), int(owners[r][rank])
+        to, back = w.wire_rows(ids, rank, r), w.wire_rows(ids, r, rank)
         n += 1
         n += slices(min(to, P), core.dispatch_row_bytes, slice_bytes)
         n += slices(max(to - P, 0), core.dispatch_row_bytes, slice_bytes)
@@ -140,8 +137,7 @@ def test_over_capacity_fails_on_every_rank_then_the_next_call_works(
     big = over(w, 77)
     small = make_inputs(78, w.cfg, size, tokens=[1] + [0] * (size - 1))
     w.check(small, w.run(lambda r: r.round(small)))
-    # The big call's routing matrix, as a cached call brings it: copies per (rank, expert).
-    matrix = torch.stack([torch.bincount(i.reshape(-1), minlength=w.cfg.num_experts) for i in big.ids]).int()
+    matrix = w.matrix(big.ids)  # the big call's, as a cached call brings it
 
     def overflows(r: Rank, cached: bool) -> str:
         with pytest.raises(_core.CapacityError, match="max_recv_tokens=4") as info:

@@ -27,6 +27,7 @@ from moe_a2a import Config, _core
 from moe_a2a.backends.common import CORE_DTYPE, num_scales
 from moe_a2a.reference import combine_reference, dispatch_reference
 
+COMBINE = {"bf16": torch.bfloat16, "fp32": torch.float32}
 HIDDEN = 200  # not a multiple of 128: the last fp8 block is short
 EXPERTS_PER_RANK = 3
 JOIN_S = 60.0  # the longest a test's ranks may take together
@@ -43,7 +44,7 @@ class Dispatched:
     expert_x: torch.Tensor
     expert_x_scale: torch.Tensor | None
     tokens_per_expert: torch.Tensor
-    routing: torch.Tensor  # [world, num_experts] int32: the call's matrix, for cached calls
+    routing: torch.Tensor  # [world, num_experts + world] int32: the call's matrix, for cached calls
 
 
 class Rank:
@@ -74,12 +75,13 @@ class Rank:
             self._ids.data_ptr(),
             self.tokens,
             self._routing.data_ptr() if self._routing is not None else 0,
+            self.weights.data_ptr(),
         )
 
     def recv(self) -> Dispatched:
         cfg = self.world.cfg
         rows = self._call(self.impl.dispatch_wait)
-        matrix = torch.empty(self.world.size, cfg.num_experts, dtype=torch.int32)
+        matrix = torch.empty(self.world.size, cfg.num_experts + self.world.size, dtype=torch.int32)
         self.impl.copy_routing(matrix.data_ptr())
         fp8 = cfg.dispatch_dtype == "fp8"
         x = torch.empty(rows, cfg.hidden, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
@@ -88,11 +90,13 @@ class Rank:
         counts = torch.tensor(self.impl.tokens_per_expert, dtype=torch.int32)
         return Dispatched(x, scale, counts, matrix)
 
-    def combine(self, y: torch.Tensor) -> torch.Tensor:
-        self._call(self.impl.combine_send, y.data_ptr(), CORE_DTYPE[y.dtype])
+    def combine(self, y: torch.Tensor, weighted: bool = True) -> torch.Tensor:
+        """Both halves of a combine; `weighted=False` sums the rows plainly."""
+        self._call(self.impl.combine_send, y.data_ptr(), CORE_DTYPE[y.dtype], 0, weighted)
         assert self.weights is not None
-        out = torch.empty(self.tokens, self.world.cfg.hidden, dtype=torch.bfloat16)
-        self._call(self.impl.combine_recv, self.weights.data_ptr(), out.data_ptr())
+        weights = self.weights if weighted else torch.ones_like(self.weights)
+        out = torch.empty(self.tokens, self.world.cfg.hidden, dtype=COMBINE[self.world.cfg.combine_dtype])
+        self._call(self.impl.combine_recv, weights.data_ptr(), out.data_ptr())
         return out
 
     def round(self, inp: Inputs, routing=None) -> tuple[Dispatched, torch.Tensor]:
@@ -126,8 +130,8 @@ class World:
         self.size, self.rpn = size, ranks_per_node
         self.fabric = _core.MemoryFabric(size)
         self.max_private_tokens, self.max_recv_tokens = self.cfg.resolved(size)
-        core = [self._core_config(r, slice_bytes) for r in range(size)]
-        self.workspaces = self._workspaces(core)
+        self.core = [self._core_config(r, slice_bytes) for r in range(size)]
+        self.workspaces = self._workspaces(self.core)
         self.ranks = [Rank(self, r) for r in range(size)]
         self._connect()
 
@@ -138,12 +142,31 @@ class World:
     def remote_peers(self, rank: int) -> list[int]:
         return [p for p in range(self.size) if p not in self.node(rank)]
 
+    def wire_rows(self, ids: list[torch.Tensor], s: int, r: int) -> int:
+        """Rows sender s sends rank r for `ids` (docs/protocol.md, "Rows per destination rank"):
+        its tokens with a k on r towards a rank of another node with fabric_rows="rank", else its copies."""
+        owner = ids[s].to(torch.int64) // (self.cfg.num_experts // self.size)
+        if self.cfg.fabric_rows == "rank" and r not in self.node(s):
+            return int((owner == r).any(dim=1).sum())
+        return int((owner == r).sum())
+
+    def matrix(self, ids: list[torch.Tensor]) -> torch.Tensor:
+        """The routing matrix of a call of `ids`, as a cached call brings it: each sender's
+        copies per expert, then its wire rows per rank."""
+        rows = []
+        for s, i in enumerate(ids):
+            wire = [self.wire_rows(ids, s, r) for r in range(self.size)]
+            counts = torch.bincount(i.reshape(-1), minlength=self.cfg.num_experts)
+            rows.append(torch.cat([counts, torch.tensor(wire)]))
+        return torch.stack(rows).int()
+
     def _core_config(self, rank: int, slice_bytes: int) -> Any:
         cfg, c = self.cfg, _core.A2AConfig()
         c.rank, c.world, c.ranks_per_node = rank, self.size, self.rpn
         c.max_tokens, c.hidden, c.num_experts, c.topk = cfg.max_tokens, cfg.hidden, cfg.num_experts, cfg.topk
         c.dispatch_dtype = _core.DType.fp8 if cfg.dispatch_dtype == "fp8" else _core.DType.bf16
-        c.combine_dtype = _core.DType.bf16
+        c.combine_dtype = CORE_DTYPE[COMBINE[cfg.combine_dtype]]
+        c.fabric_rows = getattr(_core.FabricRows, cfg.fabric_rows)
         c.expert_padding = cfg.expert_padding
         c.max_private_tokens, c.max_recv_tokens = self.max_private_tokens, self.max_recv_tokens
         c.timeout_s = float(cfg.timeout_s)
@@ -205,7 +228,7 @@ class World:
         cfg = self.cfg
         ref = dispatch_reference(inp.xs, inp.ids, cfg.num_experts, cfg.dispatch_dtype, cfg.expert_padding)
         ys = [expert_fn(x.expert_x, x.expert_x_scale) for x in ref]
-        expected = combine_reference(ys, ref, inp.weights, "bf16")
+        expected = combine_reference(ys, ref, inp.weights, cfg.combine_dtype, cfg.fabric_rows, self.rpn)
         ours = ref[r]
         assert torch.equal(d.tokens_per_expert, ours.tokens_per_expert), f"rank {r}: tokens per expert"
         valid = ours.origin[:, 0] >= 0

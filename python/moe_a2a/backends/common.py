@@ -116,9 +116,14 @@ class Backend(Protocol):
         weights from their tails or None)."""
 
     def combine_send(
-        self, y: torch.Tensor, in_place: bool = False, row_values: torch.Tensor | None = None
+        self,
+        y: torch.Tensor,
+        in_place: bool = False,
+        row_values: torch.Tensor | None = None,
+        weighted: bool = True,
     ) -> None:
-        """`in_place`: as for dispatch_send, with `y`. `row_values` go in the rows' tails."""
+        """`in_place`: as for dispatch_send, with `y`. `row_values` go in the rows' tails.
+        `weighted`: as the combine's; rows per rank are weighted (or not) where the experts are."""
 
     def combine_recv(
         self, weights: torch.Tensor, out: torch.Tensor, values_out: torch.Tensor | None = None
@@ -131,8 +136,10 @@ class Backend(Protocol):
     def check(self) -> None:
         """Raise the outcome of the last call (asynchronous devices)."""
 
-    def copies(self) -> tuple[np.ndarray, np.ndarray]:
-        """Token copies this rank sent to / received from each rank in the last dispatch."""
+    def wire_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Rows this rank sent to / received from each rank in the last dispatch, as they
+        crossed: one per copy, or per token towards a rank of another node with
+        fabric_rows="rank" (docs/protocol.md, "Rows per destination rank")."""
 
     def routing_rows(self) -> tuple[int, int]: ...
 

@@ -85,10 +85,17 @@ class CpuBackend:
         return expert_x, scale, counts, dot, weights
 
     def combine_send(
-        self, y: torch.Tensor, in_place: bool = False, row_values: torch.Tensor | None = None
+        self,
+        y: torch.Tensor,
+        in_place: bool = False,
+        row_values: torch.Tensor | None = None,
+        weighted: bool = True,
     ) -> None:  # in_place: as dispatch_send
         self._impl.combine_send(
-            y.data_ptr(), CORE_DTYPE[y.dtype], row_values.data_ptr() if row_values is not None else 0
+            y.data_ptr(),
+            CORE_DTYPE[y.dtype],
+            row_values.data_ptr() if row_values is not None else 0,
+            weighted,
         )
 
     def combine_recv(
@@ -102,8 +109,9 @@ class CpuBackend:
         """The senders in the order the last dispatch copied their rows out (each as soon as they landed)."""
         return list(self._impl.unpack_order())
 
-    def copies(self) -> tuple[np.ndarray, np.ndarray]:
-        """Token copies this rank sent to / received from each rank in the last dispatch."""
+    def wire_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Wire rows this rank sent to / received from each rank in the last dispatch: copies,
+        but one per token towards a rank of another node with fabric_rows="rank"."""
         return np.array(self._impl.sent_counts()), np.array(self._impl.received_counts())
 
     def announce_failure(self, text: str) -> None:

@@ -233,8 +233,13 @@ class CudaBackend:
         return None if most > self._setup.core_cfg.max_recv_tokens else rows
 
     def combine_send(
-        self, y: torch.Tensor, in_place: bool = False, row_values: torch.Tensor | None = None
+        self,
+        y: torch.Tensor,
+        in_place: bool = False,
+        row_values: torch.Tensor | None = None,
+        weighted: bool = True,
     ) -> None:
+        # TODO(issue 30, CUDA): rows per rank are reduced where the experts are, with `weighted`.
         values = row_values.data_ptr() if row_values is not None else 0
         self._impl.combine_send(
             y.data_ptr(), CORE_DTYPE[y.dtype], y.shape[0], self._stream(), in_place, values
@@ -260,8 +265,8 @@ class CudaBackend:
         """Raise the outcome of the last call (graph-safe mode; synchronise the stream first)."""
         self._impl.check()
 
-    def copies(self) -> tuple[np.ndarray, np.ndarray]:
-        """Token copies this rank sent to / received from each rank, from the routing matrix."""
+    def wire_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Wire rows this rank sent to / received from each rank, from the routing matrix."""
         torch.cuda.current_stream(self.device).synchronize()
         world, experts = self._setup.bootstrap.world_size, self.cfg.num_experts
         if self._last_matrix is not None:  # a cached call: the workspace holds an earlier call's rows
@@ -271,8 +276,7 @@ class CudaBackend:
             words = world * (experts + world)
             matrix = np.frombuffer((ctypes.c_uint32 * words).from_address(start), dtype=np.uint32)
         # Row s: count[s][0..E), then u[s][0..N) (docs/protocol.md, "Rows per destination rank").
-        counts = matrix.reshape(world, experts + world)[:, :experts]
-        per_rank = counts.reshape(world, world, experts // world).sum(axis=2).astype(np.int64)
+        per_rank = matrix.reshape(world, experts + world)[:, experts:].astype(np.int64)
         rank = self._setup.bootstrap.rank
         return per_rank[rank], per_rank[:, rank]
 

@@ -1,5 +1,6 @@
 // Combine, receive half: out[t] = sum_k w[t,k] * y(t,k), accumulated in fp32
-// in k order, stored in the combine dtype.
+// in k order, stored in the combine dtype. A row per rank came back already
+// weighted and summed over t's k on that rank: added once, at its first k.
 #include <cstring>
 #include <vector>
 
@@ -17,10 +18,12 @@ void reduce_combine(const CombineRecvParams& p) {
   for (int t = 0; t < p.num_tokens; ++t) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int k = 0; k < K; ++k) {
-      const float w = p.weights[t * K + k];
-      const uint8_t* row = rows + static_cast<size_t>(p.slots[t * K + k]) * crow;
-      accumulate_row(acc.data(), w, row, c.combine_dtype, H);
-      if (p.values_out != nullptr) std::memcpy(p.values_out + t * K + k, row + p.layout->combine_tail, sizeof(float));
+      const int i = t * K + k;
+      const uint8_t* row = rows + static_cast<size_t>(p.slots[i]) * crow;
+      const int entry = p.entry_of_copy[i];  // -1: a row of its own
+      if (entry <= 0) accumulate_row(acc.data(), entry < 0 ? p.weights[i] : 1.0f, row, c.combine_dtype, H);
+      const size_t value = p.layout->combine_tail + (entry < 0 ? 0 : entry) * sizeof(float);
+      if (p.values_out != nullptr) std::memcpy(p.values_out + i, row + value, sizeof(float));
     }
     if (c.combine_dtype == DType::kFp32) {
       std::memcpy(static_cast<float*>(p.out) + static_cast<size_t>(t) * H, acc.data(), H * sizeof(float));

@@ -17,6 +17,7 @@ CpuAllToAll::CpuAllToAll(Workspace* workspace, fabric::ProxyEngine* engine, fabr
   call_.counts.assign(cfg_.routing_width(), 0);
   call_.slots.assign(static_cast<size_t>(cfg_.max_tokens) * cfg_.topk, 0);
   call_.row_copy.assign(call_.slots.size(), 0);
+  call_.entry_of_copy.assign(call_.slots.size(), -1);
   encoded_.assign(cfg_.max_tokens, nullptr);
   peer_seqs_ = std::make_unique<Seq[]>(static_cast<size_t>(kPeerSignalArrays) * cfg_.world);
   peers_ = peer_signals_in(peer_seqs_.get(), cfg_.world);
@@ -94,6 +95,7 @@ void CpuAllToAll::dispatch_send(const DispatchSendArgs& args) {
   p.counts = call_.counts.data();
   p.slots = call_.slots.data();
   p.row_copy = call_.row_copy.data();
+  p.entry_of_copy = call_.entry_of_copy.data();
   p.encoded = encoded_.data();
   count_experts(p);
   const uint32_t* routing = args.routing;
@@ -114,7 +116,7 @@ void CpuAllToAll::dispatch_send(const DispatchSendArgs& args) {
   assign_rows(p);
   RoutingView own{call_.counts.data(), 1, cfg_.num_experts, cfg_.num_local_experts(), cfg_.routing_width()};
   std::vector<uint64_t> first(cfg_.world + 1, 0);
-  for (int r = 0; r < cfg_.world; ++r) first[r + 1] = first[r] + own.to_rank(0, r);
+  for (int r = 0; r < cfg_.world; ++r) first[r + 1] = first[r] + own.rows(0, r);
   for (int r : send_order_) {
     pack_rank(p, r, first[r], first[r + 1] - first[r]);
     if (cfg_.same_node(r))
@@ -182,7 +184,9 @@ void CpuAllToAll::dispatch_unpack(const DispatchUnpackArgs& args) {
         "dispatch_unpack: math: expected a scale, bf16 or fp32 rows, and dot_y with dot_out "
         "in bf16 or fp32");
   RoutingView view{call_.routing.data(), cfg_.world, cfg_.num_experts, cfg_.num_local_experts()};
-  call_.row_of_copy.assign(call_.plan.total_received, 0);
+  const size_t entries = call_.plan.total_wire * cfg_.entries_per_row();
+  call_.row_of_entry.assign(entries, -1);
+  call_.weight_of_entry.assign(entries, 0.0f);
   DispatchRecvParams p;
   p.cfg = &cfg_;
   p.layout = &layout_;
@@ -198,7 +202,8 @@ void CpuAllToAll::dispatch_unpack(const DispatchUnpackArgs& args) {
     p.dot_y_dtype = math.dot_y_dtype;
     p.dot_out = math.dot_out;
   }
-  p.row_of_copy = call_.row_of_copy.data();
+  p.row_of_entry = call_.row_of_entry.data();
+  p.weight_of_entry = call_.weight_of_entry.data();
   p.sender_base = call_.sender_base.data();
   unpack_as_they_land(p);
   check_stamps(true);  // before the rows go to the caller: also where no wait ran
@@ -254,7 +259,9 @@ void CpuAllToAll::combine_send(const CombineSendArgs& args) {
   p.layout = &layout_;
   p.ws = maps_;
   p.plan = &call_.plan;
-  p.row_of_copy = call_.row_of_copy.data();
+  p.row_of_entry = call_.row_of_entry.data();
+  p.weight_of_entry = call_.weight_of_entry.data();
+  p.weighted = args.weighted;
   p.y = args.y;
   p.y_dtype = args.y_dtype;
   p.row_values = args.row_values;
@@ -277,6 +284,7 @@ void CpuAllToAll::combine_recv(const CombineRecvArgs& args) {
   p.layout = &layout_;
   p.ws = maps_.self;
   p.slots = call_.slots.data();
+  p.entry_of_copy = call_.entry_of_copy.data();
   p.weights = args.weights;
   p.num_tokens = call_.num_tokens;
   p.out = args.out;
@@ -290,7 +298,7 @@ void CpuAllToAll::copy_routing(uint32_t* out) const { std::copy(call_.routing.be
 std::vector<uint64_t> CpuAllToAll::sent_counts() const {
   RoutingView view{call_.counts.data(), 1, cfg_.num_experts, cfg_.num_local_experts(), cfg_.routing_width()};
   std::vector<uint64_t> out(cfg_.world);
-  for (int r = 0; r < cfg_.world; ++r) out[r] = view.to_rank(0, r);
+  for (int r = 0; r < cfg_.world; ++r) out[r] = view.rows(0, r);
   return out;
 }
 

@@ -44,6 +44,9 @@ struct CombineSendArgs {
   const void* y = nullptr;  // [output rows, hidden]
   DType y_dtype = DType::kBf16;
   const float* row_values = nullptr;  // [output rows] fp32 back in the rows' tails (null: zeros)
+  // Rows per rank are weighted where the experts are: with the dispatch's
+  // weights (true), or summed plainly (false, the unweighted combine).
+  bool weighted = true;
 };
 
 struct CombineRecvArgs {
@@ -64,10 +67,12 @@ struct Call {
   std::vector<uint32_t> counts;         // our routing row
   std::vector<int32_t> slots;           // send row of each (t, k)
   std::vector<int32_t> row_copy;        // (t, k) of each send row
+  std::vector<int16_t> entry_of_copy;   // (t, k)'s entry in its row per rank; -1: a row of its own
   std::vector<uint32_t> routing;        // snapshot of the routing matrix (dispatch_wait)
   RecvPlan plan;
   std::vector<uint64_t> sender_base;  // [world][local experts] output row of (s, i)'s first copy
-  std::vector<int64_t> row_of_copy;
+  std::vector<int64_t> row_of_entry;   // DispatchRecvParams'
+  std::vector<float> weight_of_entry;
   std::vector<int> unpack_order;
 };
 
@@ -89,9 +94,10 @@ class CpuAllToAll {
   void combine_recv(const CombineRecvArgs& args);
 
   const std::vector<int32_t>& tokens_per_expert() const { return call_.plan.tokens_per_expert; }
-  // Copies this rank sent to / received from each rank in the last dispatch.
+  // Wire rows this rank sent to / received from each rank in the last dispatch
+  // (copies, except towards per-rank peers: A2AConfig::per_rank).
   std::vector<uint64_t> sent_counts() const;
-  std::vector<uint64_t> received_counts() const { return call_.plan.from; }
+  std::vector<uint64_t> received_counts() const { return call_.plan.wire; }
   uint64_t epoch() const { return call_.epoch; }
   // Tells every peer that this rank failed; see Proxy::announce_failure.
   void announce_failure(const std::string& text) { proxy_->announce_failure(text, call_.done); }

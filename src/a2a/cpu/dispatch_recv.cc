@@ -1,10 +1,15 @@
 // Dispatch, receive half: gather every received copy into the expert-major,
-// padded output, one sender at a time, in whatever order their rows land.
+// padded output, one sender at a time, in whatever order their rows land; a
+// row per rank holds several copies (its route entries).
 // Same-node overflow is pulled from the sender's send section.
 #include <algorithm>
 #include <cstring>
+#include <string>
+#include <vector>
 
+#include "../row_tail.h"
 #include "convert.h"
+#include "fabric/error.h"
 #include "kernels.h"
 
 namespace moe_a2a::a2a::cpu {
@@ -53,15 +58,65 @@ void scale_row(const DispatchRecvParams& p, const uint8_t* src, uint64_t out_row
 
 }  // namespace
 
+namespace {
+
+// One received row's body (and weight) into output row `out_row`.
+void deliver(const DispatchRecvParams& p, const uint8_t* src, uint64_t out_row, float weight) {
+  const A2AConfig& c = *p.cfg;
+  const size_t payload = c.payload_bytes(), scale_bytes = c.num_scales() * sizeof(float);
+  if (p.row_scale != nullptr) scale_row(p, src, out_row);
+  else std::memcpy(static_cast<uint8_t*>(p.out_x) + out_row * payload, src, payload);
+  if (scale_bytes > 0) std::memcpy(p.out_scale + out_row * c.num_scales(), src + payload, scale_bytes);
+  if (p.out_weight != nullptr) p.out_weight[out_row] = weight;
+}
+
+// Rows per rank from remote sender s: wire row j carries token j's entries
+// for us in k order; each goes to its expert's next output row, which gives
+// the (token, k) order per expert of rows per copy.
+void unpack_rank_rows(const DispatchRecvParams& p, int s) {
+  const A2AConfig& c = *p.cfg;
+  const Layout& l = *p.layout;
+  const RecvPlan& plan = *p.plan;
+  const int L = c.num_local_experts(), m = c.max_entries();
+  const uint64_t P = c.max_private_tokens;
+  std::vector<uint32_t> next(L, 0);
+  for (uint64_t j = 0; j < plan.wire[s]; ++j) {
+    const uint8_t* src = j < P ? p.ws.self + l.private_rows + (static_cast<size_t>(s) * P + j) * l.dispatch_row
+                               : p.ws.self + l.shared_rows + (plan.shared_off[s] + j - P) * l.dispatch_row;
+    const size_t first = (plan.recv_base[s] + j) * m;
+    for (int e = 0; e < m; ++e) {
+      RouteEntry entry;
+      std::memcpy(&entry, src + l.dispatch_tail + e * sizeof(RouteEntry), sizeof(entry));
+      p.row_of_entry[first + e] = -1;
+      p.weight_of_entry[first + e] = 0.0f;
+      if (entry.expert == kNoExpert) continue;
+      const int i = entry.expert;
+      if (i >= L || next[i] >= p.routing->count(s, c.rank * L + i))
+        throw fabric::FabricError("rank " + std::to_string(c.rank) + ": sender " + std::to_string(s) + "'s row " +
+                                  std::to_string(j) + " names local expert " + std::to_string(i) +
+                                  " past its routing row's copies: the rows do not match the routing");
+      const uint64_t out_row = p.sender_base[static_cast<size_t>(s) * L + i] + next[i]++;
+      deliver(p, src, out_row, entry.weight);
+      p.row_of_entry[first + e] = static_cast<int64_t>(out_row);
+      p.weight_of_entry[first + e] = entry.weight;
+    }
+  }
+}
+
+}  // namespace
+
 void unpack_sender(const DispatchRecvParams& p, int s) {
   const A2AConfig& c = *p.cfg;
+  if (c.per_rank(s, c.rank)) {
+    unpack_rank_rows(p, s);
+    return;
+  }
   const Layout& l = *p.layout;
   const RoutingView& v = *p.routing;
   const RecvPlan& plan = *p.plan;
-  const int L = c.num_local_experts();
+  const int L = c.num_local_experts(), stride = c.entries_per_row();
   const uint64_t P = c.max_private_tokens;
-  const size_t row = l.dispatch_row, payload = c.payload_bytes();
-  const size_t scale_bytes = c.num_scales() * sizeof(float);
+  const size_t row = l.dispatch_row;
   uint64_t j = 0;
   for (int i = 0; i < L; ++i) {
     const uint32_t n = v.count(s, c.rank * L + i);
@@ -76,11 +131,12 @@ void unpack_sender(const DispatchRecvParams& p, int s) {
         src = p.ws.self + l.shared_rows + (plan.shared_off[s] + j - P) * row;
       }
       const uint64_t out_row = base + q;
-      if (p.row_scale != nullptr) scale_row(p, src, out_row);
-      else std::memcpy(static_cast<uint8_t*>(p.out_x) + out_row * payload, src, payload);
-      if (scale_bytes > 0) std::memcpy(p.out_scale + out_row * c.num_scales(), src + payload, scale_bytes);
-      if (p.out_weight != nullptr) std::memcpy(p.out_weight + out_row, src + l.dispatch_tail, sizeof(float));
-      p.row_of_copy[plan.recv_base[s] + j] = static_cast<int64_t>(out_row);
+      float weight;  // the first 4 bytes of every tail (row_tail.h)
+      std::memcpy(&weight, src + l.dispatch_tail, sizeof(weight));
+      deliver(p, src, out_row, weight);
+      const size_t first = (plan.recv_base[s] + j) * stride;
+      for (int e = 0; e < stride; ++e) p.row_of_entry[first + e] = e == 0 ? static_cast<int64_t>(out_row) : -1;
+      p.weight_of_entry[first] = weight;
     }
   }
 }

@@ -1,9 +1,11 @@
-// Dispatch, send half, compute steps: count copies per expert, give each copy
-// its send row, and pack rows where they go, one destination rank at a time.
+// Dispatch, send half, compute steps: count copies per expert (and wire rows
+// per rank), give each copy its send row, and pack rows where they go, one
+// destination rank at a time.
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
+#include "../row_tail.h"
 #include "convert.h"
 #include "kernels.h"
 
@@ -18,21 +20,74 @@ void count_experts(const DispatchSendParams& p) {
 
 void assign_rows(const DispatchSendParams& p) {
   const A2AConfig& c = *p.cfg;
-  const int E = c.num_experts, K = c.topk;
-  // First send row of each expert: send order is (rank, expert, token, k).
-  std::vector<uint64_t> next(E);
-  uint64_t at = 0;
-  for (int e = 0; e < E; ++e) {
-    next[e] = at;
-    at += p.counts[e];
+  const int E = c.num_experts, K = c.topk, L = c.num_local_experts(), N = c.world;
+  const RoutingView own{p.counts, 1, E, L, c.routing_width()};
+  // First send row of each expert (a per-copy destination's rows go (local
+  // expert, token, k)) and of each destination (a per-rank one's go by token).
+  std::vector<uint64_t> next(E), next_rank(N);
+  for (int r = 0; r < N; ++r) {
+    uint64_t at = own.send_offset(0, r);
+    next_rank[r] = at;
+    for (int i = 0; i < L; ++i) {
+      next[r * L + i] = at;
+      at += p.counts[r * L + i];
+    }
   }
-  for (int64_t i = 0; i < static_cast<int64_t>(p.num_tokens) * K; ++i) {
-    const uint64_t slot = next[p.topk_ids[i]]++;
-    p.slots[i] = static_cast<int32_t>(slot);
-    p.row_copy[slot] = static_cast<int32_t>(i);
-  }
+  std::vector<int> last(N, -1);       // the last token given a row per rank
+  std::vector<int16_t> entries(N, 0);  // its entries so far
+  for (int t = 0; t < p.num_tokens; ++t)
+    for (int k = 0; k < K; ++k) {
+      const int64_t i = static_cast<int64_t>(t) * K + k;
+      const int32_t e = p.topk_ids[i];
+      const int r = e / L;
+      uint64_t slot;
+      if (c.per_rank(c.rank, r)) {
+        if (last[r] != t) {
+          last[r] = t;
+          entries[r] = 0;
+          p.row_copy[next_rank[r]++] = static_cast<int32_t>(i);
+        }
+        slot = next_rank[r] - 1;
+        p.entry_of_copy[i] = entries[r]++;
+      } else {
+        slot = next[e]++;
+        p.row_copy[slot] = static_cast<int32_t>(i);
+        p.entry_of_copy[i] = -1;
+      }
+      p.slots[i] = static_cast<int32_t>(slot);
+    }
   std::fill(p.encoded, p.encoded + p.num_tokens, nullptr);
 }
+
+namespace {
+
+// The tail of the row of copy `i` (rows per rank: of its token) for rank r
+// (row_tail.h): narrow, the copy's weight; wide, route entries.
+void write_tail(const DispatchSendParams& p, int r, int64_t i, uint8_t* tail) {
+  const A2AConfig& c = *p.cfg;
+  const int K = c.topk, L = c.num_local_experts(), m = c.max_entries();
+  auto weight = [&](int64_t copy) { return p.weights != nullptr ? p.weights[copy] : 0.0f; };
+  if (!c.rank_rows()) {
+    const float w = weight(i);
+    std::memcpy(tail, &w, sizeof(w));
+    return;
+  }
+  auto put = [&](int e, const RouteEntry& v) { std::memcpy(tail + e * sizeof(RouteEntry), &v, sizeof(v)); };
+  auto entry = [&](int64_t copy) {
+    return RouteEntry{weight(copy), static_cast<uint16_t>(p.topk_ids[copy] - r * L), static_cast<uint16_t>(copy % K)};
+  };
+  int used = 0;
+  if (c.per_rank(c.rank, r)) {
+    const int64_t t = i / K;
+    for (int k = 0; k < K; ++k)
+      if (p.topk_ids[t * K + k] / L == r) put(used++, entry(t * K + k));
+  } else {
+    put(used++, entry(i));
+  }
+  for (; used < m; ++used) put(used, RouteEntry{0.0f, kNoExpert, 0});
+}
+
+}  // namespace
 
 void pack_rank(const DispatchSendParams& p, int r, uint64_t first_row, uint64_t rows) {
   const A2AConfig& c = *p.cfg;
@@ -47,8 +102,7 @@ void pack_rank(const DispatchSendParams& p, int r, uint64_t first_row, uint64_t 
     const int t = p.row_copy[slot] / c.topk;
     uint8_t* dst = near && j < P ? p.ws.of(r) + l.private_rows + (static_cast<size_t>(c.rank) * P + j) * row
                                  : p.ws.self + l.send + slot * row;  // fabric, or pulled by a same-node peer
-    const float weight = p.weights != nullptr ? p.weights[p.row_copy[slot]] : 0.0f;
-    std::memcpy(dst + l.dispatch_tail, &weight, sizeof(weight));  // the copy's own, whatever its body
+    write_tail(p, r, p.row_copy[slot], dst + l.dispatch_tail);  // the row's own, whatever its body
     if (p.encoded[t] != nullptr) {
       std::memcpy(dst, p.encoded[t], l.dispatch_tail);
       continue;

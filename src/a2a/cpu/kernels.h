@@ -31,14 +31,19 @@ struct DispatchSendParams {
   int num_tokens = 0;
   uint32_t* counts = nullptr;  // out: [E + N], our routing row (copies per expert, wire rows per rank)
   int32_t* slots = nullptr;    // out: [T * topk], send row of each (t, k)
-  int32_t* row_copy = nullptr;       // out: [T * topk], the copy t * topk + k at each send row
+  int32_t* row_copy = nullptr;       // out: [T * topk], the copy t * topk + k at each send row (rows per rank: its first k)
+  // out: [T * topk], where (t, k) travels in a row per rank, its entry there
+  // (its index among t's k on that rank); -1 in a row of its own.
+  int16_t* entry_of_copy = nullptr;
   const uint8_t** encoded = nullptr;  // scratch: [T], where token t's row was first stored (null: not yet)
 };
 
 // Counts copies per expert and wire rows per rank into `counts`.
 void count_experts(const DispatchSendParams& p);
-// Assigns send rows (send order of docs/protocol.md): `slots` and its
-// inverse `row_copy`; clears `encoded`. After count_experts.
+// Assigns send rows (send order of docs/protocol.md): `slots`, its inverse
+// `row_copy` and `entry_of_copy`; clears `encoded`. After count_experts.
+// Towards a per-rank destination (A2AConfig::per_rank) wire row j is the
+// j-th token picking it, shared by all of that token's k there.
 void assign_rows(const DispatchSendParams& p);
 // Packs the copies for rank r, send rows [first_row, first_row + rows):
 // same-node private slots straight into the peer's workspace, the rest into
@@ -63,7 +68,10 @@ struct DispatchRecvParams {
   const void* dot_y = nullptr;       // [output_rows, hidden] in dot_y_dtype
   DType dot_y_dtype = DType::kBf16;
   float* dot_out = nullptr;          // [output_rows]
-  int64_t* row_of_copy = nullptr;  // out: [total_received], output row of copy (s, j) at recv_base[s] + j
+  // out: [total_wire * entries_per_row]: entry e of wire row (s, j) at (recv_base[s] + j) * entries + e,
+  // its output row (-1: unused) and its weight from the tail.
+  int64_t* row_of_entry = nullptr;
+  float* weight_of_entry = nullptr;
   const uint64_t* sender_base = nullptr;  // [world][local experts]: output row of sender s's first copy of expert i
 };
 
@@ -80,14 +88,18 @@ struct CombineSendParams {
   const Layout* layout = nullptr;
   Mappings ws;
   const RecvPlan* plan = nullptr;
-  const int64_t* row_of_copy = nullptr;
+  const int64_t* row_of_entry = nullptr;     // DispatchRecvParams'
+  const float* weight_of_entry = nullptr;    // DispatchRecvParams'
   const void* y = nullptr;  // [output_rows, hidden]
   DType y_dtype = DType::kBf16;
   const float* row_values = nullptr;  // [output_rows]: into each returned row's tail (null: zeros)
+  bool weighted = true;  // rows per rank: sum_e w_e * y_e (false: sum_e y_e)
 };
 
-// Returns sender s's copies: into its combine_recv (same node) or our
+// Returns sender s's rows: into its combine_recv (same node) or our
 // combine_send staging (remote), rank by rank so each can leave at once.
+// A per-copy sender gets one row per copy; a per-rank one (A2AConfig::per_rank)
+// one row per wire row, its entries' outputs summed in fp32 in k order.
 void pack_combine_for(const CombineSendParams& p, int s);
 
 struct CombineRecvParams {
@@ -95,6 +107,7 @@ struct CombineRecvParams {
   const Layout* layout = nullptr;
   uint8_t* ws = nullptr;
   const int32_t* slots = nullptr;
+  const int16_t* entry_of_copy = nullptr;  // DispatchSendParams'
   const float* weights = nullptr;  // [T, topk]
   int num_tokens = 0;
   void* out = nullptr;  // [T, hidden] in combine dtype
