@@ -1,0 +1,162 @@
+"""Rows per destination rank (fabric_rows="rank") and per copy ("expert"), in one process:
+every rank's dispatch and combine equal the reference bit for bit, in both modes, with and
+without virtual nodes, and the rows that cross are the ones docs/protocol.md counts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from world import EXPERTS_PER_RANK, Rank, World, expert_fn, make_inputs
+
+from inputs import Inputs
+from moe_a2a import Config
+
+MODES = ("rank", "expert")
+Ids = Callable[[torch.Generator, int, int], torch.Tensor]  # (g, rank, tokens) -> [tokens, topk]
+
+
+def with_ids(inp: Inputs, ids: Ids, seed: int) -> Inputs:
+    """`inp` with every rank's topk_ids from `ids`."""
+    g = torch.Generator().manual_seed(seed)
+    return Inputs(inp.xs, [ids(g, r, x.shape[0]) for r, x in enumerate(inp.xs)], inp.weights)
+
+
+def check_wire_rows(w: World, inp: Inputs) -> None:
+    """Each rank's rows sent and received per peer, as the last dispatch counted them."""
+    for r, rank in enumerate(w.ranks):
+        sent = [w.wire_rows(inp.ids, r, p) for p in range(w.size)]
+        got = [w.wire_rows(inp.ids, p, r) for p in range(w.size)]
+        assert list(rank.impl.sent_counts()) == sent, f"rank {r}: rows sent"
+        assert list(rank.impl.received_counts()) == got, f"rank {r}: rows received"
+
+
+def rounds(w: World, inputs: list[Inputs]) -> None:
+    for inp in inputs:
+        w.check(inp, w.run(lambda r, inp=inp: r.round(inp)))
+        check_wire_rows(w, inp)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    ("size", "rpn", "combine_dtype"),
+    [
+        (1, 1, "bf16"),
+        (2, 1, "fp32"),
+        (3, 1, "bf16"),
+        (4, 2, "bf16"),
+        (5, 1, "fp32"),
+        (6, 3, "bf16"),
+        (8, 2, "bf16"),
+        (8, 1, "fp32"),
+    ],
+)
+def test_random_rounds_equal_the_reference(
+    make_world, mode: str, size: int, rpn: int, combine_dtype: str
+) -> None:
+    """Random routing and token counts (some ranks none), in both modes and with virtual nodes."""
+    topk = min(4, EXPERTS_PER_RANK * size)
+    w = make_world(size, ranks_per_node=rpn, fabric_rows=mode, combine_dtype=combine_dtype, topk=topk)
+    rounds(w, [make_inputs(seed, w.cfg, size) for seed in range(2)])
+
+
+def duplicate_expert(size: int) -> Ids:
+    """Each token picks one expert twice (k 0 and 2), two others once."""
+
+    def ids(g: torch.Generator, rank: int, tokens: int) -> torch.Tensor:
+        experts = EXPERTS_PER_RANK * size
+        picks = torch.stack(
+            [torch.randperm(experts, generator=g)[:3] for _ in range(tokens)] or [torch.empty(0, 3)]
+        )
+        picks = picks.reshape(tokens, 3).long()
+        return torch.stack([picks[:, 0], picks[:, 1], picks[:, 0], picks[:, 2]], dim=1)
+
+    return ids
+
+
+def one_rank(size: int) -> Ids:
+    """All of a token's experts on one random rank (K > L: one expert twice)."""
+
+    def ids(g: torch.Generator, rank: int, tokens: int) -> torch.Tensor:
+        owner = torch.randint(0, size, (tokens, 1), generator=g)
+        return owner * EXPERTS_PER_RANK + torch.arange(4).remainder(EXPERTS_PER_RANK)
+
+    return ids
+
+
+def own_rank(size: int) -> Ids:
+    """All of a token's experts on its own rank: nothing crosses."""
+
+    def ids(g: torch.Generator, rank: int, tokens: int) -> torch.Tensor:
+        return (rank * EXPERTS_PER_RANK + torch.arange(4).remainder(EXPERTS_PER_RANK)).repeat(tokens, 1)
+
+    return ids
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("size", "rpn"), [(3, 1), (4, 2)])
+@pytest.mark.parametrize("router", [duplicate_expert, one_rank, own_rank], ids=lambda f: f.__name__)
+def test_routings_that_share_rows(
+    make_world, mode: str, size: int, rpn: int, router: Callable[[int], Ids]
+) -> None:
+    """A token picking one expert twice, all its experts on one rank, all on its own rank;
+    uneven tokens with none on rank 1, and no private rows (every row in the shared part)."""
+    w = make_world(size, ranks_per_node=rpn, fabric_rows=mode, max_private_tokens=0)
+    tokens = [7, 0] + [24 - r for r in range(size - 2)]
+    rounds(
+        w, [with_ids(make_inputs(seed, w.cfg, size, tokens=tokens), router(size), seed) for seed in (5, 6)]
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cached_and_unweighted_calls(make_world, mode: str) -> None:
+    """A call along a kept routing (new rows, the same ids) and an unweighted combine
+    (the plain sum, weighted=False on every rank) equal the reference."""
+    w = make_world(4, ranks_per_node=2, fabric_rows=mode, max_private_tokens=2)
+    first = make_inputs(11, w.cfg, 4)
+    kept = w.run(lambda r: r.round(first))
+    w.check(first, kept)
+    again = make_inputs(12, w.cfg, 4, tokens=[x.shape[0] for x in first.xs])
+    again = Inputs(again.xs, first.ids, again.weights)
+
+    def cached(r: Rank) -> tuple:
+        d = r.dispatch(again.xs[r.rank], again.ids[r.rank], again.weights[r.rank], kept[r.rank][0].routing)
+        return d, r.combine(expert_fn(d.expert_x, d.expert_x_scale))
+
+    w.check(again, w.run(cached))
+    check_wire_rows(w, again)
+
+    def unweighted(r: Rank) -> tuple:
+        d = r.dispatch(again.xs[r.rank], again.ids[r.rank], again.weights[r.rank])
+        return d, r.combine(expert_fn(d.expert_x, d.expert_x_scale), weighted=False)
+
+    ones = Inputs(again.xs, again.ids, [torch.ones_like(x) for x in again.weights])
+    w.check(ones, w.run(unweighted))
+
+
+def test_the_modes_differ_by_rounding_only(make_world) -> None:
+    """Across nodes the modes deliver the same rows and combine within bf16 rounding;
+    within one node (no row crosses) they are the same bit for bit."""
+    outs = {}
+    for rpn in (1, 4):
+        for mode in MODES:
+            w = make_world(4, ranks_per_node=rpn, fabric_rows=mode)
+            inp = make_inputs(21, w.cfg, 4)
+            outs[rpn, mode] = w.run(lambda r, inp=inp: r.round(inp))
+    for r in range(4):
+        for rpn in (1, 4):
+            assert torch.equal(outs[rpn, "rank"][r][0].expert_x, outs[rpn, "expert"][r][0].expert_x)
+        assert torch.equal(outs[4, "rank"][r][1], outs[4, "expert"][r][1])
+        torch.testing.assert_close(
+            outs[1, "rank"][r][1].float(), outs[1, "expert"][r][1].float(), rtol=2e-2, atol=2e-2
+        )
+
+
+def test_config_takes_the_modes_it_has() -> None:
+    base = dict(max_tokens=4, hidden=8, num_experts=4, topk=2)
+    assert Config(**base).fabric_rows == "rank"  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'node' is not built yet; use 'rank' or 'expert'"):
+        Config(**base, fabric_rows="node")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fabric_rows: got 'ranks'"):
+        Config(**base, fabric_rows="ranks")  # type: ignore[arg-type]
