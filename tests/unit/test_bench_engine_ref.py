@@ -5,22 +5,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moe_a2a.bench.engine_ref import copies_to, sent_by
+from moe_a2a.bench.engine_ref import rows_to, sent_by
 
 
-def test_copies_to_counts_token_copies_per_owning_rank() -> None:
+def test_rows_to_counts_token_copies_or_tokens_per_owning_rank() -> None:
     ids = np.array([[0, 5], [7, 1], [4, 4]])  # 8 experts on 2 ranks: 0-3 on rank 0, 4-7 on rank 1
-    assert copies_to(ids, 2, 8).tolist() == [2, 4]
-    assert copies_to(np.zeros((0, 2), np.int64), 4, 8).tolist() == [0, 0, 0, 0]
+    assert rows_to(ids, 2, 8).tolist() == [2, 4]
+    assert rows_to(ids, 2, 8, per_rank=True).tolist() == [2, 3]  # one row per token with a k there
+    assert rows_to(np.zeros((0, 2), np.int64), 4, 8).tolist() == [0, 0, 0, 0]
     rng = np.random.default_rng(3)
     ids = rng.integers(0, 64, size=(100, 8))
-    counts = copies_to(ids, 4, 64)
+    counts = rows_to(ids, 4, 64)
     assert counts.sum() == 800 and counts.tolist() == [int((ids // 16 == r).sum()) for r in range(4)]
 
 
-def test_copies_to_refuses_experts_that_do_not_split_evenly() -> None:
+def test_rows_to_refuses_experts_that_do_not_split_evenly() -> None:
     with pytest.raises(ValueError, match="num_experts: got 10; expected a multiple of the world size 4"):
-        copies_to(np.zeros((1, 1), np.int64), 4, 10)
+        rows_to(np.zeros((1, 1), np.int64), 4, 10)
 
 
 def test_sent_by_is_where_a_receivers_rows_start() -> None:

@@ -7,10 +7,10 @@ times it with the benchmark's own clock (`bench a2a`: after an MPI barrier,
 the slowest rank; the CUDA benchmark: from a barrier, the first rank's start
 to the last rank's end):
 
-- dispatch: the routing row to every peer (`num_experts` x 4 bytes), then one
-  write per peer of the rows sent to it (copies x dispatch row bytes; none
-  where there are no copies), then waits for every peer's;
-- combine: one write per peer of the rows it sent us (copies x combine row
+- dispatch: the routing row to every peer (`num_experts + world` x 4 bytes), then one
+  write per peer of the rows sent to it (wire rows x dispatch row bytes; none
+  where there are none), then waits for every peer's;
+- combine: one write per peer of the rows it sent us (wire rows x combine row
   bytes, empty where none), as the proxy sends it, then waits.
 
 Each ends when every expected write has arrived and our own writes are
@@ -47,19 +47,24 @@ Timer = Callable[[Callable[[], None]], float]
 
 @dataclass(frozen=True)
 class RowBytes:
-    """What one token copy weighs in each phase (A2AConfig.dispatch_row_bytes, combine_row_bytes)."""
+    """What one wire row weighs in each phase (A2AConfig.dispatch_row_bytes, combine_row_bytes)."""
 
     dispatch: int
     combine: int
-    routing_row: int  # num_experts x 4
+    routing_row: int  # (num_experts + world) x 4
+    per_rank: bool = False  # fabric_rows="rank": one row per token and remote rank
 
 
-def copies_to(ids: np.ndarray, world: int, num_experts: int) -> np.ndarray:
-    """Token copies this rank sends to each rank: ids are [T, K] expert ids, experts split evenly."""
+def rows_to(ids: np.ndarray, world: int, num_experts: int, per_rank: bool = False) -> np.ndarray:
+    """Wire rows this rank sends to each (remote) rank: ids are [T, K] expert ids, experts split
+    evenly; a row per copy, or per token with a k there (`per_rank`, docs/protocol.md)."""
     if num_experts % world:
         raise ValueError(f"num_experts: got {num_experts}; expected a multiple of the world size {world}")
-    owners = np.asarray(ids, dtype=np.int64).reshape(-1) // (num_experts // world)
-    return np.bincount(owners, minlength=world)[:world]
+    owners = np.asarray(ids, dtype=np.int64)
+    owners = (owners if owners.ndim == 2 else owners.reshape(-1, 1)) // (num_experts // world)
+    if per_rank:
+        return np.array([(owners == r).any(axis=1).sum() for r in range(world)], dtype=np.int64)
+    return np.bincount(owners.reshape(-1), minlength=world)[:world]
 
 
 def applies(a2a: Any) -> bool:
@@ -72,7 +77,8 @@ def start_for(a2a: Any, comm: Any, provider: str | None) -> EngineReference | No
     if not applies(a2a):
         return None
     core = a2a._core_cfg
-    rows = RowBytes(core.dispatch_row_bytes, core.combine_row_bytes, a2a.cfg.num_experts * 4)
+    per_rank = a2a.cfg.fabric_rows == "rank"
+    rows = RowBytes(core.dispatch_row_bytes, core.combine_row_bytes, core.routing_width * 4, per_rank)
     return EngineReference(comm, provider, rows, a2a.cfg.max_tokens * a2a.cfg.topk, a2a.max_recv_tokens)
 
 
@@ -110,8 +116,8 @@ class EngineReference:
         """Time (ns) to move one iteration's dispatch and combine bytes (`timer`, else slowest rank)."""
         from moe_a2a.fabric import ScatterItem
 
-        mine = copies_to(ids, self.world, num_experts)
-        counts = np.array(self.comm.allgather(mine))  # counts[s, r]: copies s sends to r
+        mine = rows_to(ids, self.world, num_experts, self.rows.per_rank)
+        counts = np.array(self.comm.allgather(mine))  # counts[s, r]: wire rows s sends to r
         core, rows = self.engine.core, self.rows
         # Dispatch: the routing row, then the rows, packed by destination; at the
         # receiver each sender's rows follow the previous senders'.
