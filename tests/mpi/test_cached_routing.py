@@ -64,7 +64,7 @@ def layer_inputs(seed: int, layer: int) -> tuple[torch.Tensor, torch.Tensor, tor
 def routing_words(a: AllToAll) -> ctypes.Array:
     """The routing section of this rank's host workspace (where peers and the proxy write rows)."""
     ws = a._setup.workspace
-    return (ctypes.c_uint32 * (WORLD * EXPERTS)).from_address(ws.ptr + ws.routing_offset)
+    return (ctypes.c_uint32 * (WORLD * (EXPERTS + WORLD))).from_address(ws.ptr + ws.routing_offset)
 
 
 def round_trip(a: AllToAll, x: torch.Tensor, between: Any = None, **kw: Any) -> tuple[Any, ...]:
@@ -82,7 +82,7 @@ def test_cached_dispatch_equals_a_full_one_with_layers_between(a2a: AllToAll, se
     kept: list[Routing] = []
     for x, ids, w, _ in inputs:  # layers 1..L forward
         *_, d = round_trip(a2a, x, topk_ids=ids, topk_weights=w, keep_routing=True)
-        assert isinstance(d.routing, Routing) and tuple(d.routing.matrix.shape) == (WORLD, EXPERTS)
+        assert isinstance(d.routing, Routing) and tuple(d.routing.matrix.shape) == (WORLD, EXPERTS + WORLD)
         kept.append(d.routing)
     matrices = [r.matrix.clone() for r in kept]
     for layer in reversed(range(LAYERS)):  # then L..1, each with the previous layer's calls between

@@ -12,6 +12,7 @@ from world import EXPERTS_PER_RANK, Rank, World, expert_fn, make_inputs
 
 from inputs import Inputs
 from moe_a2a import Config
+from moe_a2a.backends.common import CORE_DTYPE
 
 MODES = ("rank", "expert")
 Ids = Callable[[torch.Generator, int, int], torch.Tensor]  # (g, rank, tokens) -> [tokens, topk]
@@ -160,3 +161,33 @@ def test_config_takes_the_modes_it_has() -> None:
         Config(**base, fabric_rows="node")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="fabric_rows: got 'ranks'"):
         Config(**base, fabric_rows="ranks")  # type: ignore[arg-type]
+
+
+def test_a_changed_wire_row_count_is_refused(make_world) -> None:
+    """A cached call whose matrix names more wire rows than copies, or other wire rows than our
+    own ids make, is refused before anything is sent; the next call is exact."""
+    w = make_world(4, ranks_per_node=2)
+    inp = make_inputs(31, w.cfg, 4, tokens=[6, 5, 4, 3])
+    kept = w.run(lambda r: r.round(inp))
+    w.check(inp, kept)
+    matrix, E = kept[0][0].routing, w.cfg.num_experts
+    copies = int(matrix[0, 2 * EXPERTS_PER_RANK : 3 * EXPERTS_PER_RANK].sum())
+    own = w.wire_rows(inp.ids, 1, 3)
+    cases = ((0, 2, copies + 1, 0, "wire rows for rank 2 with"), (1, 3, own + 1, 1, "topk_ids make"))
+    for s, r, value, more, words in cases:  # `more` copies, so that only the wire rows are wrong
+        bad = matrix.clone()
+        bad[s, E + r] = value
+        bad[s, r * EXPERTS_PER_RANK] += more
+        x, ids = inp.xs[1].contiguous(), inp.ids[1].to(torch.int32).contiguous()
+        weights = inp.weights[1].contiguous()
+        with pytest.raises(ValueError, match=f"dispatch: routing: row {s} .*{words}"):
+            w.ranks[1].impl.dispatch_send(
+                x.data_ptr(),
+                CORE_DTYPE[x.dtype],
+                0,
+                ids.data_ptr(),
+                x.shape[0],
+                bad.data_ptr(),
+                weights.data_ptr(),
+            )
+    w.check(inp, w.run(lambda r: r.round(inp)))
