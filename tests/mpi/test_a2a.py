@@ -490,7 +490,8 @@ def test_mismatched_config_fails_on_every_rank(field: str, rank1_value: object) 
         rpn, overrides, ours = (rank1_value if RANK == 1 else None), {}, None
     else:
         rpn, overrides = None, ({field: rank1_value} if RANK == 1 else {})
-        ours = make_params().get(field, getattr(Config, field))  # else Config's default
+        params = make_params()
+        ours = params[field] if field in params else getattr(Config, field)  # else Config's default
     started = time.monotonic()
     with pytest.raises(ValueError) as err:
         make_a2a(rpn, **overrides)
