@@ -191,8 +191,8 @@ cudaError_t launch_copy_sender(const DispatchRecvParams& p, cudaStream_t stream)
                                                : copy_sender_kernel<kRecvCopy>;
   cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   if (err != cudaSuccess) return err;
-  const int blocks = persistent_blocks(rows * in.max_entries * recv_row_chunks(p), kCopyThreads / kWarp,
-                                       kCopyBlocksPerSm);
+  const int entries = in.rank_rows ? in.max_entries : 1;  // a row per rank: one item an entry
+  const int blocks = persistent_blocks(rows * entries * recv_row_chunks(p), kCopyThreads / kWarp, kCopyBlocksPerSm);
   return launch_kernel(kernel, blocks, kCopyThreads, smem, stream, p);
 }
 
