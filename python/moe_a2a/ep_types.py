@@ -15,7 +15,7 @@ from moe_a2a.a2a_types import Routing
 class ExpertRouting:
     """One dispatch's routing, owned by this object: what its combine and its backward need.
 
-    It keeps the gathered routing matrix (`gathered`, `world x num_experts`
+    It keeps the gathered routing matrix (`gathered`, `world x (num_experts + world)`
     int32), so dispatching new rows along it (`ExpertParallel.dispatch(x,
     routing=r)`, and the backward of combine) exchanges no routing rows, long
     after later layers ran.

@@ -30,7 +30,7 @@ struct ProxySignals {
   Seq failed;          // non-zero once the proxy stopped on an error
   // compute -> proxy, set before route_ready: the epoch of a cached call
   // (docs/protocol.md, "Cached calls"), which exchanges no routing row; its
-  // matrix [world][num_experts] is at cached_routing, memory of the compute
+  // matrix [world][E + N] is at cached_routing, memory of the compute
   // side left unchanged until that epoch's dispatch_done.
   Seq cached;
   const uint32_t* cached_routing = nullptr;

@@ -477,6 +477,7 @@ def make_fake_dispatched():  # type: ignore[no-untyped-def]
         ("num_experts", (EXPERTS_PER_RANK + 1) * WORLD),
         ("hidden", HIDDEN + 8),
         ("dispatch_dtype", "fp8"),
+        ("fabric_rows", "expert"),
         ("ranks_per_node", 1),
         ("ranks_per_node", WORLD + 1),  # not even valid: rank 1 alone used to fail, the others to wait
     ],
@@ -489,7 +490,8 @@ def test_mismatched_config_fails_on_every_rank(field: str, rank1_value: object) 
         rpn, overrides, ours = (rank1_value if RANK == 1 else None), {}, None
     else:
         rpn, overrides = None, ({field: rank1_value} if RANK == 1 else {})
-        ours = make_params()[field]
+        params = make_params()
+        ours = params[field] if field in params else getattr(Config, field)  # else Config's default
     started = time.monotonic()
     with pytest.raises(ValueError) as err:
         make_a2a(rpn, **overrides)
