@@ -115,7 +115,8 @@ __global__ void __launch_bounds__(kEntryThreads) entry_kernel(DispatchRecvParams
       if (idx >= entries) continue;
       const int64_t j = first + idx / m;
       const uint8_t* tail = source_row(in, sc.senders, s, j) + in.layout.dispatch_tail;
-      const uint2 raw = *reinterpret_cast<const uint2*>(tail + (idx % m) * sizeof(RouteEntry));
+      // As the plan reads routing rows the proxy put in host memory: from L2, not L1.
+      const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(tail + (idx % m) * sizeof(RouteEntry)));
       const int expert = static_cast<int>(raw.y & 0xffffu);
       weight[u] = __uint_as_float(raw.x);
       if (expert == kNoExpert) continue;
