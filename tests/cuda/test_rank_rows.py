@@ -102,3 +102,13 @@ def test_rows_per_rank_cross_once_per_token() -> None:
             picks = ranks == r
             want = int(picks.sum()) if world.same_node(s, r) else int(picks.any(dim=1).sum())
             assert world._rows(s, r) == want, (s, r)
+
+
+@pytest.mark.parametrize("host_wait", [False, True], ids=["kernel-waits", "host-waits"])
+def test_rows_per_rank_without_staging(host_wait: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MOE_A2A_CUDA_OVERLAP=0: rows for remote peers packed straight into the fabric's host
+    memory, received in one plan and copy (entries placed in between), no combine DMA."""
+    monkeypatch.setenv("MOE_A2A_CUDA_OVERLAP", "0")
+    shape = Shape.of(4, 2, 24, 256, 16, 8, "fp8", max_private_tokens=4, fabric_rows="rank")
+    _run(shape, _tokens(4, 24), host_wait=host_wait, iterations=3)
+    _run(Shape.of(4, 1, 300, 256, 16, 8, fabric_rows="rank"), _tokens(4, 300), host_wait=host_wait)
