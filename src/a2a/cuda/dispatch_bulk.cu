@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(kBulkThreads, kBulkBlocksPerSm) bulk_pack_kern
         // that do not pack it (copy_dst null).
         const int32_t word = p.scratch.copy_entry[copy];
         uint8_t* tail_row = word >= 0 ? (in.staged ? in.device_ws : in.fabric_ws) + in.layout.send +
-                                       static_cast<size_t>(p.scratch.slots[copy]) * row_bytes
+                                       static_cast<size_t>(p.scratch.slots[copy]) * in.layout.dispatch_row
                                  : mine;
         if (tail_row != nullptr) store_tail(in, tail_row, word, w, lane);
       }
