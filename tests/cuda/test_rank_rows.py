@@ -78,6 +78,9 @@ HARD = [
         Shape.of(4, 1, 10, 100, 8, 2, expert_padding=4, fabric_rows="rank"),
         {"ids_dtype": torch.int32},
     ),
+    # top-1: a row per rank holds one entry, in token order (the output is expert-major)
+    ("top1", Shape.of(4, 1, 16, 128, 8, 1, fabric_rows="rank"), {"host_wait": True}),
+    ("top1-kernel-waits", Shape.of(4, 2, 16, 128, 8, 1, fabric_rows="rank"), {}),
     ("fp8-prequantised", Shape.of(2, 1, 8, 320, 4, 2, "fp8", fabric_rows="rank"), {"prequantised": True}),
 ]
 

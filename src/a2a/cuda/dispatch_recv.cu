@@ -110,14 +110,16 @@ __device__ __forceinline__ void copy_sender_rows(const DispatchRecvParams& p, Se
   for (int i = threadIdx.x; i < L; i += blockDim.x) segs[i] = p.scratch.segments[i * N + s];
   __syncthreads();
   const bool by_token = s == in.rank && p.self_x != nullptr;  // see self_copy_of
-  // A per-rank sender's wire rows hold up to m entries each: one item an entry.
-  const int m = per_rank(in, s) ? in.max_entries : 1;
+  // A per-rank sender's wire rows hold up to m entries each: one item an entry
+  // (also for m = 1: its rows are in token order, not the output's).
+  const bool ranked = per_rank(in, s);
+  const int m = ranked ? in.max_entries : 1;
   const int items = by_token ? self_walk_items<kMode>(p) : static_cast<int>(p.sender_end - p.sender_first) * m;
   for (ChunkWalk walk(recv_row_chunks(p)); walk.row < items; walk.next()) {
     int j = static_cast<int>(p.sender_first) + walk.row / m, row;
     if (by_token) {
       if (!walk_self<kMode>(p, segs, 1, walk.row, p.sender_first, p.sender_end, walk, &j, &row)) continue;
-    } else if (m > 1) {
+    } else if (ranked) {
       row = p.scratch.entry_row[(p.scratch.senders[s].recv_base + j) * m + walk.row % m];
       if (row < 0) continue;  // an unused entry
     } else {
