@@ -517,9 +517,9 @@ class CudaAllToAll:
         row_scale (fp32, one per output row): rows delivered times it; dot_y ([rows, hidden], dot_y_dtype): dot_out[r] = <row r as received, dot_y[r]> in fp32; out_weight ([rows] fp32): each row's weight; dequant: fp8 rows delivered as out_dtype (bf16 or fp32) rows in out_x.
         """
 
-    def combine_send(self, y: int, y_dtype: DType, y_rows: int, stream: int, in_place: bool = False, row_values: int = 0) -> None:
+    def combine_send(self, y: int, y_dtype: DType, y_rows: int, stream: int, in_place: bool = False, row_values: int = 0, weighted: bool = True) -> None:
         """
-        in_place: y stays unchanged until the receive half, which reads this rank's own rows from it. row_values: [y_rows] fp32, one per row back in its tail (0: zeros).
+        in_place: y stays unchanged until the receive half, which reads this rank's own rows from it. row_values: [y_rows] fp32, one per row back in its tail (0: zeros). weighted: rows per rank are summed where the experts are times the dispatch's weights (false: plainly).
         """
 
     def combine_recv(self, weights: int, out: int, host_wait: bool, stream: int, values_out: int = 0) -> None:

@@ -118,14 +118,15 @@ void def_halves(nb::class_<CudaAllToAll>& cls) {
       .def(
           "combine_send",
           [](CudaAllToAll& a, uintptr_t y, DType y_dtype, int64_t y_rows, uintptr_t stream, bool in_place,
-             uintptr_t row_values) {
-            a.combine_send({ptr<const void>(y), y_dtype, y_rows, in_place, ptr<const float>(row_values)},
+             uintptr_t row_values, bool weighted) {
+            a.combine_send({ptr<const void>(y), y_dtype, y_rows, in_place, ptr<const float>(row_values), weighted},
                            stream_of(stream));
           },
           nb::arg("y"), nb::arg("y_dtype"), nb::arg("y_rows"), nb::arg("stream"), nb::arg("in_place") = false,
-          nb::arg("row_values") = 0,
+          nb::arg("row_values") = 0, nb::arg("weighted") = true,
           "in_place: y stays unchanged until the receive half, which reads this rank's own rows from it. "
-          "row_values: [y_rows] fp32, one per row back in its tail (0: zeros).")
+          "row_values: [y_rows] fp32, one per row back in its tail (0: zeros). weighted: rows per rank "
+          "are summed where the experts are times the dispatch's weights (false: plainly).")
       .def(
           "combine_recv",
           [](CudaAllToAll& a, uintptr_t weights, uintptr_t out, bool host_wait, uintptr_t stream,

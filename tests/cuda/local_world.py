@@ -88,7 +88,8 @@ class LocalWorld:
                 if a != b and self.same_node(a, b):
                     self.ranks[a].connect_local(self.ranks[b])
         self.layout = self.ranks[0].layout
-        self.counts = np.zeros((shape.world, shape.num_experts), dtype=np.int64)
+        # Each sender's routing row: count[s][0..E), then its wire rows u[s][0..N).
+        self.counts = np.zeros((shape.world, shape.num_experts + shape.world), dtype=np.int64)
 
     def _config(self, rank: int) -> object:
         s = self.shape
@@ -99,6 +100,7 @@ class LocalWorld:
         c.combine_dtype = CORE_DTYPE[DTYPES[s.combine_dtype]]
         c.expert_padding = s.expert_padding
         c.max_private_tokens, c.max_recv_tokens = self.private, self.max_recv
+        c.fabric_rows = getattr(_core.FabricRows, s.fabric_rows)
         c.timeout_s = 10.0
         return c
 
@@ -114,38 +116,41 @@ class LocalWorld:
     def _host(self, rank: int, section: str, offset: int = 0) -> int:
         return self.ranks[rank].host_workspace + self.layout[section] + offset
 
-    def _to_rank(self, s: int, r: int) -> int:
+    def _copies(self, s: int, r: int) -> int:
         lx = self.shape.local_experts
         return int(self.counts[s, r * lx : (r + 1) * lx].sum())
 
+    def _rows(self, s: int, r: int) -> int:
+        """u[s][r]: the wire rows (docs/protocol.md, "Rows per destination rank")."""
+        return int(self.counts[s, self.shape.num_experts + r])
+
     def _send_off(self, s: int, r: int) -> int:
-        return sum(self._to_rank(s, q) for q in range(r))
+        return sum(self._rows(s, q) for q in range(r))
 
     def _play_proxy_dispatch(self, epoch: int) -> None:
         s_ = self.shape
-        row_bytes = s_.num_experts * 4
+        words = s_.num_experts + s_.world
+        row_bytes = words * 4
         for s in range(s_.world):
             own = self._host(s, "routing", s * row_bytes)
-            self.counts[s] = np.frombuffer(
-                (ctypes.c_uint32 * s_.num_experts).from_address(own), dtype=np.uint32
-            )
+            self.counts[s] = np.frombuffer((ctypes.c_uint32 * words).from_address(own), dtype=np.uint32)
         row = self.layout["dispatch_row"]
         p = self.private
-        # As the proxy: no overflow writes when some rank would receive too much.
+        # As the proxy: no overflow writes when some rank would receive too many copies.
         overflow = any(
-            sum(self._to_rank(s, r) for s in range(s_.world)) > self.max_recv for r in range(s_.world)
+            sum(self._copies(s, r) for s in range(s_.world)) > self.max_recv for r in range(s_.world)
         )
         for s, r in self.remote_pairs():
             ctypes.memmove(
                 self._host(r, "routing", s * row_bytes), self._host(s, "routing", s * row_bytes), row_bytes
             )
-            c, off = self._to_rank(s, r), self._send_off(s, r)
+            c, off = self._rows(s, r), self._send_off(s, r)
             n = min(c, p)
             ctypes.memmove(
                 self._host(r, "private_rows", s * p * row), self._host(s, "send", off * row), n * row
             )
             if c > p and not overflow:
-                shared = sum(max(0, self._to_rank(q, r) - p) for q in range(s))
+                shared = sum(max(0, self._rows(q, r) - p) for q in range(s))
                 ctypes.memmove(
                     self._host(r, "shared_rows", shared * row),
                     self._host(s, "send", (off + p) * row),
@@ -159,11 +164,11 @@ class LocalWorld:
     def _play_proxy_combine(self, epoch: int) -> None:
         crow = self.layout["combine_row"]
         for s, r in self.remote_pairs():  # rows r received from s go back to s
-            base = sum(self._to_rank(q, r) for q in range(s))
+            base = sum(self._rows(q, r) for q in range(s))
             ctypes.memmove(
                 self._host(s, "combine_recv", self._send_off(s, r) * crow),
                 self._host(r, "combine_send", base * crow),
-                self._to_rank(s, r) * crow,
+                self._rows(s, r) * crow,
             )
         for rank in self.ranks:
             _set_u64(rank.signals["combine_done"], epoch)
@@ -175,8 +180,10 @@ class LocalWorld:
         xs: list[torch.Tensor],
         ids: list[torch.Tensor],
         x_scales: list[torch.Tensor] | None = None,
+        weights: list[torch.Tensor] | None = None,
     ) -> list[RankOutput]:
-        """Every rank's dispatch; inputs on the GPU. Raises what the ranks report."""
+        """Every rank's dispatch; inputs on the GPU. Raises what the ranks report. `weights`
+        go in the rows' tails: rows per rank are weighted with them where the experts are."""
         stream = torch.cuda.current_stream().cuda_stream
         for r, a in enumerate(self.ranks):
             x, scale = xs[r], (x_scales[r] if x_scales is not None else None)
@@ -189,6 +196,7 @@ class LocalWorld:
                 x.shape[0],
                 0,
                 stream,
+                weights=weights[r].data_ptr() if weights is not None else 0,
             )
         torch.cuda.synchronize()
         epoch = self.ranks[0].epoch
@@ -228,11 +236,13 @@ class LocalWorld:
         return outs
 
     def combine(
-        self, ys: list[torch.Tensor], weights: list[torch.Tensor], tokens: list[int]
+        self, ys: list[torch.Tensor], weights: list[torch.Tensor], tokens: list[int], weighted: bool = True
     ) -> list[torch.Tensor]:
+        """`weighted`: rows per rank summed with the dispatch's weights where the experts are
+        (else plainly: pass weights of one then)."""
         stream = torch.cuda.current_stream().cuda_stream
         for a, y in zip(self.ranks, ys, strict=True):
-            a.combine_send(y.data_ptr(), CORE_DTYPE[y.dtype], y.shape[0], stream)
+            a.combine_send(y.data_ptr(), CORE_DTYPE[y.dtype], y.shape[0], stream, weighted=weighted)
         torch.cuda.synchronize()
         epoch = self.ranks[0].epoch
         for a in self.ranks if self.shape.world > 1 else []:

@@ -60,6 +60,7 @@ def _run(
     world: LocalWorld | None = None,
     seed: int = 0,
     host_wait: bool = False,
+    weighted: bool = True,
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     world = world or LocalWorld(shape, host_wait)
@@ -77,10 +78,17 @@ def _run(
         if prequantised:
             q = [quantize_fp8(x) for x in xs]
             out = world.dispatch(
-                [a.cuda() for a, _ in q], [i.to(ids_dtype).cuda() for i in ids], [s.cuda() for _, s in q]
+                [a.cuda() for a, _ in q],
+                [i.to(ids_dtype).cuda() for i in ids],
+                [s.cuda() for _, s in q],
+                weights=[w.cuda() for w in weights],
             )
         else:
-            out = world.dispatch([x.cuda() for x in xs], [i.to(ids_dtype).cuda() for i in ids])
+            out = world.dispatch(
+                [x.cuda() for x in xs],
+                [i.to(ids_dtype).cuda() for i in ids],
+                weights=[w.cuda() for w in weights],
+            )
 
         ys = []
         for r, (o, rr) in enumerate(zip(out, ref, strict=True)):
@@ -97,8 +105,10 @@ def _run(
                 assert torch.equal(gs, ws), f"fp8 scales differ ({where})"
             ys.append(torch.randn(rr.expert_x.shape[0], shape.hidden, generator=gen).to(y_dtype))
 
-        got_c = world.combine([y.cuda() for y in ys], [w.cuda() for w in weights], ts)
-        want_c = combine_reference(ys, ref, weights, shape.combine_dtype)
+        # Unweighted: every weight one at the origin, and rows per rank summed plainly.
+        ws = weights if weighted else [torch.ones_like(w) for w in weights]
+        got_c = world.combine([y.cuda() for y in ys], [w.cuda() for w in ws], ts, weighted=weighted)
+        want_c = combine_reference(ys, ref, ws, shape.combine_dtype, shape.fabric_rows, shape.ranks_per_node)
         ulp = BF16_ULP if shape.combine_dtype == "bf16" else FP32_ULP
         for r, (g, w) in enumerate(zip(got_c, want_c, strict=True)):
             assert g.dtype == DTYPES[shape.combine_dtype]

@@ -15,6 +15,7 @@ FAMILIES = {
     "route",
     "bulk",
     "plan",
+    "entry",
     "copy",
     "row_copy",
     "stage",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine: build moe-a2a, run the CUDA tests (kernels in one process,
-# then the multi-rank suite tests/mpi/test_a2a.py, test_reliability.py and
-# test_overlap.py on device cuda with 1, 2, 4
+# then the multi-rank suite tests/mpi/test_a2a.py, test_reliability.py,
+# test_overlap.py and test_rank_rows_cuda.py on device cuda with 1, 2, 4
 # and 8 MPI ranks sharing the GPU, with and without virtual nodes; the training
 # tests, tests/mpi/test_autograd.py, test_cached_routing.py and test_torchtitan.py, at 1, 2 and 4 ranks),
 # then the CUDA benchmark at 1, 2, 4 and 8 ranks. Prints a short
@@ -60,18 +60,20 @@ cd /tmp || exit 1  # import the installed package, not the source tree
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$ROOT/tests/cuda
 
 if has kernels; then
-  timeout 240 "$PY" -m pytest -q -rs -p no:cacheprovider "$ROOT/tests/cuda/test_kernels.py" \
+  timeout 480 "$PY" -m pytest -q -rs -p no:cacheprovider "$ROOT/tests/cuda/test_kernels.py" \
+    "$ROOT/tests/cuda/test_rank_rows.py" \
     --junitxml="$OUT/kernels.xml" 2>&1 | tee "$OUT/kernels.log" | tail -25
   note "kernel tests: $(grep -aE "(passed|failed|error)" "$OUT/kernels.log" | tail -1)"
 fi
 
 # One multi-rank run: multirank N LABEL [VAR=VALUE...] (extra environment for the ranks);
-# MR_TESTS names the test files (default tests/mpi/test_a2a.py, test_reliability.py and test_overlap.py).
+# MR_TESTS names the test files (default tests/mpi/test_a2a.py, test_reliability.py, test_overlap.py
+# and test_rank_rows_cuda.py).
 multirank() {
   local n=$1 label=$2 logs="$OUT/mr-n$1${2// /-}"
   shift 2
   local tests
-  read -ra tests <<<"${MR_TESTS:-$ROOT/tests/mpi/test_a2a.py $ROOT/tests/mpi/test_reliability.py $ROOT/tests/mpi/test_overlap.py}"
+  read -ra tests <<<"${MR_TESTS:-$ROOT/tests/mpi/test_a2a.py $ROOT/tests/mpi/test_reliability.py $ROOT/tests/mpi/test_overlap.py $ROOT/tests/mpi/test_rank_rows_cuda.py}"
   mkdir -p "$logs"
   MOE_A2A_RANK_LOGS=$logs timeout "${MR_TIMEOUT:-300}" "${MPIRUN[@]}" -n "$n" "$ROOT/tools/rank0_console.sh" \
     env MOE_A2A_TEST_DEVICE=cuda "$@" "$PY" -m pytest -q -rs -p no:cacheprovider --with-mpi "${tests[@]}" \

@@ -239,10 +239,11 @@ class CudaBackend:
         row_values: torch.Tensor | None = None,
         weighted: bool = True,
     ) -> None:
-        # TODO(issue 30, CUDA): rows per rank are reduced where the experts are, with `weighted`.
+        # `weighted`: rows per rank are summed where the experts are, with or without the
+        # dispatch's weights (docs/protocol.md, "Rows per destination rank").
         values = row_values.data_ptr() if row_values is not None else 0
         self._impl.combine_send(
-            y.data_ptr(), CORE_DTYPE[y.dtype], y.shape[0], self._stream(), in_place, values
+            y.data_ptr(), CORE_DTYPE[y.dtype], y.shape[0], self._stream(), in_place, values, weighted
         )
         self._alive = (*self._alive, y.detach(), row_values)
 

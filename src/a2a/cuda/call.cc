@@ -303,6 +303,7 @@ void CudaAllToAll::combine_send(const CombineSendArgs& args, cudaStream_t stream
   p.y_dtype = static_cast<int32_t>(args.y_dtype);
   p.y_rows = args.y_rows;
   p.row_values = args.row_values;
+  p.weighted = args.weighted ? 1 : 0;
   p.self_in_place = call_.combine.in_place ? 1 : 0;
   check_cuda(launch_combine_send(p, stream), "combine send");
 }
@@ -349,6 +350,10 @@ void CudaAllToAll::check() const {
     case kStatusTimeout:
       throw fabric::TimeoutError(who + "a kernel timed out waiting for a peer's or the proxy's flag (epoch " +
                                  std::to_string(call_.epoch) + ")");
+    case kStatusBadRow:
+      throw fabric::FabricError(who + "a row per rank (epoch " + std::to_string(call_.epoch) +
+                                ") named a local expert or more entries than its sender's routing row holds; "
+                                "those entries were dropped");
     case kStatusBadExpert:
       throw std::invalid_argument(who + "topk_ids held an expert id outside [0, " + std::to_string(cfg_.num_experts) +
                                   "); those copies were dropped");

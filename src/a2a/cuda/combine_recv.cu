@@ -2,7 +2,8 @@
 // receiver and, with remote peers, the proxy's combine_done; then for each
 // token out[t] = sum_k w[t,k] * row(slot[t,k]), in fp32 with k ascending and
 // no fused multiply-add (round the product, then the sum, as the reference
-// does), stored in the combine dtype.
+// does), stored in the combine dtype. A row per rank (already weighted where
+// the experts are) is added once, times 1, at the token's first k on that rank.
 #include <cuda_runtime.h>
 
 #include "launch.h"
@@ -88,7 +89,18 @@ __global__ void __launch_bounds__(kMaxThreads) reduce_kernel(CombineRecvParams p
       const bool on_device = p.remote_on_device || same_node(in, r);
       const uint8_t* ws = on_device ? in.device_ws : in.fabric_ws;
       rows = ws + l.combine_recv + static_cast<size_t>(slot) * l.combine_row;
-      if (p.values_out != nullptr) value = load_f32(rows + l.combine_tail);
+      // A row per rank came back weighted and summed over t's copies to r
+      // (its entries): it is added once, at entry 0, times 1; each copy's
+      // value is its entry's.
+      const int32_t word = in.rank_rows ? p.scratch.copy_entry[i] : -1;
+      if (p.values_out != nullptr)
+        value = load_f32(rows + l.combine_tail + (word < 0 ? 0 : word_entry(word)) * sizeof(float));
+      if (word >= 0) {
+        src[k] = word_entry(word) == 0 ? rows : nullptr;
+        weight[k] = 1.0f;
+        if (p.values_out != nullptr) p.values_out[i] = value;
+        continue;
+      }
     }
     src[k] = rows;
     weight[k] = p.weights[i];

@@ -21,6 +21,66 @@ namespace {
 constexpr int kReturnThreads = ReturnTuning::kThreads;
 constexpr int kReturnBlocksPerSm = ReturnTuning::kBlocksPerSm;
 
+// The sender whose wire rows hold staging row w: the last one starting at or
+// before it (senders with no rows start where the next one does).
+__device__ __forceinline__ int wire_sender(const SenderPlan* senders, int world, int64_t w) {
+  int lo = 0, hi = world;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (senders[mid].recv_base <= w) lo = mid;
+    else hi = mid;
+  }
+  return lo;
+}
+
+// Rows per rank (docs/protocol.md, "Rows per destination rank"): each wire
+// row w of a per-rank sender goes back as one row, the sum of its entries'
+// outputs, each times its dispatch weight (weighted) or 1, in fp32 in entry
+// (k) order, product then sum; its tail holds each entry's row value (0 for
+// none). One warp a chunk of a row, like the rows per copy.
+__device__ void return_rank_rows(const CombineSendParams& p, int chunk_elems, int rows) {
+  const Instance& in = p.inst;
+  const Layout& l = in.layout;
+  const SenderPlan* senders = p.scratch.senders;
+  const int N = in.world, m = in.max_entries, H = in.hidden;
+  const int out_bytes = dtype_size(in.combine_dtype);
+  const int64_t y_row = static_cast<int64_t>(H) * dtype_size(p.y_dtype);
+  const int64_t total = senders[N - 1].recv_base + senders[N - 1].wire;
+  const int32_t* entry_row = p.scratch.entry_row;
+  const float* entry_weight = p.scratch.entry_weight;
+  const uint8_t* y = static_cast<const uint8_t*>(p.y);
+  for (ChunkWalk walk(row_chunks(static_cast<int64_t>(H) * out_bytes)); walk.row < total; walk.next()) {
+    const int64_t w = walk.row;
+    if (!per_rank(in, wire_sender(senders, N, w))) continue;  // rows per copy went back above
+    uint8_t* dst = (in.staged ? in.device_ws : in.fabric_ws) + l.combine_send + w * l.combine_row;
+    const int e0 = walk.chunk * chunk_elems;
+    const int e1 = e0 + chunk_elems < H ? e0 + chunk_elems : H;
+    for (int piece = e0 / kVec + walk.lane; piece < (e1 + kVec - 1) / kVec; piece += kWarp) {
+      const int64_t first = static_cast<int64_t>(piece) * kVec;
+      const int n = e1 - first < kVec ? static_cast<int>(e1 - first) : kVec;
+      float acc[kVec];
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) acc[i] = 0.0f;
+      for (int e = 0; e < m; ++e) {  // the same entry on every lane: broadcast loads
+        const int row = entry_row[w * m + e];
+        if (row < 0 || row >= rows) continue;
+        const float coeff = p.weighted ? entry_weight[w * m + e] : 1.0f;
+        float v[kVec];
+        load_piece(y + row * y_row, p.y_dtype, first, n, v);
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(coeff, v[i]));
+      }
+      store_piece(dst + first * out_bytes, out_bytes == 4 ? encode_fp32(acc) : encode_bf16(acc), out_bytes, n);
+    }
+    if (walk.chunk != 0) continue;
+    for (int e = walk.lane; e < m; e += kWarp) {  // each entry's value into the tail
+      const int row = entry_row[w * m + e];
+      const bool has = row >= 0 && row < rows && p.row_values != nullptr;
+      store_f32(dst + l.combine_tail + e * sizeof(float), has ? p.row_values[row] : 0.0f);
+    }
+  }
+}
+
 __device__ __forceinline__ uint8_t* return_row(const Instance& in, const SenderPlan* senders, int s, int64_t j) {
   const Layout& l = in.layout;
   const size_t row = l.combine_row;
@@ -82,6 +142,7 @@ __global__ void __launch_bounds__(kReturnThreads, kReturnBlocksPerSm) return_ker
   const auto destination = [&]() -> uint8_t* {
     int s, j;
     if (!locate(segs, in.num_experts, walk.row, &s, &j) || (s == in.rank && p.self_in_place)) return nullptr;
+    if (per_rank(in, s)) return nullptr;  // summed into its wire row below (return_rank_rows)
     return return_row(in, p.scratch.senders, s, j);
   };
   // The row's value into its tail, once per row (its first chunk's lane 0).
@@ -110,6 +171,7 @@ __global__ void __launch_bounds__(kReturnThreads, kReturnBlocksPerSm) return_ker
       }
     }
   }
+  if (in.rank_rows && rows > 0) return_rank_rows(p, chunk_elems, rows);  // rows 0: no plan
   signal_when_grid_done(in, p.scratch.done_blocks, kFlagCombine, packed_flag(in, in.proxy.combine_packed));
 }
 

@@ -56,6 +56,12 @@ CudaAllToAll::~CudaAllToAll() {
 }
 
 void CudaAllToAll::init_switches() {
+  // A copy's entry word (rows.cuh, entry_word) holds its local expert in 15 bits.
+  constexpr int kMaxRankRowExperts = 1 << 15;
+  if (cfg_.rank_rows() && cfg_.num_local_experts() >= kMaxRankRowExperts)
+    throw std::invalid_argument("fabric_rows='rank' on device cuda takes fewer than " +
+                                std::to_string(kMaxRankRowExperts) + " experts per rank; got " +
+                                std::to_string(cfg_.num_local_experts()) + " (use fabric_rows='expert')");
   for (int r = 0; r < cfg_.world; ++r) has_remote_ = has_remote_ || !cfg_.same_node(r);
   overlap_ = has_remote_ && env_switch("MOE_A2A_CUDA_OVERLAP") != 0;
   combine_dma_ = overlap_ && env_switch("MOE_A2A_CUDA_COMBINE_DMA") != 0;

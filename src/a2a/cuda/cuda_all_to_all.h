@@ -79,6 +79,9 @@ struct CombineSendArgs {
   int64_t y_rows = 0;
   bool in_place = false;              // as DispatchSendArgs::in_place, for y in the combine dtype
   const float* row_values = nullptr;  // [y_rows] fp32, one per row back in its tail (null: zeros)
+  // Rows per rank are weighted where the experts are: with the dispatch's
+  // weights (true), or summed plainly (false, the unweighted combine).
+  bool weighted = true;
 };
 
 // The receive half of combine.

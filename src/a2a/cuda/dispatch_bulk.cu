@@ -157,9 +157,18 @@ __global__ void __launch_bounds__(kBulkThreads, kBulkBlocksPerSm) bulk_pack_kern
       }
       if (issuer) bulk_commit();
       // Each copy's weight into its row's tail: bytes no bulk write touches.
-      if (mine != nullptr) {
-        const int64_t copy = static_cast<int64_t>(t) * K + lane;
-        store_f32(mine + body_bytes, p.weights != nullptr ? p.weights[copy] : 0.0f);
+      const int64_t copy = static_cast<int64_t>(t) * K + lane;
+      const float w = lane < K && p.weights != nullptr ? p.weights[copy] : 0.0f;
+      if (!in.rank_rows) {
+        if (mine != nullptr) store_f32(mine + body_bytes, w);
+      } else if (lane < K) {
+        // Rows per rank: every copy of a token's row writes its entry, also those
+        // that do not pack it (copy_dst null).
+        const int32_t word = p.scratch.copy_entry[copy];
+        uint8_t* tail_row = word >= 0 ? (in.staged ? in.device_ws : in.fabric_ws) + in.layout.send +
+                                       static_cast<size_t>(p.scratch.slots[copy]) * in.layout.dispatch_row
+                                 : mine;
+        if (tail_row != nullptr) store_tail(in, tail_row, word, w, lane);
       }
     }
   }

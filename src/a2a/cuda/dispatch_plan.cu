@@ -2,10 +2,14 @@
 // kernel) waits for the route flag of every same-node sender and, with
 // remote peers, for the proxy's dispatch_done; plans (recv_plan.cuh); then
 // waits for the packs, whose rows the copy kernel after it reads.
+// With rows per rank, entry_kernel then places the entries of each per-rank
+// sender's rows (their tails) in the output, before any copy reads them.
 #include <cuda_runtime.h>
 
 #include "launch.h"
 #include "recv_plan.cuh"
+#include "recv_rows.cuh"
+#include "route.cuh"
 #include "signal.cuh"
 
 namespace moe_a2a::a2a::cuda {
@@ -62,7 +66,109 @@ __global__ void __launch_bounds__(kPlanThreads, kPlanMinBlocks) plan_kernel(Disp
   if (threadIdx.x == 0) signal_planned(p, epoch);
 }
 
+// Rows per rank (docs/protocol.md, "Rows per destination rank"): sender s's
+// wire rows [first, end), each holding up to m entries in its tail, walked in
+// (row, entry) order; entry (j, e) of local expert i gets output row
+// segment(i, s).out_row + q, q counting s's entries of i so far
+// (Scratch::entry_next, zeroed by the plan, kept across launches for a
+// sender's later slices). That is each expert's copies of s in (token, k)
+// order, where rows per copy would have put them. The walk is a stable
+// counting sort, as routing's (route.cuh): each warp matches its entries'
+// experts, counts them, and hands out q in order. One block per sender.
+constexpr int kEntryThreads = EntryTuning::kThreads;
+constexpr int kEntryWarps = kEntryThreads / kWarp;
+constexpr int kEntriesInFlight = EntryTuning::kEntriesInFlight;
+constexpr int kEntryWarpItems = kEntriesInFlight * kWarp;
+
+__global__ void __launch_bounds__(kEntryThreads) entry_kernel(DispatchRecvParams p) {
+  extern __shared__ int32_t entry_smem[];  // hist [warps][L], then next [L]
+  kernel_prologue();                       // the plan, and the rows (landed before this launch)
+  const Instance& in = p.inst;
+  const Scratch& sc = p.scratch;
+  const int s = p.sender >= 0 ? p.sender : static_cast<int>(blockIdx.x);
+  if (s >= in.world || !per_rank(in, s) || *sc.output_rows == 0) return;  // rows 0: no plan (capacity, a failed wait)
+  const int L = in.local_experts, N = in.world, m = in.max_entries;
+  const SenderPlan plan = sc.senders[s];
+  const int64_t first = p.sender >= 0 ? p.sender_first : 0;
+  const int64_t end = p.sender >= 0 ? (p.sender_end < plan.wire ? p.sender_end : plan.wire) : plan.wire;
+  const int64_t entries = end > first ? (end - first) * m : 0;
+  int32_t* hist = entry_smem;
+  int32_t* next = hist + kEntryWarps * L;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const unsigned lanes_below = (1u << lane) - 1;
+  for (int i = threadIdx.x; i < L; i += kEntryThreads) next[i] = sc.entry_next[s * L + i];
+  __shared__ int bad;
+  if (threadIdx.x == 0) bad = 0;
+  __syncthreads();  // bad and next before any round
+  for (int64_t base = 0; base < entries; base += kEntryWarps * kEntryWarpItems) {
+    for (int i = threadIdx.x; i < kEntryWarps * L; i += kEntryThreads) hist[i] = 0;
+    // The warp's entries, their loads in flight together: expert (key, -1 for
+    // none) and weight.
+    int key[kEntriesInFlight];
+    float weight[kEntriesInFlight];
+    unsigned peers[kEntriesInFlight];
+#pragma unroll
+    for (int u = 0; u < kEntriesInFlight; ++u) {
+      const int64_t idx = base + warp * kEntryWarpItems + u * kWarp + lane;
+      key[u] = -1;
+      weight[u] = 0.0f;
+      if (idx >= entries) continue;
+      const int64_t j = first + idx / m;
+      const uint8_t* tail = source_row(in, sc.senders, s, j) + in.layout.dispatch_tail;
+      // As the plan reads routing rows the proxy put in host memory: from L2, not L1.
+      const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(tail + (idx % m) * sizeof(RouteEntry)));
+      const int expert = static_cast<int>(raw.y & 0xffffu);
+      weight[u] = __uint_as_float(raw.x);
+      if (expert == kNoExpert) continue;
+      if (expert < L) key[u] = expert;
+      else bad = 1;
+    }
+#pragma unroll
+    for (int u = 0; u < kEntriesInFlight; ++u) peers[u] = __match_any_sync(kFullMask, key[u]);
+    __syncthreads();  // hist zeroed
+#pragma unroll
+    for (int u = 0; u < kEntriesInFlight; ++u) {
+      if (key[u] >= 0 && lane == __ffs(peers[u]) - 1) hist[warp * L + key[u]] += __popc(peers[u]);
+      __syncwarp();
+    }
+    __syncthreads();
+    warp_offsets(hist, kEntryWarps, L, next, next);  // next: past this round
+    __syncthreads();
+#pragma unroll
+    for (int u = 0; u < kEntriesInFlight; ++u) {  // in order: q stays stable
+      const int q = key[u] >= 0 ? hist[warp * L + key[u]] + __popc(peers[u] & lanes_below) : -1;
+      __syncwarp();
+      if (key[u] >= 0 && lane == __ffs(peers[u]) - 1) hist[warp * L + key[u]] += __popc(peers[u]);
+      __syncwarp();
+      const int64_t idx = base + warp * kEntryWarpItems + u * kWarp + lane;
+      if (idx >= entries) continue;
+      const int64_t at = (plan.recv_base + first + idx / m) * m + idx % m;  // (w, e): w = recv_base + j
+      int row = -1;
+      if (key[u] >= 0) {
+        const Segment g = sc.segments[key[u] * N + s];
+        if (q < g.count) row = g.out_row + q;
+        else bad = 1;  // more entries for this expert than the sender's routing row says
+      }
+      sc.entry_row[at] = row;
+      sc.entry_weight[at] = row >= 0 ? weight[u] : 0.0f;
+      if (row >= 0) sc.row_entry[row] = static_cast<int32_t>(at);
+    }
+    __syncthreads();  // hist is zeroed again
+  }
+  for (int i = threadIdx.x; i < L; i += kEntryThreads) sc.entry_next[s * L + i] = next[i];
+  if (threadIdx.x == 0 && bad) report(in, kStatusBadRow);
+}
+
 }  // namespace
+
+cudaError_t launch_dispatch_entries(const DispatchRecvParams& p, cudaStream_t stream) {
+  const Instance& in = p.inst;
+  if (!in.rank_rows) return cudaSuccess;
+  const size_t smem = static_cast<size_t>(kEntryWarps + 1) * in.local_experts * sizeof(int32_t);
+  cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(entry_kernel), smem);
+  if (err != cudaSuccess) return err;
+  return launch_kernel(entry_kernel, p.sender >= 0 ? 1 : in.world, kEntryThreads, smem, stream, p);
+}
 
 cudaError_t launch_dispatch_plan(const DispatchRecvParams& p, cudaStream_t stream) {
   const size_t smem = plan_smem_bytes(p.inst);

@@ -94,6 +94,7 @@ __device__ __forceinline__ void copy_rows(const DispatchRecvParams& p, Segment* 
       row = walk.row - items;
       if (!locate(segs, in.num_experts, row, &s, &j)) continue;  // padding
       if (by_token && s == in.rank) continue;
+      if (per_rank(in, s)) j = wire_row_of(p, s, row);  // a row per rank holds it
     }
     receive_row<kMode>(p, s, j, row, walk);
   }
@@ -109,11 +110,18 @@ __device__ __forceinline__ void copy_sender_rows(const DispatchRecvParams& p, Se
   for (int i = threadIdx.x; i < L; i += blockDim.x) segs[i] = p.scratch.segments[i * N + s];
   __syncthreads();
   const bool by_token = s == in.rank && p.self_x != nullptr;  // see self_copy_of
-  const int items = by_token ? self_walk_items<kMode>(p) : static_cast<int>(p.sender_end - p.sender_first);
+  // A per-rank sender's wire rows hold up to m entries each: one item an entry
+  // (also for m = 1: its rows are in token order, not the output's).
+  const bool ranked = per_rank(in, s);
+  const int m = ranked ? in.max_entries : 1;
+  const int items = by_token ? self_walk_items<kMode>(p) : static_cast<int>(p.sender_end - p.sender_first) * m;
   for (ChunkWalk walk(recv_row_chunks(p)); walk.row < items; walk.next()) {
-    int j = static_cast<int>(p.sender_first) + walk.row, row;
+    int j = static_cast<int>(p.sender_first) + walk.row / m, row;
     if (by_token) {
       if (!walk_self<kMode>(p, segs, 1, walk.row, p.sender_first, p.sender_end, walk, &j, &row)) continue;
+    } else if (ranked) {
+      row = p.scratch.entry_row[(p.scratch.senders[s].recv_base + j) * m + walk.row % m];
+      if (row < 0) continue;  // an unused entry
     } else {
       row = sender_output_row(segs, 1, L, j);
     }
@@ -185,7 +193,8 @@ cudaError_t launch_copy_sender(const DispatchRecvParams& p, cudaStream_t stream)
                                                : copy_sender_kernel<kRecvCopy>;
   cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   if (err != cudaSuccess) return err;
-  const int blocks = persistent_blocks(rows * recv_row_chunks(p), kCopyThreads / kWarp, kCopyBlocksPerSm);
+  const int entries = in.rank_rows ? in.max_entries : 1;  // a row per rank: one item an entry
+  const int blocks = persistent_blocks(rows * entries * recv_row_chunks(p), kCopyThreads / kWarp, kCopyBlocksPerSm);
   return launch_kernel(kernel, blocks, kCopyThreads, smem, stream, p);
 }
 
@@ -194,7 +203,7 @@ cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t strea
   const size_t plan_smem = plan_smem_bytes(in);
   const size_t seg_smem = static_cast<size_t>(in.num_experts) * sizeof(Segment);
   const int blocks = persistent_blocks(p.max_output_rows * recv_row_chunks(p), kCopyThreads / kWarp, kCopyBlocksPerSm);
-  if (p.fused) {
+  if (p.fused && !in.rank_rows) {  // rows per rank need entry_kernel between the plan and the copies
     const size_t smem = plan_smem > seg_smem ? plan_smem : seg_smem;
     const auto kernel = p.dequant                ? plan_copy_kernel<kRecvDequant>
                         : p.row_scale != nullptr ? plan_copy_kernel<kRecvScaled>
@@ -204,6 +213,11 @@ cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t strea
     return launch_kernel(kernel, blocks, kCopyThreads, smem, stream, p);
   }
   cudaError_t err = launch_dispatch_plan(p, stream);
+  if (err == cudaSuccess && in.rank_rows) {
+    DispatchRecvParams every = p;
+    every.sender = -1;
+    err = launch_dispatch_entries(every, stream);
+  }
   if (err != cudaSuccess) return err;
   const auto copy = p.dequant                ? copy_kernel<kRecvDequant>
                     : p.row_scale != nullptr ? copy_kernel<kRecvScaled>

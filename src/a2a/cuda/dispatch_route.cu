@@ -26,7 +26,7 @@ static_assert(kLargeWarps * kWarpCopies == kRouteBlockCopies, "a large-call bloc
 __global__ void __launch_bounds__(kLargeThreads) count_kernel(DispatchSendParams p) {
   extern __shared__ int32_t hist[];
   kernel_prologue();
-  const int E = p.inst.num_experts;
+  const int E = route_keys(p.inst);  // the keys: experts, and with rows per rank one per rank
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int64_t copies = static_cast<int64_t>(resolve_tokens(p)) * p.inst.topk;
   const int64_t begin = static_cast<int64_t>(blockIdx.x) * kRouteBlockCopies + warp * kWarpCopies;
@@ -35,6 +35,7 @@ __global__ void __launch_bounds__(kLargeThreads) count_kernel(DispatchSendParams
   for (int i = threadIdx.x; i < kLargeWarps * E; i += kLargeThreads) hist[i] = 0;
   __syncthreads();
   count_ids(ids, hist + warp * E, lane);
+  if (p.inst.rank_rows) count_ranks(p.inst, ids, match_ranks(p, ids, begin, lane), hist + warp * E, lane);
   if (__any_sync(kFullMask, ids.dropped) && lane == 0) *p.scratch.dropped = 1;
   __syncthreads();
   warp_offsets(hist, kLargeWarps, E, nullptr, p.scratch.block_base + static_cast<size_t>(blockIdx.x) * E);
@@ -53,7 +54,7 @@ __global__ void __launch_bounds__(kLargeThreads) slot_kernel(DispatchSendParams 
   extern __shared__ int32_t hist[];
   const Instance& in = p.inst;
   const Scratch& s = p.scratch;
-  const int E = in.num_experts;
+  const int E = route_keys(in);  // the keys (route.cuh)
   int32_t* counts = hist + kLargeWarps * E;
   int32_t* first = counts + E;
   int32_t* mine = first + E;  // this block's first row of each expert, less first[e]
@@ -86,9 +87,12 @@ __global__ void __launch_bounds__(kLargeThreads) slot_kernel(DispatchSendParams 
   for (int i = threadIdx.x; i < kLargeWarps * E; i += kLargeThreads) hist[i] = 0;
   __syncthreads();
   block_exclusive_scan<kLargeThreads, int32_t>(
-      E, [&](int e) { return counts[e]; }, [&](int e, int32_t v) { first[e] = v; });
+      E, [&](int o) { return key_rows(in, counts, key_at(in, o)); },
+      [&](int o, int32_t v) { first[key_at(in, o)] = v; });
   for (int e = threadIdx.x; e < E; e += kLargeThreads) mine[e] += first[e];
   count_ids(ids, hist + warp * E, lane);
+  const RankIds ranks = in.rank_rows ? match_ranks(p, ids, begin, lane) : RankIds{};
+  if (in.rank_rows) count_ranks(in, ids, ranks, hist + warp * E, lane);
   __syncthreads();
   warp_offsets(hist, kLargeWarps, E, mine, nullptr);
   if (leader) {
@@ -104,24 +108,30 @@ __global__ void __launch_bounds__(kLargeThreads) slot_kernel(DispatchSendParams 
     if (threadIdx.x == 0) publish_routing(in, epoch, dropped != 0, p.cached != 0);
   }
   __syncthreads();
-  slot_ids(
-      ids, begin, end, hist + warp * E, nullptr,
-      [&](int64_t i, int slot, int e) {
-        const int r = e >= 0 ? e / in.local_experts : -1;
-        const int64_t send_start = e >= 0 ? first[r * in.local_experts] : 0;
-        const bool in_place = r == in.rank && p.self_in_place;  // the receive half reads x
-        s.slots[i] = slot;
-        s.copy_rank[i] = r;
-        if (in_place) s.self_copy[slot - send_start] = static_cast<int32_t>(i);
-        s.copy_dst[i] = e >= 0 && !in_place ? destination(in, slot, r, send_start) : nullptr;
-      },
-      lane);
+  const auto sink = [&](int64_t i, int slot, int e, int32_t word) {
+    const int r = e >= 0 ? e / in.local_experts : -1;
+    const int64_t send_start = e >= 0 ? first[r * in.local_experts] : 0;
+    const bool in_place = r == in.rank && p.self_in_place;  // the receive half reads x
+    s.slots[i] = slot;
+    s.copy_rank[i] = r;
+    if (in_place) s.self_copy[slot - send_start] = static_cast<int32_t>(i);
+    // A row per rank is packed once, by its token's entry 0.
+    const bool packs = e >= 0 && !in_place && (word < 0 || word_entry(word) == 0);
+    s.copy_dst[i] = packs ? destination(in, slot, r, send_start) : nullptr;
+    if (in.rank_rows) s.copy_entry[i] = word;
+  };
+  if (in.rank_rows) {
+    slot_ids_ranked(in, ids, ranks, begin, end, hist + warp * E, nullptr, sink, lane);
+  } else {
+    slot_ids(ids, begin, end, hist + warp * E, nullptr, [&](int64_t i, int slot, int e) { sink(i, slot, e, -1); },
+             lane);
+  }
 }
 
 }  // namespace
 
 cudaError_t launch_route(const DispatchSendParams& p, cudaStream_t stream) {
-  const size_t E = p.inst.num_experts;
+  const size_t E = p.inst.num_experts + (p.inst.rank_rows ? p.inst.world : 0);  // route_keys
   const int blocks = route_blocks(static_cast<int64_t>(p.inst.max_tokens) * p.inst.topk);
   const size_t hist_smem = kLargeWarps * E * sizeof(int32_t);
   const size_t slot_smem = hist_smem + 3 * E * sizeof(int32_t);

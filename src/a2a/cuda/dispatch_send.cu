@@ -113,6 +113,25 @@ __device__ __forceinline__ void store_weights(const DispatchSendParams& p, int64
   }
 }
 
+// Rows per rank: each copy's tail, once per token. tail_of(c, &word) is the
+// row copy c's entry goes to (a row per rank: its token's row, also for the
+// copies that do not pack it) and its entry word (rows.cuh, -1: a row of its own).
+template <typename TailOf>
+__device__ __forceinline__ void store_tails(const DispatchSendParams& p, int64_t copy0, TailOf tail_of) {
+  const int K = p.inst.topk, lane = threadIdx.x % kWarp;
+  for (int k = lane; k < K; k += kWarp) {
+    int32_t word = -1;
+    uint8_t* row = tail_of(copy0 + k, &word);
+    if (row != nullptr) store_tail(p.inst, row, word, p.weights != nullptr ? p.weights[copy0 + k] : 0.0f, k);
+  }
+}
+
+// A row per rank in our send section (the device copy when staged): every
+// copy of its token for that rank writes its entry there.
+__device__ __forceinline__ uint8_t* rank_row(const Instance& in, int slot) {
+  return (in.staged ? in.device_ws : in.fabric_ws) + in.layout.send + static_cast<size_t>(slot) * in.layout.dispatch_row;
+}
+
 // Fetches the lane's piece of the cursor's item into L2.
 __device__ __forceinline__ void prefetch_item(const DispatchSendParams& p, const PackCursor& at) {
   const int64_t first = static_cast<int64_t>(at.slice * kWarp + threadIdx.x % kWarp) * kVec;
@@ -127,8 +146,9 @@ __device__ __forceinline__ void prefetch_item(const DispatchSendParams& p, const
 // the piece, to use after it. (Loading the next item's piece early changed
 // nothing measurable here; what made large calls faster was fewer, larger
 // writes: dispatch_bulk.cu.)
-template <int kMode, typename DstOf>
-__device__ __forceinline__ void pack_items(const DispatchSendParams& p, int tokens, PackCursor at, DstOf dst_of) {
+template <int kMode, typename DstOf, typename TailOf>
+__device__ __forceinline__ void pack_items(const DispatchSendParams& p, int tokens, PackCursor at, DstOf dst_of,
+                                           TailOf tail_of, bool ranked) {
   const int K = p.inst.topk, lane = threadIdx.x % kWarp;
   const int out_bytes = pack_out_bytes(p.inst, kMode);
   for (; at.t < tokens; at.next()) {
@@ -136,7 +156,9 @@ __device__ __forceinline__ void pack_items(const DispatchSendParams& p, int toke
     uint8_t* mine = lane < K ? dst_of(copy0 + lane) : nullptr;
     const PackPiece piece = load_item<kMode>(p, at.t, at.slice, out_bytes);
     store_item<kMode>(p, piece, copy0, mine, out_bytes, dst_of);
-    if (at.slice == 0) store_weights(p, copy0, mine, dst_of);
+    if (at.slice != 0) continue;
+    if (ranked) store_tails(p, copy0, tail_of);
+    else store_weights(p, copy0, mine, dst_of);
   }
 }
 
@@ -145,7 +167,14 @@ template <int kMode>
 __global__ void __launch_bounds__(kPackThreads, kPackBlocksPerSm) pack_kernel(DispatchSendParams p) {
   kernel_prologue();
   uint8_t* const* copy_dst = p.scratch.copy_dst;
-  pack_items<kMode>(p, *p.scratch.num_tokens, PackCursor(p.inst.hidden), [&](int64_t c) { return copy_dst[c]; });
+  const Scratch& s = p.scratch;
+  pack_items<kMode>(
+      p, *s.num_tokens, PackCursor(p.inst.hidden), [&](int64_t c) { return copy_dst[c]; },
+      [&](int64_t c, int32_t* word) -> uint8_t* {
+        *word = s.copy_entry[c];
+        return *word >= 0 ? rank_row(p.inst, s.slots[c]) : copy_dst[c];
+      },
+      p.inst.rank_rows != 0);
   signal_when_grid_done(p.inst, p.scratch.done_blocks, kFlagDispatch, packed_flag(p.inst, p.inst.proxy.packed));
 }
 
@@ -162,15 +191,16 @@ __host__ __device__ constexpr size_t route_pack_smem(int64_t max_copies, int num
 // each copy's slot and rank for the receive and combine kernels; it lets our
 // next kernel (the plan, which reads the epoch and the routing row) be
 // scheduled only after publishing them, the other blocks as soon as they
-// start.
-template <int kMode>
+// start. kRanked: rows per rank (Instance::rank_rows), an instantiation of
+// its own, so that the decode path without them keeps its registers.
+template <int kMode, bool kRanked>
 __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) route_pack_kernel(DispatchSendParams p) {
   extern __shared__ int2 route_smem[];  // the copy table first: 8-byte aligned
   grid_dependency_wait();
   const bool leader = blockIdx.x == 0;
   if (!leader) allow_dependents();
   const Instance& in = p.inst;
-  const int E = in.num_experts, L = in.local_experts;
+  const int E = in.num_experts + (kRanked ? in.world : 0), L = in.local_experts;  // the keys (route_keys)
   const int tokens = resolve_tokens(p);
   const int64_t copies = static_cast<int64_t>(tokens) * in.topk;
   int2* table = reinterpret_cast<int2*>(route_smem);  // (slot, expert) of each copy
@@ -199,24 +229,33 @@ __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) rout
   __syncthreads();
   const WarpIds ids = walks ? match_ids(p, raw, run_begin, run_end, lane) : WarpIds{};
   if (walks) count_ids(ids, hist + warp * E, lane);
+  RankIds ranks{};
+  if constexpr (kRanked) {
+    if (walks) ranks = match_ranks(p, ids, run_begin, lane);
+    if (walks) count_ranks(in, ids, ranks, hist + warp * E, lane);
+  }
   if (__any_sync(kFullMask, ids.dropped) && lane == 0) dropped = 1;
   __syncthreads();
   warp_offsets(hist, kRouteWarps, E, nullptr, counts);
   __syncthreads();
   block_exclusive_scan<kRoutePackThreads, int32_t>(
-      E, [&](int e) { return counts[e]; }, [&](int e, int32_t v) { first[e] = v; });
+      E, [&](int o) { return key_rows(in, counts, key_at(in, o)); },
+      [&](int o, int32_t v) { first[key_at(in, o)] = v; });
   if (leader) write_routing(p, counts);
   const Scratch& s = p.scratch;
-  if (walks) {
+  const auto sink = [&](int64_t i, int slot, int e, int32_t word) {
+    table[i] = make_int2(slot, e);
+    if (!leader) return;
+    const int r = e >= 0 ? e / L : -1;
+    s.slots[i] = slot, s.copy_rank[i] = r;
+    if (kRanked) s.copy_entry[i] = word;
+    if (r == in.rank && p.self_in_place) s.self_copy[slot - first[r * L]] = static_cast<int32_t>(i);
+  };
+  if constexpr (kRanked) {
+    if (walks) slot_ids_ranked(in, ids, ranks, run_begin, run_end, hist + warp * E, first, sink, lane);
+  } else if (walks) {
     slot_ids(
-        ids, run_begin, run_end, hist + warp * E, first,
-        [&](int64_t i, int slot, int e) {
-          table[i] = make_int2(slot, e);
-          if (!leader) return;
-          const int r = e >= 0 ? e / L : -1;
-          s.slots[i] = slot, s.copy_rank[i] = r;
-          if (r == in.rank && p.self_in_place) s.self_copy[slot - first[r * L]] = static_cast<int32_t>(i);
-        },
+        ids, run_begin, run_end, hist + warp * E, first, [&](int64_t i, int slot, int e) { sink(i, slot, e, -1); },
         lane);
   }
   __syncthreads();  // the copy table; block 0: every thread's routing row
@@ -225,14 +264,33 @@ __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) rout
     __syncthreads();  // the fence before any thread lets the plan be scheduled
     allow_dependents();
   }
-  // Only the copies of our own items need a destination: one lane each.
-  pack_items<kMode>(p, tokens, items, [&](int64_t c) -> uint8_t* {
-    const int2 copy = table[c];
-    if (copy.y < 0) return nullptr;  // dropped
-    const int r = copy.y / L;
-    if (r == in.rank && p.self_in_place) return nullptr;  // the receive half reads x
-    return destination(in, copy.x, r, first[r * L]);
-  });
+  // Only the copies of our own items need a destination: one lane each. With
+  // rows per rank a copy's entry comes from its token's copies in the table.
+  const auto entry_of = [&](int64_t c, int r) {
+    int entry, count;
+    token_entries(c, in.topk, r, [&](int64_t o) { return table[o].y >= 0 ? table[o].y / L : -1; }, &entry, &count);
+    return entry_word(entry, count, table[c].y % L);
+  };
+  pack_items<kMode>(
+      p, tokens, items,
+      [&](int64_t c) -> uint8_t* {
+        const int2 copy = table[c];
+        if (copy.y < 0) return nullptr;  // dropped
+        const int r = copy.y / L;
+        if (r == in.rank && p.self_in_place) return nullptr;  // the receive half reads x
+        if (kRanked && per_rank(in, r) && word_entry(entry_of(c, r)) != 0) return nullptr;  // entry 0 packs the row
+        return destination(in, copy.x, r, first[r * L]);
+      },
+      [&](int64_t c, int32_t* word) -> uint8_t* {
+        const int2 copy = table[c];
+        if (copy.y < 0) return nullptr;  // dropped
+        const int r = copy.y / L;
+        if (r == in.rank && p.self_in_place) return nullptr;
+        if (!kRanked || !per_rank(in, r)) return destination(in, copy.x, r, first[r * L]);
+        *word = entry_of(c, r);
+        return rank_row(in, copy.x);
+      },
+      kRanked);
   signal_when_grid_done(in, s.done_blocks, kFlagDispatch, packed_flag(in, in.proxy.packed));
 }
 
@@ -242,12 +300,13 @@ cudaError_t launch_pack(const DispatchSendParams& p, cudaStream_t stream) {
   const int slices = ((in.hidden + kVec - 1) / kVec + kWarp - 1) / kWarp;
   const int64_t items = static_cast<int64_t>(in.max_tokens) * slices;
   const int64_t max_copies = static_cast<int64_t>(in.max_tokens) * in.topk;
-  const size_t smem = route_pack_smem(max_copies, in.num_experts);
+  const size_t smem = route_pack_smem(max_copies, in.num_experts + (in.rank_rows ? in.world : 0));  // route_keys
   if (max_copies <= kRoutePackMaxCopies && smem <= kRoutePackSmemBytes) {
-    cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(route_pack_kernel<kMode>), smem);
+    const auto kernel = in.rank_rows ? route_pack_kernel<kMode, true> : route_pack_kernel<kMode, false>;
+    cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
     if (err != cudaSuccess) return err;
     const int blocks = persistent_blocks(items, kRoutePackWarps, kRoutePackBlocksPerSm);
-    return launch_kernel(route_pack_kernel<kMode>, blocks, kRoutePackThreads, smem, stream, p);
+    return launch_kernel(kernel, blocks, kRoutePackThreads, smem, stream, p);
   }
   cudaError_t err = launch_route(p, stream);
   if (err != cudaSuccess) return err;

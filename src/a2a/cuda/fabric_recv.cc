@@ -75,7 +75,7 @@ void FabricReceive::copy_dispatch(const LandingView& v, DispatchRecvParams p, co
   std::vector<Pending> pending;
   for (int d = 0; d < cfg.world; ++d) {  // ourselves first: our rows are there in stream order
     const int s = (cfg.rank + d) % cfg.world;
-    const uint64_t c = view.to_rank(s, cfg.rank);
+    const uint64_t c = view.rows(s, cfg.rank);  // wire rows
     if (c == 0) continue;
     const bool sliced = !cfg.same_node(s) && !cached;
     pending.push_back(
@@ -95,6 +95,8 @@ void FabricReceive::copy_dispatch(const LandingView& v, DispatchRecvParams p, co
     if (q.next == 0) on_first(q.peer);
     p.sender_first = static_cast<int64_t>(q.cut.begin(q.next));  // consecutive slices are consecutive copies
     p.sender_end = static_cast<int64_t>(q.cut.end(in - 1));
+    // Rows per rank: their entries' output rows first, slice after slice.
+    if (cfg.per_rank(q.peer, cfg.rank)) check_cuda(launch_dispatch_entries(p, stream), "dispatch entries");
     check_cuda(launch_copy_sender(p, stream), "dispatch copy");
   };
   const auto late = [&](const std::vector<Pending>& out) {
@@ -111,7 +113,7 @@ void FabricReceive::note_combine_blocks(const LandingView& v, const RoutingView&
   const Layout& l = *v.layout;
   blocks_.clear();
   for (int s = 0; s < cfg.world; ++s) {
-    const uint64_t c = view.to_rank(cfg.rank, s);
+    const uint64_t c = view.rows(cfg.rank, s);  // wire rows
     if (cfg.same_node(s) || c == 0) continue;
     blocks_.push_back(
         {s, l.combine_recv + view.send_offset(cfg.rank, s) * l.combine_row, static_cast<size_t>(c) * l.combine_row});

@@ -40,6 +40,10 @@ cudaError_t launch_stage(const StageParams& p, cudaStream_t stream);
 // [p.sender_first, p.sender_end)).
 cudaError_t launch_dispatch_plan(const DispatchRecvParams& p, cudaStream_t stream);
 cudaError_t launch_copy_sender(const DispatchRecvParams& p, cudaStream_t stream);
+// Rows per rank: where the entries of per-rank senders' rows go (after the
+// plan, before the copies): every sender's (p.sender < 0), or p.sender's
+// wire rows [p.sender_first, p.sender_end). Nothing without rows per rank.
+cudaError_t launch_dispatch_entries(const DispatchRecvParams& p, cudaStream_t stream);
 
 // The routing step of large dispatch sends, in two launches (dispatch_route.cu).
 cudaError_t launch_route(const DispatchSendParams& p, cudaStream_t stream);

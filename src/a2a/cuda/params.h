@@ -62,6 +62,7 @@ enum Status : int32_t {
   kStatusProxyFailed = 2,  // the proxy reported an error
   kStatusTimeout = 3,      // a flag did not arrive within timeout_ns
   kStatusBadExpert = 4,    // a topk id outside [0, num_experts): that copy was dropped
+  kStatusBadRow = 5,       // a received row per rank named an expert or entry beyond the routing: dropped
 };
 
 // What every kernel knows about the instance. Section offsets come from the
@@ -89,6 +90,12 @@ struct Instance {
   int32_t staged = 0;
   int64_t slice_bytes = 0;     // A2AConfig::slice_bytes: how the proxy cuts a peer's rows into writes
   int64_t timeout_ns = 0;      // how long a kernel waits for a flag
+  // Rows per destination rank (A2AConfig::rank_rows): towards a rank of
+  // another node a token crosses once, its row's tail holding up to
+  // max_entries RouteEntry (row_tail.h), and its combine comes back reduced.
+  // Same-node peers keep one row per copy. 0: every row is a copy.
+  int32_t rank_rows = 0;
+  int32_t max_entries = 1;     // m: entries of a row per rank
 
   const PeerWorkspaces* peers = nullptr;  // [world], device memory
   uint8_t* device_ws = nullptr;           // ours
@@ -101,11 +108,14 @@ struct Instance {
 
 // Receiver-side placement of the copies from one sender (plan.h's RecvPlan,
 // per sender).
+// Positions on the wire count wire rows (u: copies, except from a per-rank
+// sender, which sends a row per token); the output counts copies.
 struct SenderPlan {
   int64_t copies = 0;      // c[s][rank]
-  int64_t recv_base = 0;   // sum_{s' < s} c[s'][rank]: combine_send staging row of (s, 0)
+  int64_t wire = 0;        // u[s][rank]: wire rows
+  int64_t recv_base = 0;   // sum_{s' < s} u[s'][rank]: combine_send staging row of (s, 0)
   int64_t shared_off = 0;  // shared row of (s, P)
-  int64_t send_off = 0;    // send_off[s][rank]: (s, 0) in s's send section and combine_recv
+  int64_t send_off = 0;    // send_off[s][rank] (over u): (s, 0) in s's send section and combine_recv
 };
 
 // Output rows [out_row, out_row + count) of local expert `expert` hold copies
@@ -143,6 +153,19 @@ struct Scratch {
   // copy kernel).
   int32_t* self_copy = nullptr;    // [max_tokens * topk]
   int32_t* self_row = nullptr;     // [max_tokens * topk]
+  // Rows per rank (Instance::rank_rows; empty sections otherwise).
+  // Send side, by copy t * topk + k: -1 for a row of its own (same node,
+  // dropped), else its entry in its token's row for that rank (bits 0-7) and
+  // how many entries that row holds (bits 8-15). Entry 0 packs the row.
+  int32_t* copy_entry = nullptr;   // [max_tokens * topk]
+  // Receive side, from the tails of per-rank senders' rows (entry_kernel):
+  // entry e of wire row w = recv_base[s] + j goes to output row
+  // entry_row[w * m + e] (-1: unused) with weight entry_weight[w * m + e];
+  // output row r holds entry row_entry[r] (w * m + e).
+  int32_t* entry_row = nullptr;    // [max_recv * max_entries]
+  float* entry_weight = nullptr;   // [max_recv * max_entries]
+  int32_t* row_entry = nullptr;    // [max_output_rows]
+  int32_t* entry_next = nullptr;   // [world][local_experts] entries handed out per (sender, expert) so far
 };
 
 struct DispatchSendParams {
@@ -223,6 +246,9 @@ struct CombineSendParams {
   // them from y where the expert left them (CombineRecvParams::self_y).
   int32_t self_in_place = 0;
   const float* row_values = nullptr;  // [y_rows]: one per row, into its tail (null: zeros)
+  // Rows per rank are summed here over their entries: each times its
+  // dispatch weight (1), or plainly (0, the unweighted combine).
+  int32_t weighted = 1;
 };
 
 struct CombineRecvParams {

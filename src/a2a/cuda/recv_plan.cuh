@@ -52,27 +52,29 @@ __device__ __forceinline__ void signal_planned(const DispatchRecvParams& p, uint
 
 // The plan from the routing matrix: capacity for every rank, per-sender
 // placement, tokens_per_expert, expert starts and the segment table; with
-// `ok` false (a wait failed) or over capacity it delivers nothing.
-// Shared memory: matrix [world][E], n[L], start[L].
+// `ok` false (a wait failed) or over capacity it delivers nothing. Rows of
+// the matrix are count[s][0..E) then u[s][0..N): positions on the wire
+// count wire rows, the output copies.
+// Shared memory: matrix [world][E + world], n[L], start[L].
 __device__ inline void compute_plan(const DispatchRecvParams& p, int32_t* matrix, bool ok_in) {
   const Instance& in = p.inst;
   const Layout& l = in.layout;
   const int N = in.world, E = in.num_experts, L = in.local_experts, rank = in.rank;
+  const int W = E + N;  // routing_width
   const int64_t P = in.max_private;
-  int32_t* n = matrix + N * E;
+  int32_t* n = matrix + N * W;
   int32_t* start = n + L;
   __shared__ int ok;
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
   if (tid == 0) ok = ok_in;
   __syncthreads();
   if (ok) {  // rows of same-node senders from our device workspace, the others' where the proxy put them
-    for (int i = tid; i < N * E; i += kPlanThreads) {
-      const int s = i / E;
-      const uint32_t* row = p.routing != nullptr ? p.routing + static_cast<size_t>(s) * l.routing_width  // a cached call's
+    for (int i = tid; i < N * W; i += kPlanThreads) {
+      const int s = i / W;
+      const uint32_t* row = p.routing != nullptr ? p.routing + static_cast<size_t>(s) * W  // a cached call's
                                                  : routing_row(same_node(in, s) ? in.device_ws : in.host_ws, l, s);
-      matrix[i] = static_cast<int32_t>(__ldcg(row + i % E));
-      // TODO(issue 30, CUDA): the wire rows u[s][0..N) after the E counts are not copied out yet.
-      if (p.routing_out != nullptr) p.routing_out[static_cast<size_t>(s) * l.routing_width + i % E] = static_cast<uint32_t>(matrix[i]);
+      matrix[i] = static_cast<int32_t>(__ldcg(row + i % W));
+      if (p.routing_out != nullptr) p.routing_out[i] = static_cast<uint32_t>(matrix[i]);
     }
   }
   __syncthreads();
@@ -80,7 +82,7 @@ __device__ inline void compute_plan(const DispatchRecvParams& p, int32_t* matrix
   if (ok) {
     for (int r = warp; r < N; r += kPlanWarps) {
       int64_t received = 0;
-      for (int i = lane; i < N * L; i += kWarp) received += matrix[(i / L) * E + r * L + i % L];
+      for (int i = lane; i < N * L; i += kWarp) received += matrix[(i / L) * W + r * L + i % L];
       received = warp_sum(received);
       if (lane == 0 && received > in.max_recv) ok = 0, report(in, kStatusCapacity);
     }
@@ -88,21 +90,24 @@ __device__ inline void compute_plan(const DispatchRecvParams& p, int32_t* matrix
   __syncthreads();
   if (!ok) return deliver_nothing(p);
 
-  const int32_t* mine = matrix + rank * L;  // column block of our experts: mine[s * E + i]
+  const int32_t* mine = matrix + rank * L;  // column block of our experts: mine[s * W + i]
   for (int s = warp; s < N; s += kPlanWarps) {
     int64_t copies = 0, before = 0;
-    for (int i = lane; i < L; i += kWarp) copies += mine[s * E + i];
-    for (int e = lane; e < rank * L; e += kWarp) before += matrix[s * E + e];
+    for (int i = lane; i < L; i += kWarp) copies += mine[s * W + i];
+    for (int q = lane; q < rank; q += kWarp) before += matrix[s * W + E + q];
     copies = warp_sum(copies);
     before = warp_sum(before);
     if (lane == 0) {
       p.scratch.senders[s].copies = copies;
+      p.scratch.senders[s].wire = matrix[s * W + E + rank];
       p.scratch.senders[s].send_off = before;
     }
   }
+  if (in.rank_rows)  // entry_kernel hands out each per-rank sender's rows from here
+    for (int i = tid; i < N * L; i += kPlanThreads) p.scratch.entry_next[i] = 0;
   for (int i = tid; i < L; i += kPlanThreads) {
     int32_t total = 0;
-    for (int s = 0; s < N; ++s) total += mine[s * E + i];
+    for (int s = 0; s < N; ++s) total += mine[s * W + i];
     n[i] = total;
     p.tokens_per_expert[i] = total;
   }
@@ -110,9 +115,9 @@ __device__ inline void compute_plan(const DispatchRecvParams& p, int32_t* matrix
 
   SenderPlan* senders = p.scratch.senders;
   block_exclusive_scan<kPlanThreads, int64_t>(
-      N, [&](int s) { return senders[s].copies; }, [&](int s, int64_t v) { senders[s].recv_base = v; });
+      N, [&](int s) { return senders[s].wire; }, [&](int s, int64_t v) { senders[s].recv_base = v; });
   block_exclusive_scan<kPlanThreads, int64_t>(
-      N, [&](int s) { return senders[s].copies > P ? senders[s].copies - P : int64_t{0}; },
+      N, [&](int s) { return senders[s].wire > P ? senders[s].wire - P : int64_t{0}; },
       [&](int s, int64_t v) { senders[s].shared_off = v; });
   const int pad = in.expert_padding;
   const int32_t rows_out = block_exclusive_scan<kPlanThreads, int32_t>(
@@ -121,11 +126,11 @@ __device__ inline void compute_plan(const DispatchRecvParams& p, int32_t* matrix
   Segment* segs = p.scratch.segments;
   for (int s = 0; s < N; ++s) {
     block_exclusive_scan<kPlanThreads, int32_t>(
-        L, [&](int i) { return mine[s * E + i]; },
+        L, [&](int i) { return mine[s * W + i]; },
         [&](int i, int32_t v) {
           Segment& g = segs[i * N + s];
           g.first_j = v;
-          g.count = mine[s * E + i];
+          g.count = mine[s * W + i];
           g.sender = s;
         });
   }
@@ -133,15 +138,15 @@ __device__ inline void compute_plan(const DispatchRecvParams& p, int32_t* matrix
     int32_t at = start[i];
     for (int s = 0; s < N; ++s) {
       segs[i * N + s].out_row = at;
-      at += mine[s * E + i];
+      at += mine[s * W + i];
     }
   }
   if (tid == 0) *p.scratch.output_rows = *p.scratch.output_rows_host = rows_out;
 }
 
-// Shared memory of compute_plan: matrix [world][E], n[L], start[L].
+// Shared memory of compute_plan: matrix [world][E + world], n[L], start[L].
 inline size_t plan_smem_bytes(const Instance& in) {
-  return (static_cast<size_t>(in.world) * in.num_experts + 2 * in.local_experts) * sizeof(int32_t);
+  return (static_cast<size_t>(in.world) * (in.num_experts + in.world) + 2 * in.local_experts) * sizeof(int32_t);
 }
 
 }  // namespace moe_a2a::a2a::cuda

@@ -36,16 +36,24 @@ __device__ __forceinline__ const uint8_t* row_source(const DispatchRecvParams& p
   return static_cast<const uint8_t*>(p.self_x) + token * in.payload_bytes;
 }
 
-// Output row `row`'s weight, copy (s, j)'s: from its row's tail, or for one
-// of ours read in place from the send half's weights.
+// Output row `row`'s weight, copy (s, j)'s: from its row's tail (a row per
+// rank: its entry's, as entry_kernel took it), or for one of ours read in
+// place from the send half's weights.
 __device__ __forceinline__ void deliver_weight(const DispatchRecvParams& p, int s, int j, int row) {
   if (p.out_weight == nullptr) return;
   const Instance& in = p.inst;
   float w;
   if (s == in.rank && p.self_x != nullptr)
     w = p.self_weights != nullptr ? p.self_weights[p.scratch.self_copy[j]] : 0.0f;
+  else if (per_rank(in, s)) w = p.scratch.entry_weight[p.scratch.row_entry[row]];
   else w = load_f32(source_row(in, p.scratch.senders, s, j) + in.layout.dispatch_tail);
   p.out_weight[row] = w;
+}
+
+// Rows per rank: the wire row (j) of per-rank sender s that output row `row`
+// holds an entry of (entry_kernel noted it).
+__device__ __forceinline__ int wire_row_of(const DispatchRecvParams& p, int s, int row) {
+  return p.scratch.row_entry[row] / p.inst.max_entries - static_cast<int>(p.scratch.senders[s].recv_base);
 }
 
 // One warp: chunk `chunk` of copy (s, j) into output row `row`.

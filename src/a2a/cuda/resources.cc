@@ -223,6 +223,8 @@ const Instance& CudaResources::instance(bool has_remote, bool staged, int64_t ti
   in.has_remote = has_remote ? 1 : 0;
   in.staged = staged ? 1 : 0;
   in.timeout_ns = timeout_ns;
+  in.rank_rows = cfg_.rank_rows() ? 1 : 0;
+  in.max_entries = cfg_.max_entries();
   in.peers = peers_device_;
   in.device_ws = device_ws_;
   in.host_ws = host_ws_;

@@ -10,6 +10,14 @@
 // earlier warps are known, to hand out rows in order. The second walk hands
 // each copy's row to the caller: the large calls store where pack puts the
 // copy (one pointer per copy for pack to read), route_pack its row and expert.
+//
+// Rows per rank (Instance::rank_rows, docs/protocol.md "Rows per destination
+// rank"): towards a rank r of another node the send order is by token, one
+// row per token that picks r, shared by its copies to r. The sort then has
+// one key more per rank, E + r, counting only each token's first copy to r
+// (its entry 0, which packs the row); a later copy of the token takes the row
+// of its entry 0, the last one handed out before it. Keys are laid out in send
+// order by key_at: per rank, its row key, then its experts.
 #pragma once
 
 #include "memory.cuh"
@@ -90,6 +98,99 @@ __device__ __forceinline__ WarpIds load_ids(const DispatchSendParams& p, int64_t
   return match_ids(p, load_raw_ids(p, begin, end, lane), begin, end, lane);
 }
 
+// Rows per rank: the place of each of a warp's copies in its token's row for
+// a per-rank peer (entry word, rows.cuh; -1 for a row of its own), the lanes
+// whose copies go to the same per-rank peer, and those of them that are
+// their token's entry 0.
+struct RankIds {
+  int32_t word[kIdsInFlight];
+  unsigned group[kIdsInFlight];
+  unsigned leads[kIdsInFlight];
+};
+
+// The rank of copy c's expert from the call's ids; -1 when out of range.
+__device__ __forceinline__ int id_rank(const DispatchSendParams& p, int64_t c) {
+  const int64_t id = p.ids_are_64bit ? static_cast<const int64_t*>(p.topk_ids)[c]
+                                     : static_cast<const int32_t*>(p.topk_ids)[c];
+  return id >= 0 && id < p.inst.num_experts ? static_cast<int>(id / p.inst.local_experts) : -1;
+}
+
+// Each copy's entry reads its token's other ids (from L1/L2: the warps just
+// loaded them), K loads a copy; only calls with rows per rank pay it.
+__device__ __forceinline__ RankIds match_ranks(const DispatchSendParams& p, const WarpIds& ids, int64_t begin,
+                                               int lane) {
+  const Instance& in = p.inst;
+  const int L = in.local_experts;
+  RankIds q;
+  unsigned key[kIdsInFlight];
+#pragma unroll
+  for (int u = 0; u < kIdsInFlight; ++u) {
+    const int e = ids.e[u];
+    const int r = e >= 0 ? e / L : -1;
+    q.word[u] = -1;
+    if (r >= 0 && per_rank(in, r)) {
+      int entry, count;
+      token_entries(begin + u * kWarp + lane, in.topk, r, [&](int64_t c) { return id_rank(p, c); }, &entry, &count);
+      q.word[u] = entry_word(entry, count, e % L);
+    }
+    key[u] = q.word[u] >= 0 ? static_cast<unsigned>(r + 1) : 0u;
+    q.group[u] = kFullMask;
+  }
+  const int bits = 32 - __clz(in.world);  // keys lie in [0, world]
+  for (int b = 0; b < bits; ++b) {
+#pragma unroll
+    for (int u = 0; u < kIdsInFlight; ++u) {
+      const bool set = (key[u] >> b) & 1u;
+      const unsigned lanes = __ballot_sync(kFullMask, set);
+      q.group[u] &= set ? lanes : ~lanes;
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kIdsInFlight; ++u)
+    q.leads[u] = q.group[u] & __ballot_sync(kFullMask, q.word[u] >= 0 && word_entry(q.word[u]) == 0);
+  return q;
+}
+
+// First walk, rows per rank: hist[E + r] += this warp's tokens that pick per-rank peer r.
+__device__ __forceinline__ void count_ranks(const Instance& in, const WarpIds& ids, const RankIds& q, int32_t* hist,
+                                            int lane) {
+#pragma unroll
+  for (int u = 0; u < kIdsInFlight; ++u) {
+    if (q.word[u] >= 0 && lane == __ffs(q.leads[u]) - 1)
+      hist[in.num_experts + ids.e[u] / in.local_experts] += __popc(q.leads[u]);
+    __syncwarp();
+  }
+}
+
+// Routing keys: experts, and with rows per rank one per rank (E + r).
+__device__ __forceinline__ int route_keys(const Instance& in) {
+  return in.num_experts + (in.rank_rows ? in.world : 0);
+}
+
+// The key at position o of the send order: per rank its row key (rows per
+// rank), then its experts; without rows per rank the experts alone.
+__device__ __forceinline__ int key_at(const Instance& in, int o) {
+  if (!in.rank_rows) return o;
+  const int L = in.local_experts, r = o / (L + 1), i = o % (L + 1);
+  return i == 0 ? in.num_experts + r : r * L + i - 1;
+}
+
+// Send rows of a key: a per-rank peer's row key its tokens, its experts none;
+// another rank's experts their copies, its row key none.
+__device__ __forceinline__ int32_t key_rows(const Instance& in, const int32_t* counts, int key) {
+  const int E = in.num_experts;
+  if (key >= E) return per_rank(in, key - E) ? counts[key] : 0;
+  return per_rank(in, key / in.local_experts) ? 0 : counts[key];
+}
+
+// u[r]: wire rows to rank r (routing row words E + r).
+__device__ __forceinline__ uint32_t wire_rows(const Instance& in, const int32_t* counts, int r) {
+  if (per_rank(in, r)) return static_cast<uint32_t>(counts[in.num_experts + r]);
+  uint32_t n = 0;
+  for (int i = 0; i < in.local_experts; ++i) n += static_cast<uint32_t>(counts[r * in.local_experts + i]);
+  return n;
+}
+
 // First walk: hist[e] += this warp's copies of e.
 __device__ __forceinline__ void count_ids(const WarpIds& ids, int32_t* hist, int lane) {
 #pragma unroll
@@ -134,6 +235,34 @@ __device__ __forceinline__ void slot_ids(const WarpIds& ids, int64_t begin, int6
   }
 }
 
+// Second walk with rows per rank: as slot_ids, a per-rank copy taking its
+// token's row (key E + r), and sink(i, slot, e, word).
+template <typename Sink>
+__device__ __forceinline__ void slot_ids_ranked(const Instance& in, const WarpIds& ids, const RankIds& q,
+                                                int64_t begin, int64_t end, int32_t* hist, const int32_t* first,
+                                                Sink sink, int lane) {
+  const unsigned lanes_below = (1u << lane) - 1;
+#pragma unroll
+  for (int u = 0; u < kIdsInFlight; ++u) {  // in order: ranks stay stable
+    const int e = ids.e[u];
+    const int32_t word = q.word[u];
+    const int key = word >= 0 ? in.num_experts + e / in.local_experts : e;
+    // A copy after its token's entry 0 takes the row handed out last before it: that entry's.
+    const int own = word >= 0 ? __popc(q.leads[u] & lanes_below) - (word_entry(word) == 0 ? 0 : 1)
+                              : __popc(ids.peers[u] & lanes_below);
+    const int slot = e >= 0 ? hist[key] + (first != nullptr ? first[key] : 0) + own : -1;
+    __syncwarp();
+    if (word >= 0) {
+      if (lane == __ffs(q.leads[u]) - 1) hist[key] += __popc(q.leads[u]);
+    } else if (e >= 0 && lane == __ffs(ids.peers[u]) - 1) {
+      hist[key] += __popc(ids.peers[u]);
+    }
+    __syncwarp();
+    const int64_t i = begin + u * kWarp + lane;
+    if (i < end) sink(i, slot, e, word);
+  }
+}
+
 // Per expert, across the block's first `warps` warps: hist[w][e] becomes
 // base[e] (when given) plus the copies of warps before w; writes the block's
 // total of e to totals[e] when asked.
@@ -153,23 +282,26 @@ __device__ __forceinline__ void warp_offsets(int32_t* hist, int warps, int E, co
 // proxy scatters it to remote peers, and the host reads it) and device
 // workspace (where their plan reads it, without a trip over PCIe). Every
 // thread of the block calls it.
+// The row is count[0..E) then u[0..N) (counts: the routing keys' totals).
 __device__ __forceinline__ void write_routing(const DispatchSendParams& p, const int32_t* counts) {
   const Instance& in = p.inst;
-  const int E = in.num_experts;
+  const int E = in.num_experts, words = E + in.world;
+  const auto word = [&](int w) { return w < E ? static_cast<uint32_t>(counts[w]) : wire_rows(in, counts, w - E); };
   if (p.cached) {
     // Every receiver plans from its handle's matrix: nothing is published. Our
     // own device row still gets this call's counts, because stage_kernel sizes
     // each remote peer's block from it (a fresh instance's row is all zeros).
     uint32_t* own = routing_row(in.device_ws, in.layout, in.rank);
-    for (int e = threadIdx.x; e < E; e += blockDim.x) own[e] = static_cast<uint32_t>(counts[e]);
+    for (int w = threadIdx.x; w < words; w += blockDim.x) own[w] = word(w);
     return;
   }
-  for (int r = 0; r < in.world; ++r) {
-    if (!same_node(in, r)) continue;
-    // TODO(issue 30, CUDA): the wire rows u[rank][0..N) after the E counts are not written yet.
-    uint32_t* host_row = routing_row(in.peers[r].host, in.layout, in.rank);
-    uint32_t* device_row = routing_row(in.peers[r].device, in.layout, in.rank);
-    for (int e = threadIdx.x; e < E; e += blockDim.x) host_row[e] = device_row[e] = static_cast<uint32_t>(counts[e]);
+  for (int w = threadIdx.x; w < words; w += blockDim.x) {
+    const uint32_t v = word(w);
+    for (int r = 0; r < in.world; ++r) {
+      if (!same_node(in, r)) continue;
+      routing_row(in.peers[r].host, in.layout, in.rank)[w] = v;
+      routing_row(in.peers[r].device, in.layout, in.rank)[w] = v;
+    }
   }
 }
 

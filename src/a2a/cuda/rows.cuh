@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "../row_tail.h"
 #include "memory.cuh"
 #include "params.h"
 #include "tuning.h"
@@ -239,6 +240,53 @@ __device__ __forceinline__ uint32_t* routing_row(uint8_t* ws, const Layout& l, i
 }
 
 __device__ __forceinline__ bool same_node(const Instance& in, int r) { return in.peers[r].device != nullptr; }
+
+// Whether we exchange rows per rank with rank r (A2AConfig::per_rank): rows
+// per rank in use and r on another node.
+__device__ __forceinline__ bool per_rank(const Instance& in, int r) { return in.rank_rows && !same_node(in, r); }
+
+// A copy's place in its token's row per rank (Scratch::copy_entry): its entry
+// (k order among the token's copies to that rank), the row's entries, its
+// local expert on that rank. -1: a row of its own.
+__device__ __forceinline__ int32_t entry_word(int entry, int count, int local_expert) {
+  return entry | (count << 8) | (local_expert << 16);
+}
+__device__ __forceinline__ int word_entry(int32_t word) { return word & 0xff; }
+__device__ __forceinline__ int word_count(int32_t word) { return (word >> 8) & 0xff; }
+__device__ __forceinline__ int word_expert(int32_t word) { return static_cast<int>(static_cast<uint32_t>(word) >> 16); }
+
+// Copy i's entry and the entries of its token's row for rank r, from the
+// ranks of the token's copies (rank_of(c): -1 for a dropped one), k order.
+template <typename RankOf>
+__device__ __forceinline__ void token_entries(int64_t i, int topk, int r, RankOf rank_of, int* entry, int* count) {
+  const int64_t t0 = i - i % topk;
+  int before = 0, n = 0;
+  for (int k = 0; k < topk; ++k) {
+    const bool on_r = rank_of(t0 + k) == r;
+    n += on_r;
+    before += on_r && t0 + k < i;
+  }
+  *entry = before;
+  *count = n;
+}
+
+// Stores a dispatch row's tail for copy (entry word `word`, weight w, index k
+// in its token): a row of its own holds the weight at the tail's first byte;
+// a row per rank entry word_entry(word), and its entry 0 also marks the
+// entries past the token's as unused.
+__device__ __forceinline__ void store_tail(const Instance& in, uint8_t* row, int32_t word, float w, int k) {
+  uint8_t* tail = row + in.layout.dispatch_tail;
+  if (word < 0) return store_f32(tail, w);
+  const int entry = word_entry(word);
+  const auto pack = [](float weight, uint32_t expert, uint32_t kk) {
+    return make_uint2(__float_as_uint(weight), expert | (kk << 16));
+  };
+  *reinterpret_cast<uint2*>(tail + entry * sizeof(RouteEntry)) =
+      pack(w, static_cast<uint32_t>(word_expert(word)), static_cast<uint32_t>(k));
+  if (entry != 0) return;
+  for (int n = word_count(word); n < in.max_entries; ++n)
+    *reinterpret_cast<uint2*>(tail + n * sizeof(RouteEntry)) = pack(0.0f, kNoExpert, 0);
+}
 
 // Records an error for the host. Atomics on mapped host memory are not atomic
 // across PCIe, and errors are rare: a plain store, so some error wins.

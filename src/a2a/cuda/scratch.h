@@ -25,7 +25,15 @@ constexpr size_t kScratchAlign = 256;
 template <typename Section>
 void scratch_sections(const A2AConfig& cfg, Scratch& s, uint64_t*& epoch, Section&& section) {
   const size_t copies = static_cast<size_t>(cfg.max_tokens) * cfg.topk;
-  const size_t route_blocks_experts = static_cast<size_t>(route_blocks(static_cast<int64_t>(copies))) * cfg.num_experts;
+  // Routing keys: experts, and with rows per rank one more per rank (route.cuh).
+  const size_t keys = static_cast<size_t>(cfg.num_experts) + (cfg.rank_rows() ? cfg.world : 0);
+  const size_t route_blocks_experts = static_cast<size_t>(route_blocks(static_cast<int64_t>(copies))) * keys;
+  // Rows per rank only (A2AConfig::rank_rows): otherwise these sections are empty.
+  const bool ranked = cfg.rank_rows();
+  const size_t entries = ranked ? static_cast<size_t>(cfg.max_recv_tokens) * cfg.max_entries() : 0;
+  const size_t out_rows = ranked ? static_cast<size_t>(cfg.max_recv_tokens) +
+                                       static_cast<size_t>(cfg.num_local_experts()) * (cfg.expert_padding - 1)
+                                 : 0;
   section(s.num_tokens, 1);
   section(s.slots, copies);
   section(s.copy_rank, copies);
@@ -43,6 +51,11 @@ void scratch_sections(const A2AConfig& cfg, Scratch& s, uint64_t*& epoch, Sectio
   section(epoch, 1);
   section(s.self_copy, copies);
   section(s.self_row, copies);
+  section(s.copy_entry, ranked ? copies : 0);
+  section(s.entry_row, entries);
+  section(s.entry_weight, entries);
+  section(s.row_entry, out_rows);
+  section(s.entry_next, ranked ? static_cast<size_t>(cfg.num_experts) : 0);
 }
 
 template <typename T>

@@ -7,9 +7,9 @@
 // being copied. Without it the proxy starts once every row of every peer is
 // in host memory, and packing, the fabric and the read-back run one after
 // another.
-// Dispatch: our send rows [send_off[r], send_off[r] + c[us][r]) (from our
-// routing row); combine: our combine_send rows [recv_base[s], + c[s][us])
-// (from the plan). Within a peer's block, each slice of it (slices.h: the
+// Dispatch: our send rows [send_off[r], send_off[r] + u[us][r]) (from our
+// routing row's wire rows); combine: our combine_send rows [recv_base[s],
+// + u[s][us]) (from the plan). Within a peer's block, each slice of it (slices.h: the
 // proxy's writes) gets its own flag once its chunks are in, so the proxy
 // posts a peer's first rows while its later ones are still being copied.
 #include <cuda_runtime.h>
@@ -66,16 +66,12 @@ __device__ __forceinline__ uint64_t* slice_flag(const StageParams& p, int r, uin
 // items in all. `first` [world + 1] is scratch.
 __device__ int plan_peers(const StageParams& p, StagePeer* peers, int64_t* first, int* count) {
   const Instance& in = p.inst;
-  const int N = in.world, L = in.local_experts;
+  const int N = in.world;
   const size_t row = p.kind == kStageDispatch ? in.layout.dispatch_row : in.layout.combine_row;
-  if (p.kind == kStageDispatch) {  // send_off[r] is over every rank, same-node ones included
-    const uint32_t* counts = routing_row(in.device_ws, in.layout, in.rank);
+  if (p.kind == kStageDispatch) {  // send_off[r] is over every rank's wire rows, same-node ones included
+    const uint32_t* wire = routing_row(in.device_ws, in.layout, in.rank) + in.num_experts;  // u[0..N)
     first[0] = 0;
-    for (int r = 0; r < N; ++r) {
-      int64_t c = 0;
-      for (int i = 0; i < L; ++i) c += counts[r * L + i];
-      first[r + 1] = first[r] + c;
-    }
+    for (int r = 0; r < N; ++r) first[r + 1] = first[r] + wire[r];
   }
   int chunks = 0, m = 0;
   for (int d = 1; d <= N; ++d) {
@@ -83,7 +79,7 @@ __device__ int plan_peers(const StageParams& p, StagePeer* peers, int64_t* first
     if (same_node(in, r)) continue;
     const bool dispatch = p.kind == kStageDispatch;
     const int64_t begin = dispatch ? first[r] : p.scratch.senders[r].recv_base;
-    const int64_t rows = dispatch ? first[r + 1] - first[r] : p.scratch.senders[r].copies;
+    const int64_t rows = dispatch ? first[r + 1] - first[r] : p.scratch.senders[r].wire;
     StagePeer& peer = peers[m++];
     peer.offset = begin * static_cast<int64_t>(row);
     peer.bytes = rows * static_cast<int64_t>(row);

@@ -70,6 +70,15 @@ struct PlanTuning {
   static constexpr int kMaxRegisters = 64;
 };
 
+// Dispatch receive, rows per rank: entry_kernel (dispatch_plan.cu), one
+// block a remote sender walking its rows' entries in order. A round is 1024
+// entries (4 a lane, their loads from host memory in flight together); the
+// walk waits on those loads, not on the block's few instructions a round.
+struct EntryTuning {
+  static constexpr int kThreads = 256;
+  static constexpr int kEntriesInFlight = 4;
+};
+
 // Dispatch receive, the copies (dispatch_recv.cu). Blocks a multiprocessor:
 // the persistent grid is sized for this many, so all must be resident at
 // once (a second wave would leave its rows to the end). Three: the row copy
@@ -162,6 +171,8 @@ inline std::vector<TuningEntry> tuning_table() {
       {"bulk", "smem_bytes", static_cast<int64_t>(BulkTuning::kSmemBytes)},
       {"plan", "threads", PlanTuning::kThreads},
       {"plan", "max_registers", PlanTuning::kMaxRegisters},
+      {"entry", "threads", EntryTuning::kThreads},
+      {"entry", "entries_in_flight", EntryTuning::kEntriesInFlight},
       {"copy", "threads", CopyTuning::kThreads},
       {"copy", "blocks_per_sm", CopyTuning::kBlocksPerSm},
       {"copy", "plan_poll_ns", CopyTuning::kPlanPollNs},
