@@ -98,8 +98,12 @@ struct A2AConfig {
   // Tail bytes (row_tail.h): mode expert 16; rank rows m entries of 8 bytes
   // (dispatch) and m fp32 values (combine), each to a whole 16 bytes. One
   // width for every row of an instance, so each section has one stride.
-  size_t dispatch_tail_bytes() const { return rank_rows() ? align_up(8 * static_cast<size_t>(max_entries()), 16) : kRowTail; }
-  size_t combine_tail_bytes() const { return rank_rows() ? align_up(4 * static_cast<size_t>(max_entries()), 16) : kRowTail; }
+  size_t dispatch_tail_bytes() const {
+    return rank_rows() ? align_up(8 * static_cast<size_t>(max_entries()), 16) : kRowTail;
+  }
+  size_t combine_tail_bytes() const {
+    return rank_rows() ? align_up(4 * static_cast<size_t>(max_entries()), 16) : kRowTail;
+  }
   int num_scales() const { return dispatch_dtype == DType::kFp8 ? (hidden + kFp8Block - 1) / kFp8Block : 0; }
   size_t payload_bytes() const { return static_cast<size_t>(hidden) * dtype_bytes(dispatch_dtype); }
   size_t dispatch_body_bytes() const { return align_up(payload_bytes() + num_scales() * sizeof(float), kRowAlign); }

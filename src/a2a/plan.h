@@ -21,8 +21,8 @@ struct RoutingView {
   const uint32_t* counts = nullptr;  // [world][width]
   int world = 0;
   int num_experts = 0;
-  int local = 0;   // experts per rank
-  int width = 0;   // words per row: num_experts + ranks
+  int local = 0;  // experts per rank
+  int width = 0;  // words per row: num_experts + ranks
 
   RoutingView() = default;
   // The whole matrix, `world` rows of E + world words.
@@ -101,16 +101,16 @@ inline uint64_t dispatch_writes(uint64_t rows, uint64_t private_slots) {
 // Copies (from, tokens_per_expert, expert_start) place the output; wire rows
 // (wire, recv_base, shared_off, send_off_at) place rows on the wire.
 struct RecvPlan {
-  std::vector<uint64_t> from;         // c[s][rank]: copies
-  std::vector<uint64_t> wire;         // u[s][rank]: wire rows
-  std::vector<uint64_t> recv_base;    // sum_{s' < s} u[s'][rank]: combine_send staging row of (s, 0)
-  std::vector<uint64_t> shared_off;   // shared row of (s, P)
-  std::vector<uint64_t> send_off_at;  // send_off[s][rank]: where (s, 0) sits in s's send buffer / combine_recv
+  std::vector<uint64_t> from;              // c[s][rank]: copies
+  std::vector<uint64_t> wire;              // u[s][rank]: wire rows
+  std::vector<uint64_t> recv_base;         // sum_{s' < s} u[s'][rank]: combine_send staging row of (s, 0)
+  std::vector<uint64_t> shared_off;        // shared row of (s, P)
+  std::vector<uint64_t> send_off_at;       // send_off[s][rank]: where (s, 0) sits in s's send buffer / combine_recv
   std::vector<int32_t> tokens_per_expert;  // n[i], unpadded
   std::vector<uint64_t> expert_start;      // start[i] of the padded, expert-major output
-  uint64_t total_received = 0;  // copies
-  uint64_t total_wire = 0;      // wire rows
-  uint64_t output_rows = 0;     // padded
+  uint64_t total_received = 0;             // copies
+  uint64_t total_wire = 0;                 // wire rows
+  uint64_t output_rows = 0;                // padded
 };
 
 inline RecvPlan make_recv_plan(const RoutingView& v, int rank, uint64_t private_slots, int expert_padding) {
@@ -170,9 +170,9 @@ inline bool over_capacity(const A2AConfig& c, const uint32_t* routing) { return 
 // What every rank's CapacityError says of an over-capacity call; `o` from
 // worst_overflow, or {} where the host does not know the matrix (CUDA within one node).
 inline std::string capacity_message(const A2AConfig& c, const Overflow& o = {}) {
-  const std::string over = o.rank < 0 ? "more token copies to some rank than"
-                                      : std::to_string(o.copies) + " token copies to rank " +
-                                            std::to_string(o.rank) + ", more than";
+  const std::string over =
+      o.rank < 0 ? "more token copies to some rank than"
+                 : std::to_string(o.copies) + " token copies to rank " + std::to_string(o.rank) + ", more than";
   return "dispatch would deliver " + over + " max_recv_tokens=" + std::to_string(c.max_recv_tokens) +
          "; raise max_recv_tokens in Config (nothing was delivered; the next call can proceed)";
 }
@@ -209,17 +209,18 @@ inline void check_cached_routing(const A2AConfig& c, const uint32_t* routing, in
                    std::to_string(copies) + " copies; expected " +
                    (c.per_rank(s, r) ? "between 1 and the copies (0 with none)" : "the copies"));
       if (s == c.rank && own != nullptr && u != own[c.num_experts + r])
-        bad(s, "holds " + std::to_string(u) + " wire rows for rank " + std::to_string(r) + "; this call's topk_ids make " +
-                   std::to_string(own[c.num_experts + r]));
+        bad(s, "holds " + std::to_string(u) + " wire rows for rank " + std::to_string(r) +
+                   "; this call's topk_ids make " + std::to_string(own[c.num_experts + r]));
     }
     if (wire > max_copies)
-      bad(s, "holds " + std::to_string(wire) + " wire rows; expected at most max_tokens x topk = " +
-                 std::to_string(max_copies));
+      bad(s, "holds " + std::to_string(wire) +
+                 " wire rows; expected at most max_tokens x topk = " + std::to_string(max_copies));
     const bool wrong = s == c.rank ? n != static_cast<uint64_t>(num_tokens) * c.topk : n > max_copies;
     if (wrong)
-      bad(s, "holds " + std::to_string(n) + " copies; expected " +
-                 (s == c.rank ? std::to_string(static_cast<uint64_t>(num_tokens) * c.topk) + " (this call's tokens x topk)"
-                              : "at most max_tokens x topk = " + std::to_string(max_copies)));
+      bad(s,
+          "holds " + std::to_string(n) + " copies; expected " +
+              (s == c.rank ? std::to_string(static_cast<uint64_t>(num_tokens) * c.topk) + " (this call's tokens x topk)"
+                           : "at most max_tokens x topk = " + std::to_string(max_copies)));
   }
 }
 

@@ -149,7 +149,25 @@ def check_round(
     assert out.device.type == DEVICE and out.dtype == expected.dtype and out.shape == expected.shape
     out = out.cpu()
     torch.testing.assert_close(out.float(), expected.float(), rtol=1.6e-2, atol=1e-2)
+    check_traffic(a2a, inp)
     return out
+
+
+def check_traffic(a2a: AllToAll, inp: Inputs) -> None:
+    """traffic() after an uncached call: per peer the routing row, then the wire rows out at the
+    dispatch row's size and back at the combine row's (docs/protocol.md, "Rows per destination rank")."""
+    core = a2a._core_cfg
+
+    def wire_rows(s: int, r: int) -> int:
+        on_r = inp.ids[s] // EXPERTS_PER_RANK == r
+        far = s // core.ranks_per_node != r // core.ranks_per_node
+        return int(on_r.any(dim=1).sum() if far and a2a.cfg.fabric_rows == "rank" else on_r.sum())
+
+    got = a2a.traffic().sum(axis=1)
+    for p in range(WORLD):
+        rows = wire_rows(RANK, p) * core.dispatch_row_bytes + wire_rows(p, RANK) * core.combine_row_bytes
+        want = 0 if p == RANK else core.routing_width * 4 + rows
+        assert got[p] == want, f"traffic to peer {p}: {got[p]} bytes, expected {want}"
 
 
 @pytest.mark.mpi(min_size=1)

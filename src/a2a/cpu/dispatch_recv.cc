@@ -33,9 +33,8 @@ void scale_row(const DispatchRecvParams& p, const uint8_t* src, uint64_t out_row
   const A2AConfig& c = *p.cfg;
   const int H = c.hidden;
   const float w = p.row_scale[out_row];
-  const void* y = p.dot_y != nullptr
-                      ? static_cast<const uint8_t*>(p.dot_y) + out_row * H * dtype_bytes(p.dot_y_dtype)
-                      : nullptr;
+  const void* y =
+      p.dot_y != nullptr ? static_cast<const uint8_t*>(p.dot_y) + out_row * H * dtype_bytes(p.dot_y_dtype) : nullptr;
   double dot = 0.0;
   if (c.dispatch_dtype == DType::kFp32) {
     const auto* in = reinterpret_cast<const float*>(src);

@@ -33,7 +33,7 @@ void assign_rows(const DispatchSendParams& p) {
       at += p.counts[r * L + i];
     }
   }
-  std::vector<int> last(N, -1);       // the last token given a row per rank
+  std::vector<int> last(N, -1);        // the last token given a row per rank
   std::vector<int16_t> entries(N, 0);  // its entries so far
   for (int t = 0; t < p.num_tokens; ++t)
     for (int k = 0; k < K; ++k) {
@@ -102,7 +102,7 @@ void pack_rank(const DispatchSendParams& p, int r, uint64_t first_row, uint64_t 
     const int t = p.row_copy[slot] / c.topk;
     uint8_t* dst = near && j < P ? p.ws.of(r) + l.private_rows + (static_cast<size_t>(c.rank) * P + j) * row
                                  : p.ws.self + l.send + slot * row;  // fabric, or pulled by a same-node peer
-    write_tail(p, r, p.row_copy[slot], dst + l.dispatch_tail);  // the row's own, whatever its body
+    write_tail(p, r, p.row_copy[slot], dst + l.dispatch_tail);       // the row's own, whatever its body
     if (p.encoded[t] != nullptr) {
       std::memcpy(dst, p.encoded[t], l.dispatch_tail);
       continue;

@@ -25,13 +25,13 @@ struct DispatchSendParams {
   Mappings ws;
   const void* x = nullptr;  // [T, hidden] in x_dtype
   DType x_dtype = DType::kBf16;
-  const float* x_scale = nullptr;  // [T, num_scales] when x is fp8
+  const float* x_scale = nullptr;     // [T, num_scales] when x is fp8
   const int32_t* topk_ids = nullptr;  // [T, topk]
   const float* weights = nullptr;     // [T, topk]: each copy's weight, into its row's tail (null: zeros)
   int num_tokens = 0;
-  uint32_t* counts = nullptr;  // out: [E + N], our routing row (copies per expert, wire rows per rank)
-  int32_t* slots = nullptr;    // out: [T * topk], send row of each (t, k)
-  int32_t* row_copy = nullptr;       // out: [T * topk], the copy t * topk + k at each send row (rows per rank: its first k)
+  uint32_t* counts = nullptr;   // out: [E + N], our routing row (copies per expert, wire rows per rank)
+  int32_t* slots = nullptr;     // out: [T * topk], send row of each (t, k)
+  int32_t* row_copy = nullptr;  // out: [T * topk], the copy t * topk + k at each send row (rows per rank: its first k)
   // out: [T * topk], where (t, k) travels in a row per rank, its entry there
   // (its index among t's k on that rank); -1 in a row of its own.
   int16_t* entry_of_copy = nullptr;
@@ -58,16 +58,16 @@ struct DispatchRecvParams {
   Mappings ws;
   const RoutingView* routing = nullptr;
   const RecvPlan* plan = nullptr;
-  void* out_x = nullptr;         // [output_rows, hidden] in dispatch dtype
-  float* out_scale = nullptr;    // [output_rows, num_scales] for fp8
-  float* out_weight = nullptr;   // [output_rows]: each row's tail, its copy's weight (null: not wanted)
+  void* out_x = nullptr;        // [output_rows, hidden] in dispatch dtype
+  float* out_scale = nullptr;   // [output_rows, num_scales] for fp8
+  float* out_weight = nullptr;  // [output_rows]: each row's tail, its copy's weight (null: not wanted)
   // A weighted receive (bf16 or fp32 rows; null: a plain copy): output row r
   // is stored times row_scale[r] and, with dot_y, dot_out[r] = <row as
   // received, dot_y[r]> (summed in fp64, rounded once to fp32).
   const float* row_scale = nullptr;  // [output_rows]
   const void* dot_y = nullptr;       // [output_rows, hidden] in dot_y_dtype
   DType dot_y_dtype = DType::kBf16;
-  float* dot_out = nullptr;          // [output_rows]
+  float* dot_out = nullptr;  // [output_rows]
   // out: [total_wire * entries_per_row]: entry e of wire row (s, j) at (recv_base[s] + j) * entries + e,
   // its output row (-1: unused) and its weight from the tail.
   int64_t* row_of_entry = nullptr;
@@ -88,12 +88,12 @@ struct CombineSendParams {
   const Layout* layout = nullptr;
   Mappings ws;
   const RecvPlan* plan = nullptr;
-  const int64_t* row_of_entry = nullptr;     // DispatchRecvParams'
-  const float* weight_of_entry = nullptr;    // DispatchRecvParams'
-  const void* y = nullptr;  // [output_rows, hidden]
+  const int64_t* row_of_entry = nullptr;   // DispatchRecvParams'
+  const float* weight_of_entry = nullptr;  // DispatchRecvParams'
+  const void* y = nullptr;                 // [output_rows, hidden]
   DType y_dtype = DType::kBf16;
   const float* row_values = nullptr;  // [output_rows]: into each returned row's tail (null: zeros)
-  bool weighted = true;  // rows per rank: sum_e w_e * y_e (false: sum_e y_e)
+  bool weighted = true;               // rows per rank: sum_e w_e * y_e (false: sum_e y_e)
 };
 
 // Returns sender s's rows: into its combine_recv (same node) or our
@@ -108,9 +108,9 @@ struct CombineRecvParams {
   uint8_t* ws = nullptr;
   const int32_t* slots = nullptr;
   const int16_t* entry_of_copy = nullptr;  // DispatchSendParams'
-  const float* weights = nullptr;  // [T, topk]
+  const float* weights = nullptr;          // [T, topk]
   int num_tokens = 0;
-  void* out = nullptr;  // [T, hidden] in combine dtype
+  void* out = nullptr;          // [T, hidden] in combine dtype
   float* values_out = nullptr;  // [T, topk]: the tail of each copy's returned row (null: not wanted)
 };
 
