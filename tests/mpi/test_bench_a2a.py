@@ -60,12 +60,21 @@ def test_bench_a2a_runs_and_checks(baseline: str, tmp_path: Path, capsys: pytest
     assert config["sizes"] == f"decode 8 tokens/rank, hidden 256, {4 * COMM.Get_size()} experts, top-2"
     # every peer remote (--ranks-per-node 1): the engine-alone columns follow
     assert cells(lines[head]) == [h for _, h in a2a.COLUMNS + a2a.ENGINE_COLUMNS]
-    assert [cells(line)[2] for line in lines[head + 2 : head + 5]] == ["dispatch", "combine", "total"]
+    body = [cells(line) for line in lines[head + 2 : head + 8]]
+    assert [(c[2], c[3]) for c in body] == [(m, p) for m in ("expert", "rank") for p in a2a.PHASES]
     assert "baseline/moe-a2a = baseline p50 / moe-a2a p50: above 1, moe-a2a is faster" in captured.out
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "a2a" and "switches" in doc and doc["moe_a2a_version"] and doc["command"]
     assert doc["settings"]["world"] == COMM.Get_size() and doc["settings"]["baseline"] == baseline.upper()
-    assert [r["phase"] for r in doc["rows"]] == ["dispatch", "combine", "total"]
+    assert [r["phase"] for r in doc["rows"]] == list(a2a.PHASES) * 2
+    # the byte table, one row per mode: wire rows are copies (expert) or distinct ranks (rank)
+    bytes_head = next(i for i, line in enumerate(lines) if cells(line)[:2] == ["shape", "fabric_rows"])
+    assert [cells(line)[1] for line in lines[bytes_head + 2 : bytes_head + 4]] == ["expert", "rank"]
+    expert, rank = doc["bytes"]
+    assert expert["fabric_rows_per_token"] == pytest.approx(expert["copies_per_token"])
+    assert rank["fabric_rows_per_token"] == pytest.approx(rank["remote_ranks_per_token"])
+    assert 0 < rank["fabric_b_per_token"] <= expert["fabric_b_per_token"] and rank["node_b_per_token"] == 0
+    assert rank["ranks_max"] <= rank["ranks_bound"] == 2  # top-2
     for r in doc["rows"]:
         assert 0 < r["moe_a2a_p50_us"] <= r["moe_a2a_p99_us"] and 0 < r["baseline_p50_us"]
         assert r["ratio"] == pytest.approx(r["baseline_p50_us"] / r["moe_a2a_p50_us"])
@@ -111,6 +120,6 @@ def test_bench_a2a_writes_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         return
     with out.open(newline="") as f:
         rows = list(csv.DictReader(f))
-    assert [r["phase"] for r in rows] == ["dispatch", "combine", "total"]
+    assert [r["phase"] for r in rows] == list(a2a.PHASES) * 2
     assert {"shape", "tokens", "moe_a2a_p50_us", "baseline_p99_us", "ratio"} <= set(rows[0])
     assert all(float(r["moe_a2a_p50_us"]) > 0 for r in rows)

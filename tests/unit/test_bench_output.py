@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from moe_a2a import cli, report
-from moe_a2a.bench import a2a, a2a_cuda, common, engine_ref, fabric, train
+from moe_a2a.bench import a2a, a2a_bytes, a2a_cuda, common, engine_ref, fabric, train
 
 # Columns every moe-a2a-against-a-baseline table has, in this order, after its labels.
 COMPARED = [
@@ -80,18 +80,50 @@ def test_bench_a2a_rows_and_table() -> None:
     result = dict(
         shape="decode",
         tokens=128,
-        samples_ns={"ours_dispatch": od, "ours_combine": oc, "base_dispatch": bd, "base_combine": bc},
+        samples_ns={"base_dispatch": bd, "base_combine": bc},
+        modes={"rank": {"samples_ns": {"ours_dispatch": od, "ours_combine": oc}}},
     )
     rows = a2a.rows_of(result)
     assert [r["phase"] for r in rows] == ["dispatch", "combine", "total"]
+    assert {r["fabric_rows"] for r in rows} == {"rank"}
     dispatch, combine, total = rows
     assert dispatch["moe_a2a_p50_us"] == pytest.approx(np.percentile(od, 50) / 1e3)
     assert dispatch["ratio"] == pytest.approx(3.0) and combine["ratio"] == pytest.approx(1.0)
     # total: percentiles of each iteration's dispatch + combine, not sums of percentiles
     assert total["moe_a2a_p99_us"] == pytest.approx(np.percentile(np.add(od, oc), 99) / 1e3)
     lines = a2a.format_table(rows).splitlines()
-    assert cells(lines[0]) == ["shape", "tokens/rank", "phase", *COMPARED]
-    assert cells(lines[2])[:3] == ["decode", "128", "dispatch"] and cells(lines[2])[-1] == "3.00"
+    assert cells(lines[0]) == ["shape", "tokens/rank", "fabric_rows", "phase", *COMPARED]
+    assert cells(lines[2])[:4] == ["decode", "128", "rank", "dispatch"] and cells(lines[2])[-1] == "3.00"
+
+
+def test_bench_a2a_byte_rows_per_mode_with_ratios_to_expert() -> None:
+    def mode(fabric: int, node: int, rows: int, ranks: int, ns: float) -> dict:
+        tally = dict(
+            fabric_bytes=fabric,
+            node_bytes=node,
+            fabric_rows=rows,
+            tokens=100,
+            copies=600,
+            ranks=ranks,
+            ranks_max=4,
+        )
+        return {"samples_ns": {"ours_dispatch": [ns] * 3, "ours_combine": [ns] * 3}, "bytes": tally}
+
+    result = dict(
+        shape="prefill",
+        bound={"ranks": 4, "nodes": 4},
+        modes={"expert": mode(4000, 100, 600, 300, 2e6), "rank": mode(2000, 100, 300, 300, 1e6)},
+    )
+    expert, rank = a2a_bytes.rows_of(result)
+    assert (expert["fabric_b_per_token"], rank["fabric_b_per_token"], rank["node_b_per_token"]) == (40, 20, 1)
+    assert (expert["fabric_rows_per_token"], rank["fabric_rows_per_token"]) == (6, 3)
+    assert rank["copies_per_token"] == 6 and rank["remote_ranks_per_token"] == 3 and rank["ranks_bound"] == 4
+    assert rank["total_p50_us"] == pytest.approx(2e3)
+    assert (rank["bytes_vs_expert"], rank["time_vs_expert"]) == pytest.approx((2.0, 2.0))
+    assert (expert["bytes_vs_expert"], expert["time_vs_expert"]) == pytest.approx((1.0, 1.0))
+    lines = a2a_bytes.format_table([expert, rank]).splitlines()
+    assert cells(lines[0]) == [h for _, h in a2a_bytes.COLUMNS]
+    assert cells(lines[3])[:3] == ["prefill", "rank", "20.00"] and cells(lines[3])[-2:] == ["2.00", "2.00"]
 
 
 def test_bench_a2a_config_block_names_sizes_and_baseline() -> None:

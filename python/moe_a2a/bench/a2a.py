@@ -35,9 +35,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from moe_a2a import report
-from moe_a2a.bench import engine_ref
+from moe_a2a.bench import a2a_bytes, engine_ref
 from moe_a2a.bench.args import int_at_least
 from moe_a2a.bench.common import INTERRUPTS, local_rank, mpi_transport, share_cores, timed, transport_warning
+from moe_a2a.bench.routing import Routing
 from moe_a2a.usage import UsageError
 
 if TYPE_CHECKING:
@@ -63,13 +64,17 @@ class Round:
     weights: torch.Tensor
 
 
-def make_round(seed: int, rank: int, tokens: int, hidden: int, experts: int, topk: int) -> Round:
+def make_round(seed: int, rank: int, tokens: int, hidden: int, routing: Routing) -> Round:
+    """Random tokens; uniform top-k experts, or the group-limited rule where `routing` has one."""
     import torch
 
     g = torch.Generator().manual_seed(seed * 65537 + rank)
     x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    experts, topk = routing.num_experts, routing.topk
     ids = torch.argsort(torch.rand(tokens, experts, generator=g), dim=1)[:, :topk].contiguous()
     weights = torch.rand(tokens, topk, generator=g)
+    if routing.limited:
+        ids, weights = routing.ids_weights(seed, rank, tokens)
     return Round(x, ids, weights)
 
 
@@ -144,7 +149,11 @@ def check_shapes(args: argparse.Namespace, world: int) -> None:
 
 
 def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, device: Any) -> dict[str, Any]:
-    """Time one shape; every rank gets the slowest rank's samples (ns) per side and phase."""
+    """Time one shape in every --fabric-rows mode (one AllToAll each, the same tokens); every rank
+    gets the slowest rank's samples (ns) per side and phase, and each mode's byte tallies."""
+    import contextlib
+    from dataclasses import replace
+
     import torch
 
     from moe_a2a.all_to_all import AllToAll, Config, Dispatched
@@ -165,41 +174,78 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, dev
         timeout_s=120.0,
     )
     baseline = Baseline(exchange, world, cfg.num_experts, cfg.dispatch_dtype)
-    times: dict[str, list[float]] = {key: [] for key in SIDES}
+    times: dict[str, list[float]] = {key: [] for key in SIDES if key.startswith("base")}
+    modes: dict[str, dict[str, Any]] = {}
     bar = report.progress(args.warmup + args.iters, name, rank=rank, mode=args.progress)
-    with (
-        bar,
-        AllToAll(
-            cfg, comm=comm, device=device.type, provider=args.provider, ranks_per_node=args.ranks_per_node
-        ) as a2a,
-    ):
-        alone = engine_ref.start_for(a2a, comm, args.provider)  # every peer remote: the engine alone too
-        if alone is not None:
-            times.update(engine_dispatch=alone.samples["dispatch"], engine_combine=alone.samples["combine"])
+    with bar, contextlib.ExitStack() as stack:
+        a2as = {
+            mode: stack.enter_context(
+                AllToAll(
+                    replace(cfg, fabric_rows=mode),
+                    comm=comm,
+                    device=device.type,
+                    provider=args.provider,
+                    ranks_per_node=args.ranks_per_node,
+                )
+            )
+            for mode in args.fabric_rows
+        }
+        topology = next(iter(a2as.values()))._boot.topology
+        ranks_per_node = topology.local_size
+        routing = Routing.of_args(shape, args, topology.num_nodes)
+        for mode, a2a in a2as.items():
+            modes[mode] = {
+                "samples_ns": {"ours_dispatch": [], "ours_combine": []},
+                "tally": a2a_bytes.Tally(),
+            }
+            alone = engine_ref.start_for(a2a, comm, args.provider)  # every peer remote: the engine alone
+            modes[mode]["alone"] = alone
+            if alone is not None:
+                modes[mode]["samples_ns"].update(
+                    engine_dispatch=alone.samples["dispatch"], engine_combine=alone.samples["combine"]
+                )
         for it in range(args.warmup + args.iters):
             INTERRUPTS.check()
-            r = make_round(it, rank, tokens, cfg.hidden, cfg.num_experts, topk)
+            r = make_round(it, rank, tokens, cfg.hidden, routing)
             r = Round(r.x.to(device), r.ids.to(device), r.weights.to(device))
-            d, t_d = timed(comm, functools.partial(a2a.dispatch, r.x, r.ids, r.weights), device)
-            assert isinstance(d, Dispatched)  # a whole call, not a half
-            y = expert_stand_in(d.expert_x, d.expert_x_scale)
-            out, t_c = timed(comm, functools.partial(a2a.combine, y, d), device)
-            assert isinstance(out, torch.Tensor)
             state, b_d = timed(comm, functools.partial(baseline.dispatch, r.x, r.ids), device)
             yb = expert_stand_in(*baseline.expert_input(state, cfg.hidden))
             ref, b_c = timed(comm, functools.partial(baseline.combine, yb, state, r.weights), device)
-            if it == 0:
-                check_agree(out, ref, cfg.dispatch_dtype == "fp8" and device.type == "cuda")
-            if it >= args.warmup:
-                for key, t in zip(SIDES, (t_d, t_c, b_d, b_c), strict=True):
-                    times[key].append(t)
-            if alone is not None:
-                alone.sample(r.ids.cpu().numpy(), cfg.num_experts, keep=it >= args.warmup)
+            keep = it >= args.warmup
+            if keep:
+                times["base_dispatch"].append(b_d)
+                times["base_combine"].append(b_c)
+            for mode, a2a in a2as.items():
+                m = modes[mode]
+                d, t_d = timed(comm, functools.partial(a2a.dispatch, r.x, r.ids, r.weights), device)
+                assert isinstance(d, Dispatched)  # a whole call, not a half
+                y = expert_stand_in(d.expert_x, d.expert_x_scale)
+                out, t_c = timed(comm, functools.partial(a2a.combine, y, d), device)
+                assert isinstance(out, torch.Tensor)
+                if it == 0:
+                    check_agree(out, ref, cfg.dispatch_dtype == "fp8" and device.type == "cuda")
+                if keep:
+                    m["samples_ns"]["ours_dispatch"].append(t_d)
+                    m["samples_ns"]["ours_combine"].append(t_c)
+                    m["tally"].add(a2a, r.ids.cpu().numpy(), ranks_per_node)
+                if m["alone"] is not None:
+                    m["alone"].sample(r.ids.cpu().numpy(), cfg.num_experts, keep=keep)
             bar.update()
-        if alone is not None:
-            alone.close()
-        ranks_per_node = a2a._boot.topology.local_size
-    return dict(shape=name, ranks_per_node=ranks_per_node, **shape, samples_ns=times)
+        for m in modes.values():
+            alone = m.pop("alone")
+            if alone is not None:
+                alone.close()
+            m["bytes"] = m.pop("tally").gathered(comm)
+    bound = routing.bound(world, ranks_per_node)
+    return dict(
+        shape=name,
+        ranks_per_node=ranks_per_node,
+        **shape,
+        routing=routing.text(),
+        bound=bound,
+        samples_ns=times,
+        modes=modes,
+    )
 
 
 # Samples of each side and phase; with every peer remote also engine_dispatch and engine_combine.
@@ -207,26 +253,33 @@ SIDES = tuple(f"{side}_{p}" for side in ("ours", "base") for p in ("dispatch", "
 
 
 def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per phase of a shape: moe-a2a's and the baseline's percentiles (us) and their ratio.
+    """One row per mode and phase of a shape: moe-a2a's and the baseline's percentiles (us), their ratio.
 
     `total` is each iteration's dispatch + combine, so its percentiles are of those sums.
     """
-    t = {k: np.asarray(v) for k, v in result["samples_ns"].items()}
+    base = {k: np.asarray(v) for k, v in result["samples_ns"].items()}
     rows = []
-    for phase in PHASES:
-        if phase == "total":
-            ours, base = t["ours_dispatch"] + t["ours_combine"], t["base_dispatch"] + t["base_combine"]
-        else:
-            ours, base = t[f"ours_{phase}"], t[f"base_{phase}"]
-        o, b = report.percentiles_us(ours), report.percentiles_us(base)
-        row: dict[str, Any] = {"shape": result["shape"], "tokens": result["tokens"], "phase": phase}
-        row.update({f"moe_a2a_p{q}_us": o[f"p{q}"] for q in report.PERCENTILES})
-        row.update({f"baseline_p{q}_us": b[f"p{q}"] for q in report.PERCENTILES})
-        row["ratio"] = report.ratio(b["p50"], o["p50"])
-        if "engine_dispatch" in t:  # every peer remote: the engine alone moving the phase's bytes
-            e = t["engine_dispatch"] + t["engine_combine"] if phase == "total" else t[f"engine_{phase}"]
-            row.update(engine_ref.fields(o["p50"], e))
-        rows.append(row)
+    for mode, m in result["modes"].items():
+        t = {**base, **{k: np.asarray(v) for k, v in m["samples_ns"].items()}}
+        for phase in PHASES:
+            if phase == "total":
+                ours, theirs = t["ours_dispatch"] + t["ours_combine"], t["base_dispatch"] + t["base_combine"]
+            else:
+                ours, theirs = t[f"ours_{phase}"], t[f"base_{phase}"]
+            o, b = report.percentiles_us(ours), report.percentiles_us(theirs)
+            row: dict[str, Any] = {
+                "shape": result["shape"],
+                "tokens": result["tokens"],
+                "fabric_rows": mode,
+                "phase": phase,
+            }
+            row.update({f"moe_a2a_p{q}_us": o[f"p{q}"] for q in report.PERCENTILES})
+            row.update({f"baseline_p{q}_us": b[f"p{q}"] for q in report.PERCENTILES})
+            row["ratio"] = report.ratio(b["p50"], o["p50"])
+            if "engine_dispatch" in t:  # every peer remote: the engine alone moving the phase's bytes
+                e = t["engine_dispatch"] + t["engine_combine"] if phase == "total" else t[f"engine_{phase}"]
+                row.update(engine_ref.fields(o["p50"], e))
+            rows.append(row)
     return rows
 
 
@@ -234,6 +287,7 @@ def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
 COLUMNS = (
     ("shape", "shape"),
     ("tokens", "tokens/rank"),
+    ("fabric_rows", "fabric_rows"),
     ("phase", "phase"),
     ("moe_a2a_p50_us", "moe-a2a p50 (us)"),
     ("moe_a2a_p99_us", "moe-a2a p99 (us)"),
@@ -270,7 +324,12 @@ def note_of(rows: list[dict[str, Any]]) -> str:
 
 
 def settings_of(
-    args: argparse.Namespace, world: int, ranks_per_node: int, exchange: Any, one_host: bool = True
+    args: argparse.Namespace,
+    world: int,
+    ranks_per_node: int,
+    exchange: Any,
+    one_host: bool = True,
+    routing_text: str | None = None,
 ) -> dict[str, Any]:
     """The run's configuration, for the block above the table and the JSON."""
     mpi = exchange.name == "MPI"
@@ -286,6 +345,8 @@ def settings_of(
         iters=args.iters,
         warmup=args.warmup,
         shapes={name: shape_of(name, args) for name in _shapes(args)},
+        fabric_rows=list(getattr(args, "fabric_rows", None) or ["rank"]),
+        routing=routing_text,
     )
 
 
@@ -301,6 +362,8 @@ def format_config(s: dict[str, Any]) -> str:
             + (f", over {s['mpi_transport']}" if s.get("mpi_transport") else ""),
             "payloads": f"dispatch {s['dispatch_dtype']}, combine {s['combine_dtype']}",
             "sizes": shapes,
+            **({"routing": s["routing"]} if s.get("routing") else {}),
+            **({"fabric_rows": ", ".join(s["fabric_rows"])} if s.get("fabric_rows") else {}),
             "iterations": f"{s['iters']} timed after {s['warmup']} warm-up",
             **({"tuning": report.tuning_set()} if s["device"] == "cuda" else {}),
             "switches": report.switches_set(),
@@ -369,15 +432,29 @@ def _print_results(
     """Rank 0: the configuration block, the table of the shapes in `results`, and --output."""
     if not results:
         return
-    settings = settings_of(args, comm.Get_size(), results[0]["ranks_per_node"], exchange, one_host)
+    settings = settings_of(
+        args, comm.Get_size(), results[0]["ranks_per_node"], exchange, one_host, results[0]["routing"]
+    )
     rows = [row for result in results for row in rows_of(result)]
+    byte_rows = [row for result in results for row in a2a_bytes.rows_of(result)]
     note = note_of(rows)
-    print(format_config(settings), "", format_table(rows), f"({note})", sep="\n", flush=True)
+    print(
+        format_config(settings),
+        "",
+        format_table(rows),
+        f"({note})",
+        "",
+        a2a_bytes.format_table(byte_rows),
+        f"({a2a_bytes.NOTE})",
+        sep="\n",
+        flush=True,
+    )
     warning = settings["mpi_transport"] and transport_warning(settings["provider"], settings["mpi_transport"])
     if warning:
         print(warning)
     if args.output:
-        report.write_output(args.output, rows, {**report.run_meta("a2a", settings), "note": note})
+        meta = {**report.run_meta("a2a", settings), "note": note, "bytes": byte_rows}
+        report.write_output(args.output, rows, meta)
         print(f"figures written to {args.output}")
 
 
@@ -403,6 +480,17 @@ def _run_cuda(args: argparse.Namespace) -> int:
         progress=args.progress,
     )
     return a2a_cuda.run(cuda_args)
+
+
+def _modes(text: str) -> list[str]:
+    """--fabric-rows: distinct built modes, in the order given."""
+    from moe_a2a.a2a_types import FABRIC_ROWS
+
+    modes = [m for m in text.split(",") if m]
+    built = [m for m in FABRIC_ROWS if m != "node"]
+    if not modes or any(m not in built for m in modes) or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected distinct modes of {built}, comma-separated")
+    return modes
 
 
 def add_parser(subparsers: Any) -> None:
@@ -466,6 +554,30 @@ def add_parser(subparsers: Any) -> None:
         choices=["mpi", "nccl", "gloo"],
         default=None,
         help="what moe-a2a is compared with (default: mpi; with --device cuda the per-phase CUDA benchmark)",
+    )
+    p.add_argument(
+        "--fabric-rows",
+        type=_modes,
+        default=["expert", "rank"],
+        metavar="MODES",
+        help="Config.fabric_rows modes to run side by side, one AllToAll each, comma-separated "
+        "(default: expert,rank)",
+    )
+    p.add_argument(
+        "--num-groups", type=POSITIVE, metavar="G", help="expert groups of group-limited routing (default: 1)"
+    )
+    p.add_argument(
+        "--topk-groups",
+        type=POSITIVE,
+        metavar="G",
+        help="groups each token picks its experts in (DeepSeek-V3's topk_group; default: 1)",
+    )
+    p.add_argument(
+        "--max-nodes",
+        type=POSITIVE,
+        metavar="M",
+        help="node-limited routing: one group per node, at most M nodes per token "
+        "(instead of --num-groups/--topk-groups; default: off)",
     )
     report.add_output_argument(p)
     report.add_progress_argument(p)
