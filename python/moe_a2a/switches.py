@@ -107,6 +107,14 @@ REGISTRY: dict[str, Switch] = {
             choices=("gloo", "nccl"),
         ),
         Switch(
+            "MOE_A2A_GPU_DIRECT",
+            "bool",
+            None,
+            "CUDA ranks with fabric peers: the provider moves rows from and into GPU memory (FI_HMEM) "
+            "instead of staging them through host memory; default: where every rank's provider can and it "
+            "measured faster (moe-a2a info says which); on or off forces it for A/B runs",
+        ),
+        Switch(
             "MOE_A2A_CUDA_OVERLAP",
             "bool",
             True,

@@ -199,7 +199,8 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, dev
         if alone is not None:
             alone.close()
         ranks_per_node = a2a._boot.topology.local_size
-    return dict(shape=name, ranks_per_node=ranks_per_node, **shape, samples_ns=times)
+        rows_path = a2a.rows_path
+    return dict(shape=name, ranks_per_node=ranks_per_node, rows_path=rows_path, **shape, samples_ns=times)
 
 
 # Samples of each side and phase; with every peer remote also engine_dispatch and engine_combine.
@@ -303,6 +304,8 @@ def format_config(s: dict[str, Any]) -> str:
             "sizes": shapes,
             "iterations": f"{s['iters']} timed after {s['warmup']} warm-up",
             **({"tuning": report.tuning_set()} if s["device"] == "cuda" else {}),
+            # GPU-direct or staged (moe_a2a.gpu_direct), per shape.
+            **({"rows' path": report.rows_path_text(s["rows_path"])} if s.get("rows_path") else {}),
             "switches": report.switches_set(),
         },
     )
@@ -370,6 +373,8 @@ def _print_results(
     if not results:
         return
     settings = settings_of(args, comm.Get_size(), results[0]["ranks_per_node"], exchange, one_host)
+    if args.device == "cuda":
+        settings["rows_path"] = {r["shape"]: r["rows_path"] for r in results}
     rows = [row for result in results for row in rows_of(result)]
     note = note_of(rows)
     print(format_config(settings), "", format_table(rows), f"({note})", sep="\n", flush=True)
