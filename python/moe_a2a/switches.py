@@ -139,6 +139,13 @@ REGISTRY: dict[str, Switch] = {
             "write a part. Every rank must set the same",
         ),
         Switch(
+            "MOE_A2A_TEST_FAIL_GPU_REGISTRATION",
+            "bool",
+            None,
+            "tests only: registering the device workspace with the fabric (GPU-direct) fails on the rank "
+            "where it is set",
+        ),
+        Switch(
             "MOE_A2A_TEST_DELAY_WRITES_MS",
             "int",
             None,

@@ -82,6 +82,8 @@ def _register_device_rows(setup: Setup, impl: Any, device: int) -> tuple[Any, An
     try:
         error = ""
         try:
+            if switches.get("MOE_A2A_TEST_FAIL_GPU_REGISTRATION"):
+                raise FabricError("registering the device workspace: MOE_A2A_TEST_FAIL_GPU_REGISTRATION")
             size = int(impl.layout["total"])
             region = engine.core.register_region(
                 impl.device_workspace, size, "cuda", device, "the device workspace"
