@@ -18,4 +18,10 @@ bool kernel_has_dmabuf(std::string* why);
 // once the registration holds its own reference.
 int cuda_dmabuf_fd(void* ptr, size_t len, std::string* why);
 
+// Makes `device`'s primary context current on the calling thread (the
+// engine's worker, which posts and progresses writes of CUDA memory: the
+// provider's CUDA calls there would otherwise open a context on device 0).
+// False with `why` set where the driver cannot.
+bool cuda_make_current(int device, std::string* why);
+
 }  // namespace moe_a2a::fabric

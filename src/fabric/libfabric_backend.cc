@@ -9,6 +9,7 @@
 #include <rdma/fi_rma.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <random>
@@ -197,6 +198,7 @@ class LibfabricBackend final : public Backend {
   }
 
   bool post_write(const WriteDesc& w) override {
+    on_cuda_device();
     std::lock_guard<std::mutex> lock(mu_);
     if (w.peer < 0 || static_cast<size_t>(w.peer) >= peers_.size())
       throw FabricError(where() + ": write to peer " + std::to_string(w.peer) + ", which is not connected (" +
@@ -312,11 +314,24 @@ class LibfabricBackend final : public Backend {
     if (rc != 0)
       throw FabricError(where() + ": registering " + what + " with " + caps_.gpu_memory_why + " failed: " +
                         fi_message(rc));
+    cuda_device_.store(spec.device, std::memory_order_release);
     return local_memory(mr, spec.ptr);
+  }
+
+  // The thread that posts and progresses writes of CUDA memory (the worker)
+  // calls into the provider's CUDA code: our device's context, not device 0's.
+  void on_cuda_device() {
+    const int device = cuda_device_.load(std::memory_order_acquire);
+    thread_local int current = -1;
+    if (device < 0 || device == current) return;
+    std::string why;
+    if (!cuda_make_current(device, &why)) throw FabricError(where() + ": " + why);
+    current = device;
   }
 
   // timeout_ms < 0: non-blocking read; otherwise a blocking read (sread).
   int read(Completion* out, int max, int timeout_ms) {
+    on_cuda_device();
     auto lock = serialise();
     fi_cq_data_entry entries[64];
     int want = max < 64 ? max : 64;
@@ -451,6 +466,7 @@ class LibfabricBackend final : public Backend {
   uint64_t mr_mode_ = 0;
   uint32_t version_ = kFabricVersion;  // the API version asked for
   bool hmem_ = false;                  // the endpoint was opened with FI_HMEM
+  std::atomic<int> cuda_device_{-1};   // the device of the CUDA memory registered here, once any is
   size_t mr_key_size_ = 0;  // bytes of a key the provider accepts (0: unstated)
   fid_fabric* fabric_ = nullptr;
   fid_domain* domain_ = nullptr;
