@@ -23,6 +23,12 @@ preset_default FI_EFA_USE_DEVICE_RDMA 1
 preset_default FI_EFA_FORK_SAFE 1
 preset_default RDMAV_FORK_SAFE 1
 
+# FI_EFA_ENABLE_SHM_TRANSFER=0: efa would open a shm endpoint for peers on its
+# host; moe-a2a never sends to them through the engine (same-node ranks share
+# memory directly, CUDA IPC on the GPU), so it would cost memory and a
+# /dev/shm file per rank, and shm's own CUDA IPC handling with GPU-direct.
+preset_default FI_EFA_ENABLE_SHM_TRANSFER 0
+
 # MOE_A2A_NUM_NICS=2: p5en has two EFA per GPU; each rank opens the two on its
 # GPU's PCIe switch (moe_a2a.nics). MOE_A2A_NICS names them instead, e.g.
 # "rdmap79s0-rdm,rdmap80s0-rdm;..." (one group per local rank).

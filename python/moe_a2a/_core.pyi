@@ -22,9 +22,9 @@ def libfabric_domains(provider: str) -> list[str]:
 def backend_names() -> list[str]:
     """Backends built into this module (open_backend's names)."""
 
-def backend_capabilities(provider: str, domain: str = '', backend: str = 'libfabric') -> dict:
+def backend_capabilities(provider: str, domain: str = '', backend: str = 'libfabric', gpu_memory: bool = False) -> dict:
     """
-    Opens one endpoint of `provider` (on `domain`, default the first) and returns what its backend reports.
+    Opens one endpoint of `provider` (on `domain`, default the first) and returns what its backend reports (`gpu_memory`: as a CUDA rank opens it, asking for FI_HMEM).
     """
 
 def make_imm(tag: int, peer: int) -> int: ...
@@ -158,7 +158,7 @@ class ProxyEngine:
     def error(self) -> str: ...
 
 class TransferEngine(ProxyEngine):
-    def __init__(self, rank: int, world: int, provider: str = 'tcp', num_nics: int = 1, split_threshold: int = 1048576, domains: Sequence[str] = [], backend: str = 'libfabric') -> None: ...
+    def __init__(self, rank: int, world: int, provider: str = 'tcp', num_nics: int = 1, split_threshold: int = 1048576, domains: Sequence[str] = [], backend: str = 'libfabric', gpu_memory: bool = False) -> None: ...
 
     @property
     def num_nics(self) -> int: ...
@@ -176,7 +176,7 @@ class TransferEngine(ProxyEngine):
 
     def connect(self, addresses: Sequence[bytes]) -> None: ...
 
-    def register_region(self, ptr: int, length: int, kind: str = 'host', device: int = -1) -> Region: ...
+    def register_region(self, ptr: int, length: int, kind: str = 'host', device: int = -1, name: str = 'region') -> Region: ...
 
     def region_descriptor(self, arg: Region, /) -> bytes: ...
 
@@ -506,6 +506,17 @@ class CudaAllToAll:
     def open_node(self, handles: Sequence[bytes]) -> None: ...
 
     def connect_local(self, peer: CudaAllToAll) -> None: ...
+
+    def rows_on_device(self, region: Region, group: Group, nic_writes: bool) -> None:
+        """
+        GPU-direct, before the first call: the proxy writes rows from and into the registered device workspace.
+        """
+
+    def stop_proxy(self) -> None:
+        """Stop the proxy thread (a retired close)."""
+
+    @property
+    def gpu_direct(self) -> bool: ...
 
     def dispatch_send(self, x: int, x_dtype: DType, x_scale: int, topk_ids: int, ids_64bit: bool, num_tokens: int, num_tokens_device: int, stream: int, routing: int = 0, in_place: bool = False, weights: int = 0, dequant_recv: bool = False) -> None:
         """

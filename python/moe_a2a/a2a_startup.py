@@ -6,13 +6,14 @@ Each step that can fail on one rank runs inside `Bootstrap.together`, so it fail
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from moe_a2a import _core, switches
+from moe_a2a import _core, gpu_direct, switches
 from moe_a2a.a2a_types import COMBINE_DTYPES, DEVICES, DISPATCH_DTYPES, Config
 from moe_a2a.backends.common import CORE_DTYPE, Backend, Setup
 from moe_a2a.bootstrap import Bootstrap
@@ -101,7 +102,11 @@ def open_backend(
     try:
         # No engine (no endpoint, thread or /dev/shm file) where every peer shares our node.
         gpu = current_gpu_address() if device == "cuda" else None
-        lease = lease_engine(boot, provider, num_nics, nics=nics, gpu=gpu) if remote_peers else None
+        forced = switches.get("MOE_A2A_GPU_DIRECT")
+        ask = device == "cuda" and forced is not False
+        lease = None
+        if remote_peers:
+            lease = lease_engine(boot, provider, num_nics, nics=nics, gpu=gpu, gpu_memory=ask)
         core_cfg.instance = lease.slot if lease else 0
         engine = lease.engine if lease else None
         setup = Setup(
@@ -127,6 +132,7 @@ def open_backend(
             with boot.together("creating the peer group"):
                 setup.group = engine.group(remote_peers, remotes)
         setup.pids = boot.local_pids()
+        setup.transfer = choose_transfer(boot, setup, device, provider, forced, graph_safe)
         return Opened(lease, setup, _start_backend(boot, setup, device, graph_safe))
     except BaseException:
         if lease is not None:  # every rank failed at the same step: nobody wrote yet
@@ -135,6 +141,23 @@ def open_backend(
             else:
                 lease.close(None, None, None, 0.0)
         raise
+
+
+def choose_transfer(
+    boot: Bootstrap, setup: Setup, device: str, provider: str, forced: bool | None, graph_safe: bool
+) -> Any:
+    """The rows' path over the fabric, agreed by every rank (collective; moe_a2a.gpu_direct)."""
+    engine = setup.engine
+    caps = [engine.capabilities(i) for i in range(engine.core.num_nics)] if engine is not None else None
+    cfg = setup.cfg
+    width = max(DISPATCH_DTYPES[cfg.dispatch_dtype].itemsize, COMBINE_DTYPES[cfg.combine_dtype].itemsize)
+    largest = gpu_direct.largest_write(setup.core_cfg, cfg.hidden * width)
+    with boot.together("choosing the rows' path (GPU-direct or staged)"):
+        mine = gpu_direct.choose_path(device, provider, caps, forced, largest, graph_safe)
+    blobs = boot.allgather(json.dumps(mine.as_dict()).encode())
+    everyone = [gpu_direct.PathChoice(**json.loads(b)) for b in blobs]
+    with boot.together("agreeing on the rows' path"):
+        return gpu_direct.agree(everyone, forced)
 
 
 def _start_backend(boot: Bootstrap, setup: Setup, device: str, graph_safe: bool) -> Backend:

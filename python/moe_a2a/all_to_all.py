@@ -142,6 +142,8 @@ class AllToAll:
         self._lease: EngineLease | None = opened.lease
         self._setup: Setup | None = opened.setup
         self._backend: Backend = opened.backend
+        # How rows cross the fabric, agreed by every rank (moe_a2a.gpu_direct): traces and bench record it.
+        self.rows_path: dict[str, str] = opened.setup.transfer.as_dict()
         self.device = self._backend.device
         self.graph_safe = graph_safe
         b = self._backend
@@ -569,6 +571,10 @@ class AllToAll:
         if self._lease is not None:
             # Unsettled, a peer's call may still write here: for as long as its waits can last.
             retire_s = 0.0 if settled else self._core_cfg.caller_timeout_s
+            rows = getattr(self._backend, "device_rows", None)  # GPU-direct: (region, group, memory)
+            if rows is not None:
+                region, group, memory = rows
+                self._lease.release(region, group, memory, retire_s)
             self._lease.close(setup.region, setup.group, setup.workspace, retire_s)
         setup.workspace = None
 

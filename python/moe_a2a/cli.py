@@ -89,6 +89,7 @@ def _info_nics(args: argparse.Namespace) -> None:
             continue
         print(f"  {name}: {', '.join(domains)}")
         print(f"    capabilities ({domains[0]}): {_capabilities_line(name, domains[0])}")
+        print(f"    a CUDA rank's rows with fabric peers: {_rows_path_line(name, domains[0])}")
         ranks: list[tuple[str, int | None]] = [("CPU rank", None)]
         ranks += [(f"GPU {g} ({a})", g) for g, a in enumerate(gpus)]
         for label, gpu in ranks:
@@ -115,11 +116,31 @@ def _capabilities_line(provider: str, domain: str) -> str:
 
     return (
         f"backend {c['backend']} ({c['provider']}), GPU memory registration "
-        f"{'yes' if c['gpu_memory'] else 'no (host memory only)'}, ordered writes "
+        f"{'yes' if c['gpu_memory'] else 'no (host memory only)'} ({c['gpu_memory_why']}), ordered writes "
         f"{'yes' if c['ordered_writes'] else 'no'}, max message {size(c['max_message_size'])}, "
         f"inject {size(c['inject_size'])}, immediate {c['imm_bytes']} B, "
         f"{c['max_in_flight']} writes in flight, {'blocking' if c['blocking_wait'] else 'polled'} completions"
     )
+
+
+def _rows_path_line(provider: str, domain: str) -> str:
+    """The path a CUDA rank would take over this provider, and why (moe_a2a.gpu_direct); the
+    largest write is taken as 1 MiB or more (a prefill), where only the capability decides."""
+    from moe_a2a import FabricError, _core, gpu_direct, switches
+
+    forced = switches.get("MOE_A2A_GPU_DIRECT")
+    try:
+        c = _core.backend_capabilities(provider, domain, gpu_memory=forced is not False)
+        choice = gpu_direct.choose_path("cuda", provider, [c], forced, gpu_direct.SHM_MIN_WRITE_BYTES)
+    except (FabricError, RuntimeError) as e:
+        return f"cannot tell: {e}"
+    shm_note = (
+        " (shm reports FI_HMEM even where its libfabric has no CUDA: registering GPU memory decides, and a "
+        "failure stages; staged where a call's largest write is under 1 MiB)"
+        if c["provider"] == "shm" and choice.path == gpu_direct.GPU_DIRECT
+        else ""
+    )
+    return f"{choice.path}: {choice.reason}{shm_note}"
 
 
 def _check_provider(args: argparse.Namespace) -> None:

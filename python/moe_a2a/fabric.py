@@ -73,14 +73,17 @@ class Engine:
         nics: Sequence[str] | str | None = None,
         gpu: int | str | None = None,
         backend: str = "libfabric",
+        gpu_memory: bool = False,
     ) -> None:
         """`backend`: which transport implementation opens the NICs (`_core.backend_names()`).
+        `gpu_memory`: ask the provider for CUDA memory registration (FI_HMEM; a CUDA rank),
+        which `capabilities()` reports as taken or not and why.
         `nics`: domain names for this rank (a list, or a `MOE_A2A_NICS` string); default
         `MOE_A2A_NICS`, else the `num_nics` nearest devices (to `gpu`, an index or PCI
         address, where given; else to this process's NUMA node). See `moe_a2a.nics`."""
         self.bootstrap = bootstrap
         with bootstrap.together("opening the fabric engine"):  # a bad NIC name is one rank's
-            self._open(provider, num_nics, split_threshold, nics, gpu, backend)
+            self._open(provider, num_nics, split_threshold, nics, gpu, backend, gpu_memory)
         addresses = bootstrap.allgather(self.core.address())
         with bootstrap.together("connecting the fabric engine"):
             self.core.connect(addresses)
@@ -93,6 +96,7 @@ class Engine:
         nics: Sequence[str] | str | None,
         gpu: int | str | None,
         backend: str,
+        gpu_memory: bool = False,
     ) -> None:
         """This rank's part of start-up: check the arguments, pick the NICs, open them."""
         bootstrap = self.bootstrap
@@ -124,6 +128,7 @@ class Engine:
             split_threshold,
             self.nics.names,
             backend,
+            gpu_memory,
         )
 
     @property
@@ -216,6 +221,25 @@ class EngineLease:
         self._key, self._shared, self.slot = key, shared, slot
         self.engine: Engine | None = shared.engine
 
+    def release(
+        self, region: Region, group: Group | None, memory: object = None, retire_s: float = 0.0
+    ) -> None:
+        """Release one more region of this instance (GPU-direct's device workspace) as `close` does,
+        before it: kept with `memory` for `retire_s` where peers may still write to it."""
+        if self.engine is None:
+            return
+        with _shared_lock:
+            self._release(region, group, memory, retire_s, time.monotonic())
+
+    def _release(
+        self, region: Region | None, group: Group | None, memory: object, retire_s: float, now: float
+    ) -> None:
+        """Releases (or retires, `retire_s` > 0) one region; callers hold _shared_lock."""
+        if retire_s > 0:
+            self._shared.retired.append(_Retired(self.slot, region, group, memory, now + retire_s))
+        elif region is not None:  # no group: a start-up that failed before making it
+            self._shared.engine.core.release(region, group)
+
     def close(
         self, region: Region | None, group: Group | None, memory: object = None, retire_s: float = 0.0
     ) -> None:
@@ -233,10 +257,7 @@ class EngineLease:
         with _shared_lock:
             shared = self._shared
             shared.slots.discard(self.slot)
-            if retire_s > 0:
-                shared.retired.append(_Retired(self.slot, region, group, memory, now + retire_s))
-            elif region is not None:  # no group: a start-up that failed before making it
-                self.engine.core.release(region, group)
+            self._release(region, group, memory, retire_s, now)
             shared.reap(now)
             if not shared.busy() and _shared.get(self._key) is shared:
                 del _shared[self._key]
@@ -250,12 +271,14 @@ def lease_engine(
     num_nics: int = 1,
     nics: Sequence[str] | str | None = None,
     gpu: int | str | None = None,
+    gpu_memory: bool = False,
 ) -> EngineLease:
-    """The process's engine for this provider, NICs and ranks (collective: every rank calls it)."""
+    """The process's engine for this provider, NICs and ranks (collective: every rank calls it).
+    `gpu_memory`: an engine that registers CUDA memory where the provider can (a CUDA rank's)."""
     provider = default_provider(provider)
     members = bootstrap.allgather(pickle.dumps((socket.gethostname(), os.getpid())))
     named = nics if nics is None or isinstance(nics, str) else tuple(nics)
-    key = (provider, num_nics, named, gpu, tuple(members))
+    key = (provider, num_nics, named, gpu, gpu_memory, tuple(members))
     with _shared_lock:
         held = _shared.get(key)
         if held is not None and held.engine.core.error:
@@ -277,7 +300,9 @@ def lease_engine(
             )
         shared = held
     else:
-        engine = Engine(bootstrap, provider, num_nics=num_nics, nics=nics, gpu=gpu)
+        engine = Engine(
+            bootstrap, provider, num_nics=num_nics, nics=nics, gpu=gpu, gpu_memory=gpu_memory
+        )
         shared = _SharedEngine(engine, bootstrap.allgather(os.urandom(16))[0])
         free = 0
     with _shared_lock:

@@ -140,6 +140,14 @@ def tuning_set() -> str:
     return f"sm_{t['architectures']}, table {digest} (src/a2a/cuda/tuning.h)"
 
 
+def rows_path_text(paths: dict[str, dict[str, str]]) -> str:
+    """Each shape's rows' path and why; one line where every shape took the same."""
+    if len({(p["path"], p["reason"]) for p in paths.values()}) == 1:
+        p = next(iter(paths.values()))
+        return f"{p['path']} ({p['reason']})"
+    return "; ".join(f"{n}: {p['path']} ({p['reason']})" for n, p in paths.items())
+
+
 def switches_set() -> str:
     """The library's switches that are set (moe_a2a.switches), as NAME=VALUE, or 'none set'."""
     from moe_a2a import switches

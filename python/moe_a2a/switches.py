@@ -107,6 +107,14 @@ REGISTRY: dict[str, Switch] = {
             choices=("gloo", "nccl"),
         ),
         Switch(
+            "MOE_A2A_GPU_DIRECT",
+            "bool",
+            None,
+            "CUDA ranks with fabric peers: the provider moves rows from and into GPU memory (FI_HMEM) "
+            "instead of staging them through host memory; default: where every rank's provider can and it "
+            "measured faster (moe-a2a info says which); on or off forces it for A/B runs",
+        ),
+        Switch(
             "MOE_A2A_CUDA_OVERLAP",
             "bool",
             True,
@@ -129,6 +137,13 @@ REGISTRY: dict[str, Switch] = {
             "rows to one peer cross the fabric in writes of about this many bytes (at most 16 a part), "
             "so staging, the fabric and the read-back can overlap within a peer; 0 (the default): one "
             "write a part. Every rank must set the same",
+        ),
+        Switch(
+            "MOE_A2A_TEST_FAIL_GPU_REGISTRATION",
+            "bool",
+            None,
+            "tests only: registering the device workspace with the fabric (GPU-direct) fails on the rank "
+            "where it is set",
         ),
         Switch(
             "MOE_A2A_TEST_DELAY_WRITES_MS",

@@ -422,7 +422,7 @@ bool Proxy::post_part(size_t i, int part, uint64_t epoch) {
     const uint64_t b = sl.begin(k), e = sl.end(k);
     ScatterItem item{static_cast<uint32_t>(i), l.send + (send_off_[r] + b) * row, (e - b) * row,
                      dst + (b - sl.first) * row};
-    ctx_.engine->scatter(ctx_.group, ctx_.region, &item, 1, tag(kTagDispatch, part, k));
+    ctx_.engine->scatter(ctx_.rows_group, ctx_.rows_region, &item, 1, tag(kTagDispatch, part, k));
   }
   ++posted_[i];
   return true;
@@ -514,7 +514,7 @@ bool Proxy::combine(uint64_t epoch) {
       }
       const uint64_t b = sl.count ? sl.begin(j) : 0, e = sl.count ? sl.end(j) : 0;
       ScatterItem item{static_cast<uint32_t>(i), src + b * crow, (e - b) * crow, dst + b * crow};
-      ctx_.engine->scatter(ctx_.group, ctx_.region, &item, 1, tag(kTagCombine, 0, j));
+      ctx_.engine->scatter(ctx_.rows_group, ctx_.rows_region, &item, 1, tag(kTagCombine, 0, j));
     }
   }
   if (ctx_.remote_peers.empty() && !wait_signal(ctx_.signals->combine_packed, epoch)) return false;

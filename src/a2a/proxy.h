@@ -29,6 +29,11 @@ struct ProxyContext {
   fabric::ProxyEngine* engine = nullptr;  // null when no peer is remote
   fabric::RegionId region;  // our workspace, registered with the engine
   fabric::GroupId group;    // every remote peer, bound to its workspace
+  // Where the dispatch and combine rows are written from and to: the same
+  // region and group, or (GPU-direct, docs/transport.md) our device
+  // workspace and a group bound to every peer's, at the same offsets.
+  fabric::RegionId rows_region;
+  fabric::GroupId rows_group;
   uint8_t* workspace = nullptr;
   std::vector<uint8_t*> node_workspaces;  // index = rank; nullptr for remote ranks
   std::vector<int> remote_peers;          // ranks, in group order
@@ -56,6 +61,8 @@ inline ProxyContext proxy_context(const Workspace& ws, fabric::ProxyEngine* engi
   ctx.engine = engine;
   ctx.region = region;
   ctx.group = group;
+  ctx.rows_region = region;
+  ctx.rows_group = group;
   ctx.workspace = ws.self();
   ctx.node_workspaces = ws.node();
   ctx.remote_peers = remote_peers;

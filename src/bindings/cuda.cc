@@ -187,7 +187,12 @@ void bind_cuda(nb::module_& m) {
           },
           nb::arg("handles"))
       // No keep_alive: peers would keep each other alive in a cycle; the caller holds them all.
-      .def("connect_local", &CudaAllToAll::connect_local, nb::arg("peer"));
+      .def("connect_local", &CudaAllToAll::connect_local, nb::arg("peer"))
+      .def("rows_on_device", &CudaAllToAll::rows_on_device, nb::arg("region"), nb::arg("group"),
+           nb::arg("nic_writes"),
+           "GPU-direct, before the first call: the proxy writes rows from and into the registered device workspace.")
+      .def("stop_proxy", &CudaAllToAll::stop_proxy, release(), "Stop the proxy thread (a retired close).")
+      .def_prop_ro("gpu_direct", &CudaAllToAll::gpu_direct);
   def_halves(cls);
   cls.def("check", &CudaAllToAll::check, "Raise the outcome of the last call (after synchronising its stream).")
       .def("announce_failure", &CudaAllToAll::announce_failure, nb::arg("text"), release(),

@@ -46,6 +46,8 @@ nb::dict capabilities_dict(const Capabilities& c) {
   d["provider"] = c.provider;
   d["device"] = c.device;
   d["gpu_memory"] = c.gpu_memory;
+  d["gpu_memory_why"] = c.gpu_memory_why;
+  d["gpu_dmabuf"] = c.gpu_dmabuf;
   d["ordered_writes"] = c.ordered_writes;
   d["max_message_size"] = c.max_message_size;
   d["inject_size"] = c.inject_size;
@@ -80,17 +82,18 @@ void bind_probes(nb::module_& m) {
   m.def("backend_names", &backend_names, "Backends built into this module (open_backend's names).");
   m.def(
       "backend_capabilities",
-      [](const std::string& provider, const std::string& domain, const std::string& backend) {
+      [](const std::string& provider, const std::string& domain, const std::string& backend, bool gpu_memory) {
         Capabilities c;
         {
           nb::gil_scoped_release r;
           KeepSignals keep;
-          c = open_backend({backend, provider, 0, domain})->capabilities();
+          c = open_backend({backend, provider, 0, domain, gpu_memory})->capabilities();
         }
         return capabilities_dict(c);
       },
-      nb::arg("provider"), nb::arg("domain") = "", nb::arg("backend") = "libfabric",
-      "Opens one endpoint of `provider` (on `domain`, default the first) and returns what its backend reports.");
+      nb::arg("provider"), nb::arg("domain") = "", nb::arg("backend") = "libfabric", nb::arg("gpu_memory") = false,
+      "Opens one endpoint of `provider` (on `domain`, default the first) and returns what its backend reports "
+      "(`gpu_memory`: as a CUDA rank opens it, asking for FI_HMEM).");
   m.def("make_imm", &make_imm, nb::arg("tag"), nb::arg("peer"));
   m.attr("IMM_PIECE_BIT") = kImmPieceBit;
   m.attr("MAX_RANKS") = kMaxRanks;
@@ -205,13 +208,15 @@ void bind_transfer_engine(nb::module_& m) {
       .def(
           "__init__",
           [](TransferEngine* e, int rank, int world, const std::string& provider, int num_nics,
-             uint64_t split_threshold, const std::vector<std::string>& domains, const std::string& backend) {
+             uint64_t split_threshold, const std::vector<std::string>& domains, const std::string& backend,
+             bool gpu_memory) {
             KeepSignals keep;
-            new (e) TransferEngine(rank, world, EngineOptions{backend, provider, num_nics, split_threshold, domains});
+            new (e) TransferEngine(rank, world,
+                                   EngineOptions{backend, provider, num_nics, split_threshold, domains, gpu_memory});
           },
           nb::arg("rank"), nb::arg("world"), nb::arg("provider") = "tcp", nb::arg("num_nics") = 1,
           nb::arg("split_threshold") = 1ull << 20, nb::arg("domains") = std::vector<std::string>{},
-          nb::arg("backend") = "libfabric")
+          nb::arg("backend") = "libfabric", nb::arg("gpu_memory") = false)
       .def_prop_ro("num_nics", &TransferEngine::num_nics)
       .def_prop_ro("provider", &TransferEngine::provider)
       .def_prop_ro("backend", &TransferEngine::backend)
@@ -230,12 +235,14 @@ void bind_transfer_engine(nb::module_& m) {
           nb::arg("addresses"))
       .def(
           "register_region",
-          [](TransferEngine& e, uintptr_t ptr, uint64_t length, const std::string& kind, int device) {
+          [](TransferEngine& e, uintptr_t ptr, uint64_t length, const std::string& kind, int device,
+             const std::string& name) {
             MemoryKind k = memory_kind(kind);
             nb::gil_scoped_release r;
-            return e.register_region(reinterpret_cast<void*>(ptr), length, k, device);
+            return e.register_region(reinterpret_cast<void*>(ptr), length, k, device, name);
           },
-          nb::arg("ptr"), nb::arg("length"), nb::arg("kind") = "host", nb::arg("device") = -1)
+          nb::arg("ptr"), nb::arg("length"), nb::arg("kind") = "host", nb::arg("device") = -1,
+          nb::arg("name") = "region")
       .def("region_descriptor", [](const TransferEngine& e, RegionId r) { return to_py(e.region_descriptor(r)); })
       .def(
           "add_remote_region",

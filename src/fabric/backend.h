@@ -16,8 +16,8 @@ namespace moe_a2a::fabric {
 
 using Bytes = std::vector<uint8_t>;
 
-// Where registered memory lives. Only kHost is registered by the backend
-// built here; kCuda needs a backend that reports Capabilities::gpu_memory.
+// Where registered memory lives. kCuda needs a backend that reports
+// Capabilities::gpu_memory (libfabric: a provider offering FI_HMEM for CUDA).
 enum class MemoryKind : uint8_t { kHost, kCuda };
 const char* memory_kind_name(MemoryKind kind);
 
@@ -26,6 +26,7 @@ struct MemorySpec {
   size_t length = 0;
   MemoryKind kind = MemoryKind::kHost;
   int device = -1;  // the CUDA device of kCuda memory
+  const char* name = "region";  // what the region holds, for error messages
 };
 
 // What a backend can do, as it reports it once open; the engine and
@@ -35,6 +36,8 @@ struct Capabilities {
   std::string provider;          // e.g. "tcp;ofi_rxm"
   std::string device;            // the domain (NIC) opened
   bool gpu_memory = false;       // registers MemoryKind::kCuda
+  std::string gpu_memory_why;    // how it registers CUDA memory, or why it cannot
+  bool gpu_dmabuf = false;       // CUDA memory is registered through dma-buf (FI_MR_DMABUF)
   bool ordered_writes = false;   // writes to one peer are placed in order (write after write)
   uint64_t max_message_size = 0; // longest single write
   size_t inject_size = 0;        // writes up to this size need no source buffer after posting
@@ -110,6 +113,9 @@ struct BackendOptions {
   // The device to open: for libfabric a domain, e.g. "eth0" for tcp or
   // "rdmap79s0-rdm" for efa; empty: the first one the provider lists.
   std::string domain;
+  // Ask the provider for FI_HMEM (CUDA memory registration). Only engines of
+  // CUDA ranks ask: a provider with FI_HMEM checks every buffer's memory type.
+  bool gpu_memory = false;
 };
 
 // Opens the named backend; an unknown or unbuilt name is an error that lists

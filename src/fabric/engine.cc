@@ -33,7 +33,8 @@ TransferEngine::TransferEngine(int rank, int world, const EngineOptions& opts)
     throw FabricError("domains: got " + std::to_string(opts.domains.size()) + " names; expected one per NIC (" +
                       std::to_string(opts.num_nics) + ") or none");
   for (int i = 0; i < opts.num_nics; ++i)
-    backends_.push_back(open_backend({opts.backend, opts.provider, i, opts.domains.empty() ? "" : opts.domains[i]}));
+    backends_.push_back(open_backend(
+        {opts.backend, opts.provider, i, opts.domains.empty() ? "" : opts.domains[i], opts.gpu_memory}));
   for (auto& b : backends_) scratch_mem_.push_back(b->register_memory({&scratch_, sizeof(scratch_)}));
   worker_ = std::make_unique<Worker>(&backends_, &imms_);
 }
@@ -86,14 +87,15 @@ void TransferEngine::connect(const std::vector<Bytes>& addresses) {
   connected_ = true;
 }
 
-RegionId TransferEngine::register_region(void* ptr, uint64_t length, MemoryKind kind, int device) {
+RegionId TransferEngine::register_region(void* ptr, uint64_t length, MemoryKind kind, int device,
+                                         const std::string& name) {
   if (ptr == nullptr || length == 0)
     throw FabricError(where() + ": cannot register an empty region (ptr=" + std::to_string(reinterpret_cast<uintptr_t>(ptr)) +
                       ", length=" + std::to_string(length) + ")");
   Region r{static_cast<uint8_t*>(ptr), length, {}};
   for (auto& b : backends_) {
     try {
-      r.nics.push_back(b->register_memory({ptr, length, kind, device}));
+      r.nics.push_back(b->register_memory({ptr, length, kind, device, name.c_str()}));
     } catch (...) {
       for (size_t i = 0; i < r.nics.size(); ++i) backends_[i]->deregister_memory(r.nics[i]);
       throw;

@@ -33,6 +33,9 @@ struct EngineOptions {
   // One libfabric domain name per NIC (size num_nics), or empty: every NIC
   // opens the provider's first domain.
   std::vector<std::string> domains;
+  // Ask for CUDA memory registration (FI_HMEM): a CUDA rank's engine; the
+  // backends open without it where the provider does not offer it.
+  bool gpu_memory = false;
 };
 
 class TransferEngine : public ProxyEngine {
@@ -54,7 +57,9 @@ class TransferEngine : public ProxyEngine {
 
   // `kind` other than host memory needs a backend that registers it
   // (Capabilities::gpu_memory); otherwise the error says what would be needed.
-  RegionId register_region(void* ptr, uint64_t length, MemoryKind kind = MemoryKind::kHost, int device = -1);
+  // `name` says what the region holds in a registration error.
+  RegionId register_region(void* ptr, uint64_t length, MemoryKind kind = MemoryKind::kHost, int device = -1,
+                           const std::string& name = "region");
   Bytes region_descriptor(RegionId region) const;
   RemoteRegionId add_remote_region(int peer, const Bytes& descriptor);
   // A group binds each peer to the remote region its writes land in. Its

@@ -9,6 +9,7 @@
 #include <rdma/fi_rma.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <random>
@@ -19,11 +20,19 @@
 
 #include "backend.h"
 #include "error.h"
+#include "hmem.h"
 
 namespace moe_a2a::fabric {
 namespace {
 
 constexpr uint32_t kFabricVersion = FI_VERSION(1, 17);
+// dma-buf registration (FI_MR_DMABUF) is part of the 1.20 API; asked for only
+// by engines that register CUDA memory, with headers that know it.
+#ifdef FI_MR_DMABUF
+constexpr uint32_t kHmemVersion = FI_VERSION(1, 20);
+#else
+constexpr uint32_t kHmemVersion = kFabricVersion;
+#endif
 constexpr size_t kImmBytes = sizeof(uint32_t);
 constexpr size_t kCqDepth = 4096;
 // Keys we choose ourselves where the provider does not (mr_mode without
@@ -73,11 +82,11 @@ struct WriteContext {
   uint64_t id;
 };
 
-std::string what_gpu_registration_needs() {
-  return "registering CUDA device memory is not supported by this backend (libfabric, host memory only): it "
-         "would need FI_HMEM (a libfabric built with CUDA support and a provider that offers it, such as efa "
-         "or verbs, registering with fi_mr_regattr and iface FI_HMEM_CUDA) or dma-buf (FI_MR_DMABUF, or "
-         "ibv_reg_dmabuf_mr in an ibverbs backend); stage through pinned host memory instead";
+std::string what_gpu_registration_needs(const std::string& why) {
+  return "registering CUDA device memory is not possible here: " + why +
+         "; it needs FI_HMEM (a libfabric built with CUDA support, from the EFA installer or Spack's "
+         "libfabric +cuda, and a provider that offers it: shm, efa or verbs; tcp has none), or stage through "
+         "pinned host memory instead (MOE_A2A_GPU_DIRECT=0)";
 }
 
 template <typename T>
@@ -90,11 +99,11 @@ class LibfabricBackend final : public Backend {
  public:
   explicit LibfabricBackend(const BackendOptions& opts)
       : provider_(opts.provider), index_(opts.index), domain_name_(opts.domain) {
-    info_ = find_info();
+    info_ = find_info(opts.gpu_memory);
     caps_.backend = "libfabric";
     caps_.provider = info_->fabric_attr->prov_name != nullptr ? info_->fabric_attr->prov_name : provider_;
     caps_.device = info_->domain_attr->name != nullptr ? info_->domain_attr->name : "";
-    caps_.gpu_memory = false;  // FI_HMEM is not asked for (see what_gpu_registration_needs)
+    describe_hmem(opts.gpu_memory);
     caps_.ordered_writes = (info_->tx_attr->msg_order & FI_ORDER_WAW) != 0;
     caps_.max_message_size = info_->ep_attr->max_msg_size;
     caps_.inject_size = info_->tx_attr->inject_size;
@@ -169,7 +178,7 @@ class LibfabricBackend final : public Backend {
   }
 
   LocalMemory register_memory(const MemorySpec& spec) override {
-    if (spec.kind != MemoryKind::kHost) throw FabricError(where() + ": " + what_gpu_registration_needs());
+    if (spec.kind == MemoryKind::kCuda) return register_cuda(spec);
     void* ptr = spec.ptr;
     const size_t len = spec.length;
     auto lock = serialise();
@@ -179,14 +188,7 @@ class LibfabricBackend final : public Backend {
     for (int attempt = 0; attempt < 8 && rc == -FI_ENOKEY; ++attempt)
       rc = fi_mr_reg(domain_, ptr, len, FI_REMOTE_WRITE | FI_WRITE, 0, random_key(mr_key_size_), 0, &mr, nullptr);
     if (rc != 0) fail("fi_mr_reg of " + std::to_string(len) + " bytes", rc);
-    LocalMemory mem;
-    mem.handle = mr;
-    mem.desc = fi_mr_desc(mr);
-    mem.remote.key = fi_mr_key(mr);
-    // FI_MR_VIRT_ADDR: peers address the region by our virtual address;
-    // otherwise by the offset from its start.
-    mem.remote.base = (mr_mode_ & FI_MR_VIRT_ADDR) ? reinterpret_cast<uint64_t>(ptr) : 0;
-    return mem;
+    return local_memory(mr, ptr);
   }
 
   void deregister_memory(const LocalMemory& mem) override {
@@ -196,6 +198,7 @@ class LibfabricBackend final : public Backend {
   }
 
   bool post_write(const WriteDesc& w) override {
+    on_cuda_device();
     std::lock_guard<std::mutex> lock(mu_);
     if (w.peer < 0 || static_cast<size_t>(w.peer) >= peers_.size())
       throw FabricError(where() + ": write to peer " + std::to_string(w.peer) + ", which is not connected (" +
@@ -236,8 +239,99 @@ class LibfabricBackend final : public Backend {
   std::string last_error() const override { return last_error_; }
 
  private:
+  LocalMemory local_memory(fid_mr* mr, void* ptr) const {
+    LocalMemory mem;
+    mem.handle = mr;
+    mem.desc = fi_mr_desc(mr);
+    mem.remote.key = fi_mr_key(mr);
+    // FI_MR_VIRT_ADDR: peers address the region by our virtual address;
+    // otherwise by the offset from its start.
+    mem.remote.base = (mr_mode_ & FI_MR_VIRT_ADDR) ? reinterpret_cast<uint64_t>(ptr) : 0;
+    return mem;
+  }
+
+  // What the endpoint can do with CUDA memory, decided once it is open.
+  void describe_hmem(bool asked) {
+    caps_.gpu_memory = hmem_;
+    if (!asked) {
+      caps_.gpu_memory_why = "not asked for (a CPU rank, or MOE_A2A_GPU_DIRECT=0)";
+    } else if (!hmem_) {
+      caps_.gpu_memory_why = "provider '" + caps_.provider + "' of libfabric " +
+                             std::to_string(FI_MAJOR(fi_version())) + "." + std::to_string(FI_MINOR(fi_version())) +
+                             " offers no FI_HMEM (a libfabric without CUDA support, or a provider without it)";
+    } else if (caps_.provider == "shm") {
+      // shm moves CUDA memory through CUDA IPC only for regions registered
+      // FI_HMEM_DEVICE_ONLY; otherwise it bounces through host copies.
+      caps_.gpu_memory_why = "FI_HMEM, iface CUDA, FI_HMEM_DEVICE_ONLY (CUDA IPC)";
+    } else {
+      std::string why;
+#ifdef FI_MR_DMABUF
+      caps_.gpu_dmabuf = kernel_has_dmabuf(&why);
+#else
+      why = "libfabric headers older than 1.20 (no FI_MR_DMABUF)";
+#endif
+      caps_.gpu_memory_why = caps_.gpu_dmabuf ? "FI_HMEM, iface CUDA, dma-buf"
+                                              : "FI_HMEM, iface CUDA, peer memory (no dma-buf: " + why + ")";
+    }
+  }
+
+  // CUDA device memory: fi_mr_regattr with iface FI_HMEM_CUDA and the device,
+  // through dma-buf where the provider and kernel take it. A failure names
+  // the provider, the region, its size and the reason.
+  LocalMemory register_cuda(const MemorySpec& spec) {
+    const std::string what = std::string(spec.name) + " (" + std::to_string(spec.length) +
+                             " bytes of CUDA memory on device " + std::to_string(spec.device) + ")";
+    if (!caps_.gpu_memory)
+      throw FabricError(where() + ": registering " + what + ": " + what_gpu_registration_needs(caps_.gpu_memory_why));
+    auto lock = serialise();
+    iovec iov{spec.ptr, spec.length};
+    fi_mr_attr attr{};
+    attr.mr_iov = &iov;
+    attr.iov_count = 1;
+    attr.access = FI_REMOTE_WRITE | FI_WRITE;
+    attr.iface = FI_HMEM_CUDA;
+    attr.device.cuda = spec.device;
+    uint64_t flags = caps_.provider == "shm" ? FI_HMEM_DEVICE_ONLY : 0;
+    int fd = -1;
+#ifdef FI_MR_DMABUF
+    fi_mr_dmabuf dmabuf{};
+    std::string no_fd;
+    if (caps_.gpu_dmabuf && (fd = cuda_dmabuf_fd(spec.ptr, spec.length, &no_fd)) < 0)
+      throw FabricError(where() + ": registering " + what + " through dma-buf failed: " + no_fd);
+    if (fd >= 0) {
+      dmabuf = {fd, 0, spec.length, spec.ptr};
+      attr.dmabuf = &dmabuf;
+      flags |= FI_MR_DMABUF;
+    }
+#endif
+    fid_mr* mr = nullptr;
+    int rc = -FI_ENOKEY;
+    for (int attempt = 0; attempt < 8 && rc == -FI_ENOKEY; ++attempt) {
+      attr.requested_key = random_key(mr_key_size_);
+      rc = fi_mr_regattr(domain_, &attr, flags, &mr);
+    }
+    if (fd >= 0) close(fd);  // the registration holds its own reference
+    if (rc != 0)
+      throw FabricError(where() + ": registering " + what + " with " + caps_.gpu_memory_why + " failed: " +
+                        fi_message(rc));
+    cuda_device_.store(spec.device, std::memory_order_release);
+    return local_memory(mr, spec.ptr);
+  }
+
+  // The thread that posts and progresses writes of CUDA memory (the worker)
+  // calls into the provider's CUDA code: our device's context, not device 0's.
+  void on_cuda_device() {
+    const int device = cuda_device_.load(std::memory_order_acquire);
+    thread_local int current = -1;
+    if (device < 0 || device == current) return;
+    std::string why;
+    if (!cuda_make_current(device, &why)) throw FabricError(where() + ": " + why);
+    current = device;
+  }
+
   // timeout_ms < 0: non-blocking read; otherwise a blocking read (sread).
   int read(Completion* out, int max, int timeout_ms) {
+    on_cuda_device();
     auto lock = serialise();
     fi_cq_data_entry entries[64];
     int want = max < 64 ? max : 64;
@@ -295,24 +389,42 @@ class LibfabricBackend final : public Backend {
     if (rc != 0) fail(what, rc);
   }
 
-  InfoPtr find_info() {
+  // With `hmem`, FI_HMEM is asked for first; a provider without it opens as
+  // before (host memory only) and capabilities() says why.
+  InfoPtr find_info(bool hmem) {
+    if (hmem) {
+      version_ = kHmemVersion;
+      hmem_ = true;
+      try {
+        return find_info_with(FI_HMEM);
+      } catch (const FabricError&) {
+        hmem_ = false;
+        version_ = kFabricVersion;
+      }
+    }
+    return find_info_with(0);
+  }
+
+  InfoPtr find_info_with(uint64_t extra_caps) {
     InfoPtr hints(fi_allocinfo());
     hints->ep_attr->type = FI_EP_RDM;
-    hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE;
+    hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | extra_caps;
     hints->mode = FI_CONTEXT | FI_CONTEXT2;
     // The modes this backend handles; the provider keeps those it needs.
     hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
+    // Every write passes its registration's descriptor, host memory's too.
+    if (extra_caps & FI_HMEM) hints->domain_attr->mr_mode |= FI_MR_HMEM;
     hints->fabric_attr->prov_name = strdup(libfabric_name(provider_).c_str());
     fi_info* found = nullptr;
     // Thread-safe domains let the worker block on its completion queue while
     // another thread registers memory; otherwise every call is serialised and
     // the worker never blocks.
     hints->domain_attr->threading = FI_THREAD_SAFE;
-    int rc = fi_getinfo(kFabricVersion, nullptr, nullptr, 0, hints.get(), &found);
+    int rc = fi_getinfo(version_, nullptr, nullptr, 0, hints.get(), &found);
     thread_safe_ = rc == 0 && found != nullptr;
     if (!thread_safe_) {
       hints->domain_attr->threading = FI_THREAD_DOMAIN;
-      rc = fi_getinfo(kFabricVersion, nullptr, nullptr, 0, hints.get(), &found);
+      rc = fi_getinfo(version_, nullptr, nullptr, 0, hints.get(), &found);
     }
     if (rc != 0 || found == nullptr) {
       std::string offered;
@@ -352,6 +464,9 @@ class LibfabricBackend final : public Backend {
   std::string domain_name_;  // empty: the provider's first
   InfoPtr info_;
   uint64_t mr_mode_ = 0;
+  uint32_t version_ = kFabricVersion;  // the API version asked for
+  bool hmem_ = false;                  // the endpoint was opened with FI_HMEM
+  std::atomic<int> cuda_device_{-1};   // the device of the CUDA memory registered here, once any is
   size_t mr_key_size_ = 0;  // bytes of a key the provider accepts (0: unstated)
   fid_fabric* fabric_ = nullptr;
   fid_domain* domain_ = nullptr;

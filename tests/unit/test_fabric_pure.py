@@ -449,8 +449,8 @@ def test_cuda_registration_says_what_it_would_need() -> None:
     with pytest.raises(FabricError) as info:
         engine.register_region(_address_of(buf), len(buf), "cuda", 0)
     message = str(info.value)
-    assert "registering CUDA device memory is not supported by this backend" in message
-    assert "FI_HMEM" in message and "dma-buf" in message
+    assert "registering CUDA device memory is not possible here" in message
+    assert "FI_HMEM" in message and "MOE_A2A_GPU_DIRECT=0" in message
     assert engine.capabilities(0)["gpu_memory"] is False
     with pytest.raises(FabricError, match="kind: got 'gpu'; expected 'host' or 'cuda'"):
         engine.register_region(_address_of(buf), len(buf), "gpu")

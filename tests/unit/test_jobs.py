@@ -197,7 +197,8 @@ def test_real_run_executes_exactly_the_dry_run_command(fake_mpirun: Path, tmp_pa
         (
             "efa",
             ["FI_PROVIDER=efa", "MOE_A2A_PROVIDER=efa"]
-            + ["FI_EFA_USE_DEVICE_RDMA=1", "FI_EFA_FORK_SAFE=1", "RDMAV_FORK_SAFE=1", "MOE_A2A_NUM_NICS=2"],
+            + ["FI_EFA_USE_DEVICE_RDMA=1", "FI_EFA_FORK_SAFE=1", "RDMAV_FORK_SAFE=1"]
+            + ["FI_EFA_ENABLE_SHM_TRANSFER=0", "MOE_A2A_NUM_NICS=2"],
         ),
         (
             "cx7",
@@ -291,7 +292,7 @@ def test_slurm_dry_run_prints_the_srun_command(mode: str, tmp_path: Path) -> Non
     argv = _dry(SBATCH[mode], "--preset", "efa", SLURM_SUBMIT_DIR=str(tmp_path), **P5EN)
     assert argv == [
         "env", "FI_PROVIDER=efa", "MOE_A2A_PROVIDER=efa", "FI_EFA_USE_DEVICE_RDMA=1",
-        "FI_EFA_FORK_SAFE=1", "RDMAV_FORK_SAFE=1", "MOE_A2A_NUM_NICS=2",
+        "FI_EFA_FORK_SAFE=1", "RDMAV_FORK_SAFE=1", "FI_EFA_ENABLE_SHM_TRANSFER=0", "MOE_A2A_NUM_NICS=2",
         "srun", "--export=ALL", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks=16", "--ntasks-per-node=8",
         "--cpus-per-task=24", "--cpu-bind=cores", "--distribution=block:block",
         "--gpus-per-node=8", "--gpu-bind=none",

@@ -9,7 +9,9 @@
 #
 # Needs libfabric's headers where only its runtime is installed: carry them in
 # .fabric-dev (see docs/cuda.md), and pytest-mpi, torchtitan==0.3.0, spmd_types,
-# tyro, docstring-parser and typeguard as wheels in .whl.
+# tyro, docstring-parser and typeguard as wheels in .whl. LIBFABRIC_ROOT, where
+# set, names another libfabric to build against (one with CUDA support for
+# GPU-direct; its lib then goes on LD_LIBRARY_PATH).
 #
 #   tools/gpu/run_cuda_tests.sh [stages...]   stages: build kernels multirank training bench (default: all)
 # MR_SIZES and BENCH_SIZES choose the world sizes (default "1 2 4 8"); TRAIN_SIZES (default "1 2 4").
@@ -17,7 +19,7 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT" || exit 1
 # Help before anything is made or run.
-case ${1:-} in -h | --help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
+case ${1:-} in -h | --help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 for stage in "$@"; do
   case $stage in
     build | kernels | multirank | training | bench) ;;
@@ -46,7 +48,7 @@ fi
 
 if has build; then
   start=$SECONDS
-  if LIBFABRIC_ROOT=$ROOT/.fabric-dev/root/usr timeout 300 "$PY" -m pip install --no-build-isolation --no-deps . \
+  if LIBFABRIC_ROOT=${LIBFABRIC_ROOT:-$ROOT/.fabric-dev/root/usr} timeout 300 "$PY" -m pip install --no-build-isolation --no-deps . \
       >"$OUT/build.log" 2>&1; then
     note "build: ok in $((SECONDS - start)) s"
   else
@@ -67,13 +69,15 @@ if has kernels; then
 fi
 
 # One multi-rank run: multirank N LABEL [VAR=VALUE...] (extra environment for the ranks);
-# MR_TESTS names the test files (default tests/mpi/test_a2a.py, test_reliability.py, test_overlap.py
-# and test_rank_rows_cuda.py).
+# MR_TESTS names the test files (default tests/mpi/test_a2a.py, test_reliability.py, test_overlap.py,
+# test_rank_rows_cuda.py and test_gpu_direct.py, which skips saying why unless the provider registers
+# CUDA memory).
 multirank() {
   local n=$1 label=$2 logs="$OUT/mr-n$1${2// /-}"
   shift 2
   local tests
-  read -ra tests <<<"${MR_TESTS:-$ROOT/tests/mpi/test_a2a.py $ROOT/tests/mpi/test_reliability.py $ROOT/tests/mpi/test_overlap.py $ROOT/tests/mpi/test_rank_rows_cuda.py}"
+  local all="$ROOT/tests/mpi/test_a2a.py $ROOT/tests/mpi/test_reliability.py $ROOT/tests/mpi/test_overlap.py"
+  read -ra tests <<<"${MR_TESTS:-$all $ROOT/tests/mpi/test_rank_rows_cuda.py $ROOT/tests/mpi/test_gpu_direct.py}"
   mkdir -p "$logs"
   MOE_A2A_RANK_LOGS=$logs timeout "${MR_TIMEOUT:-300}" "${MPIRUN[@]}" -n "$n" "$ROOT/tools/rank0_console.sh" \
     env MOE_A2A_TEST_DEVICE=cuda "$@" "$PY" -m pytest -q -rs -p no:cacheprovider --with-mpi "${tests[@]}" \

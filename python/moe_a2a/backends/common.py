@@ -81,6 +81,7 @@ class Setup:
     node: set[int]
     bootstrap: Any
     pids: list[int]  # index = rank: its pid where it shares our host, else 0 (a dead one fails waits at once)
+    transfer: Any = None  # moe_a2a.gpu_direct.PathChoice, agreed by every rank
 
 
 class Backend(Protocol):

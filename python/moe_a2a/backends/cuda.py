@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moe_a2a import _core
+from moe_a2a import FabricError, _core, gpu_direct, switches
 from moe_a2a.backends.common import CORE_DTYPE, RecvRequest, Setup, num_scales
 
 
@@ -71,6 +71,49 @@ def _zero_unfilled_rows(
         scale.masked_fill_(empty[:, None], 0.0)
 
 
+def _register_device_rows(setup: Setup, impl: Any, device: int) -> tuple[Any, Any] | None:
+    """GPU-direct (collective): the device workspace registered with every NIC and a group bound
+    to every peer's, the proxy told to write rows from and into it. Where registration fails on
+    any rank (a provider that reports FI_HMEM but whose libfabric has no CUDA, as Debian's shm),
+    every rank stages instead (`setup.transfer` says why), or, with MOE_A2A_GPU_DIRECT=1,
+    raises the same error; nothing of it is left registered either way."""
+    boot, engine = setup.bootstrap, setup.engine
+    region = group = None
+    try:
+        error = ""
+        try:
+            if switches.get("MOE_A2A_TEST_FAIL_GPU_REGISTRATION"):
+                raise FabricError("registering the device workspace: MOE_A2A_TEST_FAIL_GPU_REGISTRATION")
+            size = int(impl.layout["total"])
+            region = engine.core.register_region(
+                impl.device_workspace, size, "cuda", device, "the device workspace"
+            )
+        except FabricError as e:
+            error = str(e)
+        failed = [(r, b.decode()) for r, b in enumerate(boot.allgather(error.encode())) if b]
+        if failed:
+            if region is not None:
+                engine.core.release(region, None)
+                region = None
+            rank, why = failed[0]
+            if switches.get("MOE_A2A_GPU_DIRECT"):
+                raise RuntimeError(f"MOE_A2A_GPU_DIRECT=1: rank {rank} could not register GPU memory: {why}")
+            setup.transfer = gpu_direct.PathChoice(
+                gpu_direct.STAGED,
+                f"registering GPU memory failed on rank {rank}, so every rank stages: {why}",
+            )
+            return None
+        remotes = engine.exchange_region(region)
+        with boot.together("binding the peers' device workspaces (GPU-direct)"):
+            group = engine.group(setup.remote_peers, remotes)
+            impl.rows_on_device(region, group, setup.engine.capabilities(0)["provider"] != "shm")
+    except BaseException:
+        if region is not None:
+            engine.core.release(region, group)
+        raise
+    return region, group
+
+
 class CudaBackend:
     """Drives `_core.CudaAllToAll` on the current CUDA device and stream."""
 
@@ -95,6 +138,10 @@ class CudaBackend:
         handles = boot.allgather(handle)
         with boot.together("opening the node's GPU memory"):
             self._impl.open_node([h if r in setup.node else b"" for r, h in enumerate(handles)])
+        # GPU-direct: (region, group) of the registered device workspace; at close, the memory too.
+        self.device_rows: tuple[Any, ...] | None = None
+        if setup.transfer is not None and setup.transfer.path == gpu_direct.GPU_DIRECT:
+            self.device_rows = _register_device_rows(setup, self._impl, self.device.index)
         self.max_output_rows = int(self._impl.max_output_rows)
         self._local_experts = setup.cfg.num_experts // setup.bootstrap.world_size
         self._alive: tuple[Any, ...] = ()  # tensors (and RowMath) the kernels read
@@ -286,6 +333,10 @@ class CudaBackend:
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)
+        if self.device_rows is not None:
+            # The registered device workspace goes only after its region (AllToAll.close).
+            self._impl.stop_proxy()
+            self.device_rows = (*self.device_rows[:2], self._impl)
         self._impl = None  # type: ignore[assignment]
         self._alive = ()
         self._setup = None  # type: ignore[assignment]

@@ -236,10 +236,12 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, dev
             if alone is not None:
                 alone.close()
             m["bytes"] = m.pop("tally").gathered(comm)
+        rows_path = next(iter(a2as.values())).rows_path
     bound = routing.bound(world, ranks_per_node)
     return dict(
         shape=name,
         ranks_per_node=ranks_per_node,
+        rows_path=rows_path,
         **shape,
         routing=routing.text(),
         bound=bound,
@@ -366,6 +368,8 @@ def format_config(s: dict[str, Any]) -> str:
             **({"fabric_rows": ", ".join(s["fabric_rows"])} if s.get("fabric_rows") else {}),
             "iterations": f"{s['iters']} timed after {s['warmup']} warm-up",
             **({"tuning": report.tuning_set()} if s["device"] == "cuda" else {}),
+            # GPU-direct or staged (moe_a2a.gpu_direct), per shape.
+            **({"rows' path": report.rows_path_text(s["rows_path"])} if s.get("rows_path") else {}),
             "switches": report.switches_set(),
         },
     )
@@ -435,6 +439,8 @@ def _print_results(
     settings = settings_of(
         args, comm.Get_size(), results[0]["ranks_per_node"], exchange, one_host, results[0]["routing"]
     )
+    if args.device == "cuda":
+        settings["rows_path"] = {r["shape"]: r["rows_path"] for r in results}
     rows = [row for result in results for row in rows_of(result)]
     byte_rows = [row for result in results for row in a2a_bytes.rows_of(result)]
     note = note_of(rows)

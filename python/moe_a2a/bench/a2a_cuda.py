@@ -175,6 +175,7 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, copy_gbs: float) -
     rpn = args.ranks_per_node
     with AllToAll(cfg, comm=comm, device="cuda", provider=args.provider, ranks_per_node=rpn) as a2a:
         result["ranks_per_node"] = len(a2a._node)
+        result["rows_path"] = a2a.rows_path
         y_full = torch.randn(a2a.max_output_rows, MODEL["hidden"], device=device).to(torch.bfloat16)
         times: dict[str, list[float]] = {p: [] for p in PHASES}
         received = []
@@ -458,6 +459,7 @@ def settings_of(args: argparse.Namespace, world: int, results: list[dict[str, An
     return dict(
         world=world,
         ranks_per_node=results[0]["ranks_per_node"] if results else None,
+        rows_path={r["shape"]: r["rows_path"] for r in results if r.get("rows_path")},
         provider=args.provider,
         device="cuda",
         baseline="torch-native",
@@ -479,6 +481,7 @@ def format_config(s: dict[str, Any]) -> str:
         {
             "ranks": f"{s['world']} ({s['ranks_per_node']} per node)",
             "provider": s["provider"],
+            "rows' path": report.rows_path_text(s["rows_path"]) if s.get("rows_path") else "unknown",
             "device": f"cuda ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else "cuda",
             "baseline": "torch-native (quantise, sort by expert, index_select; index_add_)",
             "payloads": f"dispatch {s['dispatch_dtype']}, combine {s['combine_dtype']}",

@@ -15,7 +15,10 @@ to the last rank's end):
 
 Each ends when every expected write has arrived and our own writes are
 complete. The phase/engine ratio says how far an a2a phase is from the
-fabric time of its own bytes (issue 16: the goal is 1.3x or less).
+fabric time of its own bytes (issue 16: the goal is 1.3x or less). Where the
+AllToAll moves its rows GPU-direct (`rows_path`), the engine alone moves its
+bytes from and into GPU memory too (the routing rows as well, which the
+AllToAll keeps in host memory), so the ratio compares like with like.
 
 Both benchmarks, `bench a2a` (`moe_a2a.bench.a2a`) and `bench a2a --device
 cuda` (`moe_a2a.bench.a2a_cuda`), print it with `COLUMNS` and `NOTE` and put
@@ -79,15 +82,23 @@ def start_for(a2a: Any, comm: Any, provider: str | None) -> EngineReference | No
     core = a2a._core_cfg
     per_rank = a2a.cfg.fabric_rows == "rank"
     rows = RowBytes(core.dispatch_row_bytes, core.combine_row_bytes, core.routing_width * 4, per_rank)
-    return EngineReference(comm, provider, rows, a2a.cfg.max_tokens * a2a.cfg.topk, a2a.max_recv_tokens)
+    gpu = a2a.device.index if getattr(a2a, "rows_path", {}).get("path") == "gpu-direct" else None
+    return EngineReference(comm, provider, rows, a2a.cfg.max_tokens * a2a.cfg.topk, a2a.max_recv_tokens, gpu)
 
 
 class EngineReference:
     """An engine with send and receive buffers for the largest phase; collective to build and use."""
 
     def __init__(
-        self, comm: Any, provider: str | None, rows: RowBytes, max_send_copies: int, max_recv_copies: int
+        self,
+        comm: Any,
+        provider: str | None,
+        rows: RowBytes,
+        max_send_copies: int,
+        max_recv_copies: int,
+        gpu: int | None = None,
     ) -> None:
+        """`gpu`: the CUDA device whose memory the buffers are (GPU-direct), else host memory."""
         from moe_a2a.bootstrap import Bootstrap
         from moe_a2a.fabric import Engine
 
@@ -97,11 +108,23 @@ class EngineReference:
         self.peers = [p for p in range(self.world) if p != self.rank]
         self.routes = self.world * rows.routing_row  # routing rows first, at sender * row
         most = max(rows.dispatch, rows.combine)
-        self.src = np.zeros(self.routes + max(max_send_copies, max_recv_copies) * most, np.uint8)
-        self.recv = np.zeros(self.routes + max(max_send_copies, max_recv_copies) * most, np.uint8)
-        self.engine = Engine(Bootstrap(comm), provider)  # "auto" and None resolve alike (default_provider)
-        self.src_region = self.engine.register(self.src)
-        remotes = self.engine.exchange_region(self.engine.register(self.recv))
+        size = self.routes + max(max_send_copies, max_recv_copies) * most
+        # "auto" and None resolve alike (default_provider)
+        self.engine = Engine(Bootstrap(comm), provider, gpu_memory=gpu is not None)
+        self.buffers: tuple[Any, ...]  # kept until the engine goes
+        if gpu is None:
+            self.buffers = (np.zeros(size, np.uint8), np.zeros(size, np.uint8))
+            self.src_region = self.engine.register(self.buffers[0])
+            recv_region = self.engine.register(self.buffers[1])
+        else:
+            import torch
+
+            self.buffers = tuple(torch.zeros(size, dtype=torch.uint8, device=f"cuda:{gpu}") for _ in range(2))
+            reg = self.engine.core.register_region
+            src, recv = (b.data_ptr() for b in self.buffers)
+            self.src_region = reg(src, size, "cuda", gpu, "the engine reference's send buffer")
+            recv_region = reg(recv, size, "cuda", gpu, "the engine reference's receive buffer")
+        remotes = self.engine.exchange_region(recv_region)
         self.group = self.engine.group(self.peers, remotes)
         self.samples: dict[str, list[float]] = {"dispatch": [], "combine": []}  # ns, kept iterations
 

@@ -90,6 +90,7 @@ def run_inference(
         progress.close()
         raise
     progress.close()
+    rows_path = a2a.rows_path
     a2a.close()
 
     footer = []
@@ -99,7 +100,7 @@ def run_inference(
             f"over {args.iters} iterations x {world} ranks"
         )
         footer += [f"  {f}" for f in failures[:5]]
-    return finish(comm, recorder, args, shape, tokens, topology, provider, footer, bool(failures))
+    return finish(comm, recorder, args, shape, tokens, topology, provider, footer, bool(failures), rows_path)
 
 
 def _verify(

@@ -128,15 +128,19 @@ def finish(
     provider: str,
     footer: list[str],
     failed: bool,
+    rows_path: dict[str, str] | None = None,
 ) -> int:
     """Gather the trace, write it and print the summary on rank 0; the exit status on every rank.
 
-    `failed` (what rank 0's verification found) makes the status 1.
+    `failed` (what rank 0's verification found) makes the status 1. `rows_path`: the
+    AllToAll's (GPU-direct or staged, and why), recorded in the trace's config.
     """
     from moe_a2a.trace import gather_trace
 
     world = comm.Get_size()
     config = _run_config(args, shape, tokens, world, topology, provider)
+    if rows_path is not None:
+        config["rows_path"] = rows_path
     trace = gather_trace(comm, recorder, config)
     status = 0
     if comm.Get_rank() == 0:

@@ -54,6 +54,7 @@ def run_training(
         progress.close()  # no collective close: main() aborts the job (see driver._run)
         raise
     progress.close()
+    rows_path = trainer.ep.forward_a2a.rows_path
     trainer.ep.close()
     return finish(
         comm,
@@ -65,6 +66,7 @@ def run_training(
         provider,
         trainer.footer(),
         bool(trainer.failures),
+        rows_path,
     )
 
 

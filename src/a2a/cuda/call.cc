@@ -159,6 +159,8 @@ void check_recv_args(const A2AConfig& cfg, const DispatchRecvArgs& a, bool self_
 
 void CudaAllToAll::dispatch_recv(const DispatchRecvArgs& args, cudaStream_t stream) {
   check_recv_args(cfg_, args, call_.self_needs_dequant, call_.routing != nullptr);
+  if (res_.rows_on_device() && !args.host_wait)
+    throw std::invalid_argument("dispatch_recv: GPU-direct rows need host_wait (graph-safe instances stage)");
   call_.recv = args;
   if (args.host_wait && overlap_) return dispatch_recv_by_sender(stream);
   if (args.host_wait) wait_dispatch_host();
@@ -196,6 +198,7 @@ void CudaAllToAll::wait_dispatch_host() {
     }
   }
   call_.done = dispatch_phase(epoch);  // every peer's part is here
+  res_.flush_fabric_writes();          // GPU-direct through a NIC: before the kernels read them
   // With a proxy, whether the call is over capacity is known here; without
   // one only once the plan kernel has run (wait_planned).
   if (has_remote_) {
@@ -236,6 +239,7 @@ LandingView CudaAllToAll::landing(std::chrono::steady_clock::time_point deadline
   v.epoch = call_.epoch;
   v.deadline = deadline;
   v.check = [this] { check_proxy(); };
+  if (res_.flushes()) v.before_read = [this] { res_.flush_fabric_writes(); };
   return v;
 }
 
@@ -309,10 +313,13 @@ void CudaAllToAll::combine_send(const CombineSendArgs& args, cudaStream_t stream
 }
 
 void CudaAllToAll::combine_recv(const CombineRecvArgs& args, cudaStream_t stream) {
+  if (res_.rows_on_device() && !args.host_wait)
+    throw std::invalid_argument("combine_recv: GPU-direct rows need host_wait (graph-safe instances stage)");
   const bool dma = args.host_wait && combine_dma_ && fabric_recv_.combine_on_device(call_.epoch);
   if (dma) fabric_recv_.copy_combine(landing(deadline_after(cfg_.caller_timeout_s())), stream);
   if (args.host_wait) {
     wait_host(kFlagCombine, res_.signals()->combine_done, "combine");
+    res_.flush_fabric_writes();  // GPU-direct through a NIC: before the reduction reads them
     check_stamps(true);
     call_.done = combine_phase(call_.epoch);
   }

@@ -39,6 +39,7 @@ CudaAllToAll::CudaAllToAll(Workspace* host_workspace, fabric::ProxyEngine* engin
     ProxyContext ctx =
         proxy_context(*host_workspace, engine, region, group, remote_peers, res_.signals(), res_.peer_signals(), pids);
     ctx.caller_arms = true;  // dispatch_send arms it; kernels cannot wake a thread
+    proxy_ctx_ = ctx;
     proxy_ = std::make_unique<Proxy>(std::move(ctx));
   }
   choose_recv(false);  // until open_node says whom we share the GPU with
@@ -70,6 +71,17 @@ void CudaAllToAll::init_switches() {
 void CudaAllToAll::choose_recv(bool gpu_shared) {
   const int forced = fused_recv_override();
   fused_recv_ = forced >= 0 ? forced == 1 : !gpu_shared;
+}
+
+void CudaAllToAll::rows_on_device(fabric::RegionId region, fabric::GroupId group, bool nic_writes) {
+  if (!proxy_ || call_.epoch != 0)
+    throw std::logic_error("rows_on_device: expected a rank with remote peers before its first call");
+  proxy_.reset();  // idle: nothing was armed yet
+  proxy_ctx_.rows_region = region;
+  proxy_ctx_.rows_group = group;
+  proxy_ = std::make_unique<Proxy>(proxy_ctx_);
+  res_.set_rows_on_device(nic_writes);
+  combine_dma_ = false;  // the rows land in GPU memory: nothing to copy back
 }
 
 void CudaAllToAll::open_node(const std::vector<std::string>& handles) { choose_recv(res_.open_node(handles)); }

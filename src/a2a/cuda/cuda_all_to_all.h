@@ -135,6 +135,15 @@ class CudaAllToAll {
   void open_node(const std::vector<std::string>& handles);
   // Same process: map a same-node peer's workspaces directly.
   void connect_local(const CudaAllToAll& peer);
+  // GPU-direct (docs/transport.md), before the first call: the proxy writes
+  // the rows from `region` (our device workspace, registered with FI_HMEM)
+  // into each peer's through `group`, at the host workspace's offsets; no
+  // staging copy, no copy back. Host staging is what runs otherwise.
+  // `nic_writes`: a NIC provider (efa, verbs) writes them, not shm's CUDA copies.
+  void rows_on_device(fabric::RegionId region, fabric::GroupId group, bool nic_writes);
+  bool gpu_direct() const { return res_.rows_on_device(); }
+  // Stops the proxy (a close whose memory stays registered a while longer).
+  void stop_proxy() { proxy_.reset(); }
 
   // The four halves enqueue work on `stream` (a cudaStream_t).
   void dispatch_send(const DispatchSendArgs& args, cudaStream_t stream);
@@ -215,6 +224,7 @@ class CudaAllToAll {
   mutable PeerWatch watch_;
   mutable std::chrono::steady_clock::time_point next_stamps_{};
   std::unique_ptr<Proxy> proxy_;
+  ProxyContext proxy_ctx_;  // what proxy_ was made from (rows_on_device remakes it)
   Call call_;
   uint64_t rows_sent_ = 0, rows_received_ = 0;  // same-node routing rows (kernels)
 };

@@ -93,6 +93,7 @@ void FabricReceive::copy_dispatch(const LandingView& v, DispatchRecvParams p, co
   const auto take = [&](const Pending& q, uint32_t in) {
     p.sender = q.peer;
     if (q.next == 0) on_first(q.peer);
+    if (v.before_read && !cfg.same_node(q.peer)) v.before_read();
     p.sender_first = static_cast<int64_t>(q.cut.begin(q.next));  // consecutive slices are consecutive copies
     p.sender_end = static_cast<int64_t>(q.cut.end(in - 1));
     // Rows per rank: their entries' output rows first, slice after slice.

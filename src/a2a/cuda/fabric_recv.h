@@ -31,6 +31,9 @@ struct LandingView {
   uint64_t epoch = 0;
   std::chrono::steady_clock::time_point deadline;
   std::function<void()> check;  // raises the proxy's or a peer's failure
+  // GPU-direct through a NIC: run before launching a copy of rows the host
+  // saw land (CudaResources::flush_fabric_writes); empty otherwise.
+  std::function<void()> before_read;
 };
 
 class FabricReceive {

@@ -130,6 +130,30 @@ void CudaResources::register_host(uint8_t* ptr, size_t bytes, uint8_t** device_p
   *device_ptr = device_address(ptr, "cudaHostGetDevicePointer");
 }
 
+void CudaResources::set_rows_on_device(bool nic_writes) {
+  rows_on_device_ = true;
+  peers_dirty_ = true;
+  if (!nic_writes) return;
+  int ordering = 0, options = 0;
+  check_cuda(cudaDeviceGetAttribute(&ordering, cudaDevAttrGPUDirectRDMAWritesOrdering, device_),
+             "cudaDeviceGetAttribute(GPUDirect RDMA writes ordering)");
+  if (ordering >= cudaGPUDirectRDMAWritesOrderingOwner) return;  // our kernels see them in order already
+  check_cuda(cudaDeviceGetAttribute(&options, cudaDevAttrGPUDirectRDMAFlushWritesOptions, device_),
+             "cudaDeviceGetAttribute(GPUDirect RDMA flush options)");
+  if ((options & cudaFlushGPUDirectRDMAWritesOptionHost) == 0)
+    throw std::runtime_error("GPU-direct: CUDA device " + std::to_string(device_) +
+                             " neither orders a NIC's writes for its kernels nor can flush them from the host; "
+                             "stage through host memory instead (MOE_A2A_GPU_DIRECT=0)");
+  flush_writes_ = true;
+}
+
+void CudaResources::flush_fabric_writes() const {
+  if (flush_writes_)
+    check_cuda(cudaDeviceFlushGPUDirectRDMAWrites(cudaFlushGPUDirectRDMAWritesTargetCurrentDevice,
+                                                  cudaFlushGPUDirectRDMAWritesToOwner),
+               "cudaDeviceFlushGPUDirectRDMAWrites");
+}
+
 void CudaResources::map_node(const std::vector<uint8_t*>& node) {
   node_ws_cpu_ = node;
   host_ws_cpu_ = node[cfg_.rank];
@@ -228,7 +252,7 @@ const Instance& CudaResources::instance(bool has_remote, bool staged, int64_t ti
   in.peers = peers_device_;
   in.device_ws = device_ws_;
   in.host_ws = host_ws_;
-  in.fabric_ws = host_ws_;  // no FI_HMEM with the providers used here
+  in.fabric_ws = rows_on_device_ ? device_ws_ : host_ws_;  // GPU-direct: the fabric moves device memory
   const auto dev = [](auto* host_ptr) {
     return reinterpret_cast<uint64_t*>(device_address(host_ptr, "cudaHostGetDevicePointer(signals)"));
   };

@@ -54,6 +54,18 @@ class CudaResources {
   // rank decided them.
   const Instance& instance(bool has_remote, bool staged, int64_t timeout_ns);
 
+  // GPU-direct: the fabric writes rows from and into the device workspace
+  // (registered with FI_HMEM), so the kernels' fabric sections are there too.
+  // `nic_writes`: a NIC (efa, verbs) writes them, whose PCIe writes into GPU
+  // memory this device may not order before the completion the host sees:
+  // then flush_fabric_writes() flushes them (shm's CUDA copies need none).
+  void set_rows_on_device(bool nic_writes);
+  bool rows_on_device() const { return rows_on_device_; }
+  // Before kernels read rows the host saw land (GPU-direct): a no-op unless
+  // this device needs a flush of a NIC's writes.
+  void flush_fabric_writes() const;
+  bool flushes() const { return flush_writes_; }
+
   // The per-peer flags of the proxy (signals.h) in our pinned mapped memory.
   PeerSignals peer_signals() const;
 
@@ -85,6 +97,8 @@ class CudaResources {
   std::vector<PeerWorkspaces> peers_;  // index = rank
   PeerWorkspaces* peers_device_ = nullptr;
   bool peers_dirty_ = true;
+  bool rows_on_device_ = false;  // GPU-direct
+  bool flush_writes_ = false;    // GPU-direct through a NIC on a device that needs a flush
   Instance instance_;  // rebuilt when peers change
 
   uint8_t* scratch_mem_ = nullptr;

@@ -142,7 +142,9 @@ __global__ void __launch_bounds__(kStageThreads, kStageBlocksPerSm) stage_kernel
     const int64_t begin = slice_begin + static_cast<int64_t>(rest % peer.per_slice[part]) * kStageChunkBytes;
     const int64_t end = begin + kStageChunkBytes < slice_end ? begin + kStageChunkBytes : slice_end;
     const size_t at = section + peer.offset + begin;
-    if (end > begin) block_copy(in.fabric_ws + at, in.device_ws + at, end - begin);
+    // GPU-direct (fabric_ws is device_ws): the rows are where the fabric reads
+    // them; only the flags below are raised, after the fence.
+    if (end > begin && in.fabric_ws != in.device_ws) block_copy(in.fabric_ws + at, in.device_ws + at, end - begin);
     __syncthreads();  // the block's stores precede thread 0's fence
     if (threadIdx.x == 0) {
       fence_sys();  // our chunk is visible to the proxy and the NIC before it is counted
