@@ -300,9 +300,7 @@ def lease_engine(
             )
         shared = held
     else:
-        engine = Engine(
-            bootstrap, provider, num_nics=num_nics, nics=nics, gpu=gpu, gpu_memory=gpu_memory
-        )
+        engine = Engine(bootstrap, provider, num_nics=num_nics, nics=nics, gpu=gpu, gpu_memory=gpu_memory)
         shared = _SharedEngine(engine, bootstrap.allgather(os.urandom(16))[0])
         free = 0
     with _shared_lock:

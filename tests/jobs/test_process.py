@@ -55,9 +55,7 @@ def test_a_sigterm_handler_installed_before_the_import_still_runs() -> None:
     code = (
         "import os, signal\n"
         "signal.signal(signal.SIGTERM, lambda *_: print('handled SIGTERM', flush=True))\n"
-        "import moe_a2a\n"
-        + _open_engines_code()
-        + "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "import moe_a2a\n" + _open_engines_code() + "os.kill(os.getpid(), signal.SIGTERM)\n"
         "print('after', flush=True)\n"
     )
     p = _python(code)
@@ -99,9 +97,7 @@ def test_opening_engines_changes_no_disposition() -> None:
 def test_sigint_in_time_sleep_raises_keyboard_interrupt() -> None:
     code = (
         "import sys, time\n"
-        "import moe_a2a\n"
-        + _open_engines_code()
-        + "print('ready', flush=True)\n"
+        "import moe_a2a\n" + _open_engines_code() + "print('ready', flush=True)\n"
         "try:\n"
         "    time.sleep(40)\n"
         "except KeyboardInterrupt:\n"

@@ -228,9 +228,7 @@ def test_steps_of_a_registered_group_allocate_nothing(
     payload = 64
     ex = make_exchange(engine, world * payload, world * payload)
     tag, barrier_tag = next_tag(), next_tag()
-    items = [
-        ScatterItem(i, peer * payload, payload, rank * payload) for i, peer in enumerate(ex.peers)
-    ]
+    items = [ScatterItem(i, peer * payload, payload, rank * payload) for i, peer in enumerate(ex.peers)]
 
     def round_(r: int) -> None:
         ex.src[:] = random_bytes(seed, rank, 12, r, size=ex.src.size)

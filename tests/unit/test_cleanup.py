@@ -74,8 +74,15 @@ def test_a_dead_process_file_under_this_pid_does_not_block_an_endpoint() -> None
 
 def test_only_dead_processes_files_go(tmp_path) -> None:  # type: ignore[no-untyped-def]
     dead, live = _dead_pid(), os.getpid()
-    names = [f"{dead}:0:0", f"{dead}:3:1", f"moe-a2a-{dead}-0123456789ab-r1", f"{live}:0:0",
-             f"moe-a2a-{live}-0123456789ab-r0", "vader_segment.vm.0.1", f"{dead}.txt"]
+    names = [
+        f"{dead}:0:0",
+        f"{dead}:3:1",
+        f"moe-a2a-{dead}-0123456789ab-r1",
+        f"{live}:0:0",
+        f"moe-a2a-{live}-0123456789ab-r0",
+        "vader_segment.vm.0.1",
+        f"{dead}.txt",
+    ]
     for n in names:
         (tmp_path / n).write_bytes(b"x" * 8)
     removed = remove_dead_files(str(tmp_path))

@@ -258,6 +258,7 @@ def test_peer_slots_spread_every_ranks_peers_over_its_nics() -> None:
     # Egress: each rank's peers; ingress: the writes that reach each rank, on the NIC
     # index the sender chose (a write lands on the receiver's NIC of the same index).
     for world, nics in itertools.product(range(2, 17), (1, 2, 3, 4)):
+
         def nic(src: int, dst: int, world: int = world, nics: int = nics) -> int:
             return _core.nic_for_peer(_core.peer_slot(src, dst, world), nics)
 
@@ -389,8 +390,14 @@ def test_bench_summary_takes_the_slowest_rank() -> None:
     assert len(table) == 3 and table[0].count("|") == table[1].count("|") == table[2].count("|") == 9
     head = [c.strip() for c in table[0].strip("|").split("|")]
     assert head == [
-        "size per peer", "moe-a2a p50 (us)", "moe-a2a p90 (us)", "baseline p50 (us)", "baseline p90 (us)",
-        "baseline/moe-a2a", "moe-a2a GB/s", "baseline GB/s",
+        "size per peer",
+        "moe-a2a p50 (us)",
+        "moe-a2a p90 (us)",
+        "baseline p50 (us)",
+        "baseline p90 (us)",
+        "baseline/moe-a2a",
+        "moe-a2a GB/s",
+        "baseline GB/s",
     ]
     assert [c.strip() for c in table[2].strip("|").split("|")][:2] == ["1000 B", "3.5"]
 

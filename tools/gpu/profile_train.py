@@ -37,8 +37,13 @@ def main() -> None:
     args = p.parse_args()
     torch.cuda.set_device(0)
     cfg = Config(
-        max_tokens=T, hidden=H, num_experts=E, topk=K, dispatch_dtype=args.dispatch_dtype,
-        combine_dtype="bf16", max_recv_tokens=T * K,
+        max_tokens=T,
+        hidden=H,
+        num_experts=E,
+        topk=K,
+        dispatch_dtype=args.dispatch_dtype,
+        combine_dtype="bf16",
+        max_recv_tokens=T * K,
     )
     ep = ExpertParallel(cfg, MPI.COMM_WORLD, device="cuda", grad_dtype="bf16")
     g = torch.Generator().manual_seed(0)

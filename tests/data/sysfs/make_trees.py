@@ -91,7 +91,7 @@ def cx7() -> None:
         dev = t.pci([rc, up, sw, f"0000:{bus + 1:02x}:01.0", f"0000:{bus + 3:02x}:00.0"], CX7, numa)
         t.cls("infiniband", f"mlx5_{g}", dev)
     for s, numa in ((8, 0), (9, 1)):
-        dev = t.pci([f"pci0000:{0xf0 + s:02x}", f"0000:{0xf0 + s:02x}:00.0"], CX7, numa)
+        dev = t.pci([f"pci0000:{0xF0 + s:02x}", f"0000:{0xF0 + s:02x}:00.0"], CX7, numa)
         t.cls("infiniband", f"mlx5_{s}", dev)
     lo = os.path.join(t.root, "class", "net", "lo")
     os.makedirs(lo)
