@@ -145,7 +145,9 @@ def check_round(
         "a copy's returned value is not its row's"
     )
     ys = [expert_fn(r.expert_x, r.expert_x_scale) for r in ref]
-    expected = combine_reference(ys, ref, inp.weights, cfg.combine_dtype)[RANK]
+    expected = combine_reference(
+        ys, ref, inp.weights, cfg.combine_dtype, cfg.fabric_rows, a2a._boot.topology.local_size
+    )[RANK]
     assert out.device.type == DEVICE and out.dtype == expected.dtype and out.shape == expected.shape
     out = out.cpu()
     torch.testing.assert_close(out.float(), expected.float(), rtol=1.6e-2, atol=1e-2)
@@ -574,7 +576,9 @@ def test_graph_capture_replays(rpn: int | None, dispatch_dtype: str) -> None:
             a2a.check()
             ref = dispatch_reference(inp.xs, inp.ids, cfg.num_experts, cfg.dispatch_dtype, cfg.expert_padding)
             ys = [expert_fn(r.expert_x, r.expert_x_scale) for r in ref]
-            expected = combine_reference(ys, ref, inp.weights, cfg.combine_dtype)[RANK]
+            expected = combine_reference(
+                ys, ref, inp.weights, cfg.combine_dtype, cfg.fabric_rows, a2a._boot.topology.local_size
+            )[RANK]
             torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=1.6e-2, atol=1e-2)
 
 

@@ -359,7 +359,9 @@ def test_a_failure_after_a_call_does_not_fail_that_call_elsewhere(rpn: int | Non
         cfg = a2a.cfg
         ref = dispatch_reference(inp.xs, inp.ids, cfg.num_experts, cfg.dispatch_dtype, cfg.expert_padding)
         ys = [expert_fn(r.expert_x, r.expert_x_scale) for r in ref]
-        expected = combine_reference(ys, ref, inp.weights, cfg.combine_dtype)[RANK]
+        expected = combine_reference(
+            ys, ref, inp.weights, cfg.combine_dtype, cfg.fabric_rows, a2a._boot.topology.local_size
+        )[RANK]
         torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=1.6e-2, atol=1e-2)
         with pytest.raises(PeerFailedError, match="peer 0 failed .*call 3 \\(dispatch"):
             a2a.dispatch(x, ids, w)
