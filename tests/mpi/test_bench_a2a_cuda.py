@@ -15,6 +15,7 @@ from ranks import COMM, DEVICE, PROVIDER, RANK, WORLD, device_pytestmark
 from moe_a2a import report
 from moe_a2a.all_to_all import AllToAll, Config
 from moe_a2a.bench import a2a, a2a_cuda, engine_ref
+from moe_a2a.bench.routing import Routing
 
 pytestmark = [device_pytestmark]
 TOKENS, HIDDEN, TOPK = 16, 256, 2
@@ -40,7 +41,7 @@ def test_whole_phases_are_timed_beside_the_engine_alone(ranks_per_node: int | No
             assert alone is None
             return
         assert alone is not None
-        rounds = [a2a.make_round(i, RANK, TOKENS, HIDDEN, cfg.num_experts, TOPK) for i in range(2)]
+        rounds = [a2a.make_round(i, RANK, TOKENS, HIDDEN, Routing(cfg.num_experts, TOPK)) for i in range(2)]
         rounds = [a2a_cuda.Round(r.x.to(device), r.ids.to(device), r.weights.to(device)) for r in rounds]
         # Expert outputs for the most rows a call can deliver (graph-safe size on the GPU, else all copies).
         rows = max(ata.max_output_rows, WORLD * TOKENS * TOPK)
