@@ -83,7 +83,7 @@ def dispatch_op(
     h._compiled = (expert_x, not keep)
     key = torch.tensor(h.seq, dtype=torch.int64)
     rows = torch.tensor(h.num_rows, dtype=torch.int64)
-    return h.tokens_per_expert.clone(), key, rows
+    return h.tokens_per_expert.to(x.device, copy=True), key, rows  # where the fake one says
 
 
 @dispatch_op.register_fake
