@@ -6,6 +6,7 @@ bad input gives eager's named error. Tiny shapes and few cases: compiling is slo
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,14 +23,24 @@ from test_torchtitan import ep_mesh, ours, step  # noqa: E402, F401  (ep_mesh: t
 TOL = 1e-6
 
 
+@pytest.fixture(autouse=True)
+def _compile_settings() -> Iterator[None]:
+    """apply_compile's setting, and bf16 rounded where eager rounds it; both undone after
+    (the other tests of this process run eager), with the compiled code dropped."""
+    with (
+        torch._dynamo.config.patch(capture_scalar_outputs=True),
+        torch._inductor.config.patch(emulate_precision_casts=True),
+    ):
+        yield
+    torch._dynamo.reset()
+
+
 def _skip_unless_run_here() -> None:
     if WORLD not in (1, 2, 4) or (DEVICE == "cpu" and PROVIDER != "tcp"):
         pytest.skip("compile cases run at 1, 2 and 4 ranks, on the CPU over tcp only (compiling is slow)")
 
 
 def _compiled(mesh: object, seed: int) -> torch.nn.Module:
-    torch._dynamo.config.capture_scalar_outputs = True
-    torch._inductor.config.emulate_precision_casts = True  # bf16 rounded where eager rounds
     moe = ours("softmax", seed, mesh)
     moe.routed_experts.token_dispatcher.init_buffer()
     moe.compile(fullgraph=True)
@@ -62,7 +73,6 @@ def test_compiled_block_matches_eager(ep_mesh: object, seed: int) -> None:  # no
 
 def test_no_graph_break_and_bad_input_named(ep_mesh: object, seed: int) -> None:  # noqa: F811
     _skip_unless_run_here()
-    torch._dynamo.config.capture_scalar_outputs = True
     moe = ours("softmax", seed, ep_mesh)
     moe.routed_experts.token_dispatcher.init_buffer()
     x = torch.randn(1, 3, tc_dim(), device=DEVICE)
@@ -90,7 +100,6 @@ def test_expert_parallel_compiled_matches_eager(seed: int) -> None:
     from moe_a2a.all_to_all import Config
     from moe_a2a.autograd import ExpertParallel
 
-    torch._dynamo.config.capture_scalar_outputs = True
     hidden, experts, topk, tokens = 16, 4 * WORLD, 2, 6
     cfg = Config(max_tokens=8, hidden=hidden, num_experts=experts, topk=topk, combine_dtype="fp32")
     g = torch.Generator().manual_seed(seed + RANK)
