@@ -255,7 +255,8 @@ class ExpertParallel:
         h = routed.routing
         w = routed.row_weights
         assert w is not None
-        return compiled_ops.combine_op(y, w, h.key, self.id, h.num_tokens, weighted)
+        backward = torch.is_grad_enabled() and (y.requires_grad or w.requires_grad)
+        return compiled_ops.combine_op(y, w, h.key, self.id, h.num_tokens, weighted, backward)
 
     @property
     def live_routings(self) -> int:

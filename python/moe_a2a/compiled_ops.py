@@ -7,7 +7,7 @@ through four operators:
 - `moe_a2a::dispatch(x, ids, weights, ep_id, keep)` -> tokens per local expert [E],
   routing key [] and row count U [] (int64): the exchange itself;
 - `moe_a2a::dispatch_rows(x, weights, key, ep_id, U)` -> rows [U, H], row weights [U];
-- `moe_a2a::combine(y, row_weights, key, ep_id, num_tokens, weighted, release)` -> [T, H];
+- `moe_a2a::combine(y, row_weights, key, ep_id, num_tokens, weighted, backward)` -> [T, H];
 - their backwards, `moe_a2a::dispatch_backward` and `moe_a2a::combine_backward`.
 
 Shapes: the row count U is data-dependent. The caller reads it with `.item()`, which
@@ -17,7 +17,7 @@ gives rows of that size: nothing is padded to a capacity and the experts see exa
 eager's rows. The handle is an integer: `ep_id` names
 the `ExpertParallel` (a per-process registry), the routing key (a tensor, made at run
 time) names its `ExpertRouting` in that instance's registry. A routing stays there
-until its dispatch's backward ran (or, with no gradient wanted, until its combine ran).
+until its last use: the dispatch's backward, else the combine's backward, else the combine.
 
 The real implementations call the same methods as eager autograd (`_forward_dispatch`,
 `_backward_combine`, ...), so results and gradients are eager's bit for bit; eager
@@ -80,7 +80,7 @@ def dispatch_op(
     expert_x, h = ep._forward_dispatch(x, topk_ids, topk_weights, None)
     assert h.row_weights is not None
     _routings[(ep_id, h.seq)] = h
-    h._compiled = (expert_x, not keep)
+    h._compiled = (expert_x, keep)  # keep: this dispatch's backward will come
     key = torch.tensor(h.seq, dtype=torch.int64)
     rows = torch.tensor(h.num_rows, dtype=torch.int64)
     return h.tokens_per_expert.to(x.device, copy=True), key, rows  # where the fake one says
@@ -175,14 +175,20 @@ def _dispatch_backward_fake(
 
 @torch.library.custom_op("moe_a2a::combine", mutates_args=())
 def combine_op(
-    y: torch.Tensor, row_weights: torch.Tensor, key: torch.Tensor, ep_id: int, num_tokens: int, weighted: bool
+    y: torch.Tensor,
+    row_weights: torch.Tensor,
+    key: torch.Tensor,
+    ep_id: int,
+    num_tokens: int,
+    weighted: bool,
+    backward: bool,
 ) -> torch.Tensor:
     ep = _ep(ep_id)
     ep._check_open()
     h = _routing(ep_id, key, pop=False)
     ep._forward_combine_send(y, h, weighted)
     out = ep._forward_combine_recv()
-    if h._compiled[1]:  # type: ignore[attr-defined]  # no backward will come
+    if not backward and not h._compiled[1]:  # type: ignore[attr-defined]  # no backward will come
         _routings.pop((ep_id, h.seq), None)
     elif h.gathered is not None:  # as eager: the backward's row count, memoised now
         h.gathered.received_rows(ep.cfg.expert_padding)
@@ -191,14 +197,20 @@ def combine_op(
 
 @combine_op.register_fake
 def _combine_fake(
-    y: torch.Tensor, row_weights: torch.Tensor, key: torch.Tensor, ep_id: int, num_tokens: int, weighted: bool
+    y: torch.Tensor,
+    row_weights: torch.Tensor,
+    key: torch.Tensor,
+    ep_id: int,
+    num_tokens: int,
+    weighted: bool,
+    backward: bool,
 ) -> torch.Tensor:
     ep = _ep(ep_id)
     return y.new_empty(num_tokens, ep.cfg.hidden, dtype=COMBINE_DTYPES[ep.cfg.combine_dtype])
 
 
 def _combine_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    y, _w, key, ep_id, _t, weighted = inputs
+    y, _w, key, ep_id, _t, weighted, _backward = inputs
     ctx.save_for_backward(y, key)
     ctx.ep_id, ctx.weighted = ep_id, weighted
 
@@ -207,7 +219,7 @@ def _combine_backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
     y, key = ctx.saved_tensors
     dot = bool(ctx.weighted and ctx.needs_input_grad[1])
     grad_y, grad_w = combine_backward_op(grad_out, y, key, ctx.ep_id, ctx.weighted, dot)
-    return grad_y, (grad_w if dot else None), None, None, None, None
+    return grad_y, (grad_w if dot else None), None, None, None, None, None
 
 
 combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
@@ -222,6 +234,8 @@ def combine_backward_op(
     if weighted and h.row_weights is None:
         raise RuntimeError("backward: this combine's dispatch ran with gradients disabled")
     grad_y, grad_w = ep._backward_combine(grad_out, h, weighted, y if dot else None)
+    if not h._compiled[1]:  # type: ignore[attr-defined]  # no dispatch backward will come
+        _routings.pop((ep_id, h.seq), None)
     if grad_w is None:
         grad_w = torch.zeros(grad_y.shape[0], dtype=torch.float32, device=grad_y.device)
     return grad_y.to(y.dtype), grad_w.to(torch.float32)

@@ -76,7 +76,8 @@ def test_no_graph_break_and_bad_input_named(ep_mesh: object, seed: int) -> None:
     moe = ours("softmax", seed, ep_mesh)
     moe.routed_experts.token_dispatcher.init_buffer()
     x = torch.randn(1, 3, tc_dim(), device=DEVICE)
-    explain = torch._dynamo.explain(moe)(x)
+    with torch.no_grad():  # explain runs the block: no backward follows
+        explain = torch._dynamo.explain(moe)(x)
     assert explain.graph_break_count == 0, explain.break_reasons
     assert explain.graph_count == 1
     # fp16 is neither of the dtypes dispatch takes: eager's error, named, at trace time
@@ -97,6 +98,7 @@ def test_expert_parallel_compiled_matches_eager(seed: int) -> None:
     expert weights are eager's within TOL (fp32; Inductor's tanh and its backward round
     differently in the last bit, the exchanges are the same)."""
     _skip_unless_run_here()
+    from moe_a2a import compiled_ops
     from moe_a2a.all_to_all import Config
     from moe_a2a.autograd import ExpertParallel
 
@@ -127,6 +129,17 @@ def test_expert_parallel_compiled_matches_eager(seed: int) -> None:
             err = float((got - want).abs().max())
             assert err <= TOL * max(1.0, float(want.abs().max())), f"{name}: max abs error {err:.3g}"
         assert ep.live_routings == 0  # the compiled backward released its routing
+        # Only the expert weight trains (no dispatch backward): the combine's backward is the
+        # routing's last use, and releases it.
+        grads = []
+        for fn in (layer, torch.compile(layer, fullgraph=True)):
+            weight = weight0.clone().to(DEVICE).requires_grad_()
+            fn(x0.to(DEVICE), ids.to(DEVICE), w0.to(DEVICE), weight).backward(grad.to(DEVICE))
+            grads.append(weight.grad)
+        assert grads[0] is not None and grads[1] is not None
+        assert float((grads[1] - grads[0]).abs().max()) <= TOL * max(1.0, float(grads[0].abs().max()))
+        # (the channel keeps the backward's dispatch open until the next one closes it, as in eager)
+        assert not [k for k in compiled_ops._routings if k[0] == ep.id]
         compiled = torch.compile(layer, fullgraph=True)
         with pytest.raises(Exception, match="dispatch: x: got"):  # at trace time
             compiled(x0.half().to(DEVICE), ids.to(DEVICE), w0.to(DEVICE), weight0.to(DEVICE))
