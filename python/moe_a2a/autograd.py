@@ -30,10 +30,11 @@ from typing import Any
 
 import torch
 
+from moe_a2a import compiled_ops
 from moe_a2a.a2a_types import Config, Dispatched, RowRequest, describe
 from moe_a2a.all_to_all import AllToAll
 from moe_a2a.ep_channel import Channel
-from moe_a2a.ep_types import ExpertRouting, PendingCombined, PendingRouted, Routed
+from moe_a2a.ep_types import CompiledRouting, ExpertRouting, PendingCombined, PendingRouted, Routed
 
 GRAD_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _ids = itertools.count(1)
@@ -100,6 +101,7 @@ class ExpertParallel:
         self.device = self.forward_a2a.device
         self._ids_dtypes = self.forward_a2a._backend.ids_dtypes  # what the core takes unconverted
         self._all = list({id(a): a for a in (self.forward_a2a, self.backward_a2a)}.values())
+        compiled_ops.register(self)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -120,6 +122,8 @@ class ExpertParallel:
         `recv=False` returns after the send half (`PendingRouted`), so other work
         can run while rows travel; `dispatch(handle=p)` finishes it.
         """
+        if torch.compiler.is_compiling():
+            return self._compiled_dispatch(x, topk_ids, topk_weights, routing, recv, handle)
         self._check_open()
         if handle is not None:
             if not isinstance(handle, PendingRouted) or x is not None or routing is not None:
@@ -184,6 +188,8 @@ class ExpertParallel:
         and, in weighted mode, the dispatch's `topk_weights`. `recv=False` and
         `combine(handle=p)` split it in halves, as for dispatch.
         """
+        if torch.compiler.is_compiling():
+            return self._compiled_combine(y, routed, weighted, recv, handle)
         self._check_open()
         if handle is not None:
             if not isinstance(handle, PendingCombined) or y is not None or routed is not None:
@@ -212,6 +218,46 @@ class ExpertParallel:
         w = r.row_weights if p.weighted and r.row_weights is not None else torch.empty(0)
         return _CombineFn.apply(self, r.routing, p.y, w, p.weighted, sent)
 
+    # -- under torch.compile: the custom operators of moe_a2a.compiled_ops ------------------------
+
+    def _compiled_dispatch(
+        self, x: Any, topk_ids: Any, topk_weights: Any, routing: Any, recv: bool, handle: Any
+    ) -> Routed:
+        if routing is not None or not recv or handle is not None:
+            raise NotImplementedError(
+                "dispatch under torch.compile: routing=, recv=False and handle= are eager-only; "
+                "expected a whole dispatch(x, topk_ids, topk_weights)"
+            )
+        if not isinstance(x, torch.Tensor) or x.dtype not in GRAD_DTYPES.values():
+            raise ValueError(f"dispatch: x: got {describe(x)}; expected a bfloat16 or float32 tensor")
+        if not isinstance(topk_weights, torch.Tensor) or not topk_weights.dtype.is_floating_point:
+            raise ValueError(f"dispatch: topk_weights: got {describe(topk_weights)}; expected a float tensor")
+        ids = self._check_ids(topk_ids)
+        track = torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad)
+        counts, key, num_rows = compiled_ops.dispatch_op(x, ids, topk_weights, self.id, track)
+        rows = num_rows.item()  # an unbacked size under capture_scalar_outputs
+        torch._check_is_size(rows)
+        expert_x, row_weights = compiled_ops.dispatch_rows_op(x, topk_weights, key, self.id, rows)
+        return Routed(
+            expert_x=expert_x,
+            tokens_per_expert=counts,
+            routing=CompiledRouting(key, x.shape[0]),  # type: ignore[arg-type]
+            row_weights=row_weights,
+        )
+
+    def _compiled_combine(self, y: Any, routed: Any, weighted: bool, recv: bool, handle: Any) -> torch.Tensor:
+        if not recv or handle is not None:
+            raise NotImplementedError("combine under torch.compile: recv=False and handle= are eager-only")
+        if not isinstance(routed, Routed) or not isinstance(routed.routing, CompiledRouting):
+            raise TypeError("combine: routed: expected the Routed of a dispatch in the same compiled region")
+        if not isinstance(y, torch.Tensor) or y.dim() != 2 or y.shape[1] != self.cfg.hidden:
+            raise ValueError(f"combine: y: got {describe(y)}; expected shape (rows, {self.cfg.hidden})")
+        h = routed.routing
+        w = routed.row_weights
+        assert w is not None
+        backward = torch.is_grad_enabled() and (y.requires_grad or w.requires_grad)
+        return compiled_ops.combine_op(y, w, h.key, self.id, h.num_tokens, weighted, backward)
+
     @property
     def live_routings(self) -> int:
         return self._live
@@ -220,6 +266,7 @@ class ExpertParallel:
         # A failure stops every instance alike, whichever one a rank saw it in: on the
         # failing rank all of them, on a peer the one whose call raised PeerFailedError.
         # Closing waits for the peers only where none failed, the same choice on every rank.
+        compiled_ops.drop_routings(self.id)
         healthy = all(a._failure is None for a in self._all if a._setup is not None)
         for a2a in self._all:
             a2a.close(wait_for_peers=healthy)

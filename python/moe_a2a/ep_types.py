@@ -4,7 +4,7 @@ it delivers (`Routed`) and the pending halves of a split call."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -57,6 +57,14 @@ class ExpertRouting:
         """Give the routing's slot back now instead of when it is garbage-collected."""
         if self._finalizer is not None:
             self._finalizer()
+
+
+class CompiledRouting(NamedTuple):
+    """A dispatch's routing inside a torch.compile region: the key of its `ExpertRouting` in
+    `moe_a2a.compiled_ops` (a [] int64 tensor made at run time) and the dispatch's token count."""
+
+    key: torch.Tensor
+    num_tokens: Any  # int, or a SymInt while tracing
 
 
 @dataclass

@@ -3,7 +3,7 @@
 # then the multi-rank suite tests/mpi/test_a2a.py, test_reliability.py,
 # test_overlap.py and test_rank_rows_cuda.py on device cuda with 1, 2, 4
 # and 8 MPI ranks sharing the GPU, with and without virtual nodes; the training
-# tests, tests/mpi/test_autograd.py, test_cached_routing.py and test_torchtitan.py, at 1, 2 and 4 ranks),
+# tests, tests/mpi/test_autograd.py, test_cached_routing.py, test_torchtitan.py and test_compile.py, at 1, 2 and 4 ranks),
 # then the CUDA benchmark at 1, 2, 4 and 8 ranks. Prints a short
 # summary last; full logs go to $OUT (or out/gpu).
 #
@@ -95,7 +95,7 @@ fi
 
 if has training; then
   for n in ${TRAIN_SIZES:-1 2 4}; do
-    MR_TESTS="$ROOT/tests/mpi/test_autograd.py $ROOT/tests/mpi/test_cached_routing.py $ROOT/tests/mpi/test_torchtitan.py" \
+    MR_TESTS="$ROOT/tests/mpi/test_autograd.py $ROOT/tests/mpi/test_cached_routing.py $ROOT/tests/mpi/test_torchtitan.py $ROOT/tests/mpi/test_compile.py" \
       multirank "$n" " training"
   done
 fi

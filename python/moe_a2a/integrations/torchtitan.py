@@ -147,6 +147,11 @@ class MoeA2ATokenDispatcher(BaseEPTokenDispatcher):
                 return LocalTokenDispatcher.dispatch(
                     self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
                 )
+            if torch.compiler.is_compiling():
+                raise RuntimeError(
+                    "MoeA2ATokenDispatcher under torch.compile: not open yet; call init_buffer() with "
+                    "hidden_dim and num_max_tokens_per_rank set, or run one eager step first"
+                )
             self._open_from(x_TD)
             assert self.ep is not None
         if x_TD.shape[0] > self.ep.cfg.max_tokens:

@@ -46,10 +46,39 @@ def use_moe_a2a(config: Trainer.Config, **dispatcher: Any) -> Trainer.Config:
         moe.routed_experts.token_dispatcher = MoeA2ATokenDispatcher.Config(
             num_experts=moe.num_experts, top_k=moe.router.top_k, hidden_dim=model.dim, **dispatcher
         )
+    if config.model_spec is not None:
+        config.model_spec.parallelize_fn = _sized_for_compile(config.model_spec.parallelize_fn)
     # TorchTitan refuses CUDA graphs with any EP dispatcher that syncs with the host, as
     # moe-a2a's (and its own AllToAllTokenDispatcher) does: the counts come back to the host.
     config.training.disable_cuda_graphs = True
     return config
+
+
+def _sized_for_compile(parallelize: Callable[..., Any]) -> Callable[..., Any]:
+    """`parallelize`, with compile on: dispatchers without num_max_tokens_per_rank take
+    local_batch_size * seq_len, so they open when TorchTitan wires their meshes (a compiled
+    block cannot size them from its first batch: that is a collective outside the graph)."""
+
+    @functools.wraps(parallelize)
+    def parallelize_sized(model: Any, **kwargs: Any) -> Any:
+        compile_config, training = kwargs.get("compile_config"), kwargs.get("training")
+        if compile_config is not None and compile_config.enable and training is not None:
+            if kwargs.get("ac_config") is not None:
+                # torch 2.13 cannot recompute an ordered-effect op (moe-a2a's exchanges) in a
+                # compiled backward: it fails inside AOTAutograd. Say so first, plainly.
+                raise ValueError(
+                    "--compile.enable with MoeA2ATokenDispatcher: got activation checkpointing on; "
+                    "expected activation-checkpoint:none (recomputing the exchanges in a compiled "
+                    "backward is not supported yet, see docs/training.md)"
+                )
+            tokens = training.local_batch_size * training.seq_len
+            for module in model.modules():
+                m = getattr(module, "token_dispatcher", None)  # not itself a module
+                if isinstance(m, MoeA2ATokenDispatcher) and m.config.num_max_tokens_per_rank is None:
+                    m.config.num_max_tokens_per_rank = tokens
+        return parallelize(model, **kwargs)
+
+    return parallelize_sized
 
 
 def _sum_reductions(parallelize: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,0 +1,149 @@
+"""TorchTitan's MoE with MoeA2ATokenDispatcher compiled as TorchTitan's apply_compile does it
+(the block, fullgraph=True, capture_scalar_outputs=True), against the same module eager:
+the output, the input's gradient and every parameter's gradient; no graph break in the block;
+bad input gives eager's named error. Tiny shapes and few cases: compiling is slow on 2 cores."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from ranks import DEVICE, PROVIDER, RANK, WORLD, device_pytestmark
+
+pytestmark = device_pytestmark
+pytest.importorskip("torchtitan.models.common.moe", reason="TorchTitan 0.3.0 is not installed")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_torchtitan import ep_mesh, ours, step  # noqa: E402, F401  (ep_mesh: the fixture)
+
+# Inductor fuses the router's and experts' arithmetic differently from eager; the
+# exchanges themselves are the same operators' results bit for bit.
+TOL = 1e-6
+
+
+@pytest.fixture(autouse=True)
+def _compile_settings() -> Iterator[None]:
+    """apply_compile's setting, and bf16 rounded where eager rounds it; both undone after
+    (the other tests of this process run eager), with the compiled code dropped."""
+    with (
+        torch._dynamo.config.patch(capture_scalar_outputs=True),
+        torch._inductor.config.patch(emulate_precision_casts=True),
+    ):
+        yield
+    torch._dynamo.reset()
+
+
+def _skip_unless_run_here() -> None:
+    if WORLD not in (1, 2, 4) or (DEVICE == "cpu" and PROVIDER != "tcp"):
+        pytest.skip("compile cases run at 1, 2 and 4 ranks, on the CPU over tcp only (compiling is slow)")
+
+
+def _compiled(mesh: object, seed: int) -> torch.nn.Module:
+    moe = ours("softmax", seed, mesh)
+    moe.routed_experts.token_dispatcher.init_buffer()
+    moe.compile(fullgraph=True)
+    return moe
+
+
+def test_compiled_block_matches_eager(ep_mesh: object, seed: int) -> None:  # noqa: F811
+    _skip_unless_run_here()
+    import titan_case as tc
+
+    eager, comp = ours("softmax", seed, ep_mesh), _compiled(ep_mesh, seed)
+    xs, gs = tc.batch(seed, WORLD)
+    x, g = xs[RANK], gs[RANK]
+    for _ in range(2):  # the second step reuses the compiled graphs
+        for m in (eager, comp):
+            m.zero_grad()
+        loss_e, xe = step(eager, x, g)
+        loss_c, xc = step(comp, x, g)
+        assert tc.max_err(loss_c, loss_e) <= TOL * tc.scale(loss_e)
+        assert xe.grad is not None and xc.grad is not None
+        assert tc.max_err(xc.grad, xe.grad) <= TOL * tc.scale(xe.grad)
+        pe = dict(eager.named_parameters())
+        for name, p in comp.named_parameters():
+            name = name.replace("_orig_mod.", "")
+            want = pe[name].grad
+            assert (p.grad is None) == (want is None), name
+            if want is not None:
+                assert tc.max_err(p.grad, want) <= TOL * tc.scale(want), f"{name}.grad"
+
+
+def test_no_graph_break_and_bad_input_named(ep_mesh: object, seed: int) -> None:  # noqa: F811
+    _skip_unless_run_here()
+    moe = ours("softmax", seed, ep_mesh)
+    moe.routed_experts.token_dispatcher.init_buffer()
+    x = torch.randn(1, 3, tc_dim(), device=DEVICE)
+    with torch.no_grad():  # explain runs the block: no backward follows
+        explain = torch._dynamo.explain(moe)(x)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    assert explain.graph_count == 1
+    # fp16 is neither of the dtypes dispatch takes: eager's error, named, at trace time
+    bad = torch.compile(moe, fullgraph=True)
+    with pytest.raises(Exception, match="dispatch: x: got"):
+        bad(x.half())
+
+
+def tc_dim() -> int:
+    import titan_case as tc
+
+    return tc.DIM
+
+
+def test_expert_parallel_compiled_matches_eager(seed: int) -> None:
+    """docs/training.md's ExpertParallel example (dispatch, experts, weighted combine,
+    backward) compiled fullgraph: the output and the gradients of x, topk_weights and the
+    expert weights are eager's within TOL (fp32; Inductor's tanh and its backward round
+    differently in the last bit, the exchanges are the same)."""
+    _skip_unless_run_here()
+    from moe_a2a import compiled_ops
+    from moe_a2a.all_to_all import Config
+    from moe_a2a.autograd import ExpertParallel
+
+    hidden, experts, topk, tokens = 16, 4 * WORLD, 2, 6
+    cfg = Config(max_tokens=8, hidden=hidden, num_experts=experts, topk=topk, combine_dtype="fp32")
+    g = torch.Generator().manual_seed(seed + RANK)
+    x0 = torch.randn(tokens, hidden, generator=g)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)])
+    w0 = torch.rand(tokens, topk, generator=g)
+    grad = torch.randn(tokens, hidden, generator=g)
+    weight0 = torch.randn(hidden, hidden, generator=g) * 0.1
+    with ExpertParallel(cfg, device=DEVICE, provider=PROVIDER, grad_dtype="fp32") as ep:
+
+        def layer(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            routed = ep.dispatch(x, ids, w)
+            y = torch.tanh(routed.expert_x @ weight)
+            return ep.combine(y, routed)
+
+        results = []
+        for fn in (layer, torch.compile(layer, fullgraph=True)):
+            x, w, weight = (t.clone().to(DEVICE).requires_grad_() for t in (x0, w0, weight0))
+            out = fn(x, ids.to(DEVICE), w, weight)
+            out.backward(grad.to(DEVICE))
+            results.append((out.detach(), x.grad, w.grad, weight.grad))
+        names = ("out", "x.grad", "w.grad", "weight.grad")
+        for name, got, want in zip(names, results[1], results[0], strict=True):
+            assert got is not None and want is not None, name
+            err = float((got - want).abs().max())
+            assert err <= TOL * max(1.0, float(want.abs().max())), f"{name}: max abs error {err:.3g}"
+        assert ep.live_routings == 0  # the compiled backward released its routing
+        # Only the expert weight trains (no dispatch backward): the combine's backward is the
+        # routing's last use, and releases it.
+        grads = []
+        for fn in (layer, torch.compile(layer, fullgraph=True)):
+            weight = weight0.clone().to(DEVICE).requires_grad_()
+            fn(x0.to(DEVICE), ids.to(DEVICE), w0.to(DEVICE), weight).backward(grad.to(DEVICE))
+            grads.append(weight.grad)
+        assert grads[0] is not None and grads[1] is not None
+        assert float((grads[1] - grads[0]).abs().max()) <= TOL * max(1.0, float(grads[0].abs().max()))
+        # (the channel keeps the backward's dispatch open until the next one closes it, as in eager)
+        assert not [k for k in compiled_ops._routings if k[0] == ep.id]
+        compiled = torch.compile(layer, fullgraph=True)
+        with pytest.raises(Exception, match="dispatch: x: got"):  # at trace time
+            compiled(x0.half().to(DEVICE), ids.to(DEVICE), w0.to(DEVICE), weight0.to(DEVICE))
+        bad = ids.clone()
+        bad[0, 0] = experts  # every rank alike: the ranks agree on the error
+        with pytest.raises(ValueError, match="topk_ids: found expert id"):  # from the op, at run time
+            compiled(x0.to(DEVICE), bad.to(DEVICE), w0.to(DEVICE), weight0.to(DEVICE))
