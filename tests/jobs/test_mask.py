@@ -1,0 +1,78 @@
+"""Issue 32: on_peer_loss="mask" keeps serving through a lost rank (docs/reliability.md,
+"Mask and continue"). Four ranks over torch.distributed on one host (mask_job.py); ranks are
+SIGKILLed in the middle of a loop of decode-sized calls."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("mask_job.py")
+WORLD = 4
+CALLS = 30
+DONE = r"done: (\d+) calls checked, (\d+) masked, masked \(([0-9, ]*)\).*fds \+(-?\d+), /dev/shm \+(-?\d+)"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "provider,kills,extra",
+    [
+        ("tcp", "3:8", ""),  # one loss mid-dispatch
+        ("shm", "3:8,1:15", ""),  # two losses, one after the other
+        ("tcp", "1:8,3:8", "renormalize"),  # two at once: survivors see them in either order
+    ],
+)
+def test_survivors_mask_the_lost_ranks_and_go_on(provider: str, kills: str, extra: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+    env |= {"WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env["MOE_A2A_ABORT_ON_ERROR"] = "0"
+    args = [sys.executable, str(SCRIPT), provider, str(CALLS), kills] + ([extra] if extra else [])
+    procs = [
+        subprocess.Popen(
+            args, env=env | {"RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for r in range(WORLD)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=200)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    killed = {int(r): int(c) for r, c in (k.split(":") for k in kills.split(","))}
+    text = "\n".join(outs)
+    kill_times = {int(m[1]): float(m[2]) for m in re.finditer(r"rank (\d+) killed at ([0-9.]+)", text)}
+    assert set(kill_times) == set(killed), text
+    for r, (p, out) in enumerate(zip(procs, outs, strict=True)):
+        if r in killed:
+            assert p.returncode == -9, f"rank {r} was not killed (rc {p.returncode})\n{out}"
+            continue
+        assert p.returncode == 0, f"rank {r} rc {p.returncode}\n{out}"
+        done = re.search(DONE, out)
+        assert done, out
+        masked = tuple(int(x) for x in done[3].split(",") if x.strip())
+        assert masked == tuple(sorted(killed)), out
+        # Every call but the one (or, for losses at different calls, ones) each loss failed.
+        assert int(done[1]) >= CALLS - len(set(killed.values())), out
+        assert int(done[2]) >= CALLS - max(killed.values()) - 2, out
+        assert int(done[4]) <= 0 and int(done[5]) <= 0, f"file descriptors or /dev/shm files grew\n{out}"
+        # From each kill to this survivor's first call that masks it: within a second.
+        for m in re.finditer(r"first call with \(([0-9, ]*)\) masked done at ([0-9.]+)", out):
+            lost = [int(x) for x in m[1].split(",") if x.strip()]
+            newest = max(kill_times[x] for x in lost)
+            took = float(m[2]) - newest
+            assert took < 1.0, f"rank {r} served masked {took:.2f} s after the kill\n{out}"
