@@ -3,8 +3,9 @@ with on_peer_loss="mask"; rank KILL SIGKILLs itself in the middle of call KILL_A
 decode-sized calls. Every survivor checks each call's output against the reference with the
 lost rank's experts masked, and prints one line per event.
 
-Not under mpirun: mpirun ends the whole job as soon as a rank dies. Environment: RANK,
-WORLD_SIZE, MASTER_ADDR, MASTER_PORT. Arguments: provider, calls, kills ("rank:call,..."),
+Over torch.distributed where RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set; else under
+mpirun, which ends the whole job as soon as a rank dies unless told not to (docs/peer-loss.md).
+Arguments: provider, calls, kills ("rank:call,..."),
 then "renormalize" or nothing.
 """
 
@@ -23,8 +24,18 @@ from moe_a2a import AllToAll, Config, PeerLostError
 provider, calls = sys.argv[1], int(sys.argv[2])
 kills = {int(r): int(c) for r, c in (kill.split(":") for kill in sys.argv[3].split(","))}
 renormalize = len(sys.argv) > 4 and sys.argv[4] == "renormalize"
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
+if "RANK" in os.environ:  # torch.distributed's variables (torchrun sets them too)
+    dist.init_process_group("gloo")
+    comm = dist.group.WORLD
+    rank, world = dist.get_rank(), dist.get_world_size()
+    PIDS = [0] * world
+    dist.all_gather_object(PIDS, os.getpid())
+else:  # mpirun, with a launcher option that keeps the survivors (docs/peer-loss.md)
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    PIDS = comm.allgather(os.getpid())
 E, K, T, H = 4 * world, 2, 4, 64
 cfg = Config(
     max_tokens=T,
@@ -35,7 +46,7 @@ cfg = Config(
     on_peer_loss="mask",
     mask_renormalize=renormalize,
 )
-a2a = AllToAll(cfg, dist.group.WORLD, provider=provider)
+a2a = AllToAll(cfg, comm, provider=provider)
 L = E // world
 
 
@@ -71,10 +82,6 @@ def reference(step: int, masked: tuple[int, ...]) -> torch.Tensor:
 
 def fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-PIDS = [0] * world
-dist.all_gather_object(PIDS, os.getpid())
 
 
 def shm_files() -> int:
