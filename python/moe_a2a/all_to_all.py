@@ -36,7 +36,7 @@ from moe_a2a.agreement import all_to_all_settings, check_agreement
 from moe_a2a.backends.common import Backend, RecvRequest, RowMath, Setup
 from moe_a2a.bootstrap import Bootstrap
 from moe_a2a.fabric import EngineLease, hint_universe_size
-from moe_a2a.masking import LiveRanks, mask_refused
+from moe_a2a.masking import LiveRanks
 from moe_a2a.nics import num_nics_default
 
 CapacityError = _core.CapacityError
@@ -124,13 +124,7 @@ class AllToAll:
         }
         topo = self._boot.topology
         self.rank, self.world_size = topo.rank, topo.world_size
-        self._live: LiveRanks | None = None  # on_peer_loss="mask": the ranks masked so far (moe_a2a.masking)
-        if cfg.on_peer_loss == "mask":
-            with self._boot.together("checking on_peer_loss"):
-                refused = mask_refused(device, topo.local_size, topo.world_size)
-                if refused is not None:
-                    raise ValueError(refused)
-            self._live = LiveRanks(cfg.num_experts, topo.world_size, topo.rank)
+        self._live = LiveRanks.of(self._boot, cfg, device)  # on_peer_loss="mask": ranks masked so far
         hint_universe_size(self.world_size)  # before anything starts libfabric in this process
         # A survivor that only raised would wait in MPI_Finalize for peers that wait for it.
         if abort_on_error is None:
@@ -234,9 +228,7 @@ class AllToAll:
         if not send and not recv:
             raise ValueError("dispatch: send and recv are both False; nothing to do")
         if rows is not PLAIN and self.masked_ranks:
-            raise ValueError(
-                f"dispatch: training extras with ranks {list(self.masked_ranks)} masked; expected none"
-            )
+            raise ValueError(f"dispatch: training extras with ranks {list(self.masked_ranks)} masked")
         rows.check_for("dispatch")
         in_place = resolve_in_place("dispatch", rows.in_place, send, recv)
         if not recv and (
@@ -320,12 +312,9 @@ class AllToAll:
         x, ids, weights, scale = self._checks.dispatch_inputs(x, topk_ids, topk_weights, routing)
         dropped = None
         if self._live is not None and self._live.experts is not None:  # a rank is masked
-            if routing is not None or keep_routing:
-                raise ValueError(
-                    f"dispatch: routing= and keep_routing= with ranks {list(self.masked_ranks)} masked; "
-                    "expected neither (cached calls after a loss are not built yet)"
-                )
-            ids, weights, dropped = self._live.drop(ids, weights, self.cfg.mask_renormalize)
+            ids, weights, dropped = self._live.drop(
+                ids, weights, self.cfg.mask_renormalize, routing, keep_routing
+            )
         if routing is not None and not self._backend.checks_ids:
             self._checks.own_row(routing, ids)
         matrix = routing.matrix if routing is not None else None

@@ -60,11 +60,34 @@ class LiveRanks:
         self.next_round = 1  # every survivor ends an agreement in the same round
         self.calls = 0  # dispatches that ran with a rank masked
 
+    @classmethod
+    def of(cls, boot: Any, cfg: Any, device: str) -> LiveRanks | None:
+        """An instance's, where cfg.on_peer_loss is "mask" (None otherwise); refused alike on
+        every rank where masking is not built."""
+        if cfg.on_peer_loss != "mask":
+            return None
+        topo = boot.topology
+        with boot.together("checking on_peer_loss"):
+            refused = mask_refused(device, topo.local_size, topo.world_size)
+            if refused is not None:
+                raise ValueError(refused)
+        return cls(cfg.num_experts, topo.world_size, topo.rank)
+
     def drop(
-        self, ids: torch.Tensor, weights: torch.Tensor, renormalize: bool
+        self,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        renormalize: bool,
+        routing: Any = None,
+        keep_routing: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ids with -1 for each dropped (token, k), the weights the call uses, dropped [T, topk])."""
         assert self.experts is not None
+        if routing is not None or keep_routing:
+            raise ValueError(
+                f"dispatch: routing= and keep_routing= with ranks {sorted(self.masked)} masked; "
+                "expected neither (cached calls after a loss are not built yet)"
+            )
         dropped = self.experts[ids.long()]
         self.calls += 1
         kept = weights.masked_fill(dropped, 0.0)

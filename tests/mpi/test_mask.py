@@ -1,7 +1,7 @@
 """on_peer_loss="mask" under the suite's mpirun (issue 32): with nobody lost it is a plain
 instance; where masking is not built (peers over the fabric, CUDA) every rank refuses it at
 construction. Losses themselves are tested outside mpirun, which ends a job whose rank dies:
-tests/jobs/test_mask.py."""
+tests/jobs/test_peer_loss.py."""
 
 from __future__ import annotations
 

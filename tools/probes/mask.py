@@ -3,7 +3,7 @@
   python tools/probes/mask.py loss --provider tcp --runs 5
   mpirun -n 4 python tools/probes/mask.py cost --blocks 20 --calls 200
 
-loss: starts tests/jobs/mask_job.py on 4 ranks over torch.distributed (one host), SIGKILLs
+loss: starts tests/jobs/peer_loss_job.py on 4 ranks over torch.distributed (one host), SIGKILLs
 rank 3 mid-dispatch, and prints each survivor's time from the kill to its first call with
 rank 3 masked completing (the agreement included).
 cost: decode-sized calls (8 tokens, hidden 256, 8 experts per rank, top-2) on one node with
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-JOB = Path(__file__).resolve().parents[2] / "tests" / "jobs" / "mask_job.py"
+JOB = Path(__file__).resolve().parents[2] / "tests" / "jobs" / "peer_loss_job.py"
 
 
 def loss(provider: str, runs: int) -> None:

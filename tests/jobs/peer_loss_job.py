@@ -1,4 +1,4 @@
-"""Run by test_mask.py: WORLD_SIZE ranks over torch.distributed (gloo) on one host, an AllToAll
+"""Run by test_peer_loss.py: WORLD_SIZE ranks over torch.distributed (gloo) on one host, an AllToAll
 with on_peer_loss="mask"; rank KILL SIGKILLs itself in the middle of call KILL_AT of a loop of
 decode-sized calls. Every survivor checks each call's output against the reference with the
 lost rank's experts masked, and prints one line per event.
@@ -86,7 +86,8 @@ def fds() -> int:
 
 def shm_files() -> int:
     """/dev/shm files of this job's processes (others' jobs may share the host)."""
-    return sum(any(str(pid) in name for pid in PIDS) for name in os.listdir("/dev/shm"))
+    ours = tuple(p for pid in PIDS for p in (f"moe-a2a-{pid}-", f"{pid}:"))  # workspaces, libfabric shm
+    return sum(name.startswith(ours) for name in os.listdir("/dev/shm"))
 
 
 killed_at = None
@@ -101,7 +102,7 @@ while a2a.epoch < calls:
     try:
         if kills.get(rank) == step:
             a2a.dispatch(x, ids, w, recv=False)  # mid-call: rows sent, nothing received
-            print(f"mask_job: rank {rank} killed at {time.time():.6f}", flush=True)
+            print(f"peer_loss_job: rank {rank} killed at {time.time():.6f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         d = a2a.dispatch(x, ids, w)
         start = d.tokens_per_expert.cumsum(0) - d.tokens_per_expert
@@ -112,7 +113,7 @@ while a2a.epoch < calls:
         out = a2a.combine(y, d)
     except PeerLostError as exc:
         print(
-            f"mask_job: rank {rank} masked {exc.lost} at {time.time():.6f} resume {exc.epoch}: {exc}",
+            f"peer_loss_job: rank {rank} masked {exc.lost} at {time.time():.6f} resume {exc.epoch}: {exc}",
             flush=True,
         )
         continue
@@ -123,7 +124,8 @@ while a2a.epoch < calls:
             seen_masked = len(masked)
             killed_at = time.time()
             print(
-                f"mask_job: rank {rank} first call with {masked} masked done at {killed_at:.6f}", flush=True
+                f"peer_loss_job: rank {rank} first call with {masked} masked done at {killed_at:.6f}",
+                flush=True,
             )
         assert d.dropped is not None and torch.equal(d.dropped, dropped), (step, d.dropped, dropped)
         masked_checked += 1
@@ -133,7 +135,7 @@ while a2a.epoch < calls:
     checked += 1
 grew = (fds() - fds_before, shm_files() - shm_before)
 print(
-    f"mask_job: rank {rank} done: {checked} calls checked, {masked_checked} masked, "
+    f"peer_loss_job: rank {rank} done: {checked} calls checked, {masked_checked} masked, "
     f"masked {a2a.masked_ranks}, masked_calls {a2a.masked_calls}, fds +{grew[0]}, /dev/shm +{grew[1]}",
     flush=True,
 )
