@@ -25,23 +25,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize(
-    "provider,kills,extra",
-    [
-        ("tcp", "3:8", ""),  # one loss mid-dispatch
-        ("shm", "3:8,1:15", ""),  # two losses, one after the other
-        ("tcp", "1:8,3:8", "renormalize"),  # two at once: survivors see them in either order
-    ],
-)
-def test_survivors_mask_the_lost_ranks_and_go_on(provider: str, kills: str, extra: str) -> None:
+def _launch(args: list[str]) -> tuple[list[subprocess.Popen[str]], list[str]]:
+    """WORLD ranks of `python args` over torch.distributed; their processes and outputs."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
     env |= {"WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     env["MOE_A2A_ABORT_ON_ERROR"] = "0"
-    args = [sys.executable, str(SCRIPT), provider, str(CALLS), kills] + ([extra] if extra else [])
     procs = [
         subprocess.Popen(
-            args, env=env | {"RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            [sys.executable, *args],
+            env=env | {"RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for r in range(WORLD)
     ]
@@ -53,6 +48,20 @@ def test_survivors_mask_the_lost_ranks_and_go_on(provider: str, kills: str, extr
         for p in procs:
             if p.poll() is None:
                 p.kill()
+    return procs, outs
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "provider,kills,extra",
+    [
+        ("tcp", "3:8", ""),  # one loss mid-dispatch
+        ("shm", "3:8,1:15", ""),  # two losses, one after the other
+        ("tcp", "1:8,3:8", "renormalize"),  # two at once: survivors see them in either order
+    ],
+)
+def test_survivors_mask_the_lost_ranks_and_go_on(provider: str, kills: str, extra: str) -> None:
+    procs, outs = _launch([str(SCRIPT), provider, str(CALLS), kills] + ([extra] if extra else []))
     killed = {int(r): int(c) for r, c in (k.split(":") for k in kills.split(","))}
     text = "\n".join(outs)
     kill_times = {int(m[1]): float(m[2]) for m in re.finditer(r"rank (\d+) killed at ([0-9.]+)", text)}
@@ -99,3 +108,18 @@ def test_mpirun_with_recovery_keeps_the_survivors_serving() -> None:
     for checked, masked_calls, masked, fds, shm in done:
         assert masked.strip(" ,") == "3" and int(checked) == CALLS - 1 and int(masked_calls) >= CALLS - 10
         assert int(fds) <= 0 and int(shm) <= 0, job.stdout
+
+
+@pytest.mark.timeout(240)
+def test_the_decode_layer_differs_from_the_full_model_only_where_routed_to_a_lost_expert() -> None:
+    """peer_loss_layer_job.py: MoELayer's decode forward (fp32) on 4 ranks, rank 3 killed at step 4:
+    each survivor's output equals the whole layer with rank 3's experts weighted 0, and after the
+    loss tokens with no expert on rank 3 equal the full model's."""
+    procs, outs = _launch([str(Path(__file__).with_name("peer_loss_layer_job.py"))])
+    assert procs[3].returncode == -9, outs[3]
+    for r in range(3):
+        assert procs[r].returncode == 0, outs[r]
+        found = re.search(
+            r"masked steps (\d+) untouched tokens equal True changed tokens (\d+) masked \(3,\)", outs[r]
+        )
+        assert found and int(found[1]) >= 6 and int(found[2]) > 0, outs[r]
