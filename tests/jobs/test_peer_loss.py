@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,55 @@ def test_the_decode_layer_differs_from_the_full_model_only_where_routed_to_a_los
             r"masked steps (\d+) untouched tokens equal True changed tokens (\d+) masked \(3,\)", outs[r]
         )
         assert found and int(found[1]) >= 6 and int(found[2]) > 0, outs[r]
+
+
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of MPI rank `rank`, a child of `launcher` (mpirun starts a host's ranks itself),
+    once it has mapped every workspace of its node (its AllToAll is built); None until then."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            if parent != launcher:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{entry}/maps") as f:
+                mapped = sum("/dev/shm/moe-a2a-" in line for line in f)
+        except OSError:
+            continue
+        if f"OMPI_COMM_WORLD_RANK={rank}".encode() in env and mapped >= WORLD:
+            return int(entry)
+    return None
+
+
+@pytest.mark.timeout(240)
+def test_moe_a2a_run_decode_serves_through_a_lost_rank() -> None:
+    """`moe-a2a run --mode decode --on-peer-loss mask` under mpirun --enable-recovery, rank 3
+    SIGKILLed while it serves: every survivor finishes and says how many calls ran masked."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+    run = ["moe-a2a", "run", "--mode", "decode", "--on-peer-loss", "mask", "--iters", "3000", "--warmup", "0"]
+    mpirun = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--enable-recovery", "-n", str(WORLD)]
+    job = subprocess.Popen(
+        [*mpirun, *run], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        victim = None
+        while victim is None and time.monotonic() < deadline and job.poll() is None:
+            victim = _rank_pid(job.pid, 3)
+            time.sleep(0.1)
+        assert victim is not None, "rank 3 never built its AllToAll"
+        time.sleep(1.0)  # well inside the 3000 steps
+        os.kill(victim, signal.SIGKILL)
+        out = job.communicate(timeout=200)[0]
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, out
+    lines = re.findall(r"rank (\d): rank\(s\) \[3\] lost at step (\d+); (\d+) of 3000 calls ran masked", out)
+    assert sorted(int(r) for r, _, _ in lines) == [0, 1, 2], out
+    for _, at, masked in lines:
+        assert int(masked) >= 3000 - int(at) - 2 and int(masked) > 0, out
