@@ -177,3 +177,18 @@ def test_dropped_weights_and_renormalisation() -> None:
     # Each token's remaining weights sum to what all of them did; a token with none left keeps zeros.
     assert torch.allclose(renorm, torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.4, 0.6]]))
     assert live.calls == 2
+
+
+def test_a_rank_that_dies_while_the_others_agree_is_masked_too(node: World) -> None:
+    """Rank 3 is already dead; rank 2 lives (never proposing) until 0.3 s into the agreement, then
+    dies: the survivors add it in a later round instead of timing out."""
+    pids = [os.getpid()] * SIZE
+    pids[3] = dead_pid()
+    doomed = subprocess.Popen(["sleep", "30"])
+    pids[2] = doomed.pid
+    threading.Timer(0.3, lambda: (doomed.kill(), doomed.wait())).start()
+    started = time.monotonic()
+    got = agree(node, [0, 1], pids, {0: [3]}, {0: 2, 1: 2}, timeout_s=10.0)
+    assert time.monotonic() - started < 3
+    assert got[0] == got[1], got
+    assert list(got[0][0]) == [0, 0, 1, 1]  # type: ignore[index]
