@@ -21,7 +21,8 @@ CpuAllToAll::CpuAllToAll(Workspace* workspace, fabric::ProxyEngine* engine, fabr
     if (is_masked(masked_, r) && !cfg_.same_node(r))
       throw std::invalid_argument("CpuAllToAll: masked: rank " + std::to_string(r) +
                                   " is on another node; only same-node peers can be masked so far");
-  call_.epoch = call_.done = first_epoch;
+  call_.epoch = first_epoch;  // a backend rebuilt after a loss: every earlier call counts as done
+  call_.done = first_epoch > 0 ? combine_phase(first_epoch) : 0;
   maps_.self = ws_->self();
   maps_.node = &ws_->node();
   call_.counts.assign(cfg_.routing_width(), 0);
