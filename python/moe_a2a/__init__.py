@@ -25,6 +25,7 @@ __all__ = [
     "FabricError",
     "FabricTimeoutError",
     "PeerFailedError",
+    "PeerLostError",
     "Routing",
     "__version__",
 ]
@@ -36,4 +37,8 @@ def __getattr__(name: str) -> Any:
         from moe_a2a import all_to_all
 
         return getattr(all_to_all, name)
+    if name == "PeerLostError":
+        from moe_a2a import masking
+
+        return masking.PeerLostError
     raise AttributeError(f"module 'moe_a2a' has no attribute {name!r}")

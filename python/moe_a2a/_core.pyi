@@ -429,7 +429,10 @@ class Workspace:
     def unlink(self) -> None: ...
 
 class CpuAllToAll:
-    def __init__(self, workspace: Workspace, engine: ProxyEngine | None, region: Region | None, group: Group | None, remote_peers: Sequence[int], pids: Sequence[int]) -> None: ...
+    def __init__(self, workspace: Workspace, engine: ProxyEngine | None, region: Region | None, group: Group | None, remote_peers: Sequence[int], pids: Sequence[int], masked: Sequence[int] = [], first_epoch: int = 0) -> None:
+        """
+        masked: per rank, 1 for a lost rank nobody waits for or sends to (empty: none); first_epoch: dispatches already started (the next call is epoch first_epoch + 1).
+        """
 
     def announce_failure(self, text: str) -> None: ...
 
@@ -483,6 +486,11 @@ class CpuAllToAll:
 
     @property
     def epoch(self) -> int: ...
+
+def agree_on_live(workspace: Workspace, pids: Sequence[int], dead: Sequence[int], epoch: int, first_round: int, timeout_s: float) -> tuple[list[int], int, int]:
+    """
+    Rounds of proposals in each rank's own workspace until every survivor proposes the same dead ranks; returns (dead per rank, the most dispatches any survivor started, the deciding round).
+    """
 
 HAVE_CUDA: bool = True
 

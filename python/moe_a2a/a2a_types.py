@@ -21,6 +21,7 @@ DEVICES = ("cpu", "cuda")
 # a token once per remote destination rank and combines it reduced there; "expert" sends one
 # row per (token, k) copy, as before. Same-node peers exchange copies in both.
 FABRIC_ROWS = ("rank", "expert")
+ON_PEER_LOSS = ("stop", "mask")
 PATHS = ("same_node", "fabric")
 
 # The core holds sizes and row indices as 32-bit ints.
@@ -47,6 +48,12 @@ class Config:
     max_recv_tokens: int | None = None
     timeout_s: float = 60.0
     fabric_rows: str = "rank"
+    # What a lost rank does to the survivors (docs/reliability.md, "Mask and continue"): "stop"
+    # (every rank's instance stops; training) or "mask" (they agree on the live ranks and go on
+    # without the lost rank's experts; serving, CPU backend, one node).
+    on_peer_loss: str = "stop"
+    # With a rank masked: scale each token's remaining weights to sum as its weights did.
+    mask_renormalize: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "hidden", "num_experts", "topk", "expert_padding"):
@@ -65,6 +72,10 @@ class Config:
             raise ValueError("fabric_rows: 'node' is not built yet; use 'rank' or 'expert'")
         if self.fabric_rows not in FABRIC_ROWS:
             raise ValueError(f"fabric_rows: got {self.fabric_rows!r}; expected one of {list(FABRIC_ROWS)}")
+        if self.on_peer_loss not in ON_PEER_LOSS:
+            raise ValueError(f"on_peer_loss: got {self.on_peer_loss!r}; expected one of {list(ON_PEER_LOSS)}")
+        if not isinstance(self.mask_renormalize, bool):
+            raise ValueError(f"mask_renormalize: got {self.mask_renormalize!r}; expected True or False")
         if self.max_private_tokens is not None:
             positive_int("max_private_tokens", self.max_private_tokens, minimum=0)
         if self.max_recv_tokens is not None:
@@ -143,6 +154,7 @@ class PendingDispatch:
     routing: Routing | None = field(repr=False, default=None)  # the call's, when cached
     keep_routing: bool = field(repr=False, default=False)
     topk_ids: torch.Tensor | None = field(repr=False, default=None)
+    dropped: torch.Tensor | None = field(repr=False, default=None)  # as Dispatched.dropped
 
 
 @dataclass
@@ -159,6 +171,9 @@ class Dispatched:
     routing: Routing | None = None  # with keep_routing=True, or the cached call's
     row_dot: torch.Tensor | None = None  # [rows] float32, with RowRequest(row_dot=...)
     row_weights: torch.Tensor | None = None  # [rows] float32, with RowRequest(row_weights=True)
+    # [tokens, topk] bool: True where (token, k)'s expert is on a masked rank, so that it went
+    # nowhere and adds nothing to combine (on_peer_loss="mask"); None while no rank is masked.
+    dropped: torch.Tensor | None = None
 
 
 @dataclass

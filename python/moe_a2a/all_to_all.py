@@ -36,6 +36,7 @@ from moe_a2a.agreement import all_to_all_settings, check_agreement
 from moe_a2a.backends.common import Backend, RecvRequest, RowMath, Setup
 from moe_a2a.bootstrap import Bootstrap
 from moe_a2a.fabric import EngineLease, hint_universe_size
+from moe_a2a.masking import LiveRanks
 from moe_a2a.nics import num_nics_default
 
 CapacityError = _core.CapacityError
@@ -65,6 +66,7 @@ def _counted(what: str) -> Callable[[F], F]:
             except CapacityError:
                 raise  # every rank raised it for the same call: the next one starts clean
             except BaseException as exc:  # KeyboardInterrupt too: a wait ends with it (wait.h)
+                self._mask_after_loss(what, exc)  # on_peer_loss="mask": raises PeerLostError
                 self._fail(what, exc)
                 raise
             finally:
@@ -122,6 +124,7 @@ class AllToAll:
         }
         topo = self._boot.topology
         self.rank, self.world_size = topo.rank, topo.world_size
+        self._live = LiveRanks.of(self._boot, cfg, device)  # on_peer_loss="mask": ranks masked so far
         hint_universe_size(self.world_size)  # before anything starts libfabric in this process
         # A survivor that only raised would wait in MPI_Finalize for peers that wait for it.
         if abort_on_error is None:
@@ -224,6 +227,8 @@ class AllToAll:
     ) -> Dispatched | PendingDispatch:
         if not send and not recv:
             raise ValueError("dispatch: send and recv are both False; nothing to do")
+        if rows is not PLAIN and self.masked_ranks:
+            raise ValueError(f"dispatch: training extras with ranks {list(self.masked_ranks)} masked")
         rows.check_for("dispatch")
         in_place = resolve_in_place("dispatch", rows.in_place, send, recv)
         if not recv and (
@@ -305,6 +310,11 @@ class AllToAll:
         if routing is not None:
             self._checks.routing(routing, x, topk_ids)
         x, ids, weights, scale = self._checks.dispatch_inputs(x, topk_ids, topk_weights, routing)
+        dropped = None
+        if self._live is not None and self._live.experts is not None:  # a rank is masked
+            ids, weights, dropped = self._live.drop(
+                ids, weights, self.cfg.mask_renormalize, routing, keep_routing
+            )
         if routing is not None and not self._backend.checks_ids:
             self._checks.own_row(routing, ids)
         matrix = routing.matrix if routing is not None else None
@@ -319,6 +329,7 @@ class AllToAll:
             routing=routing,
             keep_routing=keep_routing and routing is None,
             topk_ids=ids,
+            dropped=dropped,
         )
 
     def _check_owner(self, what: str, handle: Any) -> None:
@@ -366,6 +377,7 @@ class AllToAll:
             routing=routing,
             row_dot=dot,
             row_weights=weights,
+            dropped=handle.dropped,
         )
         self._last, self._last_cached = weakref.ref(d), handle.routing is not None
         return d
@@ -497,6 +509,35 @@ class AllToAll:
                 "at a time"
             )
 
+    @property
+    def masked_ranks(self) -> tuple[int, ...]:
+        """Ranks lost and masked so far (on_peer_loss="mask"); the same on every survivor."""
+        return tuple(sorted(self._live.masked)) if self._live is not None else ()
+
+    @property
+    def masked_calls(self) -> int:
+        """Dispatches this rank ran with a rank masked."""
+        return self._live.calls if self._live is not None else 0
+
+    def _mask_after_loss(self, what: str, exc: BaseException) -> None:
+        """on_peer_loss="mask" and a peer's process gone: agree with the survivors, rebuild the
+        backend without the lost ranks and raise PeerLostError (the instance stays usable)."""
+        if self._live is None or self._setup is None:
+            return
+        epoch = self._backend.epoch
+        try:
+            outcome = self._live.recover(self._backend, self._setup, what, exc, self.cfg.timeout_s)
+        except BaseException as agreeing:
+            self._failure = (
+                f"call {self._calls} ({what}, epoch {epoch}) on rank {self.rank}: {exc}; {agreeing}"
+            )
+            raise
+        if outcome is None:
+            return
+        self._backend, error = outcome
+        self._state, self._last = "idle", None
+        raise error from exc
+
     def _fail(self, what: str, exc: BaseException) -> None:
         """Stop this instance after a failed call, and tell the peers, whose calls cannot pair with ours."""
         epoch = self._backend.epoch
@@ -558,7 +599,9 @@ class AllToAll:
         if self._setup is None or process.in_forked_child(self._pid):
             return  # a forked child's copy: the parent's workspace, engine and proxy are not its own
         self._check_idle("close")
-        settled = wait_for_peers and self._failure is None
+        # With a rank masked no collective of the launcher can run (it would wait for the dead rank);
+        # on one node (mask's only layout) a peer writes through its own mapping, so nothing to wait for.
+        settled = wait_for_peers and self._failure is None and not self.masked_ranks
         if settled:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # our own writes into peers are done

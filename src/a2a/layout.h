@@ -45,6 +45,7 @@ struct Layout {
   size_t combine_recv = 0;
   size_t aborts = 0;
   size_t routing_stamps = 0;
+  size_t votes = 0;  // this rank's proposal when survivors agree on the live ranks (live_ranks.h)
   size_t total = 0;
   size_t dispatch_row = 0;
   size_t combine_row = 0;
@@ -79,6 +80,7 @@ struct Layout {
     l.combine_recv = section(max_copies * l.combine_row);
     l.aborts = section(world * kAbortStride);
     l.routing_stamps = section(world * kFlagStride);
+    l.votes = section(2 * sizeof(uint64_t) + (world + 63) / 64 * sizeof(uint64_t));
     l.total = at;
     return l;
   }

@@ -19,6 +19,7 @@
 #include "fabric/proxy_engine.h"
 #include "fabric/error.h"
 #include "layout.h"
+#include "live_ranks.h"
 #include "signals.h"
 
 namespace moe_a2a::a2a {
@@ -40,6 +41,7 @@ struct PeerWatch {
   fabric::ProxyEngine* engine = nullptr;  // null when no peer is remote
   std::vector<int> remote_peers;
   std::vector<int> pids;  // index = rank: its pid where it runs on this host, else 0
+  Masked masked;          // ranks nobody waits for any more (live_ranks.h)
   // Abort arrivals already counted when we started (a failed instance that
   // used our tag slot before us); only later ones are news.
   std::vector<uint64_t> seen_aborts;
@@ -49,8 +51,14 @@ struct PeerWatch {
 
   PeerWatch() = default;
   PeerWatch(const A2AConfig& c, const Layout& l, uint8_t* ws, fabric::ProxyEngine* e, std::vector<int> remotes,
-            std::vector<int> peer_pids)
-      : cfg(c), layout(l), workspace(ws), engine(e), remote_peers(std::move(remotes)), pids(std::move(peer_pids)) {
+            std::vector<int> peer_pids, Masked m = {})
+      : cfg(c),
+        layout(l),
+        workspace(ws),
+        engine(e),
+        remote_peers(std::move(remotes)),
+        pids(std::move(peer_pids)),
+        masked(std::move(m)) {
     for (int s : remote_peers) seen_aborts.push_back(engine->imm_count(abort_tag(), s));
   }
 
@@ -63,7 +71,7 @@ struct PeerWatch {
     if (workspace == nullptr || (now < next && !force)) return;
     next = now + kInterval;
     for (int s = 0; s < cfg.world; ++s) {
-      if (s == cfg.rank || !cfg.same_node(s)) continue;
+      if (s == cfg.rank || !cfg.same_node(s) || is_masked(masked, s)) continue;
       const AbortRecord* rec = abort_at(workspace, layout, s);
       if (rec->state.load(std::memory_order_acquire) != 0 && rec->done < phase) announced(s, rec);
     }
@@ -82,14 +90,13 @@ struct PeerWatch {
     if (now < next_pids && !force) return;
     next_pids = now + kPidInterval;
     for (int s = 0; s < static_cast<int>(pids.size()); ++s) {
-      if (s == cfg.rank || pids[s] <= 0) continue;
+      if (s == cfg.rank || pids[s] <= 0 || is_masked(masked, s)) continue;
       if (gone(pids[s]))
         throw fabric::FabricError("rank " + std::to_string(cfg.rank) + ": peer " + std::to_string(s) + " (pid " +
                                   std::to_string(pids[s]) + " on this host) is gone: it exited or was killed");
     }
   }
 
- private:
   // No such process, or a zombie that its parent has not reaped yet (a
   // launcher that polls its children every few seconds).
   static bool gone(int pid) {
@@ -105,6 +112,7 @@ struct PeerWatch {
     return state != nullptr && state[1] == ' ' && (state[2] == 'Z' || state[2] == 'X');
   }
 
+ private:
   [[noreturn]] void announced(int s, const AbortRecord* rec) const {
     std::string text(rec->text, strnlen(rec->text, sizeof(rec->text)));
     throw PeerFailedError("rank " + std::to_string(cfg.rank) + ": peer " + std::to_string(s) +

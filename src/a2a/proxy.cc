@@ -37,7 +37,7 @@ std::vector<size_t> serving_order(const ProxyContext& ctx) {
 
 Proxy::Proxy(ProxyContext ctx)
     : ctx_(std::move(ctx)), order_(serving_order(ctx_)), delay_ms_(env_count("MOE_A2A_TEST_DELAY_WRITES_MS")) {
-  watch_ = PeerWatch(ctx_.config, ctx_.layout, ctx_.workspace, ctx_.engine, ctx_.remote_peers, ctx_.pids);
+  watch_ = PeerWatch(ctx_.config, ctx_.layout, ctx_.workspace, ctx_.engine, ctx_.remote_peers, ctx_.pids, ctx_.masked);
   const A2AConfig& c = ctx_.config;
   group_index_.assign(c.world, -1);
   for (size_t i = 0; i < ctx_.remote_peers.size(); ++i) group_index_[ctx_.remote_peers[i]] = static_cast<int>(i);
@@ -96,7 +96,7 @@ void Proxy::check_stamps(bool force, bool node) {
   next_stamps_ = now + PeerWatch::kInterval;
   if (node)
     for (int s = 0; s < c.world; ++s)
-      if (c.same_node(s)) check_node_stamps(c, ctx_.layout, ctx_.workspace, at_, s);
+      if (node_peer(s)) check_node_stamps(c, ctx_.layout, ctx_.workspace, at_, s);
   RoutingView view{routing_.data(), c.world, c.num_experts, c.num_local_experts()};
   for (size_t i = 0; i < ctx_.remote_peers.size(); ++i) {
     const int s = ctx_.remote_peers[i];
@@ -161,7 +161,7 @@ bool Proxy::wait_signal(const Seq& seq, uint64_t epoch, bool next_call) {
 }
 
 void Proxy::run() {
-  for (uint64_t epoch = 1;; ++epoch) {
+  for (uint64_t epoch = ctx_.first_epoch + 1;; ++epoch) {
     try {
       if (!wait_signal(ctx_.signals->route_ready, epoch, true)) return;
       step(epoch);
@@ -181,7 +181,7 @@ void Proxy::wait_node_flags(FlagKind kind, uint64_t epoch, const char* what) {
   const A2AConfig& c = ctx_.config;
   auto deadline = deadline_after(c.timeout_s);
   for (int s = 0; s < c.world; ++s) {
-    if (!c.same_node(s)) continue;
+    if (!node_peer(s)) continue;
     auto* flag = flag_at(ctx_.workspace, ctx_.layout, s, kind);
     if (!wait_at_least(flag, epoch, deadline, [this] { on_idle(true); }))
       throw fabric::TimeoutError("rank " + std::to_string(c.rank) + ": timed out after " +
@@ -201,7 +201,7 @@ void Proxy::exchange_routing(uint64_t epoch) {
     throw fabric::TimeoutError(e.what() + std::string(kCachedMismatchHint));
   }
   int same_node_peers = 0;
-  for (int r = 0; r < c.world; ++r) same_node_peers += r != c.rank && c.same_node(r);
+  for (int r = 0; r < c.world; ++r) same_node_peers += r != c.rank && node_peer(r);
   rows_received_.fetch_add(ctx_.remote_peers.size() + same_node_peers, std::memory_order_relaxed);
 }
 
@@ -209,7 +209,7 @@ void Proxy::node_barrier(uint64_t epoch) {
   const A2AConfig& c = ctx_.config;
   at_.combining = true;  // from here a peer may pass this call
   for (int r = 0; r < c.world; ++r)
-    if (c.same_node(r)) flag_at(ctx_.node_workspaces[r], ctx_.layout, c.rank, kFlagBarrier)->store(epoch, std::memory_order_release);
+    if (node_peer(r)) flag_at(ctx_.node_workspaces[r], ctx_.layout, c.rank, kFlagBarrier)->store(epoch, std::memory_order_release);
   wait_node_flags(kFlagBarrier, epoch, "barrier");
   if (ctx_.remote_peers.empty()) return;
   ctx_.engine->barrier(ctx_.group, tag(kTagBarrier), c.timeout_s, [this] { on_idle(); });
@@ -352,7 +352,7 @@ bool Proxy::routes_in(uint64_t epoch) const {
   for (int s : ctx_.remote_peers)
     if (ctx_.engine->imm_count(tag(kTagRoute), s) < 1) return false;
   for (int s = 0; s < c.world; ++s)
-    if (c.same_node(s) && flag_at(ctx_.workspace, ctx_.layout, s, kFlagRoute)->load(std::memory_order_acquire) < epoch)
+    if (node_peer(s) && flag_at(ctx_.workspace, ctx_.layout, s, kFlagRoute)->load(std::memory_order_acquire) < epoch)
       return false;
   return true;
 }
@@ -366,6 +366,7 @@ bool Proxy::take_routes(uint64_t epoch) {
     exchange_routing(epoch);
     const auto* live = reinterpret_cast<const uint32_t*>(ctx_.workspace + ctx_.layout.routing);
     routing_.assign(live, live + static_cast<size_t>(c.world) * ctx_.layout.routing_width);
+    zero_masked_rows();
   }
   at_.routed = true;
   const Overflow worst = worst_overflow(c, routing_.data());
@@ -374,6 +375,12 @@ bool Proxy::take_routes(uint64_t epoch) {
   std::lock_guard<std::mutex> lock(mu_);
   overflow_ = capacity_message(c, worst);
   return false;
+}
+
+void Proxy::zero_masked_rows() {
+  const size_t width = ctx_.layout.routing_width;
+  for (int s = 0; s < ctx_.config.world; ++s)
+    if (is_masked(ctx_.masked, s)) std::fill_n(routing_.begin() + static_cast<std::ptrdiff_t>(s * width), width, 0u);
 }
 
 // Over capacity: every peer still gets its private part (receivers expect

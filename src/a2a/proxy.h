@@ -48,6 +48,11 @@ struct ProxyContext {
   // may block, and it polls only while a call is under way.
   bool caller_arms = false;
   PeerSignals peers;  // per-peer flags, [world] each
+  // Ranks lost and masked (live_ranks.h): never waited for, never sent to.
+  Masked masked;
+  // The dispatches already started (by an instance this one replaces after a
+  // loss): the proxy's first call is the next one.
+  uint64_t first_epoch = 0;
 };
 
 // The context of a rank's proxy: its workspace (and the node's mappings), the
@@ -129,6 +134,10 @@ class Proxy {
   bool combine(uint64_t epoch);
   void delay_writes();
   void node_barrier(uint64_t epoch);
+  // A same-node peer we exchange flags with: not us, not masked.
+  bool node_peer(int r) const { return ctx_.config.same_node(r) && !is_masked(ctx_.masked, r); }
+  // The routing matrix's rows of masked ranks, stale (their last row), are zero for this call.
+  void zero_masked_rows();
   void wait_node_flags(FlagKind kind, uint64_t epoch, const char* what);
   void wait_imm(Tag kind, int peer, uint64_t count);  // and counts what it took (call stamps)
   // Slice `index` of part `part` from `peer` (one write); the first of a part counts for the call stamps.

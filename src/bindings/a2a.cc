@@ -7,12 +7,15 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 #include <cstring>
 
 #include "a2a/cpu/convert.h"
 #include "a2a/cpu/cpu_all_to_all.h"
 #include "a2a/errors.h"
+#include "a2a/live_ranks.h"
+#include "a2a/peer_watch.h"
 #include "a2a/memory_plan.h"
 #include "a2a/workspace.h"
 #include "pointers.h"
@@ -143,6 +146,31 @@ void bind_a2a(nb::module_& m) {
       .def("unlink", &Workspace::unlink);
 
   bind_cpu_all_to_all(m);
+
+  // Mask and continue (live_ranks.h): every survivor of the node gets the same answer.
+  m.def(
+      "agree_on_live",
+      [](const Workspace& ws, const std::vector<int>& pids, const std::vector<uint8_t>& dead, uint64_t epoch,
+         uint64_t first_round, double timeout_s) {
+        const A2AConfig& c = ws.config();
+        for (int r = 0; r < c.world; ++r)
+          if (!c.same_node(r))
+            throw std::invalid_argument("agree_on_live: rank " + std::to_string(r) +
+                                        " is on another node; survivors agree over the node's shared memory only");
+        auto gone = [&pids](int r) {
+          return r < static_cast<int>(pids.size()) && pids[r] > 0 && PeerWatch::gone(pids[r]);
+        };
+        Agreement a;
+        {
+          nb::gil_scoped_release unlocked;
+          a = agree_on_live(c, ws.layout(), ws.node(), dead, epoch, first_round, timeout_s, gone);
+        }
+        return std::make_tuple(a.dead, a.epoch, a.round);
+      },
+      nb::arg("workspace"), nb::arg("pids"), nb::arg("dead"), nb::arg("epoch"), nb::arg("first_round"),
+      nb::arg("timeout_s"),
+      "Rounds of proposals in each rank's own workspace until every survivor proposes the same dead ranks; "
+      "returns (dead per rank, the most dispatches any survivor started, the deciding round).");
 }
 
 namespace {
@@ -155,12 +183,17 @@ void bind_cpu_all_to_all(nb::module_& m) {
           "__init__",
           [](cpu::CpuAllToAll* a, Workspace* ws, moe_a2a::fabric::ProxyEngine* engine,
              std::optional<moe_a2a::fabric::RegionId> region, std::optional<moe_a2a::fabric::GroupId> group,
-             const std::vector<int>& remote_peers, const std::vector<int>& pids) {
+             const std::vector<int>& remote_peers, const std::vector<int>& pids, const std::vector<uint8_t>& masked,
+             uint64_t first_epoch) {
             new (a) cpu::CpuAllToAll(ws, engine, region.value_or(moe_a2a::fabric::RegionId{}),
-                                     group.value_or(moe_a2a::fabric::GroupId{}), remote_peers, pids);
+                                     group.value_or(moe_a2a::fabric::GroupId{}), remote_peers, pids, masked,
+                                     first_epoch);
           },
           nb::arg("workspace"), nb::arg("engine").none(), nb::arg("region").none(), nb::arg("group").none(),
-          nb::arg("remote_peers"), nb::arg("pids"), nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>())
+          nb::arg("remote_peers"), nb::arg("pids"), nb::arg("masked") = std::vector<uint8_t>{},
+          nb::arg("first_epoch") = 0, nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>(),
+          "masked: per rank, 1 for a lost rank nobody waits for or sends to (empty: none); first_epoch: "
+          "dispatches already started (the next call is epoch first_epoch + 1).")
       .def("announce_failure", &cpu::CpuAllToAll::announce_failure, nb::arg("text"), release())
       .def(
           "dispatch_send",

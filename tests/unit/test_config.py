@@ -58,3 +58,22 @@ def test_default_receive_capacity_must_fit_the_core() -> None:
         Config(max_tokens=2**28, hidden=8, num_experts=64, topk=4, max_recv_tokens=2**30).resolved(8)[1]
         == 2**30
     )
+
+
+def test_on_peer_loss_is_stop_or_mask() -> None:
+    assert Config(max_tokens=4, hidden=8, num_experts=4, topk=2).on_peer_loss == "stop"  # training's
+    assert Config(max_tokens=4, hidden=8, num_experts=4, topk=2, on_peer_loss="mask").on_peer_loss == "mask"
+    with pytest.raises(ValueError, match=r"on_peer_loss: got 'drop'; expected one of \['stop', 'mask'\]"):
+        Config(max_tokens=4, hidden=8, num_experts=4, topk=2, on_peer_loss="drop")
+    with pytest.raises(ValueError, match="mask_renormalize: got 1; expected True or False"):
+        Config(max_tokens=4, hidden=8, num_experts=4, topk=2, mask_renormalize=1)  # type: ignore[arg-type]
+
+
+def test_mask_is_refused_where_it_is_not_built() -> None:
+    from moe_a2a.masking import mask_refused
+
+    assert mask_refused("cpu", 4, 4) is None
+    cuda = mask_refused("cuda", 4, 4)
+    assert cuda is not None and "device='cuda' is not built yet" in cuda and "CUDA graph" in cuda
+    fabric = mask_refused("cpu", 2, 4)
+    assert fabric is not None and "every rank on one node (got 2 ranks per node of 4)" in fabric

@@ -17,11 +17,20 @@ class CpuBackend:
     ids_dtypes: tuple[torch.dtype, ...] = (torch.int32,)
     checks_ids = False  # the front end checks the id range (no stream to synchronise)
 
-    def __init__(self, setup: Setup) -> None:
+    def __init__(self, setup: Setup, masked: list[int] | None = None, first_epoch: int = 0) -> None:
+        """`masked` (per rank, 1: lost) and `first_epoch` (dispatches already started): a backend
+        rebuilt after a loss (moe_a2a.masking)."""
         self.cfg = setup.cfg
         engine = setup.engine.core if setup.engine is not None else None  # None: no remote peer
         self._impl = _core.CpuAllToAll(
-            setup.workspace, engine, setup.region, setup.group, setup.remote_peers, setup.pids
+            setup.workspace,
+            engine,
+            setup.region,
+            setup.group,
+            setup.remote_peers,
+            setup.pids,
+            masked or [],
+            first_epoch,
         )
 
     @property

@@ -96,6 +96,14 @@ def _add_run_group(run: Any) -> None:
         help="--verify refuses when the whole layer's weights exceed this on rank 0 (default: %(default)s)",
     )
     run.add_argument("--trace", metavar="PATH", help="write an HDF5 trace of the run (from rank 0)")
+    run.add_argument(
+        "--on-peer-loss",
+        choices=("stop", "mask"),
+        default="stop",
+        help="a rank whose process dies: every rank stops (default), or the survivors keep serving "
+        "without its experts (--mode decode or prefill, CPU, one node; under a launcher that keeps "
+        "them, such as mpirun --enable-recovery; docs/peer-loss.md)",
+    )
     report.add_progress_argument(run)
 
 
@@ -293,6 +301,11 @@ def validate_args(args: argparse.Namespace) -> MoEShape:
         raise UsageError(f"--verify-max-gib: got {args.verify_max_gib}; expected a positive number")
     if args.routing != "router" and args.max_nodes is not None:
         raise UsageError("--max-nodes: limits the router's choice; use it with --routing router")
+    if args.on_peer_loss == "mask" and (args.mode == "train" or args.verify or args.trace):
+        what = "--mode train" if args.mode == "train" else "--verify" if args.verify else "--trace"
+        raise UsageError(
+            f"--on-peer-loss mask: serving only, without {what} (its collectives would wait for a lost rank)"
+        )
     if args.routing != "skewed" and args.skew != 1.0:
         raise UsageError(f"--skew: applies to --routing skewed, got --routing {args.routing}")
     return shape
@@ -341,4 +354,5 @@ def a2a_config(args: argparse.Namespace, shape: MoEShape, tokens: int) -> Any:
         expert_padding=args.expert_padding,
         max_private_tokens=args.max_private_tokens,
         max_recv_tokens=args.max_recv_tokens,
+        on_peer_loss=getattr(args, "on_peer_loss", "stop"),
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from moe_a2a import report
+from moe_a2a import PeerLostError, report
 from moe_a2a.layers.presets import MoEShape
 from moe_a2a.layers.run_args import PROG, a2a_config
 from moe_a2a.layers.run_inputs import generator, random_routing, skewed_popularity
@@ -59,8 +59,10 @@ def run_inference(
     worst = 0.0
     limit = tolerance(args.dispatch_dtype, args.combine_dtype, weight_dtype)
     failures: list[str] = []
+    lost_at: int | None = None  # --on-peer-loss mask: the step at which a rank was lost
     try:
-        for step in range(total_iters):
+        while a2a.epoch < total_iters:  # one dispatch a step; after a loss every survivor resumes alike
+            step = a2a.epoch
             it = step - args.warmup  # measured iteration index, negative during warm-up
             gen = generator(args.seed, "tokens", rank, step)
             x = torch.randn(tokens, shape.hidden, generator=gen).to(device=device, dtype=weight_dtype)
@@ -71,11 +73,17 @@ def run_inference(
                     tokens, shape.num_experts, shape.topk, gen, popularity
                 )
                 topk_ids, topk_weights = topk_ids.to(device), topk_weights.to(device)
-            # Start together, so each phase measures the layer and not the ranks' skew.
-            comm.Barrier()
-            timer = phase_timer(recorder, it, device) if it >= 0 else None
-            out = layer.forward(x, a2a, topk_ids, topk_weights, timer=timer)
-            if it >= 0:
+            # Start together, so each phase measures the layer and not the ranks' skew. Not with
+            # --on-peer-loss mask: a rank lost while the others wait in it would hold them forever.
+            if args.on_peer_loss == "stop":
+                comm.Barrier()
+            timer = phase_timer(recorder, it, device) if it >= 0 and lost_at is None else None
+            try:
+                out = layer.forward(x, a2a, topk_ids, topk_weights, timer=timer)
+            except PeerLostError:  # --on-peer-loss mask: this step's tokens got no output
+                lost_at = step if lost_at is None else lost_at
+                continue
+            if it >= 0 and lost_at is None:
                 record_counts(recorder, it, layer, a2a)
                 if args.verify:
                     rel_err = _verify(comm, full, x, topk_ids, topk_weights, out, args.dispatch_dtype)
@@ -91,6 +99,8 @@ def run_inference(
         raise
     progress.close()
     rows_path = a2a.rows_path
+    if lost_at is not None:
+        _served_through_a_loss(args, a2a, rank, lost_at, total_iters)
     a2a.close()
 
     footer = []
@@ -100,7 +110,25 @@ def run_inference(
             f"over {args.iters} iterations x {world} ranks"
         )
         footer += [f"  {f}" for f in failures[:5]]
+    if args.on_peer_loss == "mask":
+        footer.append("on peer loss: mask; no rank was lost (0 calls ran masked)")
     return finish(comm, recorder, args, shape, tokens, topology, provider, footer, bool(failures), rows_path)
+
+
+def _served_through_a_loss(args: argparse.Namespace, a2a: Any, rank: int, lost_at: int, total: int) -> None:
+    """Each survivor's own summary, then the end of the process: the job's summary, and MPI's
+    finalisation, are collectives that would wait for the lost rank."""
+    import os
+    import sys
+
+    print(
+        f"{PROG} {args.mode}: rank {rank}: rank(s) {list(a2a.masked_ranks)} lost at step {lost_at}; "
+        f"{a2a.masked_calls} of {total} calls ran masked; the job's summary (a collective) is skipped",
+        flush=True,
+    )
+    a2a.close()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _verify(

@@ -19,6 +19,10 @@ void reduce_combine(const CombineRecvParams& p) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int k = 0; k < K; ++k) {
       const int i = t * K + k;
+      if (p.slots[i] < 0) {  // dropped (a masked rank's expert): contributes nothing
+        if (p.values_out != nullptr) p.values_out[i] = 0.0f;
+        continue;
+      }
       const uint8_t* row = rows + static_cast<size_t>(p.slots[i]) * crow;
       const int entry = p.entry_of_copy[i];  // -1: a row of its own
       if (entry <= 0) accumulate_row(acc.data(), entry < 0 ? p.weights[i] : 1.0f, row, c.combine_dtype, H);

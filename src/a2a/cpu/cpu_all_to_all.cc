@@ -10,8 +10,19 @@
 namespace moe_a2a::a2a::cpu {
 
 CpuAllToAll::CpuAllToAll(Workspace* workspace, fabric::ProxyEngine* engine, fabric::RegionId region,
-                         fabric::GroupId group, const std::vector<int>& remote_peers, const std::vector<int>& pids)
-    : ws_(workspace), engine_(engine), cfg_(workspace->config()), layout_(workspace->layout()) {
+                         fabric::GroupId group, const std::vector<int>& remote_peers, const std::vector<int>& pids,
+                         const Masked& masked, uint64_t first_epoch)
+    : ws_(workspace), engine_(engine), masked_(masked), cfg_(workspace->config()), layout_(workspace->layout()) {
+  if (!masked_.empty() && masked_.size() != static_cast<size_t>(cfg_.world))
+    throw std::invalid_argument("CpuAllToAll: masked: got " + std::to_string(masked_.size()) +
+                                " entries; expected none or one per rank (" + std::to_string(cfg_.world) + ")");
+  if (is_masked(masked_, cfg_.rank)) throw std::invalid_argument("CpuAllToAll: masked: this rank is masked");
+  for (int r = 0; r < cfg_.world; ++r)
+    if (is_masked(masked_, r) && !cfg_.same_node(r))
+      throw std::invalid_argument("CpuAllToAll: masked: rank " + std::to_string(r) +
+                                  " is on another node; only same-node peers can be masked so far");
+  call_.epoch = first_epoch;  // a backend rebuilt after a loss: every earlier call counts as done
+  call_.done = first_epoch > 0 ? combine_phase(first_epoch) : 0;
   maps_.self = ws_->self();
   maps_.node = &ws_->node();
   call_.counts.assign(cfg_.routing_width(), 0);
@@ -26,12 +37,14 @@ CpuAllToAll::CpuAllToAll(Workspace* workspace, fabric::ProxyEngine* engine, fabr
   for (int near = 0; near < 2; ++near)
     for (int d = 1; d <= cfg_.world; ++d) {
       const int r = (cfg_.rank + d) % cfg_.world;
-      if (cfg_.same_node(r) == (near == 1)) send_order_.push_back(r);
+      if (cfg_.same_node(r) == (near == 1) && !is_masked(masked_, r)) send_order_.push_back(r);
     }
   ProxyContext ctx = proxy_context(*ws_, engine, region, group, remote_peers, &signals_, peers_, pids);
   ctx.caller_wakes = true;  // every flag of ours is raised by a call on this thread
+  ctx.masked = masked_;
+  ctx.first_epoch = first_epoch;
   proxy_ = std::make_unique<Proxy>(std::move(ctx));
-  watch_ = PeerWatch(cfg_, layout_, ws_->self(), engine, remote_peers, pids);
+  watch_ = PeerWatch(cfg_, layout_, ws_->self(), engine, remote_peers, pids, masked_);
 }
 
 CpuAllToAll::~CpuAllToAll() { proxy_.reset(); }
@@ -51,7 +64,7 @@ void CpuAllToAll::check_stamps(bool force) {
   if (now < next_stamps_ && !force) return;
   next_stamps_ = now + PeerWatch::kInterval;
   for (int s = 0; s < cfg_.world; ++s)
-    if (cfg_.same_node(s)) check_node_stamps(cfg_, layout_, maps_.self, call_.at, s);
+    if (node_peer(s)) check_node_stamps(cfg_, layout_, maps_.self, call_.at, s);
 }
 
 void CpuAllToAll::wait_proxy(const Seq& seq, const char* what) {
@@ -64,14 +77,14 @@ void CpuAllToAll::wait_proxy(const Seq& seq, const char* what) {
 
 void CpuAllToAll::signal_node(FlagKind kind) {
   for (int r = 0; r < cfg_.world; ++r)
-    if (cfg_.same_node(r))
+    if (node_peer(r))
       flag_at(maps_.of(r), layout_, cfg_.rank, kind)->store(call_.epoch, std::memory_order_release);
 }
 
 void CpuAllToAll::wait_node(FlagKind kind, const char* what) {
   auto deadline = deadline_after(cfg_.timeout_s);
   for (int s = 0; s < cfg_.world; ++s) {
-    if (!cfg_.same_node(s)) continue;
+    if (!node_peer(s)) continue;
     if (!wait_at_least(flag_at(maps_.self, layout_, s, kind), call_.epoch, deadline, [this] { check_failed(); }))
       throw fabric::TimeoutError("rank " + std::to_string(cfg_.rank) + ": timed out after " +
                                  std::to_string(cfg_.timeout_s) + " s waiting for the " + what + " of same-node peer " +
@@ -143,7 +156,7 @@ void CpuAllToAll::publish_routing(const uint32_t* routing) {
   }
   const size_t row_bytes = call_.counts.size() * sizeof(uint32_t);
   for (int r = 0; r < cfg_.world; ++r) {
-    if (!cfg_.same_node(r)) continue;
+    if (!node_peer(r)) continue;
     std::memcpy(maps_.of(r) + layout_.routing_row(cfg_.rank), call_.counts.data(), row_bytes);
     rows_sent_ += r != cfg_.rank;
   }
@@ -161,6 +174,10 @@ uint64_t CpuAllToAll::dispatch_wait() {
   } else {
     const auto* matrix = reinterpret_cast<const uint32_t*>(maps_.self + layout_.routing);
     call_.routing.assign(matrix, matrix + static_cast<size_t>(cfg_.world) * cfg_.routing_width());
+    for (int s = 0; s < cfg_.world; ++s)  // a lost rank's last row is stale: it sends nothing
+      if (is_masked(masked_, s))
+        std::fill_n(call_.routing.begin() + static_cast<std::ptrdiff_t>(s) * cfg_.routing_width(),
+                    cfg_.routing_width(), 0u);
   }
   RoutingView view{call_.routing.data(), cfg_.world, cfg_.num_experts, cfg_.num_local_experts()};
   call_.plan = make_recv_plan(view, cfg_.rank, cfg_.max_private_tokens, cfg_.expert_padding);
@@ -216,8 +233,9 @@ void CpuAllToAll::dispatch_unpack(const DispatchUnpackArgs& args) {
 // others' are still on the wire.
 void CpuAllToAll::unpack_as_they_land(const DispatchRecvParams& p) {
   const auto deadline = deadline_after(cfg_.caller_timeout_s());
-  std::vector<int> pending(cfg_.world);
-  for (int s = 0; s < cfg_.world; ++s) pending[s] = s;
+  std::vector<int> pending;
+  for (int s = 0; s < cfg_.world; ++s)
+    if (!is_masked(masked_, s)) pending.push_back(s);
   call_.unpack_order.clear();
   Backoff backoff;
   while (!pending.empty()) {

@@ -79,7 +79,8 @@ struct Call {
 class CpuAllToAll {
  public:
   CpuAllToAll(Workspace* workspace, fabric::ProxyEngine* engine, fabric::RegionId region, fabric::GroupId group,
-              const std::vector<int>& remote_peers, const std::vector<int>& pids = {});
+              const std::vector<int>& remote_peers, const std::vector<int>& pids = {}, const Masked& masked = {},
+              uint64_t first_epoch = 0);
   ~CpuAllToAll();
 
   void dispatch_send(const DispatchSendArgs& args);
@@ -123,9 +124,12 @@ class CpuAllToAll {
   void check_stamps(bool force);
   // Whether sender s's rows of this epoch are all here.
   bool landed(int s) const;
+  // A same-node peer we exchange flags and rows with: not masked (live_ranks.h).
+  bool node_peer(int r) const { return cfg_.same_node(r) && !is_masked(masked_, r); }
 
   Workspace* ws_;
   fabric::ProxyEngine* engine_;
+  Masked masked_;  // lost ranks: never waited for, never sent to
   A2AConfig cfg_;
   Layout layout_;
   ProxySignals signals_;

@@ -14,7 +14,9 @@ namespace moe_a2a::a2a::cpu {
 void count_experts(const DispatchSendParams& p) {
   const A2AConfig& c = *p.cfg;
   std::memset(p.counts, 0, c.num_experts * sizeof(uint32_t));
-  for (int64_t i = 0; i < static_cast<int64_t>(p.num_tokens) * c.topk; ++i) ++p.counts[p.topk_ids[i]];
+  // A negative id is a dropped (token, k): its expert is on a masked rank (live_ranks.h).
+  for (int64_t i = 0; i < static_cast<int64_t>(p.num_tokens) * c.topk; ++i)
+    if (p.topk_ids[i] >= 0) ++p.counts[p.topk_ids[i]];
   count_wire_rows(c, p.topk_ids, p.num_tokens, p.counts);
 }
 
@@ -39,6 +41,11 @@ void assign_rows(const DispatchSendParams& p) {
     for (int k = 0; k < K; ++k) {
       const int64_t i = static_cast<int64_t>(t) * K + k;
       const int32_t e = p.topk_ids[i];
+      if (e < 0) {  // dropped: no row, nothing back (combine skips slot -1)
+        p.slots[i] = -1;
+        p.entry_of_copy[i] = -1;
+        continue;
+      }
       const int r = e / L;
       uint64_t slot;
       if (c.per_rank(c.rank, r)) {
@@ -80,7 +87,7 @@ void write_tail(const DispatchSendParams& p, int r, int64_t i, uint8_t* tail) {
   if (c.per_rank(c.rank, r)) {
     const int64_t t = i / K;
     for (int k = 0; k < K; ++k)
-      if (p.topk_ids[t * K + k] / L == r) put(used++, entry(t * K + k));
+      if (p.topk_ids[t * K + k] >= 0 && p.topk_ids[t * K + k] / L == r) put(used++, entry(t * K + k));
   } else {
     put(used++, entry(i));
   }

@@ -1,0 +1,151 @@
+"""Mask and continue (`Config.on_peer_loss="mask"`): the ranks lost so far, what a call
+drops because of them, and the survivors' agreement on them.
+
+After a call fails while a peer's process is gone, every survivor stops its
+backend (the proxy thread joins), then agrees with the others on the dead ranks
+and on the epoch to resume after, over the node's shared memory
+(`_core.agree_on_live`, src/a2a/live_ranks.h); the launcher's communicator is
+not used (its collectives would wait for the dead rank). The backend is then
+rebuilt on the same workspace with those ranks masked. docs/reliability.md,
+"Mask and continue", has the protocol and what it guarantees.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moe_a2a import _core
+from moe_a2a.cleanup import pid_alive
+
+
+class PeerLostError(_core.PeerFailedError):
+    """A call failed because a peer's process is gone; the survivors agreed and masked it.
+
+    The instance stays usable: the next call runs without the masked ranks' experts.
+    `lost`: the ranks masked by this agreement; `masked`: every rank masked so far;
+    `epoch`: the dispatches every survivor counts as started (`AllToAll.epoch`), the same
+    on every survivor, so callers that number their steps by it stay in step.
+    """
+
+    def __init__(self, message: str, lost: tuple[int, ...], masked: tuple[int, ...], epoch: int) -> None:
+        super().__init__(message)
+        self.lost, self.masked, self.epoch = lost, masked, epoch
+
+
+def mask_refused(device: str, local_size: int, world_size: int) -> str | None:
+    """Why on_peer_loss="mask" cannot run here, or None."""
+    if device != "cpu":
+        return (
+            f"on_peer_loss='mask': device={device!r} is not built yet (CPU backend only); a CUDA graph "
+            "captured before a loss would also have to be refused, as its replay writes to the lost peer"
+        )
+    if local_size != world_size:
+        return (
+            f"on_peer_loss='mask': needs every rank on one node (got {local_size} ranks per node of "
+            f"{world_size}); masking peers over the fabric is not built yet"
+        )
+    return None
+
+
+class LiveRanks:
+    """The ranks masked so far on this rank, the same on every survivor."""
+
+    def __init__(self, num_experts: int, world_size: int, rank: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.local_experts = num_experts // world_size
+        self.masked: frozenset[int] = frozenset()
+        self.experts: torch.Tensor | None = None  # [num_experts] bool: on a masked rank; None: none masked
+        self.next_round = 1  # every survivor ends an agreement in the same round
+        self.calls = 0  # dispatches that ran with a rank masked
+
+    @classmethod
+    def of(cls, boot: Any, cfg: Any, device: str) -> LiveRanks | None:
+        """An instance's, where cfg.on_peer_loss is "mask" (None otherwise); refused alike on
+        every rank where masking is not built."""
+        if cfg.on_peer_loss != "mask":
+            return None
+        topo = boot.topology
+        with boot.together("checking on_peer_loss"):
+            refused = mask_refused(device, topo.local_size, topo.world_size)
+            if refused is not None:
+                raise ValueError(refused)
+        return cls(cfg.num_experts, topo.world_size, topo.rank)
+
+    def drop(
+        self,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        renormalize: bool,
+        routing: Any = None,
+        keep_routing: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids with -1 for each dropped (token, k), the weights the call uses, dropped [T, topk])."""
+        assert self.experts is not None
+        if routing is not None or keep_routing:
+            raise ValueError(
+                f"dispatch: routing= and keep_routing= with ranks {sorted(self.masked)} masked; "
+                "expected neither (cached calls after a loss are not built yet)"
+            )
+        dropped = self.experts[ids.long()]
+        self.calls += 1
+        kept = weights.masked_fill(dropped, 0.0)
+        if renormalize:
+            total, left = weights.sum(dim=1, keepdim=True), kept.sum(dim=1, keepdim=True)
+            kept = torch.where(left != 0, kept * (total / torch.where(left != 0, left, 1.0)), kept)
+        return ids.masked_fill(dropped, -1), kept.contiguous(), dropped
+
+    def lost_peers(self, pids: list[int]) -> list[int]:
+        """Peers on this host, not yet masked, whose process is gone."""
+        return [
+            r
+            for r, pid in enumerate(pids)
+            if r != self.rank and r not in self.masked and pid > 0 and not pid_alive(pid)
+        ]
+
+    def agree(
+        self, workspace: Any, pids: list[int], lost: list[int], epoch: int, timeout_s: float
+    ) -> tuple[tuple[int, ...], int]:
+        """Collective among the survivors: the dead ranks and the epoch to resume after.
+        Masks them here and returns (ranks newly masked, epoch)."""
+        dead = [1 if r in self.masked or r in lost else 0 for r in range(self.world_size)]
+        agreed, resume, last_round = _core.agree_on_live(
+            workspace, pids, dead, epoch, self.next_round, timeout_s
+        )
+        self.next_round = int(last_round) + 1
+        masked = frozenset(r for r, d in enumerate(agreed) if d)
+        newly = tuple(sorted(masked - self.masked))
+        self.masked = masked
+        on_masked = torch.zeros(self.world_size, dtype=torch.bool)
+        on_masked[list(masked)] = True
+        self.experts = on_masked.repeat_interleave(self.local_experts)
+        return newly, int(resume)
+
+    def recover(
+        self, backend: Any, setup: Any, what: str, exc: BaseException, timeout_s: float
+    ) -> tuple[Any, PeerLostError] | None:
+        """After a failed call: None where no peer's process is gone (the instance stops as
+        usual); else the backend rebuilt with the agreed ranks masked, and the error the call
+        raises. Collective among the survivors; raises where they cannot agree in time."""
+        from moe_a2a.backends.cpu import CpuBackend
+
+        if not isinstance(exc, (_core.FabricError, _core.PeerFailedError)):
+            return None
+        lost = self.lost_peers(setup.pids)
+        if not lost:
+            return None
+        epoch = backend.epoch
+        backend.close()  # its proxy thread joins before anyone agrees: nothing of ours moves after
+        newly, resume = self.agree(setup.workspace, setup.pids, lost, epoch, timeout_s)
+        masked = tuple(sorted(self.masked))
+        rebuilt = CpuBackend(setup, [1 if r in self.masked else 0 for r in range(self.world_size)], resume)
+        error = PeerLostError(
+            f"rank {self.rank}: the {what} of epoch {epoch} failed: peer(s) {lost} gone ({exc}); the "
+            f"survivors agreed to mask rank(s) {list(newly)} (masked now: {list(masked)}) and go on after "
+            f"epoch {resume}",
+            newly,
+            masked,
+            resume,
+        )
+        return rebuilt, error

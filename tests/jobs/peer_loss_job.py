@@ -1,0 +1,143 @@
+"""Run by test_peer_loss.py: WORLD_SIZE ranks over torch.distributed (gloo) on one host, an AllToAll
+with on_peer_loss="mask"; rank KILL SIGKILLs itself in the middle of call KILL_AT of a loop of
+decode-sized calls. Every survivor checks each call's output against the reference with the
+lost rank's experts masked, and prints one line per event.
+
+Over torch.distributed where RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set; else under
+mpirun, which ends the whole job as soon as a rank dies unless told not to (docs/peer-loss.md).
+Arguments: provider, calls, kills ("rank:call,..."),
+then "renormalize" or nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from moe_a2a import AllToAll, Config, PeerLostError
+
+provider, calls = sys.argv[1], int(sys.argv[2])
+kills = {int(r): int(c) for r, c in (kill.split(":") for kill in sys.argv[3].split(","))}
+renormalize = len(sys.argv) > 4 and sys.argv[4] == "renormalize"
+if "RANK" in os.environ:  # torch.distributed's variables (torchrun sets them too)
+    dist.init_process_group("gloo")
+    comm = dist.group.WORLD
+    rank, world = dist.get_rank(), dist.get_world_size()
+    PIDS = [0] * world
+    dist.all_gather_object(PIDS, os.getpid())
+else:  # mpirun, with a launcher option that keeps the survivors (docs/peer-loss.md)
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    PIDS = comm.allgather(os.getpid())
+E, K, T, H = 4 * world, 2, 4, 64
+cfg = Config(
+    max_tokens=T,
+    hidden=H,
+    num_experts=E,
+    topk=K,
+    timeout_s=30.0,
+    on_peer_loss="mask",
+    mask_renormalize=renormalize,
+)
+a2a = AllToAll(cfg, comm, provider=provider)
+L = E // world
+
+
+def inputs(step: int, r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + r)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, K, generator=g)
+    return x, ids, w
+
+
+def expert(x: torch.Tensor, e: int) -> torch.Tensor:
+    return (x.float() * (1.0 + 0.25 * e)).to(torch.bfloat16)
+
+
+def reference(step: int, masked: tuple[int, ...]) -> torch.Tensor:
+    """out[t] = sum over k not on a masked rank of w[t,k] * expert(x[t], e), fp32 in k order."""
+    x, ids, w = inputs(step, rank)
+    keep = torch.tensor([[int(e) // L not in masked for e in row] for row in ids])
+    kept = w * keep
+    if renormalize:
+        left = kept.sum(1, keepdim=True)
+        kept = torch.where(
+            left != 0, kept * (w.sum(1, keepdim=True) / torch.where(left != 0, left, 1.0)), kept
+        )
+    out = torch.zeros(T, H)
+    for t in range(T):
+        for k in range(K):
+            if keep[t, k]:
+                out[t] += kept[t, k] * expert(x[t], int(ids[t, k])).float()
+    return out.to(torch.bfloat16), ~keep
+
+
+def fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def shm_files() -> int:
+    """/dev/shm files of this job's processes (others' jobs may share the host)."""
+    ours = tuple(p for pid in PIDS for p in (f"moe-a2a-{pid}-", f"{pid}:"))  # workspaces, libfabric shm
+    return sum(name.startswith(ours) for name in os.listdir("/dev/shm"))
+
+
+killed_at = None
+seen_masked = 0
+checked = masked_checked = 0
+fds_before = shm_before = 0
+while a2a.epoch < calls:
+    step = a2a.epoch  # every survivor resumes at the same epoch after a loss
+    if step == 2:
+        fds_before, shm_before = fds(), shm_files()
+    x, ids, w = inputs(step, rank)
+    try:
+        if kills.get(rank) == step:
+            a2a.dispatch(x, ids, w, recv=False)  # mid-call: rows sent, nothing received
+            print(f"peer_loss_job: rank {rank} killed at {time.time():.6f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        d = a2a.dispatch(x, ids, w)
+        start = d.tokens_per_expert.cumsum(0) - d.tokens_per_expert
+        y = torch.empty_like(d.expert_x)
+        for i in range(L):
+            a, n = int(start[i]), int(d.tokens_per_expert[i])
+            y[a : a + n] = expert(d.expert_x[a : a + n], rank * L + i)
+        out = a2a.combine(y, d)
+    except PeerLostError as exc:
+        print(
+            f"peer_loss_job: rank {rank} masked {exc.lost} at {time.time():.6f} resume {exc.epoch}: {exc}",
+            flush=True,
+        )
+        continue
+    masked = a2a.masked_ranks
+    ref, dropped = reference(step, masked)
+    if masked:
+        if killed_at is None or len(masked) > seen_masked:
+            seen_masked = len(masked)
+            killed_at = time.time()
+            print(
+                f"peer_loss_job: rank {rank} first call with {masked} masked done at {killed_at:.6f}",
+                flush=True,
+            )
+        assert d.dropped is not None and torch.equal(d.dropped, dropped), (step, d.dropped, dropped)
+        masked_checked += 1
+    else:
+        assert d.dropped is None
+    assert torch.equal(out, ref), f"rank {rank} step {step}: {(out.float() - ref.float()).abs().max()}"
+    checked += 1
+grew = (fds() - fds_before, shm_files() - shm_before)
+print(
+    f"peer_loss_job: rank {rank} done: {checked} calls checked, {masked_checked} masked, "
+    f"masked {a2a.masked_ranks}, masked_calls {a2a.masked_calls}, fds +{grew[0]}, /dev/shm +{grew[1]}",
+    flush=True,
+)
+a2a.close()
+os._exit(0)  # no collective teardown with a dead peer

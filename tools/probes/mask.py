@@ -1,0 +1,105 @@
+"""Probes of mask and continue (issue 32; figures in docs/reliability.md, "Mask and continue").
+
+  python tools/probes/mask.py loss --provider tcp --runs 5
+  mpirun -n 4 python tools/probes/mask.py cost --blocks 20 --calls 200
+
+loss: starts tests/jobs/peer_loss_job.py on 4 ranks over torch.distributed (one host), SIGKILLs
+rank 3 mid-dispatch, and prints each survivor's time from the kill to its first call with
+rank 3 masked completing (the agreement included).
+cost: decode-sized calls (8 tokens, hidden 256, 8 experts per rank, top-2) on one node with
+on_peer_loss "stop" and "mask" (nobody lost), in alternating blocks so that the machine's
+load hits both alike; prints the median per-call time of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+JOB = Path(__file__).resolve().parents[2] / "tests" / "jobs" / "peer_loss_job.py"
+
+
+def loss(provider: str, runs: int) -> None:
+    for run in range(runs):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+        env |= {"WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env["MOE_A2A_ABORT_ON_ERROR"] = "0"
+        args = [sys.executable, str(JOB), provider, "30", "3:10"]
+        procs = [
+            subprocess.Popen(args, env=env | {"RANK": str(r)}, stdout=subprocess.PIPE, text=True)
+            for r in range(4)
+        ]
+        outs = [p.communicate(timeout=200)[0] for p in procs]
+        killed = float(re.search(r"killed at ([0-9.]+)", outs[3])[1])  # type: ignore[index]
+        took = [float(re.search(r"masked done at ([0-9.]+)", o)[1]) - killed for o in outs[:3]]  # type: ignore[index]
+        print(
+            f"{provider} run {run}: kill -> first masked call done, ranks 0-2: "
+            + ", ".join(f"{t:.3f} s" for t in took)
+        )
+
+
+def cost(blocks: int, calls: int) -> None:
+    import torch
+    from mpi4py import MPI
+
+    from moe_a2a.all_to_all import AllToAll, Config
+
+    comm = MPI.COMM_WORLD
+    world, rank = comm.Get_size(), comm.Get_rank()
+    T, H, E, K = 8, 256, 8 * world, 2
+    made = {
+        mode: AllToAll(Config(max_tokens=T, hidden=H, num_experts=E, topk=K, on_peer_loss=mode), comm)
+        for mode in ("stop", "mask")
+    }
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
+    w = torch.rand(T, K, generator=g)
+    times: dict[str, list[float]] = {mode: [] for mode in made}
+    for block in range(blocks):
+        for mode in ("stop", "mask") if block % 2 == 0 else ("mask", "stop"):
+            a2a = made[mode]
+            for _ in range(calls):
+                started = time.perf_counter()
+                d = a2a.dispatch(x, ids, w)
+                a2a.combine(d.expert_x, d)
+                times[mode].append(time.perf_counter() - started)
+    p50 = {mode: statistics.median(t) * 1e6 for mode, t in times.items()}
+    everyone = comm.gather(p50)
+    if rank == 0:
+        for r, got in enumerate(everyone):
+            print(f"rank {r}: p50 per call: stop {got['stop']:.1f} us, mask {got['mask']:.1f} us")
+    for a2a in made.values():
+        a2a.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("loss")
+    p.add_argument("--provider", default="tcp")
+    p.add_argument("--runs", type=int, default=5)
+    p = sub.add_parser("cost")
+    p.add_argument("--blocks", type=int, default=20)
+    p.add_argument("--calls", type=int, default=200)
+    args = parser.parse_args()
+    if args.what == "loss":
+        loss(args.provider, args.runs)
+    else:
+        cost(args.blocks, args.calls)
+
+
+if __name__ == "__main__":
+    main()
