@@ -566,6 +566,11 @@ class CudaAllToAll:
     @property
     def max_output_rows(self) -> int: ...
 
+    def wire_received(self) -> list[int]:
+        """
+        Wire rows each sender sent us in the last planned dispatch (synchronises with the device).
+        """
+
     @property
     def fused_recv(self) -> bool:
         """

@@ -203,6 +203,8 @@ void bind_cuda(nb::module_& m) {
       .def_prop_ro("status", &CudaAllToAll::status)
       .def_prop_ro("output_rows", &CudaAllToAll::output_rows)
       .def_prop_ro("max_output_rows", &CudaAllToAll::max_output_rows)
+      .def("wire_received", &CudaAllToAll::wire_received, release(),
+           "Wire rows each sender sent us in the last planned dispatch (synchronises with the device).")
       .def_prop_ro("fused_recv", &CudaAllToAll::fused_recv,
                    "Eager dispatch_recv plans and copies in one launch (no other rank of the node on our GPU).")
       .def_prop_ro("epoch", &CudaAllToAll::epoch)

@@ -314,19 +314,19 @@ class CudaBackend:
         self._impl.check()
 
     def wire_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """Wire rows this rank sent to / received from each rank, from the routing matrix."""
+        """Wire rows this rank sent to / received from each rank in the last dispatch."""
         torch.cuda.current_stream(self.device).synchronize()
         world, experts = self._setup.bootstrap.world_size, self.cfg.num_experts
-        if self._last_matrix is not None:  # a cached call: the workspace holds an earlier call's rows
-            matrix = self._last_matrix.numpy().astype(np.uint32).ravel()
-        else:
-            start = self._setup.workspace.ptr + self._impl.layout["routing"]
-            words = world * (experts + world)
-            matrix = np.frombuffer((ctypes.c_uint32 * words).from_address(start), dtype=np.uint32)
-        # Row s: count[s][0..E), then u[s][0..N) (docs/protocol.md, "Rows per destination rank").
-        per_rank = matrix.reshape(world, experts + world)[:, experts:].astype(np.int64)
         rank = self._setup.bootstrap.rank
-        return per_rank[rank], per_rank[:, rank]
+        # Row s: count[s][0..E), then u[s][0..N) (docs/protocol.md, "Rows per destination rank").
+        if self._last_matrix is not None:  # a cached call: the workspace holds an earlier call's rows
+            per_rank = self._last_matrix.numpy().astype(np.int64)[:, experts:]
+            return per_rank[rank], per_rank[:, rank]
+        # Our own row only we write; a peer's row there may already be its next call's (a peer
+        # passes our combine and starts again), so what we received comes from our plan.
+        start = self._setup.workspace.ptr + self._impl.layout["routing"] + rank * (experts + world) * 4
+        own = np.frombuffer((ctypes.c_uint32 * (experts + world)).from_address(start), dtype=np.uint32)
+        return own[experts:].astype(np.int64), np.array(self._impl.wire_received(), dtype=np.int64)
 
     def routing_rows(self) -> tuple[int, int]:
         return int(self._impl.routing_rows_sent), int(self._impl.routing_rows_received)

@@ -173,4 +173,13 @@ int64_t CudaAllToAll::max_output_rows() const {
          static_cast<int64_t>(cfg_.num_local_experts()) * (cfg_.expert_padding - 1);
 }
 
+std::vector<int64_t> CudaAllToAll::wire_received() const {
+  std::vector<SenderPlan> plans(cfg_.world);
+  check_cuda(cudaMemcpy(plans.data(), res_.scratch().senders, plans.size() * sizeof(SenderPlan), cudaMemcpyDeviceToHost),
+             "reading the plan's senders");
+  std::vector<int64_t> wire(plans.size());
+  for (size_t s = 0; s < plans.size(); ++s) wire[s] = plans[s].wire;
+  return wire;
+}
+
 }  // namespace moe_a2a::a2a::cuda

@@ -167,6 +167,10 @@ class CudaAllToAll {
   int32_t status() const { return res_.words()->status; }
   int64_t output_rows() const { return res_.words()->output_rows; }
   int64_t max_output_rows() const;
+  // Wire rows each sender sent us in the last planned dispatch, from the
+  // plan's scratch: the workspace's routing matrix may already hold a peer's
+  // row of its next call. Synchronises with the device.
+  std::vector<int64_t> wire_received() const;
   bool fused_recv() const { return fused_recv_; }
   uint64_t epoch() const { return call_.epoch; }
   // Routing rows written to peers / peers' rows waited for or read, by this
