@@ -26,6 +26,7 @@ __all__ = [
     "FabricTimeoutError",
     "PeerFailedError",
     "PeerLostError",
+    "RejoinError",
     "Routing",
     "__version__",
 ]
@@ -41,4 +42,8 @@ def __getattr__(name: str) -> Any:
         from moe_a2a import masking
 
         return masking.PeerLostError
+    if name == "RejoinError":
+        from moe_a2a import rejoin
+
+        return rejoin.RejoinError
     raise AttributeError(f"module 'moe_a2a' has no attribute {name!r}")

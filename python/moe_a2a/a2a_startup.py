@@ -168,4 +168,5 @@ def _start_backend(boot: Bootstrap, setup: Setup, device: str, graph_safe: bool)
     from moe_a2a.backends.cpu import CpuBackend
 
     with boot.together("starting the cpu backend"):
-        return CpuBackend(setup)
+        # After a rejoin (moe_a2a.rejoin) the calls go on from the survivors' epoch.
+        return CpuBackend(setup, None, getattr(boot, "first_epoch", 0))

@@ -38,6 +38,7 @@ from moe_a2a.bootstrap import Bootstrap
 from moe_a2a.fabric import EngineLease, hint_universe_size
 from moe_a2a.masking import LiveRanks
 from moe_a2a.nics import num_nics_default
+from moe_a2a.rejoin import LostRanks
 
 CapacityError = _core.CapacityError
 FabricError = _core.FabricError
@@ -77,7 +78,7 @@ def _counted(what: str) -> Callable[[F], F]:
     return wrap
 
 
-class AllToAll:
+class AllToAll(LostRanks):
     """Dispatch tokens to the ranks that host their experts, and combine the results back.
 
     `device="cpu"` runs the compute steps as C++ loops on the calling thread;
@@ -101,7 +102,29 @@ class AllToAll:
     ) -> None:
         self._pid = process.adopt(self)  # a forked child neither calls nor releases it (moe_a2a.process)
         self._busy: str | None = None  # the call under way: signal handlers run inside its waits
-        self._boot = Bootstrap(comm, ranks_per_node)
+        # A Bootstrap as `comm`: a replacement's (moe_a2a.rejoin.replacement), or a survivor's rejoin.
+        self._boot = comm if isinstance(comm, Bootstrap) else Bootstrap(comm, ranks_per_node)
+        try:
+            self._start(
+                cfg, comm, device, provider, ranks_per_node, num_nics, graph_safe, nics, abort_on_error
+            )
+        except BaseException:
+            self._boot.close()  # a rejoin's files (moe_a2a.rejoin): this start-up is over
+            raise
+
+    def _start(
+        self,
+        cfg: Config,
+        comm: Any,
+        device: str,
+        provider: str,
+        ranks_per_node: int | None,
+        num_nics: int | None,
+        graph_safe: bool,
+        nics: Sequence[str] | str | None,
+        abort_on_error: bool | None,
+    ) -> None:
+        """The constructor's collective part, over `self._boot`."""
         # Each local step of start-up fails on every rank if it fails on one (a
         # missing GPU, a mistyped switch, a NIC name, memory): a rank that only
         # raised would leave its peers waiting in the next collective.
@@ -509,35 +532,6 @@ class AllToAll:
                 "at a time"
             )
 
-    @property
-    def masked_ranks(self) -> tuple[int, ...]:
-        """Ranks lost and masked so far (on_peer_loss="mask"); the same on every survivor."""
-        return tuple(sorted(self._live.masked)) if self._live is not None else ()
-
-    @property
-    def masked_calls(self) -> int:
-        """Dispatches this rank ran with a rank masked."""
-        return self._live.calls if self._live is not None else 0
-
-    def _mask_after_loss(self, what: str, exc: BaseException) -> None:
-        """on_peer_loss="mask" and a peer's process gone: agree with the survivors, rebuild the
-        backend without the lost ranks and raise PeerLostError (the instance stays usable)."""
-        if self._live is None or self._setup is None:
-            return
-        epoch = self._backend.epoch
-        try:
-            outcome = self._live.recover(self._backend, self._setup, what, exc, self.cfg.timeout_s)
-        except BaseException as agreeing:
-            self._failure = (
-                f"call {self._calls} ({what}, epoch {epoch}) on rank {self.rank}: {exc}; {agreeing}"
-            )
-            raise
-        if outcome is None:
-            return
-        self._backend, error = outcome
-        self._state, self._last = "idle", None
-        raise error from exc
-
     def _fail(self, what: str, exc: BaseException) -> None:
         """Stop this instance after a failed call, and tell the peers, whose calls cannot pair with ours."""
         epoch = self._backend.epoch
@@ -620,6 +614,7 @@ class AllToAll:
                 self._lease.release(region, group, memory, retire_s)
             self._lease.close(setup.region, setup.group, setup.workspace, retire_s)
         setup.workspace = None
+        self._boot.close()
 
     def reopen(self) -> AllToAll:
         """Close this instance and return a new one built with the same arguments.

@@ -142,6 +142,9 @@ class Bootstrap:
             return [0] * len(everyone)
         return [pid if tuple(where) == me else 0 for *where, pid in everyone]
 
+    def close(self) -> None:
+        """Nothing to release: the communicator is the caller's (moe_a2a.rejoin's has files)."""
+
     def abort(self, code: int = 1) -> None:
         """End every rank of the job (used when one rank fails)."""
         if self._comm is not None:

@@ -7,6 +7,11 @@ Over torch.distributed where RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are s
 mpirun, which ends the whole job as soon as a rank dies unless told not to (docs/peer-loss.md).
 Arguments: provider, calls, kills ("rank:call,..."),
 then "renormalize" or nothing.
+
+Rejoins (docs/peer-loss.md, "Rejoin"): with REJOIN_AT="step:key,...", the survivors call
+`a2a.rejoin(key)` before the call of each such step where a rank is masked; a process started
+with REPLACEMENT_KEY=key and RANK=r (test_peer_loss.py starts it once rank r has died) replaces
+rank r through `moe_a2a.rejoin.replacement` and joins the loop at the survivors' epoch.
 """
 
 from __future__ import annotations
@@ -19,12 +24,18 @@ import time
 import torch
 import torch.distributed as dist
 
-from moe_a2a import AllToAll, Config, PeerLostError
+from moe_a2a import AllToAll, Config, PeerLostError, rejoin
 
 provider, calls = sys.argv[1], int(sys.argv[2])
 kills = {int(r): int(c) for r, c in (kill.split(":") for kill in sys.argv[3].split(","))}
 renormalize = len(sys.argv) > 4 and sys.argv[4] == "renormalize"
-if "RANK" in os.environ:  # torch.distributed's variables (torchrun sets them too)
+started = time.time()
+rejoin_at = {int(a): k for a, k in (r.split(":") for r in os.environ.get("REJOIN_AT", "").split(",") if r)}
+if "REPLACEMENT_KEY" in os.environ:  # the launcher's group lost this rank: meet the survivors
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    comm = rejoin.replacement(os.environ["REPLACEMENT_KEY"], rank, world, timeout_s=60.0)
+    PIDS = [os.getpid()]
+elif "RANK" in os.environ:  # torch.distributed's variables (torchrun sets them too)
     dist.init_process_group("gloo")
     comm = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -37,6 +48,7 @@ else:  # mpirun, with a launcher option that keeps the survivors (docs/peer-loss
     rank, world = comm.Get_rank(), comm.Get_size()
     PIDS = comm.allgather(os.getpid())
 E, K, T, H = 4 * world, 2, 4, 64
+H += 8 * int(os.environ.get("REPLACEMENT_BAD", "0"))  # a replacement with another hidden size
 cfg = Config(
     max_tokens=T,
     hidden=H,
@@ -48,6 +60,12 @@ cfg = Config(
 )
 a2a = AllToAll(cfg, comm, provider=provider)
 L = E // world
+if "REPLACEMENT_KEY" in os.environ:
+    print(
+        f"peer_loss_job: rank {rank} replacement joined at epoch {a2a.epoch} "
+        f"{time.time() - started:.3f} s after it started",
+        flush=True,
+    )
 
 
 def inputs(step: int, r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -91,16 +109,25 @@ def shm_files() -> int:
 
 
 killed_at = None
+rejoined = "REPLACEMENT_KEY" in os.environ  # the next full call is the first after a rejoin
 seen_masked = 0
 checked = masked_checked = 0
 fds_before = shm_before = 0
 while a2a.epoch < calls:
     step = a2a.epoch  # every survivor resumes at the same epoch after a loss
-    if step == 2:
+    if fds_before == 0 and step >= 2:  # a replacement starts later
         fds_before, shm_before = fds(), shm_files()
+    if step in rejoin_at and a2a.masked_ranks:
+        t0 = time.time()
+        try:
+            back = a2a.rejoin(rejoin_at.pop(step))
+            print(f"peer_loss_job: rank {rank} rejoined {back} in {time.time() - t0:.3f} s", flush=True)
+            rejoined = True
+        except rejoin.RejoinError as exc:  # the masked instance serves on
+            print(f"peer_loss_job: rank {rank} rejoin refused: {exc}", flush=True)
     x, ids, w = inputs(step, rank)
     try:
-        if kills.get(rank) == step:
+        if kills.get(rank) == step and "REPLACEMENT_KEY" not in os.environ:
             a2a.dispatch(x, ids, w, recv=False)  # mid-call: rows sent, nothing received
             print(f"peer_loss_job: rank {rank} killed at {time.time():.6f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -131,6 +158,12 @@ while a2a.epoch < calls:
         masked_checked += 1
     else:
         assert d.dropped is None
+        if rejoined:
+            print(
+                f"peer_loss_job: rank {rank} first full call after the rejoin done at {time.time():.6f}",
+                flush=True,
+            )
+            rejoined = False
     assert torch.equal(out, ref), f"rank {rank} step {step}: {(out.float() - ref.float()).abs().max()}"
     checked += 1
 grew = (fds() - fds_before, shm_files() - shm_before)

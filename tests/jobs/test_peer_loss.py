@@ -4,6 +4,7 @@ SIGKILLed in the middle of a loop of decode-sized calls."""
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import signal
@@ -154,3 +155,83 @@ def test_moe_a2a_run_decode_serves_through_a_lost_rank() -> None:
     assert sorted(int(r) for r, _, _ in lines) == [0, 1, 2], out
     for _, at, masked in lines:
         assert int(masked) >= 3000 - int(at) - 2 and int(masked) > 0, out
+
+
+def _launch_with_replacements(
+    tmp_path: Path, kills: dict[int, int], rejoins: dict[int, tuple[int, str]], bad: bool = False
+) -> tuple[dict[str, subprocess.Popen[bytes]], dict[str, str], str]:
+    """WORLD ranks of peer_loss_job.py over torch.distributed and a launcher that starts rank
+    r's replacement (named "r'") once r is gone, with key rejoins[r][1] (`bad`: with another
+    hidden size); the survivors call rejoin at call rejoins[r][0]. Processes, outputs, all text."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+    env |= {"WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env |= {"MOE_A2A_ABORT_ON_ERROR": "0", "REJOIN_AT": ",".join(f"{s}:{k}" for s, k in rejoins.values())}
+    args = [sys.executable, str(SCRIPT), "tcp", str(CALLS), ",".join(f"{r}:{c}" for r, c in kills.items())]
+
+    def start(name: str, extra: dict[str, str]) -> tuple[subprocess.Popen[bytes], Path]:
+        log = tmp_path / f"{name}.log"
+        with open(log, "wb") as f:
+            return subprocess.Popen(args, env=env | extra, stdout=f, stderr=subprocess.STDOUT), log
+
+    procs = {str(r): start(f"rank{r}", {"RANK": str(r)}) for r in range(WORLD)}
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline and any(p.poll() is None for p, _ in procs.values()):
+            for r, (_, key) in rejoins.items():
+                if procs[str(r)][0].poll() is not None and f"{r}'" not in procs:
+                    extra = {"RANK": str(r), "REPLACEMENT_KEY": key, "REPLACEMENT_BAD": str(int(bad))}
+                    procs[f"{r}'"] = start(f"rank{r}-replacement", extra)
+            time.sleep(0.05)
+    finally:
+        for p, _ in procs.values():
+            if p.poll() is None:
+                p.kill()
+    outs = {name: log.read_text() for name, (_, log) in procs.items()}
+    text = "\n\n".join(f"== {name}\n{out}" for name, out in outs.items())
+    return {name: p for name, (p, _) in procs.items()}, outs, text
+
+
+@pytest.mark.timeout(300)
+def test_replacements_rejoin_and_the_full_set_resumes(tmp_path: Path) -> None:
+    """Rank 3 killed at call 6, its replacement rejoins at call 12; rank 1 killed at call 18, its
+    replacement rejoins at call 24 (docs/peer-loss.md, "Rejoin"). Every call of every process,
+    replacements included, equals the reference: masked while a rank is lost, full after."""
+    key = f"t{os.getpid()}"  # unique to the job: files of other jobs on the host are never ours
+    procs, outs, text = _launch_with_replacements(
+        tmp_path, {3: 6, 1: 18}, {3: (12, f"{key}-a"), 1: (24, f"{key}-b")}
+    )
+    for name, p in procs.items():
+        if name in ("3", "1"):
+            assert p.returncode == -9, text
+            continue
+        assert p.returncode == 0, text
+        done = re.search(DONE, outs[name])
+        assert done and done[3].strip() == "", text  # nobody masked at the end
+        assert int(done[4]) <= 0 and int(done[5]) <= 0, f"{name}: file descriptors or /dev/shm grew\n{text}"
+    # The survivors of both losses count every call but the two that failed; the replacements
+    # every call from the one they joined at (rank 3's but the one the second loss failed).
+    assert int(re.search(DONE, outs["0"])[1]) == CALLS - 2, text  # type: ignore[index]
+    assert int(re.search(DONE, outs["3'"])[1]) == CALLS - 12 - 1, text  # type: ignore[index]
+    assert int(re.search(DONE, outs["1'"])[1]) == CALLS - 24, text  # type: ignore[index]
+    for name in ("0", "2"):
+        took = [float(t) for t in re.findall(r"rejoined \(\d+,\) in ([0-9.]+) s", outs[name])]
+        assert len(took) == 2 and max(took) < 5.0, text
+    assert not glob.glob(f"/dev/shm/moe-a2a-rejoin-{key}-*"), text
+
+
+@pytest.mark.timeout(300)
+def test_a_replacement_with_another_configuration_is_refused_and_the_survivors_serve_on(
+    tmp_path: Path,
+) -> None:
+    """The replacement of rank 3 passes another hidden size: its constructor and every
+    survivor's rejoin fail naming it, and the survivors finish every call with rank 3 masked."""
+    key = f"t{os.getpid()}-c"
+    procs, outs, text = _launch_with_replacements(tmp_path, {3: 6}, {3: (12, key)}, bad=True)
+    assert procs["3"].returncode == -9, text
+    assert procs["3'"].returncode not in (0, None) and "hidden" in outs["3'"], text
+    for name in ("0", "1", "2"):
+        assert procs[name].returncode == 0, text
+        assert re.search(r"rejoin refused: .*hidden", outs[name]), text
+        done = re.search(DONE, outs[name])
+        assert done and done[3].strip(" ,") == "3" and int(done[1]) == CALLS - 1, text
+    assert not glob.glob(f"/dev/shm/moe-a2a-rejoin-{key}-*"), text

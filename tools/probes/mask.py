@@ -2,10 +2,15 @@
 
   python tools/probes/mask.py loss --provider tcp --runs 5
   mpirun -n 4 python tools/probes/mask.py cost --blocks 20 --calls 200
+  python tools/probes/mask.py rejoin --provider tcp --runs 5
 
 loss: starts tests/jobs/peer_loss_job.py on 4 ranks over torch.distributed (one host), SIGKILLs
 rank 3 mid-dispatch, and prints each survivor's time from the kill to its first call with
 rank 3 masked completing (the agreement included).
+rejoin: the same job, rank 3 SIGKILLed at call 6; a launcher loop starts its replacement as soon
+as it is gone, and the survivors call rejoin at call 8 (so they wait there for it). Prints the
+time from the kill to each rank's first call with every rank back, the survivors' time in
+rejoin(), and the replacement's from its first line (Python and torch imported) to joined.
 cost: decode-sized calls (8 tokens, hidden 256, 8 experts per rank, top-2) on one node with
 on_peer_loss "stop" and "mask" (nobody lost), in alternating blocks so that the machine's
 load hits both alike; prints the median per-call time of each.
@@ -45,6 +50,40 @@ def loss(provider: str, runs: int) -> None:
         print(
             f"{provider} run {run}: kill -> first masked call done, ranks 0-2: "
             + ", ".join(f"{t:.3f} s" for t in took)
+        )
+
+
+def rejoin(provider: str, runs: int) -> None:
+    for run in range(runs):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        key = f"probe{os.getpid()}-{run}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+        env |= {"WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env |= {"MOE_A2A_ABORT_ON_ERROR": "0", "REJOIN_AT": f"8:{key}"}
+        args = [sys.executable, str(JOB), provider, "30", "3:6"]
+        procs = [
+            subprocess.Popen(args, env=env | {"RANK": str(r)}, stdout=subprocess.PIPE, text=True)
+            for r in range(4)
+        ]
+        while procs[3].poll() is None:  # the launcher: restart rank 3 once it is gone
+            time.sleep(0.01)
+        extra = {"RANK": "3", "REPLACEMENT_KEY": key}
+        procs.append(subprocess.Popen(args, env=env | extra, stdout=subprocess.PIPE, text=True))
+        outs = [p.communicate(timeout=200)[0] for p in procs]
+        killed = float(re.search(r"killed at ([0-9.]+)", outs[3])[1])  # type: ignore[index]
+        full = [
+            float(re.search(r"first full call after the rejoin done at ([0-9.]+)", o)[1])
+            for o in outs[:3] + outs[4:]
+        ]  # type: ignore[index]
+        inside = [float(re.search(r"rejoined \(3,\) in ([0-9.]+) s", o)[1]) for o in outs[:3]]  # type: ignore[index]
+        joined = float(re.search(r"joined at epoch \d+ ([0-9.]+) s", outs[4])[1])  # type: ignore[index]
+        print(
+            f"{provider} run {run}: kill -> first full call, ranks 0-2 and 3': "
+            + ", ".join(f"{t - killed:.3f} s" for t in full)
+            + f"; survivors in rejoin(): {min(inside):.3f}-{max(inside):.3f} s; "
+            f"replacement from its first line to joined: {joined:.3f} s"
         )
 
 
@@ -91,12 +130,17 @@ def main() -> None:
     p = sub.add_parser("loss")
     p.add_argument("--provider", default="tcp")
     p.add_argument("--runs", type=int, default=5)
+    p = sub.add_parser("rejoin")
+    p.add_argument("--provider", default="tcp")
+    p.add_argument("--runs", type=int, default=5)
     p = sub.add_parser("cost")
     p.add_argument("--blocks", type=int, default=20)
     p.add_argument("--calls", type=int, default=200)
     args = parser.parse_args()
     if args.what == "loss":
         loss(args.provider, args.runs)
+    elif args.what == "rejoin":
+        rejoin(args.provider, args.runs)
     else:
         cost(args.blocks, args.calls)
 

@@ -1,0 +1,416 @@
+"""Rejoin (`Config.on_peer_loss="mask"`): a replacement process takes a masked rank's place and
+the full set of ranks resumes.
+
+The launcher's communicator cannot serve: it lost a member. The survivors and the replacement
+meet instead through files of the node's /dev/shm (`NodeRendezvous`, a `Bootstrap` for one node),
+named after a key that the caller gives both sides. Over it they build a new instance exactly as
+the constructor does (settings agreed, workspaces allocated and mapped, backend started), the
+epoch continuing from the survivors' (docs/peer-loss.md, "Rejoin"). A survivor keeps its masked
+instance until the new one is built on every rank, so a rejoin that fails (a replacement with a
+different configuration, one for a rank that is not masked, a second loss, nobody arriving in
+time) leaves the survivors serving as before.
+
+Files, all under /dev/shm:
+  moe-a2a-rejoin-{key}-r{rank}              claim of `rank`: the claimant's pid, role and a nonce
+  moe-a2a-rejoin-{key}-r{rank}-{nonce}-g{n} what it contributes to the n-th all-gather
+  moe-a2a-rejoin-{key}-r{rank}-error          why it failed, with its nonce (the others raise it)
+The claim is created exclusively; a reader takes the nonce from it, so that files of an earlier
+attempt with the same key are never read (an error file of a rank whose claim it has not read is
+taken when newer than the reader's start). Each file is written whole and renamed into place, so
+a reader never sees part of one, on any architecture. An all-gather's file goes once everyone
+has written the next one, the claims once everyone has read them; a failed participant's error
+file stays for the others to read and goes when its rank is next claimed with that key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import pickle
+import re
+import time
+import uuid
+from typing import Any
+
+from moe_a2a import _core
+from moe_a2a.bootstrap import Bootstrap, Topology
+from moe_a2a.cleanup import pid_alive
+from moe_a2a.masking import LiveRanks
+
+SHM = "/dev/shm"
+KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+SURVIVOR, REPLACEMENT = "survivor", "replacement"
+
+
+class RejoinError(_core.PeerFailedError):
+    """A rejoin did not complete; where raised on a survivor, its masked instance serves on.
+    `relayed`: the error happened on another participant (its text follows ours)."""
+
+    relayed = False
+
+
+def check_key(key: object) -> str:
+    if not isinstance(key, str) or not KEY.fullmatch(key):
+        raise ValueError(f"key: got {key!r}; expected 1-64 characters of letters, digits, '_', '.' or '-'")
+    return key
+
+
+class NodeRendezvous(Bootstrap):
+    """A `Bootstrap` for the ranks of one node over /dev/shm files (module docstring).
+
+    Construction claims `rank` and exchanges, with every other rank, its role, the ranks the
+    survivors have masked and their epoch: the replacements must be exactly the masked ranks,
+    and `first_epoch` is where everyone's calls resume. Each wait ends within `timeout_s`, at
+    once when a participant's process is gone or any participant recorded an error.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        rank: int,
+        world_size: int,
+        role: str,
+        timeout_s: float,
+        masked: tuple[int, ...] = (),
+        epoch: int = 0,
+    ) -> None:
+        self._key, self._timeout_s = check_key(key), float(timeout_s)
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size: got {world_size!r}; expected a positive int")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank: got {rank!r}; expected an int in [0, {world_size})")
+        self._comm = self._torch_group = None  # Bootstrap's: no launcher communicator here
+        self.topology = Topology(rank, world_size, 0, rank, world_size, tuple(range(world_size)))
+        self.single_host = True
+        self._gen = 0
+        self._nonce = uuid.uuid4().hex[:12]
+        self._started = time.time()  # claims older than this, of processes gone, are stale
+        self._claims: dict[int, tuple[int, str]] = {}  # rank: (pid, nonce) of its claimant
+        self._claimed = False
+        self._established = False  # the opening exchange done: close() leaves its mark
+        self._closed = False
+        self._claim(role)
+        try:
+            self._welcome(role, masked, epoch)
+        except RejoinError as exc:
+            if not exc.relayed and self._error_of(rank) is None:
+                self._record(str(exc))
+            self.close()
+            raise
+        except BaseException:
+            self.close()
+            raise
+
+    # -- files ---------------------------------------------------------------------------------
+
+    def _path(self, suffix: str) -> str:
+        return os.path.join(SHM, f"moe-a2a-rejoin-{self._key}-{suffix}")
+
+    def _write(self, suffix: str, data: bytes, exclusive: bool = False) -> None:
+        """The whole file at once: written aside, then linked (exclusive) or renamed into place."""
+        tmp = self._path(f"tmp-{os.getpid()}-{suffix}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        try:
+            if exclusive:
+                os.link(tmp, self._path(suffix))  # fails if it exists
+            else:
+                os.replace(tmp, self._path(suffix))
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def _read(self, suffix: str) -> bytes | None:
+        try:
+            with open(self._path(suffix), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def _remove(self, suffix: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path(suffix))
+
+    def _claim(self, role: str) -> None:
+        me = self.rank
+        for _ in range(2):  # a second try after removing a dead claimant's file
+            try:
+                self._write(f"r{me}", pickle.dumps((os.getpid(), role, self._nonce)), exclusive=True)
+                break
+            except FileExistsError:
+                held = self._read(f"r{me}")
+                if held is None:
+                    continue
+                pid, theirs, _ = pickle.loads(held)
+                if pid_alive(pid):
+                    raise RejoinError(
+                        f"rank {me} ({role}, pid {os.getpid()}) found rank {me} already claimed by a "
+                        f"{theirs} (pid {pid}) in the rejoin {self._key!r}: a replacement takes a masked "
+                        "rank, and each rank comes once"
+                    ) from None
+                self._remove(f"r{me}")  # left by a process that is gone
+        else:
+            raise RejoinError(f"rank {me}: could not claim its place in the rejoin {self._key!r}")
+        self._claimed = True
+        self._claims[me] = (os.getpid(), self._nonce)
+        for stale in glob.glob(self._path(f"r{me}-*")):  # an earlier attempt's, never read now
+            if f"-{self._nonce}-" not in stale:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(stale)
+
+    # -- errors and waits ----------------------------------------------------------------------
+
+    def _fail(self, message: str) -> None:
+        """Record the error for every other participant, then raise it here."""
+        self._record(message)
+        raise RejoinError(message)
+
+    def _record(self, message: str) -> None:
+        if self._claimed or self._established:
+            self._write(f"r{self.rank}-error", pickle.dumps((self._nonce, message)))
+
+    def _error_of(self, rank: int) -> str | None:
+        """Rank `rank`'s error in this rejoin, if it recorded one."""
+        path = self._path(f"r{rank}-error")
+        try:
+            with open(path, "rb") as f:
+                nonce, message = pickle.loads(f.read())
+                made = os.fstat(f.fileno()).st_mtime
+        except FileNotFoundError:
+            return None
+        claim = self._claims.get(rank)
+        current = claim[1] == nonce if claim is not None else made >= self._started - 0.05
+        return message if current else None
+
+    def _claim_of(self, rank: int) -> tuple[int, str] | None:
+        if rank not in self._claims:
+            path = self._path(f"r{rank}")
+            try:
+                with open(path, "rb") as f:
+                    pid, _, nonce = pickle.loads(f.read())
+                    made = os.fstat(f.fileno()).st_mtime
+            except FileNotFoundError:
+                return None
+            if made < self._started - 0.05 and not pid_alive(pid):  # (tmpfs times are coarse)
+                return None  # left by an earlier attempt's process: its replacement has not come yet
+            self._claims[rank] = (pid, nonce)
+        return self._claims[rank]
+
+    def _check(self, waiting_for: int) -> None:
+        for r in range(self.world_size):
+            error = self._error_of(r) if r != self.rank else None
+            if error is not None:
+                relayed = RejoinError(
+                    f"rank {self.rank}: the rejoin {self._key!r} failed on rank {r}: {error}"
+                )
+                relayed.relayed = True
+                raise relayed
+        claim = self._claim_of(waiting_for)
+        if claim is not None and not pid_alive(claim[0]):
+            self._fail(
+                f"rank {waiting_for} (pid {claim[0]}) is gone: it died during the rejoin {self._key!r}"
+            )
+
+    def _wait(self, rank: int, n: int) -> bytes:
+        """Rank `rank`'s file of all-gather `n`, once its claimant has written it."""
+        deadline = time.monotonic() + self._timeout_s
+        pause = 0.0005
+        while True:
+            claim = self._claim_of(rank)
+            if claim is not None:
+                data = self._read(f"r{rank}-{claim[1]}-g{n}")
+                if data is not None:
+                    return data
+            self._check(rank)
+            if time.monotonic() > deadline:
+                self._fail(
+                    f"rank {self.rank} waited {self._timeout_s:g} s for rank {rank} in the rejoin "
+                    f"{self._key!r} (all-gather {n}); "
+                    + ("it never arrived (was its replacement started?)" if claim is None else "it stopped")
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+
+    # -- Bootstrap -----------------------------------------------------------------------------
+
+    def allgather(self, blob: bytes) -> list[bytes]:
+        """Every rank's blob, index = rank. Our file of the all-gather before goes once everyone
+        has written this one: each of them has read it by then."""
+        self._gen += 1
+        n = self._gen
+        self._write(f"r{self.rank}-{self._nonce}-g{n}", bytes(blob))
+        out = [bytes(blob) if r == self.rank else self._wait(r, n) for r in range(self.world_size)]
+        if n > 1:
+            self._remove(f"r{self.rank}-{self._nonce}-g{n - 1}")
+        return out
+
+    def barrier(self) -> None:
+        self.allgather(b"")
+
+    def abort(self, code: int = 1) -> None:
+        os._exit(code)
+
+    def close(self) -> None:
+        """Remove the files. Once the opening exchange is done, others may still read our last
+        all-gather's file: we leave a mark that we are done reading theirs, and the last rank
+        to leave one (a rank whose process is gone counts as done) removes every rank's."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._claimed:
+            self._remove(f"r{self.rank}")
+            self._claimed = False
+        if not self._established:
+            if self._gen:
+                self._remove(f"r{self.rank}-{self._nonce}-g{self._gen}")
+            return
+        self._write(f"r{self.rank}-{self._nonce}-closed", b"")
+        claims = sorted(self._claims.items())
+        done = [
+            os.path.exists(self._path(f"r{r}-{nonce}-closed")) or (r != self.rank and not pid_alive(pid))
+            for r, (pid, nonce) in claims
+        ]
+        if len(claims) == self.world_size and all(done):
+            for r, (_, nonce) in claims:
+                for path in glob.glob(self._path(f"r{r}-{nonce}-*")):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+
+    # -- the opening exchange ------------------------------------------------------------------
+
+    def _welcome(self, role: str, masked: tuple[int, ...], epoch: int) -> None:
+        everyone = [pickle.loads(b) for b in self.allgather(pickle.dumps((role, tuple(masked), int(epoch))))]
+        survivors = {r: (m, e) for r, (who, m, e) in enumerate(everyone) if who == SURVIVOR}
+        joining = sorted(r for r, (who, _, _) in enumerate(everyone) if who == REPLACEMENT)
+        views = set(survivors.values())
+        # Every participant computes the same verdict from the same data: all raise, or none.
+        if not survivors:
+            raise RejoinError(f"rejoin {self._key!r}: every rank is a replacement; no survivor to join")
+        if len(views) != 1:
+            raise RejoinError(
+                f"rejoin {self._key!r}: the survivors disagree on the masked ranks or the epoch: {survivors}"
+            )
+        ((agreed, resume),) = views
+        if tuple(joining) != tuple(sorted(agreed)):
+            raise RejoinError(
+                f"rejoin {self._key!r}: replacements came for ranks {joining}, but the survivors have "
+                f"masked {sorted(agreed)}; a replacement takes a masked rank, and every masked rank needs one"
+            )
+        self.masked, self.first_epoch, self.joining = tuple(sorted(agreed)), int(resume), tuple(joining)
+        self._established = True
+        # Every participant has read every claim: the names can go (the files of the
+        # all-gathers are removed as they are passed).
+        self.barrier()
+        if self._claimed:
+            self._remove(f"r{self.rank}")
+            self._claimed = False
+
+
+def replacement(key: str, rank: int, world_size: int, timeout_s: float = 60.0) -> NodeRendezvous:
+    """The bootstrap of a process that replaces masked rank `rank`: pass it as `comm` to
+    `AllToAll(cfg, comm=...)`, with the survivors' arguments. Waits (up to `timeout_s`) until
+    every survivor called `AllToAll.rejoin(key)`."""
+    return NodeRendezvous(key, rank, world_size, REPLACEMENT, timeout_s)
+
+
+def survivors_rendezvous(
+    key: str, rank: int, world_size: int, masked: tuple[int, ...], epoch: int, timeout_s: float
+) -> NodeRendezvous:
+    return NodeRendezvous(key, rank, world_size, SURVIVOR, timeout_s, masked, epoch)
+
+
+def leftovers(key: str) -> list[str]:
+    """/dev/shm files of the rejoins with `key` still there."""
+    return sorted(glob.glob(os.path.join(SHM, f"moe-a2a-rejoin-{check_key(key)}-*")))
+
+
+# Instance state the mixin reads and replaces; the rejoin swaps everything else a new instance
+# built (its backend, workspace, bootstrap, checks) and keeps these of the survivor's own.
+_KEPT = frozenset({"_pid", "_busy", "id", "_calls", "_args", "abort_on_error"})
+
+
+class LostRanks:
+    """`AllToAll`'s side of on_peer_loss="mask": the ranks masked so far, the survivors'
+    agreement after a loss (moe_a2a.masking), and the rejoin of replacements."""
+
+    _live: LiveRanks | None
+    _setup: Any
+    _backend: Any
+    _boot: Any
+    _state: str
+    _last: Any
+    _failure: str | None
+    _calls: int
+    _args: dict[str, Any]
+    cfg: Any
+    rank: int
+    world_size: int
+
+    @property
+    def masked_ranks(self) -> tuple[int, ...]:
+        """Ranks lost and masked so far (on_peer_loss="mask"); the same on every survivor."""
+        return tuple(sorted(self._live.masked)) if self._live is not None else ()
+
+    @property
+    def masked_calls(self) -> int:
+        """Dispatches this rank ran with a rank masked."""
+        return self._live.calls if self._live is not None else 0
+
+    def _mask_after_loss(self, what: str, exc: BaseException) -> None:
+        """on_peer_loss="mask" and a peer's process gone: agree with the survivors, rebuild the
+        backend without the lost ranks and raise PeerLostError (the instance stays usable)."""
+        if self._live is None or self._setup is None:
+            return
+        epoch = self._backend.epoch
+        try:
+            outcome = self._live.recover(self._backend, self._setup, what, exc, self.cfg.timeout_s)
+        except BaseException as agreeing:
+            self._failure = (
+                f"call {self._calls} ({what}, epoch {epoch}) on rank {self.rank}: {exc}; {agreeing}"
+            )
+            raise
+        if outcome is None:
+            return
+        self._backend, error = outcome
+        self._state, self._last = "idle", None
+        raise error from exc
+
+    def rejoin(self, key: str, timeout_s: float | None = None) -> tuple[int, ...]:
+        """Collective among the survivors and one replacement per masked rank: let them in.
+
+        Every survivor calls it at the same point of its calls (between a combine and the next
+        dispatch), with the same `key`; each replacement constructs its instance with
+        `comm=moe_a2a.rejoin.replacement(key, rank, world_size)` and the survivors' other
+        arguments. Waits up to `timeout_s` (default `cfg.timeout_s`) for them. Afterwards no
+        rank is masked and every rank's next dispatch is epoch `self.epoch + 1`. Returns the
+        ranks that rejoined. On failure (`RejoinError`, or the constructor's own error for a
+        replacement whose arguments differ) the survivors' masked instance serves on.
+        """
+        self._check_open()  # type: ignore[attr-defined]
+        self._check_idle("rejoin")  # type: ignore[attr-defined]
+        if self._live is None:
+            raise ValueError("rejoin: needs Config(on_peer_loss='mask'); this instance stops on a loss")
+        masked = self.masked_ranks
+        if not masked:
+            raise ValueError("rejoin: no rank is masked; a replacement takes the place of a masked rank")
+        wait = float(self.cfg.timeout_s if timeout_s is None else timeout_s)
+        if not wait > 0:
+            raise ValueError(f"timeout_s: got {timeout_s!r}; expected a positive number of seconds")
+        rdzv = survivors_rendezvous(key, self.rank, self.world_size, masked, self._backend.epoch, wait)
+        try:
+            fresh = type(self)(**{**self._args, "comm": rdzv})
+        except BaseException as exc:
+            rdzv.close()
+            if isinstance(exc, RejoinError):
+                raise
+            raise RejoinError(
+                f"rank {self.rank}: the rejoin {key!r} failed, rank(s) {list(masked)} stay masked: {exc}"
+            ) from exc
+        old_boot = self._boot
+        self.close(wait_for_peers=False)  # type: ignore[attr-defined]
+        self.__dict__.update({k: v for k, v in fresh.__dict__.items() if k not in _KEPT})
+        self._args = {**self._args, "comm": rdzv}  # reopen() meets the same ranks again
+        fresh.__dict__["_setup"] = None  # its resources are ours now: its close() does nothing
+        old_boot.close()
+        return rdzv.joining
