@@ -102,6 +102,12 @@ def fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def mapped() -> int:
+    """Mappings of the node's workspaces (ours and our peers'): a rejoin must unmap the old ones."""
+    with open("/proc/self/maps") as f:
+        return sum("/dev/shm/moe-a2a-" in line for line in f)
+
+
 def shm_files() -> int:
     """/dev/shm files of this job's processes (others' jobs may share the host)."""
     ours = tuple(p for pid in PIDS for p in (f"moe-a2a-{pid}-", f"{pid}:"))  # workspaces, libfabric shm
@@ -112,11 +118,11 @@ killed_at = None
 rejoined = "REPLACEMENT_KEY" in os.environ  # the next full call is the first after a rejoin
 seen_masked = 0
 checked = masked_checked = 0
-fds_before = shm_before = 0
+fds_before = shm_before = maps_before = 0
 while a2a.epoch < calls:
     step = a2a.epoch  # every survivor resumes at the same epoch after a loss
     if fds_before == 0 and step >= 2:  # a replacement starts later
-        fds_before, shm_before = fds(), shm_files()
+        fds_before, shm_before, maps_before = fds(), shm_files(), mapped()
     if step in rejoin_at and a2a.masked_ranks:
         t0 = time.time()
         try:
@@ -169,7 +175,8 @@ while a2a.epoch < calls:
 grew = (fds() - fds_before, shm_files() - shm_before)
 print(
     f"peer_loss_job: rank {rank} done: {checked} calls checked, {masked_checked} masked, "
-    f"masked {a2a.masked_ranks}, masked_calls {a2a.masked_calls}, fds +{grew[0]}, /dev/shm +{grew[1]}",
+    f"masked {a2a.masked_ranks}, masked_calls {a2a.masked_calls}, fds +{grew[0]}, /dev/shm +{grew[1]}, "
+    f"workspace mappings +{mapped() - maps_before}",
     flush=True,
 )
 a2a.close()
