@@ -622,6 +622,11 @@ class AllToAll(LostRanks):
         Collective, like the constructor: after a failure every rank's calls raise,
         and every rank calls `a2a = a2a.reopen()` (or closes and constructs anew).
         """
+        if isinstance(self._args["comm"], Bootstrap):  # a rejoin's, whose files go at close
+            raise ValueError(
+                "reopen: this instance was built by a rejoin (moe_a2a.rejoin), whose meeting ends "
+                "with it; close it and construct anew over a communicator of the live ranks"
+            )
         self.close()
         return AllToAll(**self._args)
 

@@ -410,7 +410,7 @@ class LostRanks:
         old_boot = self._boot
         self.close(wait_for_peers=False)  # type: ignore[attr-defined]
         self.__dict__.update({k: v for k, v in fresh.__dict__.items() if k not in _KEPT})
-        self._args = {**self._args, "comm": rdzv}  # reopen() meets the same ranks again
+        self._args = {**self._args, "comm": rdzv}  # reopen() refuses it: the meeting ends at close
         fresh.__dict__["_setup"] = None  # its resources are ours now: its close() does nothing
         old_boot.close()
         return rdzv.joining

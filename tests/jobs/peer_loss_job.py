@@ -172,6 +172,11 @@ while a2a.epoch < calls:
             rejoined = False
     assert torch.equal(out, ref), f"rank {rank} step {step}: {(out.float() - ref.float()).abs().max()}"
     checked += 1
+if isinstance(a2a._args["comm"], rejoin.NodeRendezvous):  # built by a rejoin: no reopen()
+    try:
+        a2a.reopen()
+    except ValueError as exc:
+        print(f"peer_loss_job: rank {rank} reopen refused: {exc}", flush=True)
 grew = (fds() - fds_before, shm_files() - shm_before)
 print(
     f"peer_loss_job: rank {rank} done: {checked} calls checked, {masked_checked} masked, "

@@ -208,6 +208,7 @@ def test_replacements_rejoin_and_the_full_set_resumes(tmp_path: Path) -> None:
         done = re.search(DONE, outs[name])
         assert done and done[3].strip() == "", text  # nobody masked at the end
         assert int(done[4]) <= 0 and int(done[5]) <= 0, f"{name}: file descriptors or /dev/shm grew\n{text}"
+        assert "reopen refused: reopen: this instance was built by a rejoin" in outs[name], text
         # Memory: the old instances' workspaces are unmapped (the new ones replace them).
         assert re.search(r"workspace mappings \+0\b", outs[name]), f"{name}: workspace mappings grew\n{text}"
     # The survivors of both losses count every call but the two that failed; the replacements
