@@ -633,5 +633,8 @@ class AllToAll(LostRanks):
     def __enter__(self) -> AllToAll:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # Leaving on an exception (a failed check of the caller's own, say) the peers may be
+        # waiting in a call of ours that will not come: close without the barrier, so the
+        # error surfaces now instead of after their timeout.
+        self.close(wait_for_peers=exc_type is None)

@@ -369,3 +369,26 @@ def test_a_failure_after_a_call_does_not_fail_that_call_elsewhere(rpn: int | Non
     a2a = a2a.reopen()
     check_round(a2a, make_inputs(seed + 1, a2a.cfg))
     a2a.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_leaving_the_with_block_on_an_exception_does_not_wait_for_peers() -> None:
+    """Rank 0 leaves `with AllToAll(...)` on an error of its own while the others wait in a call
+    for it: it closes without the barrier and its error surfaces at once, not after their
+    timeout; the others fail within theirs, naming rank 0."""
+    timeout_s = 3.0
+    left_after = 0.0
+    if RANK == 0:
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="the caller's own error"), make_a2a(1, timeout_s=timeout_s):
+            started = time.monotonic()
+            raise RuntimeError("the caller's own error")
+        left_after = time.monotonic() - started
+    else:
+        a2a = make_a2a(1, timeout_s=timeout_s)
+        inp = make_inputs(6, a2a.cfg, tokens=[4] * WORLD)
+        with pytest.raises((FabricError, PeerFailedError), match="peer 0"):
+            a2a.dispatch(*mine(inp))
+        a2a.close(wait_for_peers=False)
+    left_after = COMM.bcast(left_after, root=0)  # every rank checks it: none passes alone
+    assert left_after < timeout_s / 2, f"rank 0 left the with block {left_after:.2f} s after its error"
