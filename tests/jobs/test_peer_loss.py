@@ -238,3 +238,35 @@ def test_a_replacement_with_another_configuration_is_refused_and_the_survivors_s
         done = re.search(DONE, outs[name])
         assert done and done[3].strip(" ,") == "3" and int(done[1]) == CALLS - 1, text
     assert not glob.glob(f"/dev/shm/moe-a2a-rejoin-{key}-*"), text
+
+
+@pytest.mark.timeout(240)
+def test_a_replacement_started_outside_mpirun_rejoins_an_mpirun_job(tmp_path: Path) -> None:
+    """Under `mpirun --enable-recovery` rank 3 dies at call 6; its replacement, a plain process
+    outside the MPI job (no MPI_Init), rejoins at call 12 and all four finish unmasked."""
+    key = f"m{os.getpid()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+    env |= {"MOE_A2A_ABORT_ON_ERROR": "0", "REJOIN_AT": f"12:{key}"}
+    args = [sys.executable, str(SCRIPT), "tcp", str(CALLS), "3:6"]
+    mpirun = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--enable-recovery", "-n", str(WORLD)]
+    log = tmp_path / "mpirun.log"
+    with open(log, "wb") as f:
+        job = subprocess.Popen([*mpirun, *args], env=env, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while "rank 3 killed" not in log.read_text() and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.05)
+        extra = {"RANK": "3", "WORLD_SIZE": str(WORLD), "REPLACEMENT_KEY": key}
+        replaced = subprocess.run(args, env=env | extra, capture_output=True, text=True, timeout=120)
+        job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    out = log.read_text()
+    assert replaced.returncode == 0, f"{replaced.stdout}{replaced.stderr}\n{out}"
+    assert re.search(r"rank 3 done: 18 calls checked, 0 masked, masked \(\)", replaced.stdout), (
+        replaced.stdout
+    )
+    for r in range(3):
+        assert re.search(rf"rank {r} done: {CALLS - 1} calls checked, \d+ masked, masked \(\)", out), out
+    assert job.returncode == 0, out
