@@ -80,6 +80,8 @@ class NodeRendezvous(Bootstrap):
             raise ValueError(f"world_size: got {world_size!r}; expected a positive int")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank: got {rank!r}; expected an int in [0, {world_size})")
+        if not self._timeout_s > 0:
+            raise ValueError(f"timeout_s: got {timeout_s!r}; expected a positive number of seconds")
         self._comm = self._torch_group = None  # Bootstrap's: no launcher communicator here
         self.topology = Topology(rank, world_size, 0, rank, world_size, tuple(range(world_size)))
         self.single_host = True

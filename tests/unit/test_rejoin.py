@@ -134,11 +134,12 @@ def test_a_claim_left_by_a_dead_process_is_taken_over(key: str) -> None:
         (("bad key!", 0, 2), r"key: got 'bad key!'"),
         (("k", 2, 2), r"rank: got 2; expected an int in \[0, 2\)"),
         (("k", 0, 0), r"world_size: got 0"),
+        (("k", 0, 2, 0.0), r"timeout_s: got 0.0; expected a positive number of seconds"),
     ],
 )
 def test_bad_arguments_name_what_was_wrong(args: tuple[Any, ...], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        replacement(*args, timeout_s=0.1)
+        replacement(*args[:3], timeout_s=args[3] if len(args) == 4 else 0.1)
 
 
 def test_rejoin_with_nothing_to_rejoin_is_an_error_naming_why() -> None:
