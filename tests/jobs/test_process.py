@@ -97,8 +97,8 @@ def test_opening_engines_changes_no_disposition() -> None:
 def test_sigint_in_time_sleep_raises_keyboard_interrupt() -> None:
     code = (
         "import sys, time\n"
-        "import moe_a2a\n" + _open_engines_code() + "print('ready', flush=True)\n"
-        "try:\n"
+        "import moe_a2a\n" + _open_engines_code() + "try:\n"
+        "    print('ready', flush=True)  # inside the try: the signal may come as soon as it is out\n"
         "    time.sleep(40)\n"
         "except KeyboardInterrupt:\n"
         "    print('KeyboardInterrupt', flush=True)\n"
