@@ -396,23 +396,18 @@ class LostRanks:
         masked = self.masked_ranks
         if not masked:
             raise ValueError("rejoin: no rank is masked; a replacement takes the place of a masked rank")
-        wait = float(self.cfg.timeout_s if timeout_s is None else timeout_s)
-        if not wait > 0:
-            raise ValueError(f"timeout_s: got {timeout_s!r}; expected a positive number of seconds")
+        wait = self.cfg.timeout_s if timeout_s is None else timeout_s  # checked by the rendezvous
         rdzv = survivors_rendezvous(key, self.rank, self.world_size, masked, self._backend.epoch, wait)
         try:
-            fresh = type(self)(**{**self._args, "comm": rdzv})
+            fresh = type(self)(**{**self._args, "comm": rdzv})  # closes rdzv if it fails
+        except RejoinError:
+            raise
         except BaseException as exc:
-            rdzv.close()
-            if isinstance(exc, RejoinError):
-                raise
             raise RejoinError(
                 f"rank {self.rank}: the rejoin {key!r} failed, rank(s) {list(masked)} stay masked: {exc}"
             ) from exc
-        old_boot = self._boot
-        self.close(wait_for_peers=False)  # type: ignore[attr-defined]
+        self.close(wait_for_peers=False)  # type: ignore[attr-defined]  # and the old bootstrap
         self.__dict__.update({k: v for k, v in fresh.__dict__.items() if k not in _KEPT})
         self._args = {**self._args, "comm": rdzv}  # reopen() refuses it: the meeting ends at close
         fresh.__dict__["_setup"] = None  # its resources are ours now: its close() does nothing
-        old_boot.close()
         return rdzv.joining
