@@ -250,6 +250,32 @@ def test_bench_a2a_refuses_experts_that_do_not_divide_over_the_ranks() -> None:
         a2a.check_shapes(args, 2)
 
 
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--fabric-rows", "expert,rank"], "--fabric-rows: got expert,rank"),
+        (["--num-groups", "8", "--topk-groups", "4"], "--num-groups: got 8"),
+        (["--tokens", "64"], "--tokens: got 64"),
+        (["--dispatch-dtype", "bf16"], "--dispatch-dtype: got bf16"),
+    ],
+)
+def test_bench_a2a_cuda_refuses_what_its_per_phase_benchmark_would_ignore(
+    flags: list[str], named: str
+) -> None:
+    """`--device cuda` without `--baseline` runs the per-phase CUDA benchmark, whose shapes and
+    mode are fixed: a flag it would drop is an error naming it (and --baseline), not a table
+    of something else."""
+    import argparse
+
+    from moe_a2a.bench import a2a
+    from moe_a2a.usage import UsageError
+
+    args = cli.build_parser().parse_args(["bench", "a2a", "--device", "cuda", *flags])
+    args.mode, args.dispatch_dtype = "both", args.dispatch_dtype or "fp8"
+    with pytest.raises(UsageError, match=f"^{named}; .*--baseline mpi"):
+        a2a._run_cuda(argparse.Namespace(**vars(args)))
+
+
 def test_info_switch_table_fits_the_terminal_and_hides_test_switches(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -400,6 +400,7 @@ def main(args: argparse.Namespace) -> int:
     args.dispatch_dtype = args.dispatch_dtype or "fp8"
     if args.device == "cuda" and args.baseline is None:
         return _run_cuda(args)
+    args.fabric_rows = args.fabric_rows or ["expert", "rank"]
     comm = MPI.COMM_WORLD
     check_shapes(args, comm.Get_size())
     if args.device == "cuda":
@@ -468,6 +469,26 @@ def _run_cuda(args: argparse.Namespace) -> int:
     """The CUDA benchmark (per-phase bandwidth against the copy ceiling and torch-native)."""
     from moe_a2a.backends.cuda import cuda_available
 
+    # The per-phase benchmark runs its own fixed shapes and one AllToAll: an option it would
+    # ignore is refused rather than silently dropped.
+    ignored = {
+        "--tokens": args.tokens,
+        "--hidden": args.hidden,
+        "--num-experts": args.num_experts,
+        "--topk": args.topk,
+        "--dispatch-dtype": None if args.dispatch_dtype == "fp8" else args.dispatch_dtype,
+        "--fabric-rows": args.fabric_rows and ",".join(args.fabric_rows),
+        "--num-groups": args.num_groups,
+        "--topk-groups": args.topk_groups,
+        "--max-nodes": args.max_nodes,
+    }
+    given = {flag: value for flag, value in ignored.items() if value is not None}
+    if given:
+        flag, value = next(iter(given.items()))
+        raise UsageError(
+            f"{flag}: got {value}; the per-phase CUDA benchmark (--device cuda without --baseline) "
+            "runs DeepSeek-V3's shapes in one mode; pass --baseline mpi (or nccl) to set " + ", ".join(given)
+        )
     reason = cuda_available()
     if reason is not None:
         raise UsageError(f"--device cuda: {reason}")
@@ -564,7 +585,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--fabric-rows",
         type=_modes,
-        default=["expert", "rank"],
+        default=None,
         metavar="MODES",
         help="Config.fabric_rows modes to run side by side, one AllToAll each, comma-separated "
         "(default: expert,rank)",
