@@ -125,18 +125,19 @@ def _capabilities_line(provider: str, domain: str) -> str:
 
 def _rows_path_line(provider: str, domain: str) -> str:
     """The path a CUDA rank would take over this provider, and why (moe_a2a.gpu_direct); the
-    largest write is taken as 1 MiB or more (a prefill), where only the capability decides."""
+    largest write is taken as a prefill's (at least the shm threshold), where only the capability decides."""
     from moe_a2a import FabricError, _core, gpu_direct, switches
 
     forced = switches.get("MOE_A2A_GPU_DIRECT")
     try:
         c = _core.backend_capabilities(provider, domain, gpu_memory=forced is not False)
-        choice = gpu_direct.choose_path("cuda", provider, [c], forced, gpu_direct.SHM_MIN_WRITE_BYTES)
+        largest = max(gpu_direct.SHM_MIN_WRITE_BYTES, gpu_direct.shm_min_write_bytes())
+        choice = gpu_direct.choose_path("cuda", provider, [c], forced, largest)
     except (FabricError, RuntimeError) as e:
         return f"cannot tell: {e}"
     shm_note = (
         " (shm reports FI_HMEM even where its libfabric has no CUDA: registering GPU memory decides, and a "
-        "failure stages; staged where a call's largest write is under 1 MiB)"
+        f"failure stages; staged where a call's largest write is under {gpu_direct.shm_min_write_bytes()} B)"
         if c["provider"] == "shm" and choice.path == gpu_direct.GPU_DIRECT
         else ""
     )

@@ -19,8 +19,16 @@ NO_FABRIC = "no fabric"
 
 # shm moves CUDA memory with CUDA IPC copies, which cost ~130 us each: measured on
 # the H200 (issue 31) its writes from GPU memory beat host memory from 1 MiB up
-# (5.4 vs 3.6 GB/s; 64 KiB: 0.48 vs 5.3 GB/s). Below this, staging stays the default.
+# (5.4 vs 3.6 GB/s; 64 KiB: 0.48 vs 5.3 GB/s). Below this, staging stays the default
+# (MOE_A2A_GPU_DIRECT_SHM_MIN_BYTES moves it).
 SHM_MIN_WRITE_BYTES = 1 << 20
+
+
+def shm_min_write_bytes() -> int:
+    """MOE_A2A_GPU_DIRECT_SHM_MIN_BYTES, whose default is SHM_MIN_WRITE_BYTES."""
+    from moe_a2a import switches
+
+    return int(switches.get("MOE_A2A_GPU_DIRECT_SHM_MIN_BYTES"))
 
 
 @dataclass(frozen=True)
@@ -71,11 +79,12 @@ def choose_path(
     how = caps[0].get("gpu_memory_why", "FI_HMEM")
     if forced:
         return PathChoice(GPU_DIRECT, f"MOE_A2A_GPU_DIRECT=1; {how}")
-    if caps[0].get("provider") == "shm" and largest_write < SHM_MIN_WRITE_BYTES:
+    threshold = shm_min_write_bytes()
+    if caps[0].get("provider") == "shm" and largest_write < threshold:
         return PathChoice(
             STAGED,
             f"shm offers {how}, but its writes from GPU memory are slower below "
-            f"{SHM_MIN_WRITE_BYTES >> 20} MiB (largest write here {largest_write} B); "
+            f"{threshold} B (MOE_A2A_GPU_DIRECT_SHM_MIN_BYTES; largest write here {largest_write} B); "
             "MOE_A2A_GPU_DIRECT=1 forces it",
         )
     return PathChoice(GPU_DIRECT, how)

@@ -115,6 +115,13 @@ REGISTRY: dict[str, Switch] = {
             "measured faster (moe-a2a info says which); on or off forces it for A/B runs",
         ),
         Switch(
+            "MOE_A2A_GPU_DIRECT_SHM_MIN_BYTES",
+            "count",
+            1 << 20,
+            "shm only: the smallest largest-write of a call (bytes to one peer) for which the default takes "
+            "GPU-direct (shm's CUDA IPC copies lose below about 1 MiB on the H200); 0: every call",
+        ),
+        Switch(
             "MOE_A2A_CUDA_OVERLAP",
             "bool",
             True,

@@ -46,6 +46,21 @@ def test_capabilities_choose_the_path(device, provider, nics, forced, largest, p
     assert choice.reason
 
 
+def test_the_shm_threshold_is_a_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MOE_A2A_GPU_DIRECT_SHM_MIN_BYTES moves shm's threshold (0: every call GPU-direct); a bad
+    value is an error naming it. Other providers take no notice."""
+    shm = [caps("shm", True)]
+    monkeypatch.setenv("MOE_A2A_GPU_DIRECT_SHM_MIN_BYTES", "0")
+    assert choose_path("cuda", "shm", shm, None, 1).path == GPU_DIRECT
+    monkeypatch.setenv("MOE_A2A_GPU_DIRECT_SHM_MIN_BYTES", str(4 * BIG))
+    staged = choose_path("cuda", "shm", shm, None, BIG)
+    assert staged.path == STAGED and f"{4 * BIG} B (MOE_A2A_GPU_DIRECT_SHM_MIN_BYTES" in staged.reason
+    assert choose_path("cuda", "efa", [caps("efa", True)], None, 1).path == GPU_DIRECT
+    monkeypatch.setenv("MOE_A2A_GPU_DIRECT_SHM_MIN_BYTES", "1MiB")
+    with pytest.raises(ValueError, match=r"MOE_A2A_GPU_DIRECT_SHM_MIN_BYTES: got '1MiB'; expected a whole"):
+        choose_path("cuda", "shm", shm, None, BIG)
+
+
 def test_forcing_gpu_direct_without_fi_hmem_names_why():
     with pytest.raises(RuntimeError, match=r"MOE_A2A_GPU_DIRECT=1: provider 'tcp' .*no FI_HMEM"):
         choose_path("cuda", "tcp", [caps("tcp;ofi_rxm", False, "no FI_HMEM")], True, BIG)
