@@ -104,12 +104,16 @@ def test_bench_train_runs_and_agrees(dtype: str, tmp_path: Path, capsys: pytest.
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.timeout(240)
-def test_bench_train_csv(tmp_path: Path) -> None:
+@pytest.mark.timeout(300)
+def test_bench_train_compiled_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--compile: every contender's forward compiled fullgraph (the first, untimed call compiles);
+    the results still agree, the header says so; and the figures go to a CSV."""
     out = Path(COMM.bcast(str(tmp_path / "train.csv")))
-    assert a2a.main(parse(tiny(out, "bf16"))) == 0
+    assert a2a.main(parse([*tiny(out, "bf16"), "--compile"])) == 0
     COMM.Barrier()
     if COMM.Get_rank() == 0:
+        text = capsys.readouterr().out
+        assert "  compile:    each forward torch.compile'd, fullgraph" in text
         with out.open() as f:
             rows = list(csv.DictReader(f))
         assert rows[0]["phase"] == "fwd"

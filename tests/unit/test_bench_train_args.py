@@ -60,3 +60,15 @@ def test_argparse_refuses_bad_values(
 def test_check_args_names_the_flag(flags: list[str], world: int, named: str) -> None:
     with pytest.raises(train.TrainArgumentError, match="^" + named):
         train.check_args(parse(flags), world)
+
+
+def test_compile_needs_a_warm_up_call_and_train() -> None:
+    with pytest.raises(train.TrainArgumentError, match=r"^--warmup: got 0; --compile needs 1 or more"):
+        train.check_args(parse(["--compile", "--warmup", "0"]), world=1)
+    assert train.check_args(parse(["--compile", "--warmup", "1"]), world=1)["tokens"] == 4096
+    parser = argparse.ArgumentParser(prog="moe-a2a bench")
+    a2a.add_parser(parser.add_subparsers())
+    from moe_a2a.usage import UsageError
+
+    with pytest.raises(UsageError, match=r"^--compile: only used with --train"):
+        a2a.main(parser.parse_args(["a2a", "--compile"]))

@@ -396,6 +396,8 @@ def main(args: argparse.Namespace) -> int:
         return train.main(args)
     if args.grad_dtype is not None:
         raise UsageError("--grad-dtype: only used with --train")
+    if args.compile:
+        raise UsageError("--compile: only used with --train")
     args.mode = args.mode or "both"
     args.dispatch_dtype = args.dispatch_dtype or "fp8"
     if args.device == "cuda" and args.baseline is None:
@@ -613,6 +615,12 @@ def add_parser(subparsers: Any) -> None:
         action="store_true",
         help="forward + backward of dispatch and combine (DeepSeek-V3 training shape) against "
         "TorchTitan's token dispatchers (moe_a2a.bench.train) (default: off)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="with --train: every contender's forward under torch.compile (fullgraph), as TorchTitan's "
+        "--compile.enable compiles a block (default: off)",
     )
     p.add_argument(
         "--grad-dtype",

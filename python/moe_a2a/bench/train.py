@@ -86,6 +86,10 @@ def check_args(args: argparse.Namespace, world: int) -> dict[str, int]:
         )
     if args.warmup < 0:
         raise TrainArgumentError(f"--warmup: got {args.warmup}; expected an integer >= 0")
+    if args.compile and args.warmup < 1:
+        raise TrainArgumentError(
+            f"--warmup: got {args.warmup}; --compile needs 1 or more (the first call compiles, untimed)"
+        )
     return shape
 
 
@@ -137,14 +141,14 @@ def expert(rows: Any) -> Any:
 @dataclass
 class Contender:
     name: str
-    forward: Callable[[Any, Any, Batch], Any]  # (x leaf, scores leaf, batch) -> out
+    forward: Callable[[Any, Any, Any, Any], Any]  # (x leaf, scores leaf, ids, counts) -> out
     fwd_ns: list[float] = field(default_factory=list)  # timed iterations only
     bwd_ns: list[float] = field(default_factory=list)
 
 
 def ours(ep: Any) -> Contender:
-    def forward(x: Any, scores: Any, b: Batch) -> Any:
-        routed = ep.dispatch(x, b.ids, scores)
+    def forward(x: Any, scores: Any, ids: Any, counts: Any) -> Any:
+        routed = ep.dispatch(x, ids, scores)
         return ep.combine(expert(routed.expert_x), routed, weighted=True)
 
     return Contender(OURS, forward)
@@ -154,8 +158,8 @@ def torchtitan_dispatcher(cls: Any, mesh: Any, experts: int, topk: int) -> Conte
     d = cls(cls.Config(num_experts=experts, top_k=topk))
     d.wire_meshes(ep_mesh=mesh)
 
-    def forward(x: Any, scores: Any, b: Batch) -> Any:
-        rows, _, meta = d.dispatch(x, scores, b.ids, b.counts)
+    def forward(x: Any, scores: Any, ids: Any, counts: Any) -> Any:
+        rows, _, meta = d.dispatch(x, scores, ids, counts)
         return d.combine(expert(rows), meta, x)
 
     return Contender(cls.__name__, forward)
@@ -248,12 +252,22 @@ def step(comm: Any, device: Any, c: Contender, b: Batch, grad_out: Any, keep: bo
     """One measured step of one contender; its out and gradients, the times kept if `keep`."""
     x = b.x.detach().requires_grad_()
     scores = b.scores.detach().requires_grad_()
-    out, t_fwd = timed(comm, lambda: c.forward(x, scores, b), device)
+    out, t_fwd = timed(comm, lambda: c.forward(x, scores, b.ids, b.counts), device)
     _, t_bwd = timed(comm, lambda: out.backward(grad_out), device)
     if keep:
         c.fwd_ns.append(t_fwd)
         c.bwd_ns.append(t_bwd)
     return {"out": out.detach(), "x.grad": x.grad, "scores.grad": scores.grad}
+
+
+def compile_contenders(contenders: list[Contender]) -> None:
+    """--compile: each contender's forward compiled as TorchTitan's `apply_compile` compiles a
+    block (fullgraph, scalar outputs captured for the data-dependent sizes of token routing)."""
+    import torch
+
+    torch._dynamo.config.capture_scalar_outputs = True
+    for c in contenders:
+        c.forward = torch.compile(c.forward, fullgraph=True)
 
 
 def skipped_dispatchers(reason: str | None, world: int) -> dict[str, str]:
@@ -322,6 +336,8 @@ def run(args: argparse.Namespace, comm: Any, device: Any, shape: dict[str, int])
                 contenders.append(torchtitan_dispatcher(titan.AllToAllTokenDispatcher, mesh, E, K))
             if world == 1:
                 contenders.append(torchtitan_dispatcher(titan.LocalTokenDispatcher, None, E, K))
+        if args.compile:
+            compile_contenders(contenders)
         checks = []
         bar = report.progress(len(batches), "train", rank=rank, mode=args.progress)
         for it, b in enumerate(batches):
@@ -360,6 +376,7 @@ def settings_of(
         grad_dtype=args.grad_dtype,
         iters=args.iters,
         warmup=args.warmup,
+        compile=bool(args.compile),
         **shape,
     )
 
@@ -417,6 +434,7 @@ def format_config(result: dict[str, Any]) -> str:
             "sizes": f"{report.sizes_text(s['tokens'], s['hidden'], s['num_experts'], s['topk'])}; "
             f"max_recv_tokens {result['max_recv_tokens']}",
             "iterations": f"{s['iters']} timed after {s['warmup']} warm-up",
+            "compile": "each forward torch.compile'd, fullgraph" if s["compile"] else "off (eager)",
             "peak RSS": f"{result['peak_rss_mib_per_rank']} MiB/rank",
             **({"tuning": report.tuning_set()} if s["device"] == "cuda" else {}),
             "switches": report.switches_set(),
