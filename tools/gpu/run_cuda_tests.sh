@@ -82,8 +82,17 @@ multirank() {
   MOE_A2A_RANK_LOGS=$logs timeout "${MR_TIMEOUT:-300}" "${MPIRUN[@]}" -n "$n" "$ROOT/tools/rank0_console.sh" \
     env MOE_A2A_TEST_DEVICE=cuda "$@" "$PY" -m pytest -q -rs -p no:cacheprovider --with-mpi "${tests[@]}" \
     --junitxml="$logs/junit.xml" >"$logs/rank0.log" 2>&1
+  local rc=$?
   grep -av "^\[" "$logs/rank0.log" | tail -15
-  note "multirank n=$n$label (provider $MOE_A2A_TEST_PROVIDER): $(grep -aE "(passed|failed|error)" "$logs/rank0.log" | tail -1)"
+  # pytest's last line, else (a timeout, an abort) the exit status and every rank's first error line.
+  local result
+  result=$(grep -ahE "(passed|failed|error).* in [0-9.]+s" "$logs/rank0.log" | tail -1)
+  if [[ -z $result ]]; then
+    local first
+    first=$(grep -ahm1 -E "^E |Error|Timeout" "$logs"/rank*.log | head -3 | tr '\n' ' ' | cut -c1-300)
+    result="no pytest summary (exit $rc$([[ $rc == 124 ]] && echo ": timed out after ${MR_TIMEOUT:-300} s")); first errors: ${first:-none in the logs}"
+  fi
+  note "multirank n=$n$label (provider $MOE_A2A_TEST_PROVIDER): $result"
 }
 
 if has multirank; then
