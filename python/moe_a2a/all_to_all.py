@@ -608,10 +608,17 @@ class AllToAll(LostRanks):
         if self._lease is not None:
             # Unsettled, a peer's call may still write here: for as long as its waits can last.
             retire_s = 0.0 if settled else self._core_cfg.caller_timeout_s
-            rows = getattr(self._backend, "device_rows", None)  # GPU-direct: (region, group, memory)
+            # GPU-direct's (region, group, memory), taken from the backend so that the device
+            # memory goes now (or, retired, with the lease), not when this object is collected:
+            # it holds the engine alive, and with it shm's CUDA IPC mappings of the peers' device
+            # workspaces, which a later instance's own mapping of a peer's new workspace at the
+            # same address would collide with (cudaErrorAlreadyMapped).
+            take = getattr(self._backend, "take_device_rows", None)
+            rows = take() if take is not None else None
             if rows is not None:
                 region, group, memory = rows
                 self._lease.release(region, group, memory, retire_s)
+                del rows, memory
             self._lease.close(setup.region, setup.group, setup.workspace, retire_s)
         setup.workspace = None
         self._boot.close()

@@ -331,6 +331,12 @@ class CudaBackend:
     def routing_rows(self) -> tuple[int, int]:
         return int(self._impl.routing_rows_sent), int(self._impl.routing_rows_received)
 
+    def take_device_rows(self) -> tuple[Any, ...] | None:
+        """After close: GPU-direct's (region, group, memory), handed over (AllToAll.close releases
+        them); this backend keeps no reference."""
+        rows, self.device_rows = self.device_rows, None
+        return rows
+
     def close(self) -> None:
         torch.cuda.synchronize(self.device)
         if self.device_rows is not None:
