@@ -5,7 +5,10 @@
 # and 8 MPI ranks sharing the GPU, with and without virtual nodes; the training
 # tests, tests/mpi/test_autograd.py, test_cached_routing.py, test_torchtitan.py and test_compile.py, at 1, 2 and 4 ranks),
 # then the CUDA benchmark at 1, 2, 4 and 8 ranks. Prints a short
-# summary last; full logs go to $OUT (or out/gpu).
+# summary last; full logs go to $OUT (or out/gpu). The stage gpudirect (not in
+# the default set) runs the multi-rank and training suites again with every
+# call of a layout with fabric peers GPU-direct (MOE_A2A_GPU_DIRECT_SHM_MIN_BYTES=0):
+# build it against a libfabric with CUDA support (LIBFABRIC_ROOT, below).
 #
 # Needs libfabric's headers where only its runtime is installed: carry them in
 # .fabric-dev (see docs/cuda.md), and pytest-mpi, torchtitan==0.3.0, spmd_types,
@@ -13,17 +16,18 @@
 # set, names another libfabric to build against (one with CUDA support for
 # GPU-direct; its lib then goes on LD_LIBRARY_PATH).
 #
-#   tools/gpu/run_cuda_tests.sh [stages...]   stages: build kernels multirank training bench (default: all)
-# MR_SIZES and BENCH_SIZES choose the world sizes (default "1 2 4 8"); TRAIN_SIZES (default "1 2 4").
+#   tools/gpu/run_cuda_tests.sh [stages...]   stages: build kernels multirank training bench gpudirect
+#   (default: all but gpudirect)
+# MR_SIZES and BENCH_SIZES choose the world sizes (default "1 2 4 8"; gpudirect "2 4 8"); TRAIN_SIZES (default "1 2 4").
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT" || exit 1
 # Help before anything is made or run.
-case ${1:-} in -h | --help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
+case ${1:-} in -h | --help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 for stage in "$@"; do
   case $stage in
-    build | kernels | multirank | training | bench) ;;
-    *) echo "run_cuda_tests.sh: unknown stage '$stage'; expected any of: build kernels multirank training bench (see --help)" >&2; exit 2 ;;
+    build | kernels | multirank | training | bench | gpudirect) ;;
+    *) echo "run_cuda_tests.sh: unknown stage '$stage'; expected any of: build kernels multirank training bench gpudirect (see --help)" >&2; exit 2 ;;
   esac
 done
 OUT=${OUT:-$ROOT/out/gpu}
@@ -107,6 +111,14 @@ if has training; then
     MR_TESTS="$ROOT/tests/mpi/test_autograd.py $ROOT/tests/mpi/test_cached_routing.py $ROOT/tests/mpi/test_torchtitan.py $ROOT/tests/mpi/test_compile.py" \
       multirank "$n" " training"
   done
+fi
+
+if has gpudirect; then
+  # Every call GPU-direct where the provider registers CUDA memory; elsewhere the suite stages and
+  # tests/mpi/test_gpu_direct.py says why it skipped.
+  for n in ${MR_SIZES:-2 4 8}; do multirank "$n" " gpu-direct" MOE_A2A_GPU_DIRECT_SHM_MIN_BYTES=0; done
+  MR_TESTS="$ROOT/tests/mpi/test_autograd.py $ROOT/tests/mpi/test_cached_routing.py $ROOT/tests/mpi/test_torchtitan.py" \
+    multirank 2 " training gpu-direct" MOE_A2A_GPU_DIRECT_SHM_MIN_BYTES=0
 fi
 
 if has bench; then
