@@ -7,12 +7,14 @@ tested under mpirun in tests/mpi/test_bench_a2a.py and test_bench_train.py.
 from __future__ import annotations
 
 import argparse
+import os
 
 import numpy as np
 import pytest
 
 from moe_a2a import cli, report
 from moe_a2a.bench import a2a, a2a_bytes, a2a_cuda, common, engine_ref, fabric, train
+from moe_a2a.usage import UsageError
 
 # Columns every moe-a2a-against-a-baseline table has, in this order, after its labels.
 COMPARED = [
@@ -238,6 +240,46 @@ def test_bench_a2a_cuda_compares_whole_phases_with_the_engine_alone() -> None:
     note = a2a_cuda.note_of(rows)
     assert note.startswith(a2a_cuda.NOTE) and note.endswith(engine_ref.NOTE)
     assert "dispatch, combine: each whole phase (send and recv halves) in one span" in note
+
+
+def test_bench_a2a_cuda_compares_rows_paths_side_by_side() -> None:
+    """--rows-path staged,gpu-direct: one result per shape and path; the table names each row's
+    path, and a second table gives staged over GPU-direct per phase."""
+    staged = _cuda_result(2, path="staged")
+    direct = {**_cuda_result(2, path="gpu-direct"), "step_ms": 0.25}
+    for phase in a2a_cuda.PHASES:
+        direct[phase] = {"ms": 0.05, "gbs": 2000.0}
+    rows = a2a_cuda.rows_of([staged, direct])
+    lines = a2a_cuda.format_table(rows).splitlines()
+    assert cells(lines[0])[:4] == ["shape", "tokens/rank", "rows' path", "phase"]
+    assert [cells(line)[2] for line in lines[2:]] == ["staged"] * 5 + ["gpu-direct"] * 5
+    compared = a2a_cuda.path_rows(rows)
+    assert [(r["phase"], r["staged_over_direct"]) for r in compared] == [
+        *((p, pytest.approx(2.0)) for p in a2a_cuda.PHASES),
+        ("step", pytest.approx(2.0)),
+    ]
+    assert a2a_cuda.path_rows(a2a_cuda.rows_of([staged])) == []  # one path: nothing to compare
+
+
+def test_rows_path_flag_and_the_forced_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moe_a2a.bench.args import rows_paths
+
+    assert rows_paths("staged,gpu-direct") == ["staged", "gpu-direct"]
+    for bad in ("staged,staged", "direct", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected distinct paths of"):
+            rows_paths(bad)
+    monkeypatch.setenv("MOE_A2A_GPU_DIRECT", "auto-was-here")
+    with a2a_cuda.forced_path("staged"):
+        assert os.environ["MOE_A2A_GPU_DIRECT"] == "0"
+    assert os.environ["MOE_A2A_GPU_DIRECT"] == "auto-was-here"
+    monkeypatch.delenv("MOE_A2A_GPU_DIRECT")
+    with a2a_cuda.forced_path("gpu-direct"):
+        assert os.environ["MOE_A2A_GPU_DIRECT"] == "1"
+    assert "MOE_A2A_GPU_DIRECT" not in os.environ
+    # Only the per-phase CUDA benchmark compares paths.
+    args = cli.build_parser().parse_args(["bench", "a2a", "--rows-path", "staged,gpu-direct"])
+    with pytest.raises(UsageError, match=r"^--rows-path: got staged,gpu-direct; only the per-phase CUDA"):
+        a2a.main(args)
 
 
 def test_bench_a2a_cuda_without_remote_peers_has_no_engine_columns() -> None:

@@ -36,7 +36,7 @@ import numpy as np
 
 from moe_a2a import report
 from moe_a2a.bench import a2a_bytes, engine_ref
-from moe_a2a.bench.args import int_at_least
+from moe_a2a.bench.args import int_at_least, rows_paths
 from moe_a2a.bench.common import INTERRUPTS, local_rank, mpi_transport, share_cores, timed, transport_warning
 from moe_a2a.bench.routing import Routing
 from moe_a2a.usage import UsageError
@@ -402,6 +402,11 @@ def main(args: argparse.Namespace) -> int:
     args.dispatch_dtype = args.dispatch_dtype or "fp8"
     if args.device == "cuda" and args.baseline is None:
         return _run_cuda(args)
+    if args.rows_path is not None:
+        raise UsageError(
+            f"--rows-path: got {','.join(args.rows_path)}; only the per-phase CUDA benchmark "
+            "(--device cuda without --baseline) compares rows' paths"
+        )
     args.fabric_rows = args.fabric_rows or ["expert", "rank"]
     comm = MPI.COMM_WORLD
     check_shapes(args, comm.Get_size())
@@ -507,6 +512,7 @@ def _run_cuda(args: argparse.Namespace) -> int:
         output=args.output,
         profile=False,
         progress=args.progress,
+        rows_path=args.rows_path,
     )
     return a2a_cuda.run(cuda_args)
 
@@ -591,6 +597,14 @@ def add_parser(subparsers: Any) -> None:
         metavar="MODES",
         help="Config.fabric_rows modes to run side by side, one AllToAll each, comma-separated "
         "(default: expert,rank)",
+    )
+    p.add_argument(
+        "--rows-path",
+        type=rows_paths,
+        default=None,
+        metavar="PATHS",
+        help="with --device cuda: each shape once per rows' path, forced, side by side: staged, "
+        "gpu-direct or staged,gpu-direct (default: the path AllToAll chooses)",
     )
     p.add_argument(
         "--num-groups", type=POSITIVE, metavar="G", help="expert groups of group-limited routing (default: 1)"

@@ -20,15 +20,21 @@ dispatch, bf16 combine; decode 128 tokens per rank, prefill 4096):
   sort copies by expert, index_select; then index_add_ of the weighted rows);
 - with every peer remote (`--ranks-per-node 1`), each whole phase (dispatch,
   combine: both halves in one span) against the transfer engine alone moving
-  that iteration's per-peer bytes, timed alike (`moe_a2a.bench.engine_ref`).
+  that iteration's per-peer bytes, timed alike (`moe_a2a.bench.engine_ref`);
+- with `--rows-path staged,gpu-direct`, all of the above once per path (one
+  AllToAll each, MOE_A2A_GPU_DIRECT forced), then each phase's staged time
+  over its GPU-direct time.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import re
 import statistics
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +44,7 @@ import torch
 from moe_a2a import report, switches
 from moe_a2a._core import FP8_BLOCK
 from moe_a2a.bench import common, engine_ref
-from moe_a2a.bench.args import int_at_least
+from moe_a2a.bench.args import ROWS_PATHS, int_at_least, rows_paths
 
 PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 ENGINE_PHASES = ("dispatch", "combine", "total")  # whole phases, against the engine alone
@@ -152,7 +158,27 @@ def timed(comm: Any, fn: Any) -> tuple[Any, float]:
     return result, ns / 1e6
 
 
-def run_shape(name: str, args: argparse.Namespace, comm: Any, copy_gbs: float) -> dict[str, Any]:
+@contextlib.contextmanager
+def forced_path(path: str | None) -> Iterator[None]:
+    """MOE_A2A_GPU_DIRECT set for one AllToAll's construction (`path` None: left as it is)."""
+    if path is None:
+        yield
+        return
+    before = os.environ.get("MOE_A2A_GPU_DIRECT")
+    os.environ["MOE_A2A_GPU_DIRECT"] = ROWS_PATHS[path]
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["MOE_A2A_GPU_DIRECT"]
+        else:
+            os.environ["MOE_A2A_GPU_DIRECT"] = before
+
+
+def run_shape(
+    name: str, args: argparse.Namespace, comm: Any, copy_gbs: float, path: str | None = None
+) -> dict[str, Any]:
+    """One shape's passes on one AllToAll; `path` (--rows-path) forces its rows' path."""
     from moe_a2a.all_to_all import AllToAll, Config, Dispatched
 
     rank, world = comm.Get_rank(), comm.Get_size()
@@ -172,8 +198,12 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, copy_gbs: float) -
     )
     rounds = [make_round(1000 * rank + i, tokens, device) for i in range(args.rounds)]
     result: dict[str, Any] = dict(shape=name, world=world, tokens=tokens, copy_gbs=copy_gbs)
+    if path is not None:
+        result["path"] = path
     rpn = args.ranks_per_node
-    with AllToAll(cfg, comm=comm, device="cuda", provider=args.provider, ranks_per_node=rpn) as a2a:
+    with forced_path(path):
+        a2a = AllToAll(cfg, comm=comm, device="cuda", provider=args.provider, ranks_per_node=rpn)
+    with a2a:
         result["ranks_per_node"] = len(a2a._node)
         result["rows_path"] = a2a.rows_path
         y_full = torch.randn(a2a.max_output_rows, MODEL["hidden"], device=device).to(torch.bfloat16)
@@ -232,7 +262,7 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, copy_gbs: float) -
             result["kernel_us"] = profile_kernels(a2a, rounds[0], y_full, name, rank == 0)
             result["rank_bytes"] = mine
 
-    if world == 1 and name == "decode":
+    if world == 1 and name == "decode" and path in (None, "staged"):
         result["graph_step_ms"], result["graph_span_ms"] = graph_step_ms(cfg, args, comm, rounds[0], device)
 
     return result
@@ -351,6 +381,8 @@ def rows_of(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for res in results:
         lead = {"shape": res["shape"], "tokens": res["tokens"]}
+        if "path" in res:
+            lead["rows_path"] = res["path"]
         for phase in PHASES:
             p = res[phase]
             rows.append(
@@ -379,6 +411,41 @@ def rows_of(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def path_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """--rows-path staged,gpu-direct: per shape and phase (the table's rows of each path), the
+    staged time, the GPU-direct time and staged/gpu-direct (above 1: GPU-direct is faster)."""
+    by_key: dict[tuple[str, str], dict[str, float]] = {}
+    for r in rows:
+        if r.get("rows_path") in ROWS_PATHS:
+            by_key.setdefault((r["shape"], r["phase"]), {})[r["rows_path"]] = r["moe_a2a_us"]
+    out = []
+    for (shape, phase), t in by_key.items():
+        if set(t) == set(ROWS_PATHS):
+            staged, direct = t["staged"], t["gpu-direct"]
+            out.append(
+                {
+                    "shape": shape,
+                    "phase": phase,
+                    "staged_us": staged,
+                    "gpu_direct_us": direct,
+                    "staged_over_direct": report.ratio(staged, direct),
+                }
+            )
+    return out
+
+
+PATH_COLUMNS = (
+    ("shape", "shape"),
+    ("phase", "phase"),
+    ("staged_us", "staged (us)"),
+    ("gpu_direct_us", "gpu-direct (us)"),
+    ("staged_over_direct", "staged/gpu-direct"),
+)
+PATH_NOTE = (
+    "staged/gpu-direct: the staged p50 over the GPU-direct p50, same run; above 1, GPU-direct is faster"
+)
 
 
 def engine_rows(whole_ns: dict[str, list[float]], engine_ns: dict[str, list[float]]) -> list[dict[str, Any]]:
@@ -411,7 +478,10 @@ COLUMNS = (
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    columns = COLUMNS + (engine_ref.COLUMNS if any("engine_p50_us" in r for r in rows) else ())
+    columns = COLUMNS
+    if any("rows_path" in r for r in rows):  # --rows-path: which path each row measured
+        columns = (*COLUMNS[:2], ("rows_path", "rows' path"), *COLUMNS[2:])
+    columns += engine_ref.COLUMNS if any("engine_p50_us" in r for r in rows) else ()
     formats = {"moe_a2a_gbs": ".0f", "pct_of_copy": ".0f", "phase_engine": ".2f"}
     return report.columns_table(columns, rows, formats)
 
@@ -459,7 +529,11 @@ def settings_of(args: argparse.Namespace, world: int, results: list[dict[str, An
     return dict(
         world=world,
         ranks_per_node=results[0]["ranks_per_node"] if results else None,
-        rows_path={r["shape"]: r["rows_path"] for r in results if r.get("rows_path")},
+        rows_path={
+            r["shape"] + (f" {r['path']}" if "path" in r else ""): r["rows_path"]
+            for r in results
+            if r.get("rows_path")
+        },
         provider=args.provider,
         device="cuda",
         baseline="torch-native",
@@ -516,6 +590,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="virtual nodes of this many ranks (fabric path) (default: the real hosts)",
     )
     parser.add_argument(
+        "--rows-path",
+        type=rows_paths,
+        default=None,
+        help="run each shape once per rows' path, forced, and compare them: staged, gpu-direct or "
+        "staged,gpu-direct (default: the path AllToAll chooses)",
+    )
+    parser.add_argument(
         "--json", default=None, help="append one JSON line per shape to this file (rank 0) (default: none)"
     )
     report.add_output_argument(parser)
@@ -538,7 +619,8 @@ def run(args: argparse.Namespace) -> int:
     copy_gbs, fill_gbs = comm.bcast(ceilings)
     results = []
     for name in args.shapes:
-        results.append(run_shape(name, args, comm, copy_gbs))
+        for path in getattr(args, "rows_path", None) or [None]:
+            results.append(run_shape(name, args, comm, copy_gbs, path))
         report.case_done(f"moe-a2a bench a2a: {name} done", rank=comm.Get_rank(), mode=args.progress)
     for res in results:
         res["fill_gbs"] = fill_gbs
@@ -547,6 +629,14 @@ def run(args: argparse.Namespace) -> int:
         rows = rows_of(results)
         note = note_of(rows)
         print(format_config(settings), "", format_table(rows), f"({note})", sep="\n")
+        compared = path_rows(rows)
+        if compared:
+            print(
+                "",
+                report.columns_table(PATH_COLUMNS, compared, {"staged_over_direct": ".2f"}),
+                f"({PATH_NOTE})",
+                sep="\n",
+            )
         kernels = format_kernels(results)
         if kernels:
             print(kernels)
