@@ -478,7 +478,7 @@ COLUMNS = (
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    columns = COLUMNS
+    columns: tuple[tuple[str, str], ...] = COLUMNS
     if any("rows_path" in r for r in rows):  # --rows-path: which path each row measured
         columns = (*COLUMNS[:2], ("rows_path", "rows' path"), *COLUMNS[2:])
     columns += engine_ref.COLUMNS if any("engine_p50_us" in r for r in rows) else ()
