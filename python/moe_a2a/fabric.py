@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from moe_a2a import _core, switches
+from moe_a2a import _core, peer_sockets, switches
 from moe_a2a import nics as _nics
 from moe_a2a.bootstrap import Bootstrap
 
@@ -87,6 +87,18 @@ class Engine:
         addresses = bootstrap.allgather(self.core.address())
         with bootstrap.together("connecting the fabric engine"):
             self.core.connect(addresses)
+        self._watch_other_hosts()
+
+    def _watch_other_hosts(self) -> None:
+        """Collective: control connections to the peers on other hosts, whose end the waits notice
+        (moe_a2a.peer_sockets); none where every peer shares our host."""
+        pids = self.bootstrap.local_pids()
+        mine = any(p == 0 for r, p in enumerate(pids) if r != self.bootstrap.rank)
+        if not any(self.bootstrap.allgather(b"1" if mine else b"")):
+            return
+        fds = peer_sockets.connect(self.bootstrap, pids)
+        if fds is not None:
+            self.core.watch_peers(fds)
 
     def _open(
         self,

@@ -1,6 +1,7 @@
 // What ends a wait on peers before its timeout: a peer that announced a
-// failure (its abort record in our workspace, layout.h), or a peer process on
-// this host that no longer exists. The proxy and the compute side each hold
+// failure (its abort record in our workspace, layout.h), a peer process on
+// this host that no longer exists, or a peer on another host whose control
+// connection the engine saw close (ProxyEngine::peer_gone). The proxy and the compute side each hold
 // one and call check() from their waits; it looks at most every kInterval.
 #pragma once
 
@@ -94,6 +95,14 @@ struct PeerWatch {
       if (gone(pids[s]))
         throw fabric::FabricError("rank " + std::to_string(cfg.rank) + ": peer " + std::to_string(s) + " (pid " +
                                   std::to_string(pids[s]) + " on this host) is gone: it exited or was killed");
+    }
+    // Peers on other hosts: the engine's control connection to each (engine.h, watch_peers).
+    for (int s : remote_peers) {
+      if (is_masked(masked, s) || (s < static_cast<int>(pids.size()) && pids[s] > 0)) continue;
+      if (engine->peer_gone(s))
+        throw fabric::FabricError("rank " + std::to_string(cfg.rank) + ": peer " + std::to_string(s) +
+                                  " (on another host) is gone: its control connection closed, so its process "
+                                  "exited or was killed");
     }
   }
 

@@ -118,8 +118,11 @@ void Proxy::announce_failure(const std::string& text, uint64_t done) {
   if (ctx_.remote_peers.empty()) return;
   std::vector<ScatterItem> items;
   size_t at = l.abort_record(c.rank);
+  // A peer known gone would never complete its write, and wait_tx below would hold our error a second.
   for (size_t i = 0; i < ctx_.remote_peers.size(); ++i)
-    items.push_back({static_cast<uint32_t>(i), at, kAbortStride, at});
+    if (!ctx_.engine->peer_gone(ctx_.remote_peers[i]))
+      items.push_back({static_cast<uint32_t>(i), at, kAbortStride, at});
+  if (items.empty()) return;
   try {
     ctx_.engine->scatter(ctx_.group, ctx_.region, items.data(), items.size(), tag(kTagAbort));
     // Sent before we return: a close right after would otherwise drop them with the engine.

@@ -233,6 +233,11 @@ void bind_transfer_engine(nb::module_& m) {
             e.connect(v);
           },
           nb::arg("addresses"))
+      .def("watch_peers", &TransferEngine::watch_peers, nb::arg("fds"),
+           "Connected sockets, one per peer on another host (index = rank, -1 for none), whose EOF means "
+           "the peer is gone; the engine owns and closes them.")
+      .def("peer_gone", &TransferEngine::peer_gone, nb::arg("peer"),
+           "Whether the peer's control connection (watch_peers) has closed.")
       .def(
           "register_region",
           [](TransferEngine& e, uintptr_t ptr, uint64_t length, const std::string& kind, int device,

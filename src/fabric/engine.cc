@@ -1,5 +1,10 @@
 #include "engine.h"
 
+#include <errno.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <stdexcept>
 
 #include "checks.h"
@@ -40,11 +45,34 @@ TransferEngine::TransferEngine(int rank, int world, const EngineOptions& opts)
 }
 
 TransferEngine::~TransferEngine() {
+  for (int fd : peer_fds_)
+    if (fd >= 0) ::close(fd);
   worker_.reset();  // stop polling before the registrations go
   for (auto& r : regions_)
     if (r.live)
       for (size_t i = 0; i < r.nics.size(); ++i) backends_[i]->deregister_memory(r.nics[i]);
   for (size_t i = 0; i < scratch_mem_.size(); ++i) backends_[i]->deregister_memory(scratch_mem_[i]);
+}
+
+void TransferEngine::watch_peers(const std::vector<int>& fds) {
+  if (static_cast<int>(fds.size()) != world_)
+    throw FabricError(where() + ": watch_peers: got " + std::to_string(fds.size()) + " descriptors; expected " +
+                      std::to_string(world_) + " (one per rank, -1 for none)");
+  for (int fd : peer_fds_)
+    if (fd >= 0) ::close(fd);
+  peer_fds_ = fds;
+}
+
+bool TransferEngine::peer_gone(int peer) const {
+  if (peer < 0 || peer >= static_cast<int>(peer_fds_.size()) || peer_fds_[peer] < 0) return false;
+  // Nobody writes on these connections: readable means EOF (or a reset), i.e.
+  // the peer's kernel closed it because its process ended.
+  pollfd p{peer_fds_[peer], POLLIN | POLLRDHUP, 0};
+  if (::poll(&p, 1, 0) <= 0) return false;
+  if (p.revents & (POLLHUP | POLLERR | POLLRDHUP)) return true;
+  char byte;
+  const ssize_t n = ::recv(peer_fds_[peer], &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+  return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
 }
 
 std::string TransferEngine::where() const {

@@ -55,6 +55,13 @@ class TransferEngine : public ProxyEngine {
   Bytes address() const;
   void connect(const std::vector<Bytes>& addresses);
 
+  // Liveness of peers on other hosts: one connected stream socket per such
+  // peer (index = rank, -1 for none), whose EOF means the peer's process is
+  // gone (its kernel closed the connection). The engine owns the descriptors
+  // from here on and closes them with itself.
+  void watch_peers(const std::vector<int>& fds);
+  bool peer_gone(int peer) const override;
+
   // `kind` other than host memory needs a backend that registers it
   // (Capabilities::gpu_memory); otherwise the error says what would be needed.
   // `name` says what the region holds in a registration error.
@@ -104,6 +111,8 @@ class TransferEngine : public ProxyEngine {
   void check() const override;
 
  private:
+  std::vector<int> peer_fds_;  // watch_peers: index = rank, -1 where none
+
   struct Region {
     uint8_t* ptr = nullptr;
     uint64_t length = 0;

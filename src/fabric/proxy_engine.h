@@ -111,6 +111,12 @@ class ProxyEngine {
   // Throws FabricError with error() once the engine has failed.
   virtual void check() const = 0;
 
+  // Whether `peer`'s process is known to be gone, by a means of the engine's
+  // own (TransferEngine: the EOF of a control connection to a peer on another
+  // host); false where it cannot tell. Never blocks; may be called from the
+  // proxy's and the compute side's waits at once.
+  virtual bool peer_gone(int /*peer*/) const { return false; }
+
   // The group's size and the rank of its peer `index`.
   virtual size_t group_size(GroupId group) const = 0;
   virtual int group_peer(GroupId group, uint32_t index) const = 0;

@@ -17,6 +17,10 @@ management veth. Scenarios:
   node  the ranks' node layout as the bootstrap finds it from host names (several ranks
         per emulated host), then dispatch and combine across those nodes, exactly equal
         to moe_a2a.reference (fp32 combine).
+  death one rank per emulated host; rank `victim` writes its report and SIGKILLs itself in
+        call `at`, before its dispatch, while the others wait for it with nothing in flight
+        to it: each survivor reports the error and when it came (the kill is noticed by the
+        engine's control connection, not by a write or the timeout).
   a2a_rate
         timed dispatch + combine steps (after one untimed step) with one rank per
         emulated host; each rank reports its seconds and the payload bytes it sent
@@ -26,6 +30,8 @@ management veth. Scenarios:
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -222,12 +228,43 @@ def a2a_rate(group: object, rank: int, world: int, args: dict[str, str]) -> dict
     return {"seconds": sum(seconds), "bytes": sent}
 
 
+def death(group: object, rank: int, world: int, args: dict[str, str], out: str) -> dict[str, object]:
+    from moe_a2a.all_to_all import AllToAll, Config
+
+    victim, at = int(args["victim"]), int(args["at"])
+    cfg = Config(max_tokens=8, hidden=64, num_experts=2 * world, topk=2, timeout_s=TIMEOUT_S)
+    a2a = AllToAll(cfg, comm=group, device="cpu", provider="tcp", ranks_per_node=1, num_nics=1)
+    g = torch.Generator().manual_seed(11 + rank)
+    x = torch.randn(cfg.max_tokens, cfg.hidden, generator=g).to(torch.bfloat16)
+    picks = [torch.randperm(cfg.num_experts, generator=g)[: cfg.topk] for _ in range(cfg.max_tokens)]
+    ids = torch.stack(picks)
+    w = torch.rand(cfg.max_tokens, cfg.topk, generator=g)
+    for call in range(at + 1):
+        if rank == victim and call == at:
+            time.sleep(0.5)  # the survivors' rows to us have landed; they wait for ours
+            with open(out, "w") as f:
+                json.dump({"rank": rank, "killed_at": time.time()}, f)
+            os.kill(os.getpid(), signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            d = a2a.dispatch(x, ids, w)
+            a2a.combine(d.expert_x, d)
+        except Exception as e:  # the call that saw the loss
+            seconds = time.monotonic() - t0
+            return {"call": call, "noticed_at": time.time(), "seconds": seconds, "error": str(e)}
+    return {"call": None}
+
+
 def main() -> int:
     scenario, out = sys.argv[1], sys.argv[2]
     args = dict(a.split("=", 1) for a in sys.argv[3:])
     dist.init_process_group("gloo", init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(range(world)), backend="gloo")
+    if scenario == "death":  # a peer is gone: no collective may follow, nor a close that waits
+        with open(out, "w") as f:
+            json.dump({"rank": rank, **death(group, rank, world, args, out)}, f)
+        os._exit(0)
     scenarios = {"send": send, "a2a": a2a, "a2a_rate": a2a_rate, "titan": titan, "node": node}
     result = scenarios[scenario](group, rank, world, args)
     with open(out, "w") as f:

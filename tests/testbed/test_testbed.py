@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -34,10 +35,12 @@ def run_ranks(
     scenario: str,
     names: str,
     env: dict[str, str] | None = None,
+    killed: int | None = None,
     **args: object,
 ) -> list[dict]:
     """Every rank of the testbed, on its host (`env`: more variables for each); returns each
-    rank's JSON report (rank order); fails with the ranks' output."""
+    rank's JSON report (rank order); fails with the ranks' output. Rank `killed` is expected to
+    end by SIGKILL (its report written before)."""
     world = bed.ranks
     procs, logs = [], []
     for r in range(world):
@@ -58,11 +61,13 @@ def run_ranks(
                 p.wait()
         for log in logs:
             log.close()
-    if codes != [0] * world:
+    expected = [-signal.SIGKILL if r == killed else 0 for r in range(world)]
+    if codes != expected:
         text = "\n".join(
             f"--- rank {h}\n" + (tmp / f"{scenario}-{h}.log").read_text()[-3000:] for h in range(world)
         )
-        pytest.fail(f"{scenario}: exit codes {codes} (None: timed out after {RUN_S} s)\n{text}")
+        timed_out = f"(None: timed out after {RUN_S} s)"
+        pytest.fail(f"{scenario}: exit codes {codes}, expected {expected} {timed_out}\n{text}")
     return [json.loads((tmp / f"{scenario}-{h}.json").read_text()) for h in range(world)]
 
 
@@ -170,6 +175,20 @@ def test_a2a_over_two_rate_limited_nics(bed3_limited: testbed.Testbed, tmp_path:
     # Less than twice: a step's phases follow one another, and small messages
     # (routing rows, barriers) queue behind rows in a NIC's one tbf queue.
     assert 1.3 < two["mbit"] / one["mbit"] < 2.3, results
+
+
+def test_a_killed_rank_on_another_host_is_noticed_at_once(bed3: testbed.Testbed, tmp_path: Path) -> None:
+    """Rank 2 is SIGKILLed while ranks 0 and 1, on other hosts, wait for its rows with nothing in
+    flight to it (no write can fail): the engine's control connection to it ends, and both raise
+    within a second naming it, with timeout_s at 120 s."""
+    reports = run_ranks(bed3, tmp_path, "death", "va1", killed=2, victim=2, at=3)
+    killed_at = reports[2]["killed_at"]
+    late = [r["noticed_at"] - killed_at for r in reports[:2]]
+    print(f"\ntestbed: rank 2 killed; noticed by ranks 0 and 1 after {late[0]:.3f} s and {late[1]:.3f} s")
+    for r in reports[:2]:
+        assert r["call"] == 3, r
+        assert "peer 2 (on another host) is gone: its control connection closed" in r["error"], r
+    assert all(0 <= t < 1.0 for t in late), late
 
 
 def test_dispatch_combine_across_hosts_equals_reference(bed3: testbed.Testbed, tmp_path: Path) -> None:
