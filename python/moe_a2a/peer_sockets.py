@@ -16,6 +16,7 @@ and says why, and dead peers on other hosts are noticed as before.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import pickle
@@ -36,8 +37,16 @@ KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 2, "TCP_KEEPCNT": 3}
 def local_addresses() -> list[str]:
     """This host's IPv4 addresses other than loopback, interface by interface."""
     found: list[str] = []
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:  # no interface list here: the host name's address, where it has one
+        with contextlib.suppress(OSError):
+            address = socket.gethostbyname(socket.gethostname())
+            if not address.startswith("127."):
+                found.append(address)
+        return found
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
+        for name in names:
             try:
                 raw = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
             except OSError:
@@ -140,10 +149,21 @@ def connect(bootstrap: Any, pids: list[int]) -> list[int] | None:
     thread = threading.Thread(target=accept_lower, name="moe-a2a-peer-sockets", daemon=True)
     thread.start()
     error = ""
+    # Ranks of one host list the same addresses: the one that answered first is tried first for
+    # the others, so an address that does not answer costs its timeout once a host, not once a rank.
+    answered: dict[tuple[str, ...], str] = {}
     for peer in sorted(r for r in remote if r > rank):  # every one, so that no acceptor waits in vain
         addresses, port = table[peer]
+        key = tuple(addresses)
+        first = [answered[key]] if key in answered else []
         try:
-            socks[peer] = _dial(addresses, port, HELLO.pack(token, rank, peer), deadline)
+            socks[peer] = _dial(
+                first + [a for a in addresses if a not in first],
+                port,
+                HELLO.pack(token, rank, peer),
+                deadline,
+            )
+            answered[key] = socks[peer].getpeername()[0]
         except ConnectionError as e:
             error = error or f"rank {rank} could not reach rank {peer}'s control socket ({e})"
     # Every dial has ended on every rank, so each acceptor has what it will get.
