@@ -175,8 +175,14 @@ class TransferEngine(ProxyEngine):
     def address(self) -> bytes: ...
 
     def connect(self, addresses: Sequence[bytes]) -> None: ...
-    def watch_peers(self, fds: Sequence[int]) -> None: ...
-    def peer_gone(self, peer: int) -> bool: ...
+
+    def watch_peers(self, fds: Sequence[int]) -> None:
+        """
+        Connected sockets, one per peer on another host (index = rank, -1 for none), whose EOF means the peer is gone; the engine owns and closes them.
+        """
+
+    def peer_gone(self, peer: int) -> bool:
+        """Whether the peer's control connection (watch_peers) has closed."""
 
     def register_region(self, ptr: int, length: int, kind: str = 'host', device: int = -1, name: str = 'region') -> Region: ...
 
