@@ -618,7 +618,6 @@ class AllToAll(LostRanks):
             if rows is not None:
                 region, group, memory = rows
                 self._lease.release(region, group, memory, retire_s)
-                del rows, memory
             self._lease.close(setup.region, setup.group, setup.workspace, retire_s)
         setup.workspace = None
         self._boot.close()

@@ -96,10 +96,10 @@ struct PeerWatch {
         throw fabric::FabricError("rank " + std::to_string(cfg.rank) + ": peer " + std::to_string(s) + " (pid " +
                                   std::to_string(pids[s]) + " on this host) is gone: it exited or was killed");
     }
-    // Peers on other hosts: the engine's control connection to each (engine.h, watch_peers).
+    // Peers on other hosts: the engine's control connection to each (engine.h, watch_peers; none
+    // for a peer on this host, which its pid covers).
     for (int s : remote_peers) {
-      if (is_masked(masked, s) || (s < static_cast<int>(pids.size()) && pids[s] > 0)) continue;
-      if (engine->peer_gone(s))
+      if (!is_masked(masked, s) && engine->peer_gone(s))
         throw fabric::FabricError("rank " + std::to_string(cfg.rank) + ": peer " + std::to_string(s) +
                                   " (on another host) is gone: its control connection closed, so its process "
                                   "exited or was killed");
