@@ -159,6 +159,9 @@ void bind_cuda(nb::module_& m) {
   m.attr("HAVE_CUDA") = true;
   m.def("cuda_tuning", &cuda_tuning,
         "The launch tuning of this build's CUDA kernels, one dict per kernel family (src/a2a/cuda/tuning.h).");
+  m.def("cuda_pooled_workspace_bytes", &moe_a2a::a2a::cuda::pooled_workspace_bytes,
+        "Bytes of device workspaces kept for reuse: one registered for GPU-direct is never freed while "
+        "the process lives (a peer's libfabric may still map it), and a later instance takes it back.");
   nb::class_<CudaAllToAll> cls(m, "CudaAllToAll");
   cls  // region and group are None where no peer is remote (no engine).
       .def(

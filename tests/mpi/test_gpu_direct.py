@@ -82,13 +82,20 @@ def test_a_registration_failure_on_one_rank_is_every_ranks(
 
 @pytest.mark.mpi(min_size=2)
 def test_a_node_instance_after_a_gpu_direct_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A GPU-direct instance closed, then one whose peers share the node, in the same process.
-    shm keeps CUDA IPC mappings of the peers' device workspaces until its domain closes; the
-    engine (and its domain) must go at close, or opening a peer's new workspace at the same
-    address fails with cudaErrorAlreadyMapped (seen on the H200 with the suite run GPU-direct)."""
-    for it in range(2):
-        with gpu_direct_a2a(monkeypatch, 1) as a2a:
-            check_round(a2a, make_inputs(3400 + it, a2a.cfg))
-        monkeypatch.delenv("MOE_A2A_GPU_DIRECT", raising=False)
-        with make_a2a(None) as a2a:
-            check_round(a2a, make_inputs(3500 + it, a2a.cfg))
+    """A GPU-direct instance closed, then one whose peers share the node, in the same process,
+    while another GPU-direct instance keeps the engine (and shm's domain) open, as a server's
+    other layers do. shm keeps its CUDA IPC mapping of each peer's registered device workspace
+    until the domain closes; were that workspace freed, a new one at the same address would fail
+    to open with cudaErrorAlreadyMapped (seen on the H200 with the suite run GPU-direct). So it
+    is kept for reuse (`_core.cuda_pooled_workspace_bytes`)."""
+    from moe_a2a import _core
+
+    with gpu_direct_a2a(monkeypatch, 1) as keeper:
+        for it in range(2):
+            with gpu_direct_a2a(monkeypatch, 1) as a2a:
+                check_round(a2a, make_inputs(3400 + it, a2a.cfg))
+            assert _core.cuda_pooled_workspace_bytes() > 0, "a GPU-direct workspace was freed at close"
+            monkeypatch.delenv("MOE_A2A_GPU_DIRECT", raising=False)
+            with make_a2a(None) as a2a:
+                check_round(a2a, make_inputs(3500 + it, a2a.cfg))
+        check_round(keeper, make_inputs(3600, keeper.cfg))

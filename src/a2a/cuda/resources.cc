@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <mutex>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -50,12 +51,56 @@ cudaUUID_t gpu_uuid(int device) {
 
 bool same_gpu(const cudaUUID_t& a, const cudaUUID_t& b) { return std::memcmp(&a, &b, sizeof(a)) == 0; }
 
+// Device workspaces that were registered for GPU-direct are never given back to CUDA while the
+// process lives. libfabric's shm provider keeps its CUDA IPC mapping of a peer's registered
+// memory until its domain closes (not when the region or the peer goes), and a peer that opens
+// a new allocation of ours at the freed address then fails with cudaErrorAlreadyMapped. A later
+// instance on the same device takes one back: the same allocation, so the same IPC handle, which
+// CUDA lets a process open more than once.
+struct PooledWorkspace {
+  int device;
+  size_t bytes;
+  uint8_t* ptr;
+};
+std::mutex pool_mutex;
+std::vector<PooledWorkspace>& workspace_pool() {
+  static auto* pool = new std::vector<PooledWorkspace>();  // never destroyed: the driver reclaims at exit
+  return *pool;
+}
+
+// The smallest pooled workspace of `device` holding `bytes`, or null; `*held` its size.
+uint8_t* take_pooled(int device, size_t bytes, size_t* held) {
+  std::lock_guard<std::mutex> lock(pool_mutex);
+  auto& pool = workspace_pool();
+  auto best = pool.end();
+  for (auto it = pool.begin(); it != pool.end(); ++it)
+    if (it->device == device && it->bytes >= bytes && (best == pool.end() || it->bytes < best->bytes)) best = it;
+  if (best == pool.end()) return nullptr;
+  uint8_t* p = best->ptr;
+  *held = best->bytes;
+  pool.erase(best);
+  return p;
+}
+
 }  // namespace
+
+size_t pooled_workspace_bytes() {
+  std::lock_guard<std::mutex> lock(pool_mutex);
+  size_t total = 0;
+  for (const auto& w : workspace_pool()) total += w.bytes;
+  return total;
+}
 
 CudaResources::CudaResources(const A2AConfig& config, const Layout& layout) : cfg_(config), layout_(layout) {
   check_cuda(cudaGetDevice(&device_), "cudaGetDevice");
   peers_.assign(cfg_.world, PeerWorkspaces{});
-  check_cuda(cudaMalloc(&device_ws_, layout_.total), "cudaMalloc(device workspace)");
+  device_ws_ = take_pooled(device_, layout_.total, &device_ws_bytes_);
+  if (device_ws_ == nullptr) {
+    check_cuda(cudaMalloc(&device_ws_, layout_.total), "cudaMalloc(device workspace)");
+    device_ws_bytes_ = layout_.total;
+  } else {
+    pooled_ = true;
+  }
   check_cuda(cudaMemset(device_ws_, 0, layout_.total), "cudaMemset(device workspace)");
   peers_[cfg_.rank].device = device_ws_;
   allocate_scratch();
@@ -111,7 +156,12 @@ CudaResources::~CudaResources() {
   }
   cudaFree(peers_device_);
   cudaFree(scratch_mem_);
-  cudaFree(device_ws_);
+  if (rows_on_device_ || pooled_) {
+    std::lock_guard<std::mutex> lock(pool_mutex);
+    workspace_pool().push_back({device_, device_ws_bytes_, device_ws_});
+  } else {
+    cudaFree(device_ws_);
+  }
 }
 
 PeerSignals CudaResources::peer_signals() const {

@@ -28,6 +28,9 @@ struct HostWords {
 // Throws std::runtime_error naming `what` unless `err` is cudaSuccess.
 void check_cuda(cudaError_t err, const char* what);
 
+// Bytes of device workspaces kept for reuse (see resources.cc: GPU-direct's are never freed).
+size_t pooled_workspace_bytes();
+
 class CudaResources {
  public:
   // Allocates everything but the host workspace, on the current device.
@@ -88,6 +91,8 @@ class CudaResources {
   Layout layout_;
   int device_ = 0;
   uint8_t* device_ws_ = nullptr;
+  size_t device_ws_bytes_ = 0;  // its allocation's size (a pooled one may be larger)
+  bool pooled_ = false;         // taken from the pool of GPU-direct workspaces: goes back there
   uint8_t* host_ws_ = nullptr;
   uint8_t* host_ws_cpu_ = nullptr;
   std::vector<uint8_t*> node_ws_cpu_;  // index = rank: the node's host workspaces (host addresses), else null
