@@ -507,6 +507,11 @@ def cuda_tuning() -> dict:
     The launch tuning of this build's CUDA kernels, one dict per kernel family (src/a2a/cuda/tuning.h).
     """
 
+def cuda_pooled_workspace_bytes() -> int:
+    """
+    Bytes of device workspaces kept for reuse: one registered for GPU-direct is never freed while the process lives (a peer's libfabric may still map it), and a later instance takes it back.
+    """
+
 class CudaAllToAll:
     @overload
     def __init__(self, workspace: Workspace, engine: ProxyEngine | None, region: Region | None, group: Group | None, remote_peers: Sequence[int], pids: Sequence[int] = []) -> None: ...
