@@ -1,6 +1,7 @@
 """Where one rank's training step of dispatch + combine spends its GPU time (one process, no mpirun).
 
-    python3 tools/gpu/profile_train.py [--dispatch-dtype bf16|fp8] [--steps 3] [--trace FILE.json] [--stacks]
+    python3 tools/gpu/profile_train.py [--dispatch-dtype bf16|fp8] [--compile] [--steps 3]
+                                       [--trace FILE.json] [--stacks]
 
 The step of `moe-a2a bench a2a --train` at the DeepSeek-V3 training shape
 (4096 tokens, hidden 7168, 256 experts, top-8, bf16 gradients, the identity
@@ -9,7 +10,8 @@ torch profiler's table of kernels over `--steps` steps (divide by the steps
 for a step's share). `--trace` also writes the profiled steps as a Chrome
 trace (host calls and kernels on one clock), where the host waits show as
 gaps between kernels; `--stacks` records the Python functions too (slower
-steps, but it names the host's work in each gap).
+steps, but it names the host's work in each gap). `--compile` profiles the
+forward under torch.compile (fullgraph), as `bench a2a --train --compile` runs it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="profiled steps")
     p.add_argument("--trace", help="write the profiled steps as a Chrome trace to this file")
     p.add_argument("--stacks", action="store_true", help="record Python functions in the trace")
+    p.add_argument("--compile", action="store_true", help="the forward under torch.compile (fullgraph)")
     args = p.parse_args()
     torch.cuda.set_device(0)
     cfg = Config(
@@ -52,12 +55,19 @@ def main() -> None:
     w0 = torch.rand(T, K, generator=g).cuda()
     grad_out = torch.randn(T, H, generator=g).bfloat16().cuda()
 
+    def forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        r = ep.dispatch(x, ids, w)
+        return ep.combine(r.expert_x * 1.0, r)
+
+    if args.compile:
+        torch._dynamo.config.capture_scalar_outputs = True
+        forward = torch.compile(forward, fullgraph=True)
+
     def step() -> tuple[float, float]:
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        r = ep.dispatch(x, ids, w)
-        out = ep.combine(r.expert_x * 1.0, r)
+        out = forward(x, w)
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         out.backward(grad_out)
@@ -68,7 +78,8 @@ def main() -> None:
         step()
     times = [step() for _ in range(10)]
     fwd, bwd = (statistics.median(t[i] for t in times) for i in (0, 1))
-    print(f"{args.dispatch_dtype}: forward {fwd:.0f} us, backward {bwd:.0f} us (medians of 10)")
+    what = args.dispatch_dtype + (" compiled" if args.compile else "")
+    print(f"{what}: forward {fwd:.0f} us, backward {bwd:.0f} us (medians of 10)")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.stacks) as prof:
         for _ in range(args.steps):
             step()
