@@ -184,6 +184,11 @@ class TransferEngine(ProxyEngine):
     def peer_gone(self, peer: int) -> bool:
         """Whether the peer's control connection (watch_peers) has closed."""
 
+    def forgive_peer(self, peer: int) -> None:
+        """
+        The peer is gone and every survivor masked it: failures of writes to it, past and future, no longer fail the engine (every instance that shares it).
+        """
+
     def register_region(self, ptr: int, length: int, kind: str = 'host', device: int = -1, name: str = 'region') -> Region: ...
 
     def region_descriptor(self, arg: Region, /) -> bytes: ...

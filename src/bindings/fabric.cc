@@ -238,6 +238,9 @@ void bind_transfer_engine(nb::module_& m) {
            "the peer is gone; the engine owns and closes them.")
       .def("peer_gone", &TransferEngine::peer_gone, nb::arg("peer"),
            "Whether the peer's control connection (watch_peers) has closed.")
+      .def("forgive_peer", &TransferEngine::forgive_peer, nb::arg("peer"),
+           "The peer is gone and every survivor masked it: failures of writes to it, past and future, no "
+           "longer fail the engine (every instance that shares it).")
       .def(
           "register_region",
           [](TransferEngine& e, uintptr_t ptr, uint64_t length, const std::string& kind, int device,

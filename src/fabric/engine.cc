@@ -247,6 +247,11 @@ void TransferEngine::check_peer(int peer, const char* what) const {
                       std::to_string(world_) + ")");
 }
 
+void TransferEngine::forgive_peer(int peer) {
+  check_peer(peer, "forgive_peer");
+  worker_->forgive(peer);
+}
+
 void TransferEngine::check() const {
   if (worker_->failed()) throw FabricError(where() + ": " + worker_->error());
   if (!connected_) throw FabricError(where() + ": not connected: connect() with every rank's address first");

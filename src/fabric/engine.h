@@ -61,6 +61,10 @@ class TransferEngine : public ProxyEngine {
   // from here on and closes them with itself.
   void watch_peers(const std::vector<int>& fds);
   bool peer_gone(int peer) const override;
+  // `peer` is gone and every survivor masked it (moe_a2a.masking): failures
+  // of writes to it, past and future, no longer fail the engine. Affects every
+  // instance that shares the engine. Never blocks.
+  void forgive_peer(int peer);
 
   // `kind` other than host memory needs a backend that registers it
   // (Capabilities::gpu_memory); otherwise the error says what would be needed.

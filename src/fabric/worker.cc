@@ -1,6 +1,7 @@
 #include "worker.h"
 
 #include <sched.h>
+
 #include <algorithm>
 
 #include "error.h"
@@ -95,15 +96,39 @@ std::string Worker::error() const {
   return error_;
 }
 
-void Worker::fail(const std::string& message) {
+void Worker::fail(const std::string& message, int peer) {
   {
     std::lock_guard<std::mutex> lock(error_mu_);
+    if (peer >= 0 && std::find(forgiven_.begin(), forgiven_.end(), peer) != forgiven_.end()) {
+      completed_.fetch_add(1);  // a write to a masked peer: done with, as far as waits go
+      return;
+    }
+    failures_.emplace_back(peer, message);
     if (error_.empty()) error_ = message;
   }
   {
     // Under idle_mu_, so a wait_idle() between its check and its sleep sees it.
     std::lock_guard<std::mutex> lock(idle_mu_);
     failed_.store(true);
+  }
+  idle_cv_.notify_all();
+}
+
+void Worker::forgive(int peer) {
+  uint64_t dropped = 0;
+  {
+    std::lock_guard<std::mutex> lock(error_mu_);
+    if (std::find(forgiven_.begin(), forgiven_.end(), peer) == forgiven_.end()) forgiven_.push_back(peer);
+    std::vector<std::pair<int, std::string>> left;
+    for (auto& f : failures_) {
+      if (f.first == peer) ++dropped;
+      else left.push_back(std::move(f));
+    }
+    failures_ = std::move(left);
+    error_ = failures_.empty() ? std::string() : failures_.front().second;
+    std::lock_guard<std::mutex> idle(idle_mu_);
+    completed_.fetch_add(dropped);  // each failed write of the peer, never counted as completed
+    failed_.store(!failures_.empty());
   }
   idle_cv_.notify_all();
 }
@@ -139,7 +164,9 @@ bool Worker::post_pending() {
     try {
       posted = (*backends_)[piece.nic]->post_write(piece.write);
     } catch (const FabricError& e) {
-      fail(std::string(e.what()) + " [" + describe_context(piece.write.context) + "]");
+      // Skipped, not retried: the worker has failed, or (forgiven) the peer is masked.
+      fail(std::string(e.what()) + " [" + describe_context(piece.write.context) + "]", piece.write.peer);
+      ++head_;
       return progress;
     }
     if (!posted) break;  // queue full: completions first
@@ -170,7 +197,8 @@ bool Worker::handle(int nic, const Completion* done, int n) {
     } else if (c.kind == CompletionKind::kSent) {
       write_done();
     } else {
-      fail((*backends_)[nic]->last_error() + " [" + describe_context(c.context) + "]");
+      fail((*backends_)[nic]->last_error() + " [" + describe_context(c.context) + "]",
+           static_cast<int>(static_cast<uint32_t>(c.context)));
     }
   }
   return n > 0;

@@ -85,6 +85,11 @@ class Worker {
   // Empty while healthy; the first failure's message otherwise (sticky).
   std::string error() const;
   bool failed() const { return failed_.load(); }
+  // `peer` is gone and masked by every survivor (moe_a2a.masking): its writes'
+  // failures, before and after, no longer fail the worker (they count as
+  // completed), and the worker is healthy again unless another peer failed.
+  // Never blocks.
+  void forgive(int peer);
   // Waits until every submitted write completed; false on timeout.
   bool wait_idle(std::chrono::nanoseconds timeout);
 
@@ -95,7 +100,9 @@ class Worker {
   bool poll_all();
   bool handle(int nic, const Completion* done, int n);
   void idle_wait(bool expecting);
-  void fail(const std::string& message);
+  // `peer`: the failed write's (-1: none, such as a failed poll); failures of
+  // a forgiven peer count as completed instead.
+  void fail(const std::string& message, int peer = -1);
   void write_done();
   void wake_locked_out();
 
@@ -122,6 +129,10 @@ class Worker {
   std::atomic<bool> failed_{false};
   mutable std::mutex error_mu_;
   std::string error_;
+  // Under error_mu_: each failure's peer (-1: none) and message, in order; the
+  // forgiven peers; the writes of forgiven peers that failed before forgive().
+  std::vector<std::pair<int, std::string>> failures_;
+  std::vector<int> forgiven_;
   std::mutex idle_mu_;
   std::condition_variable idle_cv_;
   std::thread thread_;

@@ -17,10 +17,10 @@ CpuAllToAll::CpuAllToAll(Workspace* workspace, fabric::ProxyEngine* engine, fabr
     throw std::invalid_argument("CpuAllToAll: masked: got " + std::to_string(masked_.size()) +
                                 " entries; expected none or one per rank (" + std::to_string(cfg_.world) + ")");
   if (is_masked(masked_, cfg_.rank)) throw std::invalid_argument("CpuAllToAll: masked: this rank is masked");
-  for (int r = 0; r < cfg_.world; ++r)
-    if (is_masked(masked_, r) && !cfg_.same_node(r))
+  for (int r : remote_peers)  // a masked remote peer has left the group (moe_a2a.masking)
+    if (is_masked(masked_, r))
       throw std::invalid_argument("CpuAllToAll: masked: rank " + std::to_string(r) +
-                                  " is on another node; only same-node peers can be masked so far");
+                                  " is masked and in remote_peers; expected a group without it");
   call_.epoch = first_epoch;  // a backend rebuilt after a loss: every earlier call counts as done
   call_.done = first_epoch > 0 ? combine_phase(first_epoch) : 0;
   maps_.self = ws_->self();
