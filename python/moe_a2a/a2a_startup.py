@@ -128,9 +128,9 @@ def open_backend(
         if engine is not None:
             with boot.together("registering the workspace"):
                 setup.region = engine.core.register_region(setup.workspace.ptr, setup.workspace.size)
-            remotes = engine.exchange_region(setup.region)
+            setup.remotes = engine.exchange_region(setup.region)
             with boot.together("creating the peer group"):
-                setup.group = engine.group(remote_peers, remotes)
+                setup.group = engine.group(remote_peers, setup.remotes)
         setup.pids = boot.local_pids()
         setup.transfer = choose_transfer(boot, setup, device, provider, forced, graph_safe)
         return Opened(lease, setup, _start_backend(boot, setup, device, graph_safe))

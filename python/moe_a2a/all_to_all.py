@@ -611,8 +611,7 @@ class AllToAll(LostRanks):
             # GPU-direct's (region, group, memory), taken from the backend so that the device
             # memory goes now (or, retired, with the lease), not when this object is collected:
             # it holds the engine alive, and with it shm's CUDA IPC mappings of the peers' device
-            # workspaces, which a later instance's own mapping of a peer's new workspace at the
-            # same address would collide with (cudaErrorAlreadyMapped).
+            # workspaces (which is also why those workspaces are pooled, never freed: resources.cc).
             take = getattr(self._backend, "take_device_rows", None)
             rows = take() if take is not None else None
             if rows is not None:
@@ -620,6 +619,8 @@ class AllToAll(LostRanks):
                 self._lease.release(region, group, memory, retire_s)
             self._lease.close(setup.region, setup.group, setup.workspace, retire_s)
         setup.workspace = None
+        if self._live is not None:
+            self._live.close()  # its control connections, across nodes
         self._boot.close()
 
     def reopen(self) -> AllToAll:

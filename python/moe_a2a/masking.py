@@ -3,21 +3,28 @@ drops because of them, and the survivors' agreement on them.
 
 After a call fails while a peer's process is gone, every survivor stops its
 backend (the proxy thread joins), then agrees with the others on the dead ranks
-and on the epoch to resume after, over the node's shared memory
-(`_core.agree_on_live`, src/a2a/live_ranks.h); the launcher's communicator is
-not used (its collectives would wait for the dead rank). The backend is then
-rebuilt on the same workspace with those ranks masked. docs/reliability.md,
-"Mask and continue", has the protocol and what it guarantees.
+and on the epoch to resume after: on one node over the node's shared memory
+(`_core.agree_on_live`, src/a2a/live_ranks.h), across nodes over a TCP
+connection between every two ranks (moe_a2a.consensus); the launcher's
+communicator is not used (its collectives would wait for the dead rank). The
+backend is then rebuilt on the same workspace with those ranks masked, its peer
+group without the masked remote peers, whose failed writes the engine forgives.
+docs/reliability.md, "Mask and continue", has the protocol and what it
+guarantees.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
-from moe_a2a import _core
+from moe_a2a import _core, peer_sockets
 from moe_a2a.cleanup import pid_alive
+from moe_a2a.consensus import ControlMesh, Vote
+
+NOTICE_S = 0.5  # a peer the engine saw gone: its control connection's end reaches us within this
 
 
 class PeerLostError(_core.PeerFailedError):
@@ -34,17 +41,12 @@ class PeerLostError(_core.PeerFailedError):
         self.lost, self.masked, self.epoch = lost, masked, epoch
 
 
-def mask_refused(device: str, local_size: int, world_size: int) -> str | None:
+def mask_refused(device: str) -> str | None:
     """Why on_peer_loss="mask" cannot run here, or None."""
     if device != "cpu":
         return (
             f"on_peer_loss='mask': device={device!r} is not built yet (CPU backend only); a CUDA graph "
             "captured before a loss would also have to be refused, as its replay writes to the lost peer"
-        )
-    if local_size != world_size:
-        return (
-            f"on_peer_loss='mask': needs every rank on one node (got {local_size} ranks per node of "
-            f"{world_size}); masking peers over the fabric is not built yet"
         )
     return None
 
@@ -52,8 +54,9 @@ def mask_refused(device: str, local_size: int, world_size: int) -> str | None:
 class LiveRanks:
     """The ranks masked so far on this rank, the same on every survivor."""
 
-    def __init__(self, num_experts: int, world_size: int, rank: int) -> None:
+    def __init__(self, num_experts: int, world_size: int, rank: int, mesh: ControlMesh | None = None) -> None:
         self.rank, self.world_size = rank, world_size
+        self.mesh = mesh  # across nodes: a connection to every rank, for the agreement
         self.local_experts = num_experts // world_size
         self.masked: frozenset[int] = frozenset()
         self.experts: torch.Tensor | None = None  # [num_experts] bool: on a masked rank; None: none masked
@@ -68,10 +71,18 @@ class LiveRanks:
             return None
         topo = boot.topology
         with boot.together("checking on_peer_loss"):
-            refused = mask_refused(device, topo.local_size, topo.world_size)
+            refused = mask_refused(device)
             if refused is not None:
                 raise ValueError(refused)
-        return cls(cfg.num_experts, topo.world_size, topo.rank)
+        mesh = None
+        if topo.local_size != topo.world_size:  # several nodes: no memory every survivor reads
+            socks = peer_sockets.mesh(boot, boot.local_pids())
+            mesh = ControlMesh(topo.rank, topo.world_size, socks)
+        return cls(cfg.num_experts, topo.world_size, topo.rank, mesh)
+
+    def close(self) -> None:
+        if self.mesh is not None:
+            self.mesh.close()
 
     def drop(
         self,
@@ -97,24 +108,35 @@ class LiveRanks:
         return ids.masked_fill(dropped, -1), kept.contiguous(), dropped
 
     def lost_peers(self, pids: list[int]) -> list[int]:
-        """Peers on this host, not yet masked, whose process is gone."""
-        return [
-            r
-            for r, pid in enumerate(pids)
-            if r != self.rank and r not in self.masked and pid > 0 and not pid_alive(pid)
-        ]
+        """Peers not yet masked whose process is gone: on this host by its pid, elsewhere by the
+        end of its control connection (which may trail the engine's own by a moment)."""
+        deadline = time.monotonic() + (NOTICE_S if self.mesh is not None else 0.0)
+        while True:
+            gone = self.mesh.check() if self.mesh is not None else set()
+            lost = [
+                r
+                for r, pid in enumerate(pids)
+                if r != self.rank and r not in self.masked and (r in gone or (pid > 0 and not pid_alive(pid)))
+            ]
+            if lost or time.monotonic() >= deadline:
+                return lost
+            time.sleep(0.02)
 
     def agree(
         self, workspace: Any, pids: list[int], lost: list[int], epoch: int, timeout_s: float
     ) -> tuple[tuple[int, ...], int]:
         """Collective among the survivors: the dead ranks and the epoch to resume after.
         Masks them here and returns (ranks newly masked, epoch)."""
-        dead = [1 if r in self.masked or r in lost else 0 for r in range(self.world_size)]
-        agreed, resume, last_round = _core.agree_on_live(
-            workspace, pids, dead, epoch, self.next_round, timeout_s
-        )
-        self.next_round = int(last_round) + 1
-        masked = frozenset(r for r, d in enumerate(agreed) if d)
+        if self.mesh is not None:
+            vote, _ = self.mesh.agree(Vote(self.masked | frozenset(lost), epoch), timeout_s)
+            masked, resume = vote.dead, vote.epoch
+        else:
+            dead = [1 if r in self.masked or r in lost else 0 for r in range(self.world_size)]
+            agreed, resume, last_round = _core.agree_on_live(
+                workspace, pids, dead, epoch, self.next_round, timeout_s
+            )
+            self.next_round = int(last_round) + 1
+            masked = frozenset(r for r, d in enumerate(agreed) if d)
         newly = tuple(sorted(masked - self.masked))
         self.masked = masked
         on_masked = torch.zeros(self.world_size, dtype=torch.bool)
@@ -139,7 +161,20 @@ class LiveRanks:
         backend.close()  # its proxy thread joins before anyone agrees: nothing of ours moves after
         newly, resume = self.agree(setup.workspace, setup.pids, lost, epoch, timeout_s)
         masked = tuple(sorted(self.masked))
+        live_remote = [r for r in setup.remote_peers if r not in self.masked]
+        if live_remote != setup.remote_peers:
+            # The masked remote peers leave the group (the old one stays with the engine until it
+            # closes: a few bytes a loss), and their writes' failures no longer fail the engine.
+            for r in setup.remote_peers:
+                if r in self.masked:
+                    setup.engine.core.forgive_peer(r)
+            setup.remote_peers = live_remote
+            setup.group = setup.engine.group(live_remote, setup.remotes)
         rebuilt = CpuBackend(setup, [1 if r in self.masked else 0 for r in range(self.world_size)], resume)
+        if self.mesh is not None:
+            # No survivor's next call may reach one still clearing the failed call's leftovers.
+            live = frozenset(range(self.world_size)) - self.masked
+            self.mesh.ready(live, timeout_s)
         error = PeerLostError(
             f"rank {self.rank}: the {what} of epoch {epoch} failed: peer(s) {lost} gone ({exc}); the "
             f"survivors agreed to mask rank(s) {list(newly)} (masked now: {list(masked)}) and go on after "

@@ -130,8 +130,36 @@ def connect(bootstrap: Any, pids: list[int]) -> list[int] | None:
     """Collective: a connected socket's descriptor per peer on another host (`pids[r] == 0`, index =
     rank, -1 elsewhere), for `TransferEngine.watch_peers`; None, on every rank, where some rank
     could not make its own (each rank then warns why)."""
+    fds, why = _connect(bootstrap, pids, {r for r in range(bootstrap.world_size) if pids[r] == 0})
+    if fds is None:
+        warnings.warn(
+            "moe-a2a: no control connections to peers on other hosts, so a dead peer there is noticed "
+            f"only by a failed write or at timeout_s: {why}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return fds
+
+
+def mesh(bootstrap: Any, pids: list[int]) -> dict[int, socket.socket]:
+    """Collective: a connected socket to every other rank, for the survivors' agreement across
+    nodes (moe_a2a.consensus); raises the same error on every rank where some rank could not make
+    its own."""
+    rank = bootstrap.rank
+    fds, why = _connect(bootstrap, pids, set(range(bootstrap.world_size)))
+    if fds is None:
+        raise ConnectionError(
+            f"on_peer_loss='mask' across nodes needs a TCP connection between every two ranks: {why}"
+        )
+    return {r: socket.socket(fileno=fd) for r, fd in enumerate(fds) if r != rank and fd >= 0}
+
+
+def _connect(bootstrap: Any, pids: list[int], peers: set[int]) -> tuple[list[int] | None, str]:
+    """Collective: a connected socket's descriptor per rank of `peers` (index = rank, -1 elsewhere),
+    or None on every rank, with why, where some rank could not make its own. A peer on this host
+    (`pids[r] > 0`) is also tried over loopback."""
     rank, world = bootstrap.rank, bootstrap.world_size
-    remote = {r for r in range(world) if r != rank and pids[r] == 0}
+    remote = {r for r in peers if r != rank}
     token = bootstrap.allgather(os.urandom(16))[0]
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("0.0.0.0", 0))
@@ -154,6 +182,8 @@ def connect(bootstrap: Any, pids: list[int]) -> list[int] | None:
     answered: dict[tuple[str, ...], str] = {}
     for peer in sorted(r for r in remote if r > rank):  # every one, so that no acceptor waits in vain
         addresses, port = table[peer]
+        if pids[peer] > 0:  # same host: loopback answers where no interface has an address
+            addresses = [*addresses, "127.0.0.1"]
         key = tuple(addresses)
         first = [answered[key]] if key in answered else []
         try:
@@ -177,16 +207,9 @@ def connect(bootstrap: Any, pids: list[int]) -> list[int] | None:
     if any(bootstrap.allgather(b"x" if errors else b"")):
         for sock in socks.values():
             sock.close()
-        why = errors[0] if errors else "another rank's connections failed"
-        warnings.warn(
-            "moe-a2a: no control connections to peers on other hosts, so a dead peer there is noticed "
-            f"only by a failed write or at timeout_s: {why}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return None
+        return None, errors[0] if errors else "another rank's connections failed"
     fds = [-1] * world
     for peer, sock in socks.items():
         _keepalive(sock)
         fds[peer] = sock.detach()
-    return fds
+    return fds, ""

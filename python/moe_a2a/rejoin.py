@@ -396,6 +396,11 @@ class LostRanks:
         masked = self.masked_ranks
         if not masked:
             raise ValueError("rejoin: no rank is masked; a replacement takes the place of a masked rank")
+        if self._live.mesh is not None:
+            raise ValueError(
+                "rejoin: this instance's ranks span several nodes, where a rejoin is not built yet (its "
+                "meeting is in the node's shared memory); masked ranks stay masked"
+            )
         wait = self.cfg.timeout_s if timeout_s is None else timeout_s  # checked by the rendezvous
         rdzv = survivors_rendezvous(key, self.rank, self.world_size, masked, self._backend.epoch, wait)
         try:

@@ -6,7 +6,8 @@ lost rank's experts masked, and prints one line per event.
 Over torch.distributed where RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set; else under
 mpirun, which ends the whole job as soon as a rank dies unless told not to (docs/peer-loss.md).
 Arguments: provider, calls, kills ("rank:call,..."),
-then "renormalize" or nothing.
+then "renormalize" or nothing. RANKS_PER_NODE=2 lays the ranks out as virtual nodes of 2, so that
+peers on the other node are reached over the fabric and masked across nodes.
 
 Rejoins (docs/peer-loss.md, "Rejoin"): with REJOIN_AT="step:key,...", the survivors call
 `a2a.rejoin(key)` before the call of each such step where a rank is masked; a process started
@@ -57,8 +58,12 @@ cfg = Config(
     timeout_s=30.0,
     on_peer_loss="mask",
     mask_renormalize=renormalize,
+    # Across nodes, rows per expert: the origin sums every row in k order, as the reference does
+    # (rows per rank would sum a node's part at the experts first, in other roundings).
+    fabric_rows="expert" if os.environ.get("RANKS_PER_NODE") else "rank",
 )
-a2a = AllToAll(cfg, comm, provider=provider)
+RPN = int(os.environ.get("RANKS_PER_NODE", "0")) or None  # 2: two virtual nodes of 2 ranks each
+a2a = AllToAll(cfg, comm, provider=provider, ranks_per_node=RPN)
 L = E // world
 if "REPLACEMENT_KEY" in os.environ:
     print(

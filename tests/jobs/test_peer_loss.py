@@ -28,9 +28,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _launch(args: list[str]) -> tuple[list[subprocess.Popen[str]], list[str]]:
+def _launch(
+    args: list[str], extra_env: dict[str, str] | None = None
+) -> tuple[list[subprocess.Popen[str]], list[str]]:
     """WORLD ranks of `python args` over torch.distributed; their processes and outputs."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))} | (extra_env or {})
     env |= {"WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     env["MOE_A2A_ABORT_ON_ERROR"] = "0"
     procs = [
@@ -56,15 +58,21 @@ def _launch(args: list[str]) -> tuple[list[subprocess.Popen[str]], list[str]]:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    "provider,kills,extra",
+    "provider,kills,extra,rpn",
     [
-        ("tcp", "3:8", ""),  # one loss mid-dispatch
-        ("shm", "3:8,1:15", ""),  # two losses, one after the other
-        ("tcp", "1:8,3:8", "renormalize"),  # two at once: survivors see them in either order
+        ("tcp", "3:8", "", 0),  # one loss mid-dispatch
+        ("shm", "3:8,1:15", "", 0),  # two losses, one after the other
+        ("tcp", "1:8,3:8", "renormalize", 0),  # two at once: survivors see them in either order
+        # Two virtual nodes of 2: a loss on each node, the second leaving one survivor per node,
+        # which agree over their control connection and reach each other over the fabric.
+        ("tcp", "3:8,1:15", "", 2),
     ],
 )
-def test_survivors_mask_the_lost_ranks_and_go_on(provider: str, kills: str, extra: str) -> None:
-    procs, outs = _launch([str(SCRIPT), provider, str(CALLS), kills] + ([extra] if extra else []))
+def test_survivors_mask_the_lost_ranks_and_go_on(provider: str, kills: str, extra: str, rpn: int) -> None:
+    procs, outs = _launch(
+        [str(SCRIPT), provider, str(CALLS), kills] + ([extra] if extra else []),
+        {"RANKS_PER_NODE": str(rpn)} if rpn else None,
+    )
     killed = {int(r): int(c) for r, c in (k.split(":") for k in kills.split(","))}
     text = "\n".join(outs)
     kill_times = {int(m[1]): float(m[2]) for m in re.finditer(r"rank (\d+) killed at ([0-9.]+)", text)}

@@ -21,6 +21,10 @@ management veth. Scenarios:
         call `at`, before its dispatch, while the others wait for it with nothing in flight
         to it: each survivor reports the error and when it came (the kill is noticed by the
         engine's control connection, not by a write or the timeout).
+  mask  one rank per emulated host, on_peer_loss="mask": rank `victim` SIGKILLs itself in
+        call `at`, after sending its rows; the survivors, each on another host, agree over
+        their control connections, mask it and go on to call `calls`, each call's output
+        equal to the reference with the lost rank's experts masked.
   a2a_rate
         timed dispatch + combine steps (after one untimed step) with one rank per
         emulated host; each rank reports its seconds and the payload bytes it sent
@@ -255,15 +259,85 @@ def death(group: object, rank: int, world: int, args: dict[str, str], out: str) 
     return {"call": None}
 
 
+def mask(group: object, rank: int, world: int, args: dict[str, str], out: str) -> dict[str, object]:
+    from moe_a2a import PeerLostError
+    from moe_a2a.all_to_all import AllToAll, Config
+
+    victim, at, calls = int(args["victim"]), int(args["at"]), int(args["calls"])
+    T, H, E, K = 8, 64, 4 * world, 2
+    # Rows per expert: the origin sums each token's rows in k order, as the reference below does.
+    cfg = Config(
+        max_tokens=T,
+        hidden=H,
+        num_experts=E,
+        topk=K,
+        timeout_s=TIMEOUT_S,
+        on_peer_loss="mask",
+        fabric_rows="expert",
+    )
+    a2a = AllToAll(cfg, comm=group, device="cpu", provider="tcp", ranks_per_node=1, num_nics=1)
+    L = E // world
+
+    def inputs(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+        return x, ids, torch.rand(T, K, generator=g)
+
+    def expert(x: torch.Tensor, e: int) -> torch.Tensor:
+        return (x.float() * (1.0 + 0.25 * e)).to(torch.bfloat16)
+
+    checked = masked_calls = 0
+    noticed_at = first_masked_at = None
+    while a2a.epoch < calls:
+        step = a2a.epoch  # every survivor resumes at the same epoch after the loss
+        x, ids, w = inputs(step)
+        if rank == victim and step == at:
+            a2a.dispatch(x, ids, w, recv=False)  # mid-call: our rows sent, nothing received
+            with open(out, "w") as f:
+                json.dump({"rank": rank, "killed_at": time.time()}, f)
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            d = a2a.dispatch(x, ids, w)
+            start = d.tokens_per_expert.cumsum(0) - d.tokens_per_expert
+            y = torch.empty_like(d.expert_x)
+            for i in range(L):
+                a, n = int(start[i]), int(d.tokens_per_expert[i])
+                y[a : a + n] = expert(d.expert_x[a : a + n], rank * L + i)
+            got = a2a.combine(y, d)
+        except PeerLostError:
+            noticed_at = time.time()
+            continue
+        masked = a2a.masked_ranks
+        ref = torch.zeros(T, H)
+        for t in range(T):
+            for k in range(K):
+                if int(ids[t, k]) // L not in masked:
+                    ref[t] += w[t, k] * expert(x[t], int(ids[t, k])).float()
+        assert torch.equal(got, ref.to(torch.bfloat16)), f"rank {rank} call {step} differs from the reference"
+        checked += 1
+        if masked:
+            masked_calls += 1
+            first_masked_at = first_masked_at or time.time()
+    return {
+        "checked": checked,
+        "masked": list(a2a.masked_ranks),
+        "masked_calls": masked_calls,
+        "noticed_at": noticed_at,
+        "first_masked_at": first_masked_at,
+    }
+
+
 def main() -> int:
     scenario, out = sys.argv[1], sys.argv[2]
     args = dict(a.split("=", 1) for a in sys.argv[3:])
     dist.init_process_group("gloo", init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(range(world)), backend="gloo")
-    if scenario == "death":  # a peer is gone: no collective may follow, nor a close that waits
+    if scenario in ("death", "mask"):  # a peer is gone: no collective may follow, nor a close that waits
+        lossy = death if scenario == "death" else mask
         with open(out, "w") as f:
-            json.dump({"rank": rank, **death(group, rank, world, args, out)}, f)
+            json.dump({"rank": rank, **lossy(group, rank, world, args, out)}, f)
         os._exit(0)
     scenarios = {"send": send, "a2a": a2a, "a2a_rate": a2a_rate, "titan": titan, "node": node}
     result = scenarios[scenario](group, rank, world, args)

@@ -191,6 +191,22 @@ def test_a_killed_rank_on_another_host_is_noticed_at_once(bed3: testbed.Testbed,
     assert all(0 <= t < 1.0 for t in late), late
 
 
+def test_survivors_on_other_hosts_mask_a_killed_rank_and_go_on(bed3: testbed.Testbed, tmp_path: Path) -> None:
+    """on_peer_loss="mask" across hosts: rank 2 is SIGKILLed in call 4 after sending its rows;
+    ranks 0 and 1, each on its own host, agree over their control connection, mask it, and
+    every later call equals the reference with rank 2's experts masked, the first within a
+    second of the kill."""
+    calls = 12
+    reports = run_ranks(bed3, tmp_path, "mask", "va1", killed=2, victim=2, at=4, calls=calls)
+    killed_at = reports[2]["killed_at"]
+    late = [r["first_masked_at"] - killed_at for r in reports[:2]]
+    print(f"\ntestbed: rank 2 killed; ranks 0 and 1 served masked after {late[0]:.3f} s and {late[1]:.3f} s")
+    for r in reports[:2]:
+        assert r["masked"] == [2], r
+        assert r["checked"] == calls - 1 and r["masked_calls"] == calls - 1 - 4, r
+    assert all(0 <= t < 1.0 for t in late), late
+
+
 def test_dispatch_combine_across_hosts_equals_reference(bed3: testbed.Testbed, tmp_path: Path) -> None:
     reports = run_ranks(bed3, tmp_path, "a2a", "va1,va2", nics=2, rounds=2)
     assert [r["rounds"] for r in reports] == [2, 2, 2]
