@@ -86,9 +86,9 @@ class Worker {
   std::string error() const;
   bool failed() const { return failed_.load(); }
   // `peer` is gone and masked by every survivor (moe_a2a.masking): its writes'
-  // failures, before and after, no longer fail the worker (they count as
-  // completed), and the worker is healthy again unless another peer failed.
-  // Never blocks.
+  // failures so far no longer fail the worker (they count as completed), its
+  // later writes are not posted (counted as completed), and the worker is
+  // healthy again unless another peer failed. Never blocks.
   void forgive(int peer);
   // Waits until every submitted write completed; false on timeout.
   bool wait_idle(std::chrono::nanoseconds timeout);
@@ -133,6 +133,8 @@ class Worker {
   // forgiven peers; the writes of forgiven peers that failed before forgive().
   std::vector<std::pair<int, std::string>> failures_;
   std::vector<int> forgiven_;
+  std::atomic<bool> any_forgiven_{false};  // the hot path takes error_mu_ only once a peer is forgiven
+  bool is_forgiven(int peer) const;
   std::mutex idle_mu_;
   std::condition_variable idle_cv_;
   std::thread thread_;

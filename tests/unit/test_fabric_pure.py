@@ -546,3 +546,59 @@ def test_split_write_pieces_each_carry_the_immediate_and_land_independently() ->
     assert receiver.imm_count(tag, 0) == 0
     sender.wait_tx(30.0)
     assert sender.tx_completed == 2
+
+
+_PEER = """
+import ctypes, pickle, sys, time
+from moe_a2a import _core
+e = _core.TransferEngine(1, 2, "tcp")
+buf = bytearray(8192)
+region = e.register_region(ctypes.addressof((ctypes.c_char * 8192).from_buffer(buf)), 8192)
+sys.stdout.buffer.write(pickle.dumps((e.address(), e.region_descriptor(region))))
+sys.stdout.flush()
+e.connect([pickle.load(sys.stdin.buffer), e.address()])
+time.sleep(600)
+"""
+
+
+def test_a_forgiven_peer_fails_the_engine_no_more() -> None:
+    """tcp: a peer process is SIGKILLed and writes to it fail the engine; once every survivor has
+    masked that peer (forgive_peer), the engine is healthy again, the failed writes count as
+    done, and later writes to it fail nothing (moe_a2a.masking)."""
+    import pickle
+    import subprocess
+    import sys
+    import time
+
+    peer = subprocess.Popen([sys.executable, "-c", _PEER], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert peer.stdout is not None and peer.stdin is not None
+        address, desc = pickle.load(peer.stdout)
+        engine = _core.TransferEngine(0, 2, "tcp")
+        buf = bytearray(8192)
+        region = engine.register_region(_address_of(buf), len(buf))
+        pickle.dump(engine.address(), peer.stdin)
+        peer.stdin.flush()
+        engine.connect([engine.address(), address])
+        group = engine.create_group([1], [engine.add_remote_region(1, desc)])
+        engine.scatter(group, region, [_core.ScatterItem(0, 0, 8, 4096)], 902)
+        engine.wait_tx(30.0)
+    finally:
+        peer.kill()
+        peer.wait()
+    deadline = time.monotonic() + 20
+    while not engine.error and time.monotonic() < deadline:
+        engine.scatter(group, region, [_core.ScatterItem(0, 0, 8, 4096)], 902)
+        time.sleep(0.05)
+    assert "to peer 1" in engine.error, engine.error
+    with pytest.raises(FabricError, match="to peer 1"):
+        engine.wait_tx(1.0)
+    engine.forgive_peer(1)
+    assert engine.error == ""
+    engine.wait_tx(10.0)  # every write, the failed ones included, counts as done
+    for _ in range(5):  # later failures of the forgiven peer fail nothing
+        engine.scatter(group, region, [_core.ScatterItem(0, 0, 8, 4096)], 902)
+    engine.wait_tx(10.0)
+    assert engine.error == "" and engine.tx_completed == engine.tx_submitted
+    with pytest.raises(FabricError, match=r"forgive_peer: peer 2 is out of range"):
+        engine.forgive_peer(2)
