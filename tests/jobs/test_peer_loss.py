@@ -95,6 +95,7 @@ def test_survivors_mask_the_lost_ranks_and_go_on(provider: str, kills: str, extr
             lost = [int(x) for x in m[1].split(",") if x.strip()]
             newest = max(kill_times[x] for x in lost)
             took = float(m[2]) - newest
+            print(f"\nrank {r}: served with {lost} masked {took:.3f} s after the kill")
             assert took < 1.0, f"rank {r} served masked {took:.2f} s after the kill\n{out}"
 
 
