@@ -593,17 +593,22 @@ class AllToAll(LostRanks):
         if self._setup is None or process.in_forked_child(self._pid):
             return  # a forked child's copy: the parent's workspace, engine and proxy are not its own
         self._check_idle("close")
-        # With a rank masked no collective of the launcher can run (it would wait for the dead rank);
-        # on one node (mask's only layout) a peer writes through its own mapping, so nothing to wait for.
+        # With a rank masked no collective of the launcher can run (it would wait for the dead
+        # rank): a live peer on another node may still write here, so the memory is retired.
         settled = wait_for_peers and self._failure is None and not self.masked_ranks
         if settled:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # our own writes into peers are done
             self._boot.barrier()
+        self._shut(settled)
+
+    def _shut(self, settled: bool) -> None:
+        """close() past its barrier; `settled`: no peer can still write here (else retired)."""
         # The proxy and kernels stop first, then the engine, and only then does
         # the memory it had registered go.
         self._backend.close()
         setup, self._setup = self._setup, None
+        assert setup is not None
         setup.engine = None
         if self._lease is not None:
             # Unsettled, a peer's call may still write here: for as long as its waits can last.

@@ -34,7 +34,7 @@ import uuid
 from typing import Any
 
 from moe_a2a import _core
-from moe_a2a.bootstrap import Bootstrap, Topology
+from moe_a2a.bootstrap import Bootstrap, Topology, _host_id, _layout
 from moe_a2a.cleanup import pid_alive
 from moe_a2a.masking import LiveRanks
 
@@ -92,6 +92,7 @@ class NodeRendezvous(Bootstrap):
         self._claimed = False
         self._established = False  # the opening exchange done: close() leaves its mark
         self._closed = False
+        self._layout_arg: int | None = None  # the survivors' ranks_per_node (StoreRendezvous)
         self._claim(role)
         try:
             self._welcome(role, masked, epoch)
@@ -103,6 +104,9 @@ class NodeRendezvous(Bootstrap):
         except BaseException:
             self.close()
             raise
+
+    def _lay_out(self, hosts: list[str], layouts: list[int]) -> None:
+        """After the opening exchange: every rank on one node, as the files require."""
 
     # -- files ---------------------------------------------------------------------------------
 
@@ -282,9 +286,10 @@ class NodeRendezvous(Bootstrap):
     # -- the opening exchange ------------------------------------------------------------------
 
     def _welcome(self, role: str, masked: tuple[int, ...], epoch: int) -> None:
-        everyone = [pickle.loads(b) for b in self.allgather(pickle.dumps((role, tuple(masked), int(epoch))))]
-        survivors = {r: (m, e) for r, (who, m, e) in enumerate(everyone) if who == SURVIVOR}
-        joining = sorted(r for r, (who, _, _) in enumerate(everyone) if who == REPLACEMENT)
+        mine = (role, tuple(masked), int(epoch), _host_id(), self._layout_arg)
+        everyone = [pickle.loads(b) for b in self.allgather(pickle.dumps(mine))]
+        survivors = {r: (m, e) for r, (who, m, e, _, _) in enumerate(everyone) if who == SURVIVOR}
+        joining = sorted(r for r, (who, *_) in enumerate(everyone) if who == REPLACEMENT)
         views = set(survivors.values())
         # Every participant computes the same verdict from the same data: all raise, or none.
         if not survivors:
@@ -300,6 +305,7 @@ class NodeRendezvous(Bootstrap):
                 f"masked {sorted(agreed)}; a replacement takes a masked rank, and every masked rank needs one"
             )
         self.masked, self.first_epoch, self.joining = tuple(sorted(agreed)), int(resume), tuple(joining)
+        self._lay_out([host for *_, host, _ in everyone], [rpn for *_, rpn in everyone if rpn is not None])
         self._established = True
         # Every participant has read every claim: the names can go (the files of the
         # all-gathers are removed as they are passed).
@@ -309,16 +315,183 @@ class NodeRendezvous(Bootstrap):
             self._claimed = False
 
 
-def replacement(key: str, rank: int, world_size: int, timeout_s: float = 60.0) -> NodeRendezvous:
+class StoreRendezvous(NodeRendezvous):
+    """The same meeting over a `torch.distributed.Store` (a TCPStore every participant reaches),
+    for ranks on several nodes, which share no /dev/shm. Keys replace the files (written whole,
+    the claim by compare-and-set); the layout is the hosts' (or the survivors' ranks_per_node),
+    not one node. No process of another host can be checked: a participant that dies is a
+    timeout, not an at-once error. A key names one attempt: a claim left by a failed one is
+    refused as taken (use a new key)."""
+
+    def __init__(
+        self,
+        store: Any,
+        key: str,
+        rank: int,
+        world_size: int,
+        role: str,
+        timeout_s: float,
+        masked: tuple[int, ...] = (),
+        epoch: int = 0,
+        ranks_per_node: int | None = None,
+    ) -> None:
+        self._store = store
+        self._rpn = ranks_per_node
+        self._own_store = False  # made from MOE_A2A_REJOIN_STORE: its connection goes at close
+        super().__init__(key, rank, world_size, role, timeout_s, masked, epoch)
+
+    def _claim(self, role: str) -> None:
+        self._layout_arg = self._rpn if role == SURVIVOR else None
+        me = self.rank
+        claim = pickle.dumps((os.getpid(), role, self._nonce, _host_id()))
+        try:
+            self._write(f"r{me}", claim, exclusive=True)
+        except FileExistsError:
+            held = self._read(f"r{me}")
+            pid, theirs, _, host = pickle.loads(held) if held else (0, "?", "", "?")
+            raise RejoinError(
+                f"rank {me} ({role}, pid {os.getpid()}) found rank {me} already claimed by a {theirs} "
+                f"(pid {pid} on {host}) in the rejoin {self._key!r}: a replacement takes a masked rank, each "
+                "rank comes once, and a key names one attempt"
+            ) from None
+        self._claimed = True
+        self._claims[me] = (os.getpid(), self._nonce)
+
+    def _lay_out(self, hosts: list[str], layouts: list[int]) -> None:
+        rpn = layouts[0] if layouts else None
+        self.topology = _layout(self.rank, self.world_size, hosts, rpn)
+        self.single_host = len(set(hosts)) == 1
+
+    def _path(self, suffix: str) -> str:
+        return f"moe-a2a-rejoin/{self._key}/{suffix}"
+
+    def _write(self, suffix: str, data: bytes, exclusive: bool = False) -> None:
+        if exclusive:
+            if self._store.compare_set(self._path(suffix), "", data) != data:
+                raise FileExistsError(self._path(suffix))
+        else:
+            self._store.set(self._path(suffix), data)
+
+    def _read(self, suffix: str) -> bytes | None:
+        key = self._path(suffix)
+        return bytes(self._store.get(key)) if self._store.check([key]) else None
+
+    def _remove(self, suffix: str) -> None:
+        self._store.delete_key(self._path(suffix))
+
+    def _error_of(self, rank: int) -> str | None:
+        data = self._read(f"r{rank}-error")
+        if data is None:
+            return None
+        nonce, message = pickle.loads(data)
+        claim = self._claims.get(rank)
+        return message if claim is None or claim[1] == nonce else None
+
+    def _claim_of(self, rank: int) -> tuple[int, str] | None:
+        if rank not in self._claims:
+            data = self._read(f"r{rank}")
+            if data is None:
+                return None
+            pid, _, nonce, host = pickle.loads(data)
+            self._claims[rank] = (pid if host == _host_id() else 0, nonce)  # 0: not ours to check
+        return self._claims[rank]
+
+    def _check(self, waiting_for: int) -> None:
+        for r in range(self.world_size):
+            error = self._error_of(r) if r != self.rank else None
+            if error is not None:
+                relayed = RejoinError(
+                    f"rank {self.rank}: the rejoin {self._key!r} failed on rank {r}: {error}"
+                )
+                relayed.relayed = True
+                raise relayed
+        claim = self._claim_of(waiting_for)
+        if claim is not None and claim[0] > 0 and not pid_alive(claim[0]):
+            self._fail(
+                f"rank {waiting_for} (pid {claim[0]}) is gone: it died during the rejoin {self._key!r}"
+            )
+
+    def close(self) -> None:
+        """Remove the keys: each rank its own as it leaves, the last all-gather's once every rank
+        left its mark (others may still read it until then). A store made here from
+        MOE_A2A_REJOIN_STORE goes too (its connection closes)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._remove_keys()
+        except (RuntimeError, OSError):
+            pass  # the store's host is gone (its job ended first): its keys went with it
+        finally:
+            if self._own_store:
+                self._store = None
+
+    def _remove_keys(self) -> None:
+        if self._claimed:
+            self._remove(f"r{self.rank}")
+            self._claimed = False
+        if not self._established:
+            if self._gen:
+                self._remove(f"r{self.rank}-{self._nonce}-g{self._gen}")
+            return
+        self._write(f"r{self.rank}-{self._nonce}-closed", b"")
+        claims = sorted(self._claims.items())
+        if len(claims) == self.world_size and all(
+            self._read(f"r{r}-{nonce}-closed") is not None for r, (_, nonce) in claims
+        ):
+            for r, (_, nonce) in claims:
+                self._remove(f"r{r}-{nonce}-g{self._gen}")
+                self._remove(f"r{r}-{nonce}-closed")
+
+
+def store_from_env() -> Any:
+    """A client of the TCPStore at MOE_A2A_REJOIN_STORE ("host:port"), or None where unset: the
+    meeting point of a rejoin across nodes (a torchrun job's MASTER_ADDR:MASTER_PORT serves)."""
+    where = os.environ.get("MOE_A2A_REJOIN_STORE", "")
+    if not where:
+        return None
+    import datetime
+
+    import torch.distributed as dist
+
+    host, _, port = where.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"MOE_A2A_REJOIN_STORE: got {where!r}; expected host:port")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=60))
+
+
+def replacement(
+    key: str, rank: int, world_size: int, timeout_s: float = 60.0, store: Any = None
+) -> NodeRendezvous:
     """The bootstrap of a process that replaces masked rank `rank`: pass it as `comm` to
     `AllToAll(cfg, comm=...)`, with the survivors' arguments. Waits (up to `timeout_s`) until
-    every survivor called `AllToAll.rejoin(key)`."""
-    return NodeRendezvous(key, rank, world_size, REPLACEMENT, timeout_s)
+    every survivor called `AllToAll.rejoin(key)`. With `store` (a `torch.distributed.Store`; or
+    MOE_A2A_REJOIN_STORE) the meeting is there, for survivors on several nodes; else in this
+    node's /dev/shm."""
+    if store is not None:
+        return StoreRendezvous(store, key, rank, world_size, REPLACEMENT, timeout_s)
+    owned = store_from_env()
+    if owned is None:
+        return NodeRendezvous(key, rank, world_size, REPLACEMENT, timeout_s)
+    rdzv = StoreRendezvous(owned, key, rank, world_size, REPLACEMENT, timeout_s)
+    rdzv._own_store = True
+    return rdzv
 
 
 def survivors_rendezvous(
-    key: str, rank: int, world_size: int, masked: tuple[int, ...], epoch: int, timeout_s: float
+    key: str,
+    rank: int,
+    world_size: int,
+    masked: tuple[int, ...],
+    epoch: int,
+    timeout_s: float,
+    store: Any = None,
+    ranks_per_node: int | None = None,
 ) -> NodeRendezvous:
+    if store is not None:
+        return StoreRendezvous(
+            store, key, rank, world_size, SURVIVOR, timeout_s, masked, epoch, ranks_per_node
+        )
     return NodeRendezvous(key, rank, world_size, SURVIVOR, timeout_s, masked, epoch)
 
 
@@ -378,7 +551,7 @@ class LostRanks:
         self._state, self._last = "idle", None
         raise error from exc
 
-    def rejoin(self, key: str, timeout_s: float | None = None) -> tuple[int, ...]:
+    def rejoin(self, key: str, timeout_s: float | None = None, store: Any = None) -> tuple[int, ...]:
         """Collective among the survivors and one replacement per masked rank: let them in.
 
         Every survivor calls it at the same point of its calls (between a combine and the next
@@ -387,7 +560,9 @@ class LostRanks:
         arguments. Waits up to `timeout_s` (default `cfg.timeout_s`) for them. Afterwards no
         rank is masked and every rank's next dispatch is epoch `self.epoch + 1`. Returns the
         ranks that rejoined. On failure (`RejoinError`, or the constructor's own error for a
-        replacement whose arguments differ) the survivors' masked instance serves on.
+        replacement whose arguments differ) the survivors' masked instance serves on. With
+        ranks on several nodes the meeting is in `store` (a `torch.distributed.Store` that every
+        participant reaches; or MOE_A2A_REJOIN_STORE=host:port), the replacement passing the same.
         """
         self._check_open()  # type: ignore[attr-defined]
         self._check_idle("rejoin")  # type: ignore[attr-defined]
@@ -396,13 +571,28 @@ class LostRanks:
         masked = self.masked_ranks
         if not masked:
             raise ValueError("rejoin: no rank is masked; a replacement takes the place of a masked rank")
-        if self._live.mesh is not None:
+        owned = store is None
+        store = store if store is not None else store_from_env()
+        if self._live.mesh is not None and store is None:
             raise ValueError(
-                "rejoin: this instance's ranks span several nodes, where a rejoin is not built yet (its "
-                "meeting is in the node's shared memory); masked ranks stay masked"
+                "rejoin: this instance's ranks span several nodes, which share no /dev/shm: pass "
+                "store= (a torch.distributed.Store every participant reaches) or set "
+                "MOE_A2A_REJOIN_STORE=host:port, on the survivors and the replacement alike; masked "
+                "ranks stay masked"
             )
         wait = self.cfg.timeout_s if timeout_s is None else timeout_s  # checked by the rendezvous
-        rdzv = survivors_rendezvous(key, self.rank, self.world_size, masked, self._backend.epoch, wait)
+        rdzv = survivors_rendezvous(
+            key,
+            self.rank,
+            self.world_size,
+            masked,
+            self._backend.epoch,
+            wait,
+            store,
+            self._args.get("ranks_per_node"),
+        )
+        if isinstance(rdzv, StoreRendezvous):
+            rdzv._own_store = owned
         try:
             fresh = type(self)(**{**self._args, "comm": rdzv})  # closes rdzv if it fails
         except RejoinError:
@@ -411,7 +601,10 @@ class LostRanks:
             raise RejoinError(
                 f"rank {self.rank}: the rejoin {key!r} failed, rank(s) {list(masked)} stay masked: {exc}"
             ) from exc
-        self.close(wait_for_peers=False)  # type: ignore[attr-defined]  # and the old bootstrap
+        # Settled: every survivor called rejoin after its last call, and the meeting is past every
+        # survivor's rejoin, so every write into the old instance has landed; nothing is retired.
+        self._check_idle("close")  # type: ignore[attr-defined]
+        self._shut(True)  # type: ignore[attr-defined]  # and the old bootstrap
         self.__dict__.update({k: v for k, v in fresh.__dict__.items() if k not in _KEPT})
         self._args = {**self._args, "comm": rdzv}  # reopen() refuses it: the meeting ends at close
         fresh.__dict__["_setup"] = None  # its resources are ours now: its close() does nothing

@@ -152,3 +152,66 @@ def test_rejoin_with_nothing_to_rejoin_is_an_error_naming_why() -> None:
     masking = AllToAll(Config(**base, on_peer_loss="mask"))  # type: ignore[arg-type]
     with masking, pytest.raises(ValueError, match="rejoin: no rank is masked"):
         masking.rejoin("k")
+
+
+# -- across nodes: the meeting in a torch.distributed.Store (StoreRendezvous) --------------------
+
+
+def _store_meet(parts: list[tuple[int, str, tuple[int, ...], int]], world: int, rpn: int | None) -> dict:
+    """Each participant (rank, role, masked, epoch) as a thread meeting in one in-process store."""
+    import threading
+
+    import torch.distributed as dist
+
+    from moe_a2a.rejoin import StoreRendezvous
+
+    store = dist.HashStore()
+    key = f"s{uuid.uuid4().hex[:8]}"
+    out: dict[int, Any] = {}
+
+    def run(rank: int, role: str, masked: tuple[int, ...], epoch: int) -> None:
+        try:
+            layout = rpn if role == SURVIVOR else None  # a replacement does not know the layout
+            rdzv = StoreRendezvous(store, key, rank, world, role, 5.0, masked, epoch, layout)
+            got = rdzv.allgather(str(rank).encode())
+            topo = rdzv.topology
+            rdzv.close()
+            result: tuple = ("ok", rdzv.first_epoch, rdzv.joining, [g.decode() for g in got], topo.local_size)
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            result = (type(exc).__name__, str(exc))
+        out[rank] = out[rank] + [result] if rank in out else [result]
+
+    threads = [threading.Thread(target=run, args=part) for part in parts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    out["keys"] = store.num_keys()
+    return out
+
+
+def test_across_nodes_the_meeting_is_in_the_store_with_the_survivors_layout() -> None:
+    parts = [(0, SURVIVOR, (2,), 9), (1, SURVIVOR, (2,), 9), (2, REPLACEMENT, (), 0), (3, SURVIVOR, (2,), 9)]
+    out = _store_meet(parts, 4, 2)
+    for r in range(4):
+        assert out[r] == [("ok", 9, (2,), ["0", "1", "2", "3"], 2)], out  # nodes of 2, as the survivors'
+    assert out["keys"] == 0, "the meeting left keys in the store"
+
+
+def test_across_nodes_a_replacement_for_a_live_rank_fails_every_participant() -> None:
+    parts = [(0, SURVIVOR, (2,), 4), (1, REPLACEMENT, (), 0), (2, REPLACEMENT, (), 0)]
+    out = _store_meet(parts, 3, 1)
+    for r in range(3):
+        ((kind, message),) = out[r]
+        assert kind == "RejoinError" and "replacements came for ranks [1, 2]" in message, out
+
+
+def test_across_nodes_a_rank_comes_once_per_key() -> None:
+    """Two replacements for rank 1 with one key: the second's claim is refused, naming why; the
+    first meets the survivor."""
+    parts = [(0, SURVIVOR, (1,), 4), (1, REPLACEMENT, (), 0), (1, REPLACEMENT, (), 0)]
+    out = _store_meet(parts, 2, 1)
+    kinds = sorted(r[0] for r in out[1])
+    assert kinds == ["RejoinError", "ok"], out
+    refused = next(r for r in out[1] if r[0] == "RejoinError")[1]
+    assert "already claimed" in refused and "a key names one attempt" in refused, refused
