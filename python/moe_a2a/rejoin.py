@@ -33,7 +33,7 @@ import time
 import uuid
 from typing import Any
 
-from moe_a2a import _core
+from moe_a2a import _core, switches
 from moe_a2a.bootstrap import Bootstrap, Topology, _host_id, _layout
 from moe_a2a.cleanup import pid_alive
 from moe_a2a.masking import LiveRanks
@@ -447,7 +447,7 @@ class StoreRendezvous(NodeRendezvous):
 def store_from_env() -> Any:
     """A client of the TCPStore at MOE_A2A_REJOIN_STORE ("host:port"), or None where unset: the
     meeting point of a rejoin across nodes (a torchrun job's MASTER_ADDR:MASTER_PORT serves)."""
-    where = os.environ.get("MOE_A2A_REJOIN_STORE", "")
+    where = switches.get("MOE_A2A_REJOIN_STORE") or ""
     if not where:
         return None
     import datetime

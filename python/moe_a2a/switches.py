@@ -115,6 +115,13 @@ REGISTRY: dict[str, Switch] = {
             "measured faster (moe-a2a info says which); on or off forces it for A/B runs",
         ),
         Switch(
+            "MOE_A2A_REJOIN_STORE",
+            "str",
+            None,
+            "host:port of a TCPStore every rank reaches, where a rejoin across nodes meets (survivors "
+            "and replacement alike)",
+        ),
+        Switch(
             "MOE_A2A_GPU_DIRECT_SHM_MIN_BYTES",
             "count",
             1 << 20,
