@@ -24,7 +24,9 @@ management veth. Scenarios:
   mask  one rank per emulated host, on_peer_loss="mask": rank `victim` SIGKILLs itself in
         call `at`, after sending its rows; the survivors, each on another host, agree over
         their control connections, mask it and go on to call `calls`, each call's output
-        equal to the reference with the lost rank's experts masked.
+        equal to the reference with the lost rank's experts masked. With `rejoin_at`, the
+        survivors call rejoin(`key`) there, meeting a replacement started with REPLACEMENT_KEY
+        in rank 0's TCPStore (MOE_A2A_REJOIN_STORE), and the full reference holds again.
   a2a_rate
         timed dispatch + combine steps (after one untimed step) with one rank per
         emulated host; each rank reports its seconds and the payload bytes it sent
@@ -260,10 +262,15 @@ def death(group: object, rank: int, world: int, args: dict[str, str], out: str) 
 
 
 def mask(group: object, rank: int, world: int, args: dict[str, str], out: str) -> dict[str, object]:
-    from moe_a2a import PeerLostError
+    from moe_a2a import PeerLostError, rejoin
     from moe_a2a.all_to_all import AllToAll, Config
 
     victim, at, calls = int(args["victim"]), int(args["at"]), int(args["calls"])
+    rejoin_at = int(args.get("rejoin_at", -1))
+    replacing = "REPLACEMENT_KEY" in os.environ
+    meeting = time.time()
+    if replacing:  # the lost rank's replacement: it meets the survivors in the store
+        group = rejoin.replacement(os.environ["REPLACEMENT_KEY"], rank, world, timeout_s=60.0)
     T, H, E, K = 8, 64, 4 * world, 2
     # Rows per expert: the origin sums each token's rows in k order, as the reference below does.
     cfg = Config(
@@ -288,11 +295,17 @@ def mask(group: object, rank: int, world: int, args: dict[str, str], out: str) -
         return (x.float() * (1.0 + 0.25 * e)).to(torch.bfloat16)
 
     checked = masked_calls = 0
-    noticed_at = first_masked_at = None
+    noticed_at = first_masked_at = rejoined_at = rejoin_s = None
+    joined_at = a2a.epoch if replacing else None
+    join_s = time.time() - meeting if replacing else None  # from the meeting to the instance built
     while a2a.epoch < calls:
         step = a2a.epoch  # every survivor resumes at the same epoch after the loss
+        if step == rejoin_at and a2a.masked_ranks:
+            t0 = time.time()
+            a2a.rejoin(args["key"])
+            rejoined_at, rejoin_s = time.time(), time.time() - t0
         x, ids, w = inputs(step)
-        if rank == victim and step == at:
+        if rank == victim and step == at and not replacing:
             a2a.dispatch(x, ids, w, recv=False)  # mid-call: our rows sent, nothing received
             with open(out, "w") as f:
                 json.dump({"rank": rank, "killed_at": time.time()}, f)
@@ -319,18 +332,42 @@ def mask(group: object, rank: int, world: int, args: dict[str, str], out: str) -
         if masked:
             masked_calls += 1
             first_masked_at = first_masked_at or time.time()
+    # Leave together: a rank that exits while another still waits for its last rows is a loss.
+    import datetime
+
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S),
+    )  # fmt: skip
+    live = world - len(a2a.masked_ranks)
+    deadline = time.monotonic() + TIMEOUT_S
+    for step in ("mask-done", "mask-left"):  # rank 0 hosts the store: it leaves last
+        store.add(step, 1)
+        while (
+            (step == "mask-done" or rank == 0) and store.add(step, 0) < live and time.monotonic() < deadline
+        ):
+            time.sleep(0.02)
     return {
         "checked": checked,
         "masked": list(a2a.masked_ranks),
         "masked_calls": masked_calls,
         "noticed_at": noticed_at,
         "first_masked_at": first_masked_at,
+        "rejoined_at": rejoined_at,
+        "rejoin_s": rejoin_s,
+        "join_s": join_s,
+        "joined_at": joined_at,
     }
 
 
 def main() -> int:
     scenario, out = sys.argv[1], sys.argv[2]
     args = dict(a.split("=", 1) for a in sys.argv[3:])
+    if "REPLACEMENT_KEY" in os.environ:  # not a member of the launcher's group: it meets the survivors
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        with open(out, "w") as f:
+            json.dump({"rank": rank, **mask(None, rank, world, args, out)}, f)
+        os._exit(0)
     dist.init_process_group("gloo", init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(range(world)), backend="gloo")
