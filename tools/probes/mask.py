@@ -87,7 +87,7 @@ def rejoin(provider: str, runs: int) -> None:
         )
 
 
-def cost(blocks: int, calls: int) -> None:
+def cost(blocks: int, calls: int, ranks_per_node: int | None, provider: str) -> None:
     import torch
     from mpi4py import MPI
 
@@ -97,7 +97,12 @@ def cost(blocks: int, calls: int) -> None:
     world, rank = comm.Get_size(), comm.Get_rank()
     T, H, E, K = 8, 256, 8 * world, 2
     made = {
-        mode: AllToAll(Config(max_tokens=T, hidden=H, num_experts=E, topk=K, on_peer_loss=mode), comm)
+        mode: AllToAll(
+            Config(max_tokens=T, hidden=H, num_experts=E, topk=K, on_peer_loss=mode),
+            comm,
+            provider=provider,
+            ranks_per_node=ranks_per_node,
+        )
         for mode in ("stop", "mask")
     }
     g = torch.Generator().manual_seed(rank)
@@ -136,13 +141,15 @@ def main() -> None:
     p = sub.add_parser("cost")
     p.add_argument("--blocks", type=int, default=20)
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--ranks-per-node", type=int, default=None, help="virtual nodes (default: one node)")
+    p.add_argument("--provider", default="tcp", help="for peers on other nodes")
     args = parser.parse_args()
     if args.what == "loss":
         loss(args.provider, args.runs)
     elif args.what == "rejoin":
         rejoin(args.provider, args.runs)
     else:
-        cost(args.blocks, args.calls)
+        cost(args.blocks, args.calls, args.ranks_per_node, args.provider)
 
 
 if __name__ == "__main__":
