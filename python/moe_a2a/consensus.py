@@ -196,13 +196,7 @@ class ControlMesh:
                 waiting = set(heard_before) - heard - self.gone - merged.dead
                 if not waiting:
                     break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(
-                        f"rank {self.rank}: the survivors' agreement (round {rnd}) timed out after "
-                        f"{timeout_s} s waiting for rank(s) {sorted(waiting)}"
-                    )
-                self.poll(min(left, 0.1))
+                self._wait(deadline, f"the survivors' agreement (round {rnd})", timeout_s, waiting)
             merged = merged.merge(Vote(frozenset(self.gone), 0))
             if frozenset(heard) == heard_before:
                 return self._decide(k, merged, rnd)
@@ -230,13 +224,17 @@ class ControlMesh:
             waiting = set(live) - heard - self.gone
             if not waiting:
                 return
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(
-                    f"rank {self.rank}: after the survivors' agreement, timed out after {timeout_s} s "
-                    f"waiting for rank(s) {sorted(waiting)} to rebuild"
-                )
-            self.poll(min(left, 0.1))
+            self._wait(deadline, "the survivors' rebuild after their agreement", timeout_s, waiting)
+
+    def _wait(self, deadline: float, what: str, timeout_s: float, waiting: set[int]) -> None:
+        """Up to 0.1 s for more messages, or TimeoutError naming `waiting` past `deadline`."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(
+                f"rank {self.rank}: {what} timed out after {timeout_s} s waiting for rank(s) "
+                f"{sorted(waiting)}"
+            )
+        self.poll(min(left, 0.1))
 
     def _take_ready(self, k: int) -> list[Message]:
         """READY messages of agreement k; relays of its DECIDE go; the next agreement's stay."""

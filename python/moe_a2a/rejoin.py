@@ -213,7 +213,7 @@ class NodeRendezvous(Bootstrap):
                 relayed.relayed = True
                 raise relayed
         claim = self._claim_of(waiting_for)
-        if claim is not None and not pid_alive(claim[0]):
+        if claim is not None and claim[0] > 0 and not pid_alive(claim[0]):  # 0: on another host
             self._fail(
                 f"rank {waiting_for} (pid {claim[0]}) is gone: it died during the rejoin {self._key!r}"
             )
@@ -264,14 +264,8 @@ class NodeRendezvous(Bootstrap):
         if self._closed:
             return
         self._closed = True
-        if self._claimed:
-            self._remove(f"r{self.rank}")
-            self._claimed = False
-        if not self._established:
-            if self._gen:
-                self._remove(f"r{self.rank}-{self._nonce}-g{self._gen}")
+        if not self._leave():
             return
-        self._write(f"r{self.rank}-{self._nonce}-closed", b"")
         claims = sorted(self._claims.items())
         done = [
             os.path.exists(self._path(f"r{r}-{nonce}-closed")) or (r != self.rank and not pid_alive(pid))
@@ -282,6 +276,19 @@ class NodeRendezvous(Bootstrap):
                 for path in glob.glob(self._path(f"r{r}-{nonce}-*")):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(path)
+
+    def _leave(self) -> bool:
+        """Our claim goes, and before the opening exchange ended our last all-gather's record
+        too; after it, our mark that we are done reading. Whether the exchange had ended."""
+        if self._claimed:
+            self._remove(f"r{self.rank}")
+            self._claimed = False
+        if not self._established:
+            if self._gen:
+                self._remove(f"r{self.rank}-{self._nonce}-g{self._gen}")
+            return False
+        self._write(f"r{self.rank}-{self._nonce}-closed", b"")
+        return True
 
     # -- the opening exchange ------------------------------------------------------------------
 
@@ -396,21 +403,6 @@ class StoreRendezvous(NodeRendezvous):
             self._claims[rank] = (pid if host == _host_id() else 0, nonce)  # 0: not ours to check
         return self._claims[rank]
 
-    def _check(self, waiting_for: int) -> None:
-        for r in range(self.world_size):
-            error = self._error_of(r) if r != self.rank else None
-            if error is not None:
-                relayed = RejoinError(
-                    f"rank {self.rank}: the rejoin {self._key!r} failed on rank {r}: {error}"
-                )
-                relayed.relayed = True
-                raise relayed
-        claim = self._claim_of(waiting_for)
-        if claim is not None and claim[0] > 0 and not pid_alive(claim[0]):
-            self._fail(
-                f"rank {waiting_for} (pid {claim[0]}) is gone: it died during the rejoin {self._key!r}"
-            )
-
     def close(self) -> None:
         """Remove the keys: each rank its own as it leaves, the last all-gather's once every rank
         left its mark (others may still read it until then). A store made here from
@@ -427,14 +419,8 @@ class StoreRendezvous(NodeRendezvous):
                 self._store = None
 
     def _remove_keys(self) -> None:
-        if self._claimed:
-            self._remove(f"r{self.rank}")
-            self._claimed = False
-        if not self._established:
-            if self._gen:
-                self._remove(f"r{self.rank}-{self._nonce}-g{self._gen}")
+        if not self._leave():
             return
-        self._write(f"r{self.rank}-{self._nonce}-closed", b"")
         claims = sorted(self._claims.items())
         if len(claims) == self.world_size and all(
             self._read(f"r{r}-{nonce}-closed") is not None for r, (_, nonce) in claims
