@@ -88,6 +88,11 @@ void FabricReceive::copy_dispatch(const LandingView& v, DispatchRecvParams p, co
     if (s == cfg.rank) return all;
     if (cfg.same_node(s))
       return flag_at(v.host_ws_cpu, *v.layout, s, kFlagDispatch)->load(std::memory_order_acquire) >= v.epoch ? all : 0;
+    // A cached call takes a remote sender's rows in one piece, but the proxy still counts its
+    // slices as they land: only the whole sender (or the whole call) means all of them are in.
+    // (Counting its progress word here copied the rows once the first slice was in, and the
+    // later slices' rows were the previous call's: seen on the H200 at 4 ranks.)
+    if (cached) return v.peer.landed[s].get() >= v.epoch || v.signals->dispatch_done.get() >= v.epoch ? all : 0;
     return slices_landed(v.peer.slices_landed[s], v.peer.landed[s], v.signals->dispatch_done, v.epoch, all);
   };
   const auto take = [&](const Pending& q, uint32_t in) {
