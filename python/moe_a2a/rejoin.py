@@ -410,13 +410,11 @@ class StoreRendezvous(NodeRendezvous):
         if self._closed:
             return
         self._closed = True
-        try:
+        # A store whose host is gone (its job ended first) took its keys with it.
+        with contextlib.suppress(RuntimeError, OSError):
             self._remove_keys()
-        except (RuntimeError, OSError):
-            pass  # the store's host is gone (its job ended first): its keys went with it
-        finally:
-            if self._own_store:
-                self._store = None
+        if self._own_store:
+            self._store = None
 
     def _remove_keys(self) -> None:
         if not self._leave():

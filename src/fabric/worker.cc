@@ -97,14 +97,18 @@ std::string Worker::error() const {
 }
 
 void Worker::fail(const std::string& message, int peer) {
-  {
+  bool forgiven = false;
+  {  // checked and recorded under one lock: a forgive() in between would miss this failure
     std::lock_guard<std::mutex> lock(error_mu_);
-    if (peer >= 0 && std::find(forgiven_.begin(), forgiven_.end(), peer) != forgiven_.end()) {
-      completed_.fetch_add(1);  // a write to a masked peer: done with, as far as waits go
-      return;
+    forgiven = peer >= 0 && std::find(forgiven_.begin(), forgiven_.end(), peer) != forgiven_.end();
+    if (!forgiven) {
+      failures_.emplace_back(peer, message);
+      if (error_.empty()) error_ = message;
     }
-    failures_.emplace_back(peer, message);
-    if (error_.empty()) error_ = message;
+  }
+  if (forgiven) {
+    write_done();  // a write to a masked peer: done with, as far as waits go (and they are woken)
+    return;
   }
   {
     // Under idle_mu_, so a wait_idle() between its check and its sleep sees it.
