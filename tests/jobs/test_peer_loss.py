@@ -86,9 +86,11 @@ def test_survivors_mask_the_lost_ranks_and_go_on(provider: str, kills: str, extr
         assert done, out
         masked = tuple(int(x) for x in done[3].split(",") if x.strip())
         assert masked == tuple(sorted(killed)), out
-        # Every call but the one (or, for losses at different calls, ones) each loss failed.
-        assert int(done[1]) >= CALLS - len(set(killed.values())), out
-        assert int(done[2]) >= CALLS - max(killed.values()) - 2, out
+        # Every call but the one (or, for losses at different calls, ones) each loss failed; across
+        # nodes a survivor a call behind the others when a loss comes also skips that call.
+        skipped = len(killed) if rpn else 0
+        assert int(done[1]) >= CALLS - len(set(killed.values())) - skipped, out
+        assert int(done[2]) >= CALLS - max(killed.values()) - 2 - skipped, out
         assert int(done[4]) <= 0 and int(done[5]) <= 0, f"file descriptors or /dev/shm files grew\n{out}"
         # From each kill to this survivor's first call that masks it: within a second.
         for m in re.finditer(r"first call with \(([0-9, ]*)\) masked done at ([0-9.]+)", out):
