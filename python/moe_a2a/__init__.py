@@ -10,7 +10,7 @@ from moe_a2a.process import keep_signal_dispositions
 # Every import of the core comes through here: the libraries it loads may take
 # the process's signal handlers, which stay the user's (moe_a2a.process).
 with keep_signal_dispositions():
-    from moe_a2a._core import CapacityError, FabricError, FabricTimeoutError, PeerFailedError
+    from moe_a2a._core import CapacityError, FabricError, FabricTimeoutError, PeerFailedError, StaleGraphError
 
 try:
     # pyproject.toml holds the version; the installed metadata carries it here.
@@ -28,6 +28,7 @@ __all__ = [
     "PeerLostError",
     "RejoinError",
     "Routing",
+    "StaleGraphError",
     "__version__",
 ]
 

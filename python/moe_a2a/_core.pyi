@@ -262,12 +262,17 @@ class MemoryFabric:
 class CapacityError(RuntimeError):
     pass
 
+class StaleGraphError(RuntimeError):
+    pass
+
 class PeerFailedError(RuntimeError):
     pass
 
 FP8_BLOCK: int = 128
 
 FP8_MAX: float = 448.0
+
+MASKED_EXPERT: int = -2
 
 def f32_to_e4m3(f32: bytes) -> bytes:
     """
@@ -541,8 +546,19 @@ class CudaAllToAll:
     def stop_proxy(self) -> None:
         """Stop the proxy thread (a retired close)."""
 
+    def mask(self, masked: Sequence[int], first_epoch: int, group: Group | None, rows_group: Group | None, remote_peers: Sequence[int]) -> None:
+        """
+        Mask and continue, after a loss the survivors agreed on (device synchronised, proxy stopped): masked per rank (1: lost), the next call is epoch first_epoch + 1, the proxy serves the live remote_peers through group (rows_group: GPU-direct's). No collective.
+        """
+
     @property
     def gpu_direct(self) -> bool: ...
+
+    @property
+    def device_epoch(self) -> int:
+        """
+        The device's epoch counter (a D2H copy): graph replays raise it, not the host's epoch.
+        """
 
     def dispatch_send(self, x: int, x_dtype: DType, x_scale: int, topk_ids: int, ids_64bit: bool, num_tokens: int, num_tokens_device: int, stream: int, routing: int = 0, in_place: bool = False, weights: int = 0, dequant_recv: bool = False) -> None:
         """

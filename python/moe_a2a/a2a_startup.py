@@ -164,7 +164,8 @@ def _start_backend(boot: Bootstrap, setup: Setup, device: str, graph_safe: bool)
     if device == "cuda":
         from moe_a2a.backends.cuda import CudaBackend
 
-        return CudaBackend(setup, graph_safe)
+        # After a rejoin the calls go on from the survivors' epoch, as on the CPU.
+        return CudaBackend(setup, graph_safe, getattr(boot, "first_epoch", 0))
     from moe_a2a.backends.cpu import CpuBackend
 
     with boot.together("starting the cpu backend"):

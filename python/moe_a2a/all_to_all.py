@@ -43,6 +43,7 @@ from moe_a2a.rejoin import LostRanks
 CapacityError = _core.CapacityError
 FabricError = _core.FabricError
 PeerFailedError = _core.PeerFailedError
+StaleGraphError = _core.StaleGraphError
 
 # Identity of each AllToAll in this process: handles carry it, so one instance
 # never reads buffers sized from another instance's handle.
@@ -64,8 +65,10 @@ def _counted(what: str) -> Callable[[F], F]:
             self._busy = what
             try:
                 return fn(self, *args, **kwargs)
-            except CapacityError:
-                raise  # every rank raised it for the same call: the next one starts clean
+            except (CapacityError, StaleGraphError):
+                # Capacity: every rank raised it for the same call, the next one starts clean.
+                # A stale graph's replay did nothing at all.
+                raise
             except BaseException as exc:  # KeyboardInterrupt too: a wait ends with it (wait.h)
                 self._mask_after_loss(what, exc)  # on_peer_loss="mask": raises PeerLostError
                 self._fail(what, exc)
@@ -507,7 +510,11 @@ class AllToAll(LostRanks):
 
     @_counted("check")
     def check(self) -> None:
-        """Raise the outcome of the last call (CUDA graph-safe mode; synchronise the stream first)."""
+        """Raise the outcome of the last call (CUDA graph-safe mode; synchronise the stream first).
+
+        With `on_peer_loss="mask"`, a call that failed because a peer's process is gone raises
+        `PeerLostError` here, once the survivors have masked it; graphs captured before then must
+        be captured again (their replay raises `StaleGraphError`, having done nothing)."""
         self._backend.check()
 
     def _check_open(self) -> None:

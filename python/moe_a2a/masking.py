@@ -41,21 +41,21 @@ class PeerLostError(_core.PeerFailedError):
         self.lost, self.masked, self.epoch = lost, masked, epoch
 
 
-def mask_refused(device: str) -> str | None:
-    """Why on_peer_loss="mask" cannot run here, or None."""
-    if device != "cpu":
-        return (
-            f"on_peer_loss='mask': device={device!r} is not built yet (CPU backend only); a CUDA graph "
-            "captured before a loss would also have to be refused, as its replay writes to the lost peer"
-        )
-    return None
-
-
 class LiveRanks:
     """The ranks masked so far on this rank, the same on every survivor."""
 
-    def __init__(self, num_experts: int, world_size: int, rank: int, mesh: ControlMesh | None = None) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        world_size: int,
+        rank: int,
+        mesh: ControlMesh | None = None,
+        device: str = "cpu",
+    ) -> None:
         self.rank, self.world_size = rank, world_size
+        self.device = (
+            torch.device(device) if device != "cuda" else torch.device("cuda", torch.cuda.current_device())
+        )
         self.mesh = mesh  # across nodes: a connection to every rank, for the agreement
         self.local_experts = num_experts // world_size
         self.masked: frozenset[int] = frozenset()
@@ -65,20 +65,15 @@ class LiveRanks:
 
     @classmethod
     def of(cls, boot: Any, cfg: Any, device: str) -> LiveRanks | None:
-        """An instance's, where cfg.on_peer_loss is "mask" (None otherwise); refused alike on
-        every rank where masking is not built."""
+        """An instance's, where cfg.on_peer_loss is "mask" (None otherwise)."""
         if cfg.on_peer_loss != "mask":
             return None
         topo = boot.topology
-        with boot.together("checking on_peer_loss"):
-            refused = mask_refused(device)
-            if refused is not None:
-                raise ValueError(refused)
         mesh = None
         if topo.local_size != topo.world_size:  # several nodes: no memory every survivor reads
             socks = peer_sockets.mesh(boot, boot.local_pids())
             mesh = ControlMesh(topo.rank, topo.world_size, socks)
-        return cls(cfg.num_experts, topo.world_size, topo.rank, mesh)
+        return cls(cfg.num_experts, topo.world_size, topo.rank, mesh, device)
 
     def close(self) -> None:
         if self.mesh is not None:
@@ -105,7 +100,9 @@ class LiveRanks:
         if renormalize:
             total, left = weights.sum(dim=1, keepdim=True), kept.sum(dim=1, keepdim=True)
             kept = torch.where(left != 0, kept * (total / torch.where(left != 0, left, 1.0)), kept)
-        return ids.masked_fill(dropped, -1), kept.contiguous(), dropped
+        # MASKED_EXPERT, not any negative id: on CUDA the kernels take it for a dropped copy and
+        # still report every other id out of range.
+        return ids.masked_fill(dropped, _core.MASKED_EXPERT), kept.contiguous(), dropped
 
     def lost_peers(self, pids: list[int]) -> list[int]:
         """Peers not yet masked whose process is gone: on this host by its pid, elsewhere by the
@@ -139,7 +136,7 @@ class LiveRanks:
             masked = frozenset(r for r, d in enumerate(agreed) if d)
         newly = tuple(sorted(masked - self.masked))
         self.masked = masked
-        on_masked = torch.zeros(self.world_size, dtype=torch.bool)
+        on_masked = torch.zeros(self.world_size, dtype=torch.bool, device=self.device)
         on_masked[list(masked)] = True
         self.experts = on_masked.repeat_interleave(self.local_experts)
         return newly, int(resume)
@@ -157,20 +154,32 @@ class LiveRanks:
         lost = self.lost_peers(setup.pids)
         if not lost:
             return None
-        epoch = backend.epoch
-        backend.close()  # its proxy thread joins before anyone agrees: nothing of ours moves after
+        cpu = isinstance(backend, CpuBackend)
+        # Nothing of ours moves after this, before anyone agrees: the CPU backend's proxy thread
+        # joins; the CUDA one's kernels end (eager kernels never wait for a peer; a graph's end
+        # at their deadline) and its proxy joins. A graph's replays count on the device only.
+        if cpu:
+            epoch = backend.epoch
+            backend.close()
+        else:
+            epoch = backend.halt()
         newly, resume = self.agree(setup.workspace, setup.pids, lost, epoch, timeout_s)
         masked = tuple(sorted(self.masked))
         live_remote = [r for r in setup.remote_peers if r not in self.masked]
-        if live_remote != setup.remote_peers:
+        gone_remote = [r for r in setup.remote_peers if r in self.masked]
+        if gone_remote:
             # The masked remote peers leave the group (the old one stays with the engine until it
             # closes: a few bytes a loss), and their writes' failures no longer fail the engine.
-            for r in setup.remote_peers:
-                if r in self.masked:
-                    setup.engine.core.forgive_peer(r)
+            for r in gone_remote:
+                setup.engine.core.forgive_peer(r)
             setup.remote_peers = live_remote
             setup.group = setup.engine.group(live_remote, setup.remotes)
-        rebuilt = CpuBackend(setup, [1 if r in self.masked else 0 for r in range(self.world_size)], resume)
+        flags = [1 if r in self.masked else 0 for r in range(self.world_size)]
+        if cpu:
+            rebuilt = CpuBackend(setup, flags, resume)
+        else:  # the same kernels and memory, re-armed: the node's CUDA IPC needs no new exchange
+            backend.remask(setup, flags, resume, gone_remote)
+            rebuilt = backend
         if self.mesh is not None:
             # No survivor's next call may reach one still clearing the failed call's leftovers.
             live = frozenset(range(self.world_size)) - self.masked

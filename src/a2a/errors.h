@@ -20,4 +20,12 @@ class PeerFailedError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A CUDA graph captured before ranks were masked was replayed: its kernels
+// did nothing (no row sent, no flag awaited); capture the step again. The
+// instance stays usable.
+class StaleGraphError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 }  // namespace moe_a2a::a2a

@@ -20,6 +20,7 @@
 #include "config.h"
 #include "fabric/error.h"
 #include "layout.h"
+#include "row_tail.h"  // kMaskedExpert
 
 namespace moe_a2a::a2a {
 

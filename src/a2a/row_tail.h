@@ -21,4 +21,10 @@ static_assert(sizeof(RouteEntry) == 8, "a route entry is 8 bytes on the wire");
 
 constexpr uint16_t kNoExpert = 0xFFFF;
 
+// The expert id of a (token, k) dropped because its expert is on a masked
+// rank (live_ranks.h; moe_a2a.masking writes it into topk_ids): no row, nothing
+// back and no error, where any other id out of range is an error (the CUDA
+// route kernel reports it; the CPU front end refuses it before the call).
+constexpr int64_t kMaskedExpert = -2;
+
 }  // namespace moe_a2a::a2a

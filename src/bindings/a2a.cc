@@ -81,10 +81,12 @@ void bind_number_formats(nb::module_& m) {
 
 void bind_a2a(nb::module_& m) {
   nb::exception<CapacityError>(m, "CapacityError", PyExc_RuntimeError);
+  nb::exception<StaleGraphError>(m, "StaleGraphError", PyExc_RuntimeError);
   nb::exception<PeerFailedError>(m, "PeerFailedError", PyExc_RuntimeError);
   // Facts the Python side shares with the kernels, exported from their one home (config.h).
   m.attr("FP8_BLOCK") = kFp8Block;
   m.attr("FP8_MAX") = kFp8Max;
+  m.attr("MASKED_EXPERT") = moe_a2a::a2a::kMaskedExpert;
   bind_number_formats(m);
 
   nb::enum_<DType>(m, "DType").value("bf16", DType::kBf16).value("fp32", DType::kFp32).value("fp8", DType::kFp8);

@@ -195,7 +195,22 @@ void bind_cuda(nb::module_& m) {
            nb::arg("nic_writes"),
            "GPU-direct, before the first call: the proxy writes rows from and into the registered device workspace.")
       .def("stop_proxy", &CudaAllToAll::stop_proxy, release(), "Stop the proxy thread (a retired close).")
-      .def_prop_ro("gpu_direct", &CudaAllToAll::gpu_direct);
+      .def(
+          "mask",
+          [](CudaAllToAll& a, const std::vector<uint8_t>& masked, uint64_t first_epoch,
+             std::optional<moe_a2a::fabric::GroupId> group, std::optional<moe_a2a::fabric::GroupId> rows_group,
+             const std::vector<int>& remote_peers) {
+            a.mask(masked, first_epoch, group.value_or(moe_a2a::fabric::GroupId{}),
+                   rows_group.value_or(moe_a2a::fabric::GroupId{}), remote_peers);
+          },
+          nb::arg("masked"), nb::arg("first_epoch"), nb::arg("group").none(), nb::arg("rows_group").none(),
+          nb::arg("remote_peers"), release(),
+          "Mask and continue, after a loss the survivors agreed on (device synchronised, proxy stopped): "
+          "masked per rank (1: lost), the next call is epoch first_epoch + 1, the proxy serves the live "
+          "remote_peers through group (rows_group: GPU-direct's). No collective.")
+      .def_prop_ro("gpu_direct", &CudaAllToAll::gpu_direct)
+      .def_prop_ro("device_epoch", &CudaAllToAll::device_epoch,
+                   "The device's epoch counter (a D2H copy): graph replays raise it, not the host's epoch.");
   def_halves(cls);
   cls.def("check", &CudaAllToAll::check, "Raise the outcome of the last call (after synchronising its stream).")
       .def("announce_failure", &CudaAllToAll::announce_failure, nb::arg("text"), release(),

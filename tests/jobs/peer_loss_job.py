@@ -8,6 +8,10 @@ mpirun, which ends the whole job as soon as a rank dies unless told not to (docs
 Arguments: provider, calls, kills ("rank:call,..."),
 then "renormalize" or nothing. RANKS_PER_NODE=2 lays the ranks out as virtual nodes of 2, so that
 peers on the other node are reached over the fabric and masked across nodes.
+MOE_A2A_TEST_DEVICE=cuda runs the calls on the GPU (every rank on device 0, as on the H200);
+PEER_LOSS_GRAPH=1 there runs each call as a CUDA graph replay (graph_safe=True): the survivors learn
+of the loss at `check()`, a replay of the graph captured before it is refused (StaleGraphError),
+and they capture the step again.
 
 Rejoins (docs/peer-loss.md, "Rejoin"): with REJOIN_AT="step:key,...", the survivors call
 `a2a.rejoin(key)` before the call of each such step where a rank is masked; a process started
@@ -25,9 +29,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from moe_a2a import AllToAll, Config, PeerLostError, rejoin
+from moe_a2a import AllToAll, Config, PeerLostError, StaleGraphError, rejoin
 
 provider, calls = sys.argv[1], int(sys.argv[2])
+DEVICE = os.environ.get("MOE_A2A_TEST_DEVICE", "cpu")
+if DEVICE == "cuda":
+    torch.cuda.set_device(0)
 kills = {int(r): int(c) for r, c in (kill.split(":") for kill in sys.argv[3].split(","))}
 renormalize = len(sys.argv) > 4 and sys.argv[4] == "renormalize"
 started = time.time()
@@ -55,7 +62,7 @@ cfg = Config(
     hidden=H,
     num_experts=E,
     topk=K,
-    timeout_s=30.0,
+    timeout_s=2.0 if os.environ.get("PEER_LOSS_GRAPH") == "1" else 30.0,  # a graph's kernels wait 2x+1 s
     on_peer_loss="mask",
     mask_renormalize=renormalize,
     # Across nodes, rows per expert: the origin sums every row in k order, as the reference does
@@ -63,7 +70,8 @@ cfg = Config(
     fabric_rows="expert" if os.environ.get("RANKS_PER_NODE") else "rank",
 )
 RPN = int(os.environ.get("RANKS_PER_NODE", "0")) or None  # 2: two virtual nodes of 2 ranks each
-a2a = AllToAll(cfg, comm, provider=provider, ranks_per_node=RPN)
+GRAPH = os.environ.get("PEER_LOSS_GRAPH") == "1"
+a2a = AllToAll(cfg, comm, device=DEVICE, provider=provider, ranks_per_node=RPN, graph_safe=GRAPH)
 L = E // world
 if "REPLACEMENT_KEY" in os.environ:
     print(
@@ -119,6 +127,105 @@ def shm_files() -> int:
     return sum(name.startswith(ours) for name in os.listdir("/dev/shm"))
 
 
+def graph_expert(d: object) -> torch.Tensor:
+    """expert() of every filled row without the host: each row's expert from tokens_per_expert."""
+    counts = d.tokens_per_expert.to(torch.int64)  # type: ignore[attr-defined]
+    ends = counts.cumsum(0)
+    rows = torch.arange(d.expert_x.shape[0], device=counts.device)  # type: ignore[attr-defined]
+    local = torch.searchsorted(ends, rows, right=True).clamp(max=L - 1)
+    factor = 1.0 + 0.25 * (rank * L + local).float()
+    return (d.expert_x.float() * factor[:, None]).to(torch.bfloat16)  # type: ignore[attr-defined]
+
+
+def graph_loop() -> None:
+    """Every call a replay of one captured step; inputs copied into its static buffers first."""
+    xs = torch.zeros(T, H, dtype=torch.bfloat16, device="cuda")
+    idss = torch.zeros(T, K, dtype=torch.int32, device="cuda")
+    ws = torch.zeros(T, K, device="cuda")
+
+    def step_fn() -> tuple[torch.Tensor, object]:
+        d = a2a.dispatch(xs, idss, ws)
+        return a2a.combine(graph_expert(d), d), d
+
+    def load(step: int) -> None:
+        x, ids, w = inputs(step, rank)
+        xs.copy_(x)
+        idss.copy_(ids)
+        ws.copy_(w)
+
+    def check_out(step: int, out: torch.Tensor, d: object) -> None:
+        ref, dropped = reference(step, a2a.masked_ranks)
+        if a2a.masked_ranks:
+            assert torch.equal(d.dropped.cpu(), dropped), step  # type: ignore[attr-defined]
+        assert torch.equal(out.cpu(), ref), (
+            f"rank {rank} step {step}: {(out.float().cpu() - ref.float()).abs().max()}"
+        )
+
+    done = 0  # calls started: the device's epoch
+    checked = masked_checked = 0
+    graph = None
+    seen = 0
+    while done < calls:
+        try:
+            if graph is None:  # warm up eagerly (a call of its own), then capture
+                load(done)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    out, d = step_fn()
+                torch.cuda.current_stream().wait_stream(side)
+                torch.cuda.synchronize()
+                done += 1
+                a2a.check()
+                check_out(done - 1, out, d)
+                checked += 1
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out, d = step_fn()
+                continue
+            if kills.get(rank) == done:
+                print(f"peer_loss_job: rank {rank} killed at {time.time():.6f}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            load(done)
+            graph.replay()
+            torch.cuda.synchronize()
+            done += 1
+            a2a.check()
+        except PeerLostError as exc:
+            print(f"peer_loss_job: rank {rank} masked {exc.lost} resume {exc.epoch}: {exc}", flush=True)
+            done = exc.epoch
+            assert graph is not None
+            graph.replay()  # captured before the loss: refused, having done nothing
+            torch.cuda.synchronize()
+            try:
+                a2a.check()
+            except StaleGraphError as stale:
+                print(f"peer_loss_job: rank {rank} stale replay refused: {stale}", flush=True)
+            graph = None
+            continue
+        check_out(done - 1, out, d)
+        checked += 1
+        if a2a.masked_ranks:
+            masked_checked += 1
+            if len(a2a.masked_ranks) > seen:
+                seen = len(a2a.masked_ranks)
+                now = time.time()
+                print(
+                    f"peer_loss_job: rank {rank} first call with {a2a.masked_ranks} masked done at {now:.6f}",
+                    flush=True,
+                )
+    print(
+        f"peer_loss_job: rank {rank} done: {checked} calls checked, {masked_checked} masked, "
+        f"masked {a2a.masked_ranks}, masked_calls {a2a.masked_calls}, fds +0, /dev/shm +0 (graph mode)",
+        flush=True,
+    )
+    a2a.close()
+    os._exit(0)
+
+
+if GRAPH:
+    graph_loop()
+
 killed_at = None
 rejoined = "REPLACEMENT_KEY" in os.environ  # the next full call is the first after a rejoin
 seen_masked = 0
@@ -138,17 +245,21 @@ while a2a.epoch < calls:
             print(f"peer_loss_job: rank {rank} rejoin refused: {exc}", flush=True)
     x, ids, w = inputs(step, rank)
     try:
+        xd, idsd, wd = x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE)
         if kills.get(rank) == step and "REPLACEMENT_KEY" not in os.environ:
-            a2a.dispatch(x, ids, w, recv=False)  # mid-call: rows sent, nothing received
+            a2a.dispatch(xd, idsd, wd, recv=False)  # mid-call: rows sent, nothing received
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()  # the send kernels ran: the rows are out
             print(f"peer_loss_job: rank {rank} killed at {time.time():.6f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        d = a2a.dispatch(x, ids, w)
-        start = d.tokens_per_expert.cumsum(0) - d.tokens_per_expert
+        d = a2a.dispatch(xd, idsd, wd)
+        counts = d.tokens_per_expert.cpu()
+        start = counts.cumsum(0) - counts
         y = torch.empty_like(d.expert_x)
         for i in range(L):
-            a, n = int(start[i]), int(d.tokens_per_expert[i])
+            a, n = int(start[i]), int(counts[i])
             y[a : a + n] = expert(d.expert_x[a : a + n], rank * L + i)
-        out = a2a.combine(y, d)
+        out = a2a.combine(y, d).cpu()
     except PeerLostError as exc:
         print(
             f"peer_loss_job: rank {rank} masked {exc.lost} at {time.time():.6f} resume {exc.epoch}: {exc}",
@@ -165,7 +276,7 @@ while a2a.epoch < calls:
                 f"peer_loss_job: rank {rank} first call with {masked} masked done at {killed_at:.6f}",
                 flush=True,
             )
-        assert d.dropped is not None and torch.equal(d.dropped, dropped), (step, d.dropped, dropped)
+        assert d.dropped is not None and torch.equal(d.dropped.cpu(), dropped), (step, d.dropped, dropped)
         masked_checked += 1
     else:
         assert d.dropped is None

@@ -102,6 +102,26 @@ def test_survivors_mask_the_lost_ranks_and_go_on(provider: str, kills: str, extr
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.skipif(
+    os.environ.get("MOE_A2A_TEST_DEVICE") != "cuda",
+    reason="CUDA graphs: run with MOE_A2A_TEST_DEVICE=cuda on a GPU (tools/gpu/run_cuda_tests.sh peerloss)",
+)
+def test_a_graph_captured_before_a_loss_is_refused_and_captured_again() -> None:
+    """Every call a CUDA graph replay (graph_safe=True), rank 3 gone at call 8: the survivors learn
+    of it at check() (their kernels' deadline), mask it, find the old graph's replay refused
+    (StaleGraphError: nothing done) and capture the step again; every checked call equals the
+    reference, masked after the loss."""
+    procs, outs = _launch([str(SCRIPT), "shm", str(CALLS), "3:8"], {"PEER_LOSS_GRAPH": "1"})
+    assert procs[3].returncode == -9, outs[3]
+    for r in range(3):
+        assert procs[r].returncode == 0, outs[r]
+        assert "stale replay refused: " in outs[r] and "capture the step again" in outs[r], outs[r]
+        done = re.search(DONE, outs[r])
+        assert done and done[3].strip(" ,") == "3", outs[r]
+        assert int(done[1]) >= CALLS - 1 and int(done[2]) >= CALLS - 10, outs[r]
+
+
+@pytest.mark.timeout(240)
 def test_the_decode_layer_differs_from_the_full_model_only_where_routed_to_a_lost_expert() -> None:
     """peer_loss_layer_job.py: MoELayer's decode forward (fp32) on 4 ranks, rank 3 killed at step 4:
     each survivor's output equals the whole layer with rank 3's experts weighted 0, and after the

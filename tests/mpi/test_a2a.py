@@ -17,7 +17,7 @@ import torch
 from ranks import COMM, DEVICE, PROVIDER, RANK, WORLD, device_pytestmark, layouts
 
 from inputs import Inputs, Router, draw_inputs, expert_fn, random_ids
-from moe_a2a import FabricError, PeerFailedError
+from moe_a2a import FabricError, PeerFailedError, _core
 from moe_a2a.all_to_all import AllToAll, CapacityError, Config, RowRequest
 from moe_a2a.reference import combine_reference, dequantize_fp8, dispatch_reference, quantize_fp8
 
@@ -445,6 +445,11 @@ def test_validation_errors() -> None:
                 r"topk_ids held an expert id outside \[0, ",
                 lambda: a2a.dispatch(x, ids + cfg.num_experts, w),
             )
+        )
+        # The id that drops a masked rank's copy is an error where no rank is masked.
+        masked_id = torch.full_like(ids, _core.MASKED_EXPERT)
+        bad.append(
+            (ValueError, r"topk_ids held an expert id outside \[0, ", lambda: a2a.dispatch(x, masked_id, w))
         )
         bad.append((ValueError, "x is on cpu; expected cuda", lambda: a2a.dispatch(x.cpu(), ids, w)))
         bad.append((ValueError, "topk_ids is on cpu", lambda: a2a.dispatch(x, ids.cpu(), w)))

@@ -173,7 +173,8 @@ def test_dropped_weights_and_renormalisation() -> None:
     w = torch.tensor([[0.25, 0.75], [0.5, 0.5], [0.4, 0.6]])
     got, kept, dropped = live.drop(ids, w, renormalize=False)
     assert dropped.tolist() == [[False, True], [True, True], [False, False]]
-    assert got.tolist() == [[0, -1], [-1, -1], [1, 7]]
+    m = _core.MASKED_EXPERT  # a dropped (token, k): no row, nothing back, no error
+    assert got.tolist() == [[0, m], [m, m], [1, 7]]
     assert torch.equal(kept, torch.tensor([[0.25, 0.0], [0.0, 0.0], [0.4, 0.6]]))
     _, renorm, _ = live.drop(ids, w, renormalize=True)
     # Each token's remaining weights sum to what all of them did; a token with none left keeps zeros.

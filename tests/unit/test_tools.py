@@ -27,7 +27,7 @@ def test_unknown_stage_is_a_usage_error(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert done.stderr.strip() == (
         "run_cuda_tests.sh: unknown stage 'kernel'; expected any of: build kernels multirank training bench "
-        "gpudirect (see --help)"
+        "gpudirect peerloss (see --help)"
     )
     assert not (tmp_path / "out").exists()
 

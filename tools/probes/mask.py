@@ -1,7 +1,7 @@
 """Probes of mask and continue (issue 32; figures in docs/reliability.md, "Mask and continue").
 
   python tools/probes/mask.py loss --provider tcp --runs 5
-  mpirun -n 4 python tools/probes/mask.py cost --blocks 20 --calls 200
+  mpirun -n 4 python tools/probes/mask.py cost --blocks 20 --calls 200 [--device cuda]
   python tools/probes/mask.py rejoin --provider tcp --runs 5
 
 loss: starts tests/jobs/peer_loss_job.py on 4 ranks over torch.distributed (one host), SIGKILLs
@@ -87,7 +87,7 @@ def rejoin(provider: str, runs: int) -> None:
         )
 
 
-def cost(blocks: int, calls: int, ranks_per_node: int | None, provider: str) -> None:
+def cost(blocks: int, calls: int, ranks_per_node: int | None, provider: str, device: str) -> None:
     import torch
     from mpi4py import MPI
 
@@ -96,10 +96,13 @@ def cost(blocks: int, calls: int, ranks_per_node: int | None, provider: str) -> 
     comm = MPI.COMM_WORLD
     world, rank = comm.Get_size(), comm.Get_rank()
     T, H, E, K = 8, 256, 8 * world, 2
+    if device == "cuda":
+        torch.cuda.set_device(0)
     made = {
         mode: AllToAll(
             Config(max_tokens=T, hidden=H, num_experts=E, topk=K, on_peer_loss=mode),
             comm,
+            device=device,
             provider=provider,
             ranks_per_node=ranks_per_node,
         )
@@ -109,6 +112,7 @@ def cost(blocks: int, calls: int, ranks_per_node: int | None, provider: str) -> 
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
     w = torch.rand(T, K, generator=g)
+    x, ids, w = x.to(device), ids.to(device), w.to(device)
     times: dict[str, list[float]] = {mode: [] for mode in made}
     for block in range(blocks):
         for mode in ("stop", "mask") if block % 2 == 0 else ("mask", "stop"):
@@ -117,6 +121,8 @@ def cost(blocks: int, calls: int, ranks_per_node: int | None, provider: str) -> 
                 started = time.perf_counter()
                 d = a2a.dispatch(x, ids, w)
                 a2a.combine(d.expert_x, d)
+                if device == "cuda":
+                    torch.cuda.synchronize()
                 times[mode].append(time.perf_counter() - started)
     p50 = {mode: statistics.median(t) * 1e6 for mode, t in times.items()}
     everyone = comm.gather(p50)
@@ -143,13 +149,14 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--ranks-per-node", type=int, default=None, help="virtual nodes (default: one node)")
     p.add_argument("--provider", default="tcp", help="for peers on other nodes")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
     if args.what == "loss":
         loss(args.provider, args.runs)
     elif args.what == "rejoin":
         rejoin(args.provider, args.runs)
     else:
-        cost(args.blocks, args.calls, args.ranks_per_node, args.provider)
+        cost(args.blocks, args.calls, args.ranks_per_node, args.provider, args.device)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,7 @@ class Setup:
     pids: list[int]  # index = rank: its pid where it shares our host, else 0 (a dead one fails waits at once)
     transfer: Any = None  # moe_a2a.gpu_direct.PathChoice, agreed by every rank
     remotes: Any = None  # index = rank: its RemoteRegion of the workspace (None: ours, or no engine)
+    device_remotes: Any = None  # GPU-direct: the same for the device workspaces
 
 
 class Backend(Protocol):

@@ -104,6 +104,7 @@ def _register_device_rows(setup: Setup, impl: Any, device: int) -> tuple[Any, An
             )
             return None
         remotes = engine.exchange_region(region)
+        setup.device_remotes = remotes  # a mask after a loss binds the live ones again
         with boot.together("binding the peers' device workspaces (GPU-direct)"):
             group = engine.group(setup.remote_peers, remotes)
             impl.rows_on_device(region, group, setup.engine.capabilities(0)["provider"] != "shm")
@@ -120,7 +121,9 @@ class CudaBackend:
     ids_dtypes: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
     checks_ids = True  # the routing kernel drops out-of-range ids; the receive half raises
 
-    def __init__(self, setup: Setup, graph_safe: bool) -> None:
+    def __init__(self, setup: Setup, graph_safe: bool, first_epoch: int = 0) -> None:
+        """`first_epoch`: dispatches already started (a rejoin's instance goes on from the
+        survivors' epoch: its next call is first_epoch + 1)."""
         self.cfg = setup.cfg
         self.graph_safe = graph_safe
         self.device = torch.device("cuda", torch.cuda.current_device())
@@ -142,6 +145,10 @@ class CudaBackend:
         self.device_rows: tuple[Any, ...] | None = None
         if setup.transfer is not None and setup.transfer.path == gpu_direct.GPU_DIRECT:
             self.device_rows = _register_device_rows(setup, self._impl, self.device.index)
+        if first_epoch > 0:  # re-armed at that epoch with nobody masked, before any call
+            rows_group = self.device_rows[1] if self.device_rows is not None else None
+            flags = [0] * boot.world_size
+            self._impl.mask(flags, first_epoch, setup.group, rows_group, setup.remote_peers)
         self.max_output_rows = int(self._impl.max_output_rows)
         self._local_experts = setup.cfg.num_experts // setup.bootstrap.world_size
         self._alive: tuple[Any, ...] = ()  # tensors (and RowMath) the kernels read
@@ -330,6 +337,28 @@ class CudaBackend:
 
     def routing_rows(self) -> tuple[int, int]:
         return int(self._impl.routing_rows_sent), int(self._impl.routing_rows_received)
+
+    def halt(self) -> int:
+        """After a failed call, before the survivors agree (moe_a2a.masking): our kernels ended
+        (eager kernels never wait for a peer; a graph's at their deadline) and the proxy joined.
+        Returns the dispatches started, graph replays included (they count on the device only)."""
+        torch.cuda.synchronize(self.device)
+        self._impl.stop_proxy()
+        return max(int(self._impl.epoch), int(self._impl.device_epoch))
+
+    def remask(self, setup: Setup, masked: list[int], first_epoch: int, gone_remote: list[int]) -> None:
+        """Re-arm after `halt` with the agreed masked ranks (1 per masked rank) and epoch: the same
+        memory and node mappings, the proxy serving the live remote peers (`setup` already holds
+        them and their group). GPU-direct binds the live peers' device workspaces anew."""
+        rows_group = None
+        if self.device_rows is not None:
+            region, group = self.device_rows[:2]
+            if gone_remote:
+                group = setup.engine.group(setup.remote_peers, setup.device_remotes)
+                self.device_rows = (region, group, *self.device_rows[2:])
+            rows_group = group
+        self._impl.mask(masked, first_epoch, setup.group, rows_group, setup.remote_peers)
+        self._alive, self._last_matrix, self._last_rows = (), None, None
 
     def take_device_rows(self) -> tuple[Any, ...] | None:
         """After close: GPU-direct's (region, group, memory), handed over (AllToAll.close releases

@@ -36,7 +36,7 @@ void CudaAllToAll::dispatch_send(const DispatchSendArgs& args, cudaStream_t stre
   const uint64_t epoch = call_.epoch + 1;
   watch_.phase = dispatch_phase(epoch);
   int same_node_peers = 0;
-  for (int r = 0; r < cfg_.world; ++r) same_node_peers += r != cfg_.rank && cfg_.same_node(r);
+  for (int r = 0; r < cfg_.world; ++r) same_node_peers += r != cfg_.rank && node_peer(r);
   const uint32_t* routing = args.routing;
   if (routing != nullptr) {
     if (args.num_tokens_device != nullptr)
@@ -268,7 +268,7 @@ void CudaAllToAll::dispatch_recv_by_sender(cudaStream_t stream) {
   const bool cached = call_.routing != nullptr;
   const auto node_deadline = deadline_after(cfg_.timeout_s);
   for (int s = 0; s < cfg_.world && !cached; ++s)  // a cached call has every row already
-    if (s != cfg_.rank && cfg_.same_node(s) &&
+    if (s != cfg_.rank && node_peer(s) &&
         !wait_at_least(flag_at(res_.host_ws_cpu(), layout_, s, kFlagRoute), epoch, node_deadline, check))
       throw fabric::TimeoutError(who + "waiting for the routing row of same-node peer " + std::to_string(s) +
                                  " (epoch " + std::to_string(epoch) + ")");
@@ -361,6 +361,9 @@ void CudaAllToAll::check() const {
       throw fabric::FabricError(who + "a row per rank (epoch " + std::to_string(call_.epoch) +
                                 ") named a local expert or more entries than its sender's routing row holds; "
                                 "those entries were dropped");
+    case kStatusStaleGraph:
+      throw StaleGraphError(who + "a CUDA graph captured before ranks were masked was replayed; its kernels did "
+                                  "nothing (no row sent, no peer awaited): capture the step again");
     case kStatusBadExpert:
       throw std::invalid_argument(who + "topk_ids held an expert id outside [0, " + std::to_string(cfg_.num_experts) +
                                   "); those copies were dropped");

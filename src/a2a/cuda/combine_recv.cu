@@ -22,6 +22,7 @@ constexpr int kWideBlocksPerSm = ReduceTuning::kWideBlocksPerSm;
 constexpr int kRowsInFlight = ReduceTuning::kRowsInFlight;
 
 __global__ void wait_kernel(CombineRecvParams p) {
+  if (stale_replay(p.inst)) return;  // a graph captured before a mask
   grid_dependency_wait();  // dependents start when it ends (it spins on other processes)
   const Instance& in = p.inst;
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(in.epoch);
@@ -64,6 +65,7 @@ __device__ __forceinline__ void decode_raw(const Encoded& e, float (&v)[kVec]) {
 // flight as raw bytes before it converts and accumulates them.
 template <int kDtype, int kMaxThreads>
 __global__ void __launch_bounds__(kMaxThreads) reduce_kernel(CombineRecvParams p) {
+  if (stale_replay(p.inst)) return;  // a graph captured before a mask
   const Instance& in = p.inst;
   const Layout& l = in.layout;
   const int K = in.topk, H = in.hidden;

@@ -28,7 +28,8 @@ int fused_recv_override() { return env_switch("MOE_A2A_CUDA_FUSED_RECV"); }
 
 CudaAllToAll::CudaAllToAll(Workspace* host_workspace, fabric::ProxyEngine* engine, fabric::RegionId region,
                            fabric::GroupId group, const std::vector<int>& remote_peers, const std::vector<int>& pids)
-    : cfg_(host_workspace->config()), layout_(host_workspace->layout()), res_(cfg_, layout_) {
+    : cfg_(host_workspace->config()), layout_(host_workspace->layout()), res_(cfg_, layout_), engine_(engine),
+      pids_(pids) {
   init_switches();
   res_.map_node(host_workspace->node());
   watch_ = PeerWatch(cfg_, layout_, res_.host_ws_cpu(), engine, remote_peers, pids);
@@ -84,6 +85,41 @@ void CudaAllToAll::rows_on_device(fabric::RegionId region, fabric::GroupId group
   combine_dma_ = false;  // the rows land in GPU memory: nothing to copy back
 }
 
+void CudaAllToAll::mask(const Masked& masked, uint64_t first_epoch, fabric::GroupId group, fabric::GroupId rows_group,
+                        const std::vector<int>& remote_peers) {
+  const std::string who = "mask: ";
+  if (masked.size() != static_cast<size_t>(cfg_.world))
+    throw std::invalid_argument(who + "masked: got " + std::to_string(masked.size()) + " entries; expected one per rank (" +
+                                std::to_string(cfg_.world) + ")");
+  if (is_masked(masked, cfg_.rank)) throw std::invalid_argument(who + "masked: this rank is masked");
+  for (int r : remote_peers)
+    if (is_masked(masked, r))
+      throw std::invalid_argument(who + "rank " + std::to_string(r) +
+                                  " is masked and in remote_peers; expected the live remote peers");
+  if (first_epoch < call_.epoch)
+    throw std::invalid_argument(who + "first_epoch: got " + std::to_string(first_epoch) +
+                                "; expected at least this rank's epoch " + std::to_string(call_.epoch));
+  proxy_.reset();  // joined before anything it reads changes
+  masked_ = masked;
+  res_.mask_peers(masked_);
+  res_.set_epoch(first_epoch);
+  res_.words()->status = kStatusOk;  // the failed call's status is not the next one's
+  ProxySignals* signals = res_.signals();
+  signals->failed.set(0);  // the failed call's proxy is gone; its flags stay at or below first_epoch
+  call_ = Call{};
+  call_.epoch = first_epoch;  // every earlier call counts as done
+  call_.done = first_epoch > 0 ? combine_phase(first_epoch) : 0;
+  watch_ = PeerWatch(cfg_, layout_, res_.host_ws_cpu(), engine_, remote_peers, pids_, masked_);
+  if (has_remote_) {
+    proxy_ctx_.group = group;
+    proxy_ctx_.rows_group = res_.rows_on_device() ? rows_group : group;
+    proxy_ctx_.remote_peers = remote_peers;
+    proxy_ctx_.masked = masked_;
+    proxy_ctx_.first_epoch = first_epoch;
+    proxy_ = std::make_unique<Proxy>(proxy_ctx_);
+  }
+}
+
 void CudaAllToAll::open_node(const std::vector<std::string>& handles) { choose_recv(res_.open_node(handles)); }
 
 void CudaAllToAll::connect_local(const CudaAllToAll& peer) {
@@ -114,7 +150,7 @@ void CudaAllToAll::check_stamps(bool force) const {
   if (res_.host_ws_cpu() == nullptr || call_.at.epoch == 0 || (now < next_stamps_ && !force)) return;
   next_stamps_ = now + PeerWatch::kInterval;
   for (int s = 0; s < cfg_.world; ++s)
-    if (cfg_.same_node(s)) check_node_stamps(cfg_, layout_, res_.host_ws_cpu(), call_.at, s);
+    if (node_peer(s)) check_node_stamps(cfg_, layout_, res_.host_ws_cpu(), call_.at, s);
 }
 
 void CudaAllToAll::announce_failure(const std::string& text) {
@@ -139,7 +175,7 @@ void CudaAllToAll::wait_host(FlagKind kind, const Seq& done, const char* what) {
   }
   const auto deadline = deadline_after(cfg_.timeout_s);
   for (int s = 0; s < cfg_.world; ++s) {
-    if (s == cfg_.rank || !cfg_.same_node(s)) continue;  // our own kernels come first on the stream
+    if (s == cfg_.rank || !node_peer(s)) continue;  // our own kernels come first on the stream
     if (!wait_at_least(flag_at(res_.host_ws_cpu(), layout_, s, kind), epoch, deadline, [this] { check_proxy(); }))
       throw fabric::TimeoutError(who + std::to_string(cfg_.timeout_s) + " s waiting for the " + what +
                                  " of same-node peer " + std::to_string(s) + " (epoch " + std::to_string(epoch) + ")");

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "../call_stamps.h"
+#include "../live_ranks.h"
 #include "../peer_watch.h"
 #include "../proxy.h"
 #include "../workspace.h"
@@ -144,6 +145,22 @@ class CudaAllToAll {
   bool gpu_direct() const { return res_.rows_on_device(); }
   // Stops the proxy (a close whose memory stays registered a while longer).
   void stop_proxy() { proxy_.reset(); }
+  // Mask and continue (docs/reliability.md): after a call failed because a
+  // peer's process is gone, the caller synchronised the device and stopped
+  // the proxy, and the survivors agreed on `masked` (index = rank) and on
+  // `first_epoch`. Re-arms this rank with them, without any collective: the
+  // next dispatch is first_epoch + 1, masked ranks are never waited for,
+  // written to or read from again, and the proxy serves `remote_peers` (the
+  // live ones) through `group` (`rows_group`: GPU-direct's group of device
+  // workspaces; ignored when staging). The caller drops every masked
+  // (token, k) before dispatch (ids kMaskedExpertId). Blocks only on a
+  // device copy; a graph captured before it must be captured again.
+  void mask(const Masked& masked, uint64_t first_epoch, fabric::GroupId group, fabric::GroupId rows_group,
+            const std::vector<int>& remote_peers);
+  const Masked& masked() const { return masked_; }
+  // The device's epoch counter (synchronises with the device): graph replays
+  // raise it and not the host's epoch(), so a mask after replays resumes after it.
+  uint64_t device_epoch() const { return res_.device_epoch(); }
 
   // The four halves enqueue work on `stream` (a cudaStream_t).
   void dispatch_send(const DispatchSendArgs& args, cudaStream_t stream);
@@ -205,6 +222,8 @@ class CudaAllToAll {
   static bool capturing(cudaStream_t stream);
   std::string capacity_message() const;
   [[noreturn]] void throw_capacity() const;
+  // A same-node peer we exchange flags with: not masked (live_ranks.h).
+  bool node_peer(int r) const { return cfg_.same_node(r) && !is_masked(masked_, r); }
   // Eager dispatch_recv plans and copies in one launch, unless another rank
   // of the node runs on our GPU: there the copy blocks that wait for the plan
   // hold multiprocessors the other ranks' kernels need (8 ranks under MPS:
@@ -228,7 +247,10 @@ class CudaAllToAll {
   mutable PeerWatch watch_;
   mutable std::chrono::steady_clock::time_point next_stamps_{};
   std::unique_ptr<Proxy> proxy_;
-  ProxyContext proxy_ctx_;  // what proxy_ was made from (rows_on_device remakes it)
+  ProxyContext proxy_ctx_;  // what proxy_ was made from (rows_on_device and mask remake it)
+  fabric::ProxyEngine* engine_ = nullptr;  // for the PeerWatch that mask remakes
+  std::vector<int> pids_;
+  Masked masked_;  // lost ranks (mask): never waited for, never reached
   Call call_;
   uint64_t rows_sent_ = 0, rows_received_ = 0;  // same-node routing rows (kernels)
 };

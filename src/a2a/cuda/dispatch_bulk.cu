@@ -119,6 +119,7 @@ __device__ __forceinline__ void build_row(const DispatchSendParams& p, int t, in
 // destinations (slot_kernel's copy_dst) wait for it.
 template <int kMode>
 __global__ void __launch_bounds__(kBulkThreads, kBulkBlocksPerSm) bulk_pack_kernel(DispatchSendParams p) {
+  if (stale_replay(p.inst)) return;  // a graph captured before a mask
   extern __shared__ __align__(128) uint8_t ring[];
   const Instance& in = p.inst;
   const int K = in.topk;

@@ -29,6 +29,7 @@ constexpr int kPlanMinBlocks = kRegistersPerSm / (kPlanThreads * PlanTuning::kMa
 // flags) only before it ends, because the copy kernel after it reads their
 // rows.
 __global__ void __launch_bounds__(kPlanThreads, kPlanMinBlocks) plan_kernel(DispatchRecvParams p) {
+  if (stale_replay(p.inst)) return;  // a graph captured before a mask
   extern __shared__ int32_t matrix[];
   const Instance& in = p.inst;
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(in.epoch);  // published before we were scheduled
@@ -81,6 +82,7 @@ constexpr int kEntriesInFlight = EntryTuning::kEntriesInFlight;
 constexpr int kEntryWarpItems = kEntriesInFlight * kWarp;
 
 __global__ void __launch_bounds__(kEntryThreads) entry_kernel(DispatchRecvParams p) {
+  if (stale_replay(p.inst)) return;  // a graph captured before a mask
   extern __shared__ int32_t entry_smem[];  // hist [warps][L], then next [L]
   kernel_prologue();                       // the plan, and the rows (landed before this launch)
   const Instance& in = p.inst;

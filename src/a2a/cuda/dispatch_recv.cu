@@ -131,6 +131,7 @@ __device__ __forceinline__ void copy_sender_rows(const DispatchRecvParams& p, Se
 
 template <int kMode>
 __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) copy_kernel(DispatchRecvParams p) {
+  if (stale_replay(p.inst)) return;  // a graph captured before a mask
   extern __shared__ Segment segs[];
   kernel_prologue();
   copy_rows<kMode>(p, segs);
@@ -138,6 +139,7 @@ __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) copy_kernel(Di
 
 template <int kMode>
 __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) copy_sender_kernel(DispatchRecvParams p) {
+  if (stale_replay(p.inst)) return;  // a graph captured before a mask
   extern __shared__ Segment segs[];  // the sender's [local experts]
   kernel_prologue();                 // the plan, and the copies of earlier senders
   copy_sender_rows<kMode>(p, segs);
@@ -148,6 +150,7 @@ __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) copy_sender_ke
 static_assert(kCopyThreads == kPlanThreads, "a block of plan_copy_kernel runs the plan");
 template <int kMode>
 __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) plan_copy_kernel(DispatchRecvParams p) {
+  if (stale_replay(p.inst)) return;  // a graph captured before a mask
   extern __shared__ int32_t smem[];  // the planner: the plan's matrix; then every block's segment table
   kernel_prologue();                 // the routing before us reported its status
   const Instance& in = p.inst;

@@ -24,6 +24,7 @@ static_assert(kLargeWarps * kWarpCopies == kRouteBlockCopies, "a large-call bloc
 // Large calls, 1/2: each block counts its kRouteBlockCopies copies per expert
 // into block_base[block][e]. Shared memory: hist [warps][E].
 __global__ void __launch_bounds__(kLargeThreads) count_kernel(DispatchSendParams p) {
+  if (stale_replay(p.inst)) return;  // a graph captured before a mask
   extern __shared__ int32_t hist[];
   kernel_prologue();
   const int E = route_keys(p.inst);  // the keys: experts, and with rows per rank one per rank
@@ -51,6 +52,7 @@ __global__ void __launch_bounds__(kLargeThreads) count_kernel(DispatchSendParams
 // that wait does count_kernel let this kernel be scheduled. So this part
 // overlaps count_kernel (with programmatic dependent launch).
 __global__ void __launch_bounds__(kLargeThreads) slot_kernel(DispatchSendParams p) {
+  if (stale_replay(p.inst)) return;  // a graph captured before a mask
   extern __shared__ int32_t hist[];
   const Instance& in = p.inst;
   const Scratch& s = p.scratch;

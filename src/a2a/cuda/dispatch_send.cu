@@ -165,6 +165,7 @@ __device__ __forceinline__ void pack_items(const DispatchSendParams& p, int toke
 // Large calls: packs from the destinations the routing kernels wrote.
 template <int kMode>
 __global__ void __launch_bounds__(kPackThreads, kPackBlocksPerSm) pack_kernel(DispatchSendParams p) {
+  if (stale_replay(p.inst)) return;  // a graph captured before a mask
   kernel_prologue();
   uint8_t* const* copy_dst = p.scratch.copy_dst;
   const Scratch& s = p.scratch;
@@ -195,6 +196,7 @@ __host__ __device__ constexpr size_t route_pack_smem(int64_t max_copies, int num
 // its own, so that the decode path without them keeps its registers.
 template <int kMode, bool kRanked>
 __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) route_pack_kernel(DispatchSendParams p) {
+  if (stale_replay(p.inst)) return;  // a graph captured before a mask
   extern __shared__ int2 route_smem[];  // the copy table first: 8-byte aligned
   grid_dependency_wait();
   const bool leader = blockIdx.x == 0;

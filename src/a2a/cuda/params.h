@@ -62,7 +62,8 @@ enum Status : int32_t {
   kStatusProxyFailed = 2,  // the proxy reported an error
   kStatusTimeout = 3,      // a flag did not arrive within timeout_ns
   kStatusBadExpert = 4,    // a topk id outside [0, num_experts): that copy was dropped
-  kStatusBadRow = 5,       // a received row per rank named an expert or entry beyond the routing: dropped
+  kStatusBadRow = 5,
+  kStatusStaleGraph = 6,   // a graph captured before a mask replayed: nothing was done       // a received row per rank named an expert or entry beyond the routing: dropped
 };
 
 // What every kernel knows about the instance. Section offsets come from the
@@ -96,6 +97,9 @@ struct Instance {
   // Same-node peers keep one row per copy. 0: every row is a copy.
   int32_t rank_rows = 0;
   int32_t max_entries = 1;     // m: entries of a row per rank
+  // Some rank is masked (live_ranks.h): an id of kMaskedExpert (row_tail.h)
+  // is a dropped copy, not an error. 0: every id out of range is one.
+  int32_t any_masked = 0;
 
   const PeerWorkspaces* peers = nullptr;  // [world], device memory
   uint8_t* device_ws = nullptr;           // ours
@@ -103,6 +107,10 @@ struct Instance {
   uint8_t* fabric_ws = nullptr;           // rows crossing the fabric: host_ws (or device_ws with FI_HMEM)
   ProxyFlags proxy;
   uint64_t* epoch = nullptr;   // device: raised by each dispatch, read by every later kernel
+  // The masks so far (CudaAllToAll::mask) when this Instance was made; the
+  // current count is the device word after `epoch`. A graph captured before a
+  // mask holds an older one: its kernels do nothing (stale_replay, rows.cuh).
+  uint64_t generation = 0;
   int32_t* status = nullptr;   // mapped host: Status of the last call
 };
 

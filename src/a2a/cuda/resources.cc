@@ -262,9 +262,33 @@ void CudaResources::connect(int rank, uint8_t* device_ws, uint8_t* host_ws) {
   peers_dirty_ = true;
 }
 
+void CudaResources::mask_peers(const Masked& masked) {
+  masked_ = masked;
+  const size_t row_bytes = static_cast<size_t>(cfg_.routing_width()) * sizeof(uint32_t);
+  for (int r = 0; r < cfg_.world; ++r) {
+    if (!is_masked(masked_, r) || r == cfg_.rank) continue;
+    peers_[r] = PeerWorkspaces{};  // the mapping stays open (a dead process's memory), unused
+    if (host_ws_cpu_ != nullptr) std::memset(host_ws_cpu_ + layout_.routing_row(r), 0, row_bytes);
+    check_cuda(cudaMemset(device_ws_ + layout_.routing_row(r), 0, row_bytes), "cudaMemset(masked routing row)");
+  }
+  ++generation_;
+  peers_dirty_ = true;
+}
+
+void CudaResources::set_epoch(uint64_t epoch) {
+  const uint64_t words[2] = {epoch, generation_};
+  check_cuda(cudaMemcpy(epoch_device_, words, sizeof(words), cudaMemcpyHostToDevice), "cudaMemcpy(epoch)");
+}
+
+uint64_t CudaResources::device_epoch() const {
+  uint64_t epoch = 0;
+  check_cuda(cudaMemcpy(&epoch, epoch_device_, sizeof(epoch), cudaMemcpyDeviceToHost), "cudaMemcpy(epoch)");
+  return epoch;
+}
+
 void CudaResources::upload_peers() {
   for (int r = 0; r < cfg_.world; ++r)
-    if (cfg_.same_node(r) && (peers_[r].device == nullptr || peers_[r].host == nullptr))
+    if (cfg_.same_node(r) && !is_masked(masked_, r) && (peers_[r].device == nullptr || peers_[r].host == nullptr))
       throw std::runtime_error("rank " + std::to_string(cfg_.rank) + ": same-node rank " + std::to_string(r) +
                                " is not mapped (open_node / connect_local missing)");
   check_cuda(cudaMemcpy(peers_device_, peers_.data(), peers_.size() * sizeof(PeerWorkspaces), cudaMemcpyHostToDevice),
@@ -299,6 +323,8 @@ const Instance& CudaResources::instance(bool has_remote, bool staged, int64_t ti
   in.timeout_ns = timeout_ns;
   in.rank_rows = cfg_.rank_rows() ? 1 : 0;
   in.max_entries = cfg_.max_entries();
+  in.any_masked = 0;
+  for (const uint8_t m : masked_) in.any_masked |= m;
   in.peers = peers_device_;
   in.device_ws = device_ws_;
   in.host_ws = host_ws_;
@@ -322,6 +348,7 @@ const Instance& CudaResources::instance(bool has_remote, bool staged, int64_t ti
   in.proxy.combine_slices_packed = dev(reinterpret_cast<uint64_t*>(peer.combine_slices_packed));
   in.slice_bytes = static_cast<int64_t>(cfg_.slice_bytes);
   in.epoch = epoch_device_;
+  in.generation = generation_;
   in.status = status_device_;
   return in;
 }

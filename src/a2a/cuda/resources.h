@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "../live_ranks.h"
 #include "../signals.h"
 #include "../workspace.h"
 #include "params.h"
@@ -69,6 +70,19 @@ class CudaResources {
   void flush_fabric_writes() const;
   bool flushes() const { return flush_writes_; }
 
+  // Masked ranks (live_ranks.h), after every kernel of ours ended: a masked
+  // same-node peer's workspaces are no longer reached (the kernels take it
+  // for a rank of another node that is sent nothing), and every masked rank's
+  // routing row in our workspaces is zeroed (its last one is stale).
+  void mask_peers(const Masked& masked);
+  // The device's epoch counter (a rebuilt call sequence resumes after it),
+  // with the generation word after it: mask_peers counts one more, and every
+  // Instance made from then on carries it (a graph captured before replays
+  // nothing: stale_replay, rows.cuh).
+  void set_epoch(uint64_t epoch);
+  // The device's epoch counter: a graph's replays raise it, the host's epoch not.
+  uint64_t device_epoch() const;
+
   // The per-peer flags of the proxy (signals.h) in our pinned mapped memory.
   PeerSignals peer_signals() const;
 
@@ -100,6 +114,8 @@ class CudaResources {
   std::vector<void*> registered_;      // host ranges registered with CUDA
   std::vector<void*> ipc_opened_;      // peer device workspaces opened here
   std::vector<PeerWorkspaces> peers_;  // index = rank
+  Masked masked_;                      // ranks never reached again (mask_peers)
+  uint64_t generation_ = 0;            // mask_peers calls so far (Instance::generation)
   PeerWorkspaces* peers_device_ = nullptr;
   bool peers_dirty_ = true;
   bool rows_on_device_ = false;  // GPU-direct

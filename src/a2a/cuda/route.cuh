@@ -78,7 +78,8 @@ __device__ __forceinline__ WarpIds match_ids(const DispatchSendParams& p, const 
     const bool live = begin + u * kWarp + lane < end;
     const bool valid = raw.id[u] >= 0 && raw.id[u] < p.inst.num_experts;
     w.e[u] = live && valid ? static_cast<int>(raw.id[u]) : -1;
-    w.dropped = w.dropped || (live && !valid);
+    const bool masked = p.inst.any_masked && raw.id[u] == kMaskedExpert;  // a masked rank's copy: no error
+    w.dropped = w.dropped || (live && !valid && !masked);
     key[u] = static_cast<unsigned>(w.e[u] + 1);
     w.peers[u] = kFullMask;
   }

@@ -48,7 +48,7 @@ void scratch_sections(const A2AConfig& cfg, Scratch& s, uint64_t*& epoch, Sectio
   section(s.plan_ticket, 1);
   section(s.stage_chunks, static_cast<size_t>(cfg.world));
   section(s.stage_slices, static_cast<size_t>(cfg.world) * kMaxPeerSlices);
-  section(epoch, 1);
+  section(epoch, 2);  // the epoch, then the generation (Instance::generation)
   section(s.self_copy, copies);
   section(s.self_row, copies);
   section(s.copy_entry, ranked ? copies : 0);

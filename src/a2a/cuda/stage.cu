@@ -112,6 +112,7 @@ __device__ __forceinline__ int find_peer(const StagePeer* peers, int count, int 
 }
 
 __global__ void __launch_bounds__(kStageThreads, kStageBlocksPerSm) stage_kernel(StageParams p) {
+  if (stale_replay(p.inst)) return;  // a graph captured before a mask
   extern __shared__ int64_t stage_smem[];  // first rows [world + 1], then the peers
   kernel_prologue();                       // the pack's rows, from here on
   const Instance& in = p.inst;
