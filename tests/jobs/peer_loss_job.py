@@ -73,6 +73,8 @@ RPN = int(os.environ.get("RANKS_PER_NODE", "0")) or None  # 2: two virtual nodes
 GRAPH = os.environ.get("PEER_LOSS_GRAPH") == "1"
 a2a = AllToAll(cfg, comm, device=DEVICE, provider=provider, ranks_per_node=RPN, graph_safe=GRAPH)
 L = E // world
+if rank == 0:
+    print(f"peer_loss_job: rows path {a2a.rows_path['path']}", flush=True)
 if "REPLACEMENT_KEY" in os.environ:
     print(
         f"peer_loss_job: rank {rank} replacement joined at epoch {a2a.epoch} "

@@ -6,7 +6,8 @@
 
 loss: starts tests/jobs/peer_loss_job.py on 4 ranks over torch.distributed (one host), SIGKILLs
 rank 3 mid-dispatch, and prints each survivor's time from the kill to its first call with
-rank 3 masked completing (the agreement included).
+rank 3 masked completing (the agreement included). The job's environment passes through:
+RANKS_PER_NODE=2 for virtual nodes, MOE_A2A_TEST_DEVICE=cuda for the GPU.
 rejoin: the same job, rank 3 SIGKILLed at call 6; a launcher loop starts its replacement as soon
 as it is gone, and the survivors call rejoin at call 8 (so they wait there for it). Prints the
 time from the kill to each rank's first call with every rank back, the survivors' time in
@@ -45,11 +46,19 @@ def loss(provider: str, runs: int) -> None:
             for r in range(4)
         ]
         outs = [p.communicate(timeout=200)[0] for p in procs]
+        # Each survivor exits 0 only if every call it completed equalled the masked reference.
+        codes = [p.returncode for p in procs[:3]]
+        path = re.search(r"rows path (\S+)", outs[0])
+        if codes != [0, 0, 0]:
+            print(f"{provider} run {run}: survivors exited {codes}\n" + "\n".join(outs))
+            continue
         killed = float(re.search(r"killed at ([0-9.]+)", outs[3])[1])  # type: ignore[index]
         took = [float(re.search(r"masked done at ([0-9.]+)", o)[1]) - killed for o in outs[:3]]  # type: ignore[index]
+        rows = path[1] if path else "?"
         print(
-            f"{provider} run {run}: kill -> first masked call done, ranks 0-2: "
+            f"{provider} run {run} (rows {rows}): kill -> first masked call done, ranks 0-2: "
             + ", ".join(f"{t:.3f} s" for t in took)
+            + "; every call equal to the reference"
         )
 
 
