@@ -31,6 +31,11 @@ def check_arguments(cfg: Config, device: str, graph_safe: bool, abort_on_error: 
         raise ValueError(f"device: got {device!r}; expected one of {list(DEVICES)}")
     if graph_safe and device != "cuda":
         raise ValueError("graph_safe: only device='cuda' has CUDA graphs to capture")
+    if cfg.fabric_rows == "node" and device != "cpu":
+        raise ValueError(
+            f"fabric_rows: 'node' is built for device='cpu' only so far; got device={device!r} "
+            "(use fabric_rows='rank')"
+        )
     if device == "cuda":
         from moe_a2a.backends.cuda import MAX_TOPK as CUDA_MAX_TOPK
         from moe_a2a.backends.cuda import cuda_available

@@ -20,7 +20,7 @@ DEVICES = ("cpu", "cuda")
 # What one row on the fabric is (docs/protocol.md, "Rows per destination rank"): "rank" sends
 # a token once per remote destination rank and combines it reduced there; "expert" sends one
 # row per (token, k) copy, as before. Same-node peers exchange copies in both.
-FABRIC_ROWS = ("rank", "expert")
+FABRIC_ROWS = ("rank", "node", "expert")
 ON_PEER_LOSS = ("stop", "mask")
 PATHS = ("same_node", "fabric")
 
@@ -68,12 +68,15 @@ class Config:
             raise ValueError(
                 f"combine_dtype: got {self.combine_dtype!r}; expected one of {list(COMBINE_DTYPES)}"
             )
-        if self.fabric_rows == "node":
-            raise ValueError("fabric_rows: 'node' is not built yet; use 'rank' or 'expert'")
         if self.fabric_rows not in FABRIC_ROWS:
             raise ValueError(f"fabric_rows: got {self.fabric_rows!r}; expected one of {list(FABRIC_ROWS)}")
         if self.on_peer_loss not in ON_PEER_LOSS:
             raise ValueError(f"on_peer_loss: got {self.on_peer_loss!r}; expected one of {list(ON_PEER_LOSS)}")
+        if self.fabric_rows == "node" and self.on_peer_loss == "mask":
+            # A lost forwarder would take its node's rows from every sender of its local index.
+            raise ValueError(
+                "fabric_rows: 'node' with on_peer_loss='mask' is not built yet; use fabric_rows='rank'"
+            )
         if not isinstance(self.mask_renormalize, bool):
             raise ValueError(f"mask_renormalize: got {self.mask_renormalize!r}; expected True or False")
         if self.max_private_tokens is not None:

@@ -139,11 +139,26 @@ def combine_reference(
     with its weight. With `fabric_rows="rank"`, the copies of a token on a rank of
     another node (ranks r // ranks_per_node apart) are first summed there, weighted,
     in fp32 in k order, and converted once; the origin adds that row at the token's
-    first k on the rank (docs/protocol.md, "Rows per destination rank"). The result
+    first k on the rank (docs/protocol.md, "Rows per destination rank"). With
+    `fabric_rows="node"` the same holds per node: the copies on all ranks of that
+    node are summed by its forwarder ("Rows per destination node"). The result
     is stored as `combine_dtype`. An unweighted combine is this with weights of one.
     """
     wire = DTYPES[combine_dtype]
     hidden = ys[0].shape[1] if ys else 0
+    wide = fabric_rows in ("rank", "node")
+
+    def group(r: int) -> int:  # what one reduced row covers: a rank, or a node
+        return r // ranks_per_node if fabric_rows == "node" else r
+
+    # Every copy's rank and output row, for sums that span a node's ranks.
+    where = {
+        (s, t, k): (r, row)
+        for r, d in enumerate(dispatched)
+        for row, (s, t, k) in enumerate(d.origin.tolist())
+        if s >= 0
+    }
+    y_all = [y.float() for y in ys]
     per_copy = [torch.zeros(w.shape[0], w.shape[1], hidden, dtype=torch.float32) for w in topk_weights]
     # Rows per rank: partial sums [T, K, hidden] at each (t, the first k on r), and where each (t, k) went.
     reduced = [torch.zeros(w.shape[0], w.shape[1], hidden, dtype=torch.float32) for w in topk_weights]
@@ -154,28 +169,27 @@ def combine_reference(
                 target[s][t, k] = r
     for r, d in enumerate(dispatched):
         y_wire = ys[r].to(wire).float()
-        y_full = ys[r].float()
         by_copy = {(s, t, k): row for row, (s, t, k) in enumerate(d.origin.tolist()) if s >= 0}
         for (s, t, k), row in by_copy.items():
-            if not (fabric_rows == "rank" and r // ranks_per_node != s // ranks_per_node):
+            if not (wide and r // ranks_per_node != s // ranks_per_node):
                 per_copy[s][t, k] = y_wire[row]
                 continue
-            ks = [q for q in range(target[s].shape[1]) if int(target[s][t, q]) == r]
+            ks = [q for q in range(target[s].shape[1]) if group(int(target[s][t, q])) == group(r)]
             if k != ks[0]:
                 continue  # summed into the first k's row
             acc = torch.zeros(hidden, dtype=torch.float32)
             for q in ks:
-                acc = acc + topk_weights[s][t, q].float() * y_full[by_copy[(s, t, q)]]
+                at, at_row = where[(s, t, q)]
+                acc = acc + topk_weights[s][t, q].float() * y_all[at][at_row]
             reduced[s][t, k] = acc.to(wire).float()
     outs = []
     for s, w in enumerate(topk_weights):
         acc = torch.zeros(w.shape[0], hidden, dtype=torch.float32)
         for k in range(w.shape[1]):
             far = target[s][:, k] // ranks_per_node != s // ranks_per_node
-            rank_row = far & (fabric_rows == "rank")
-            first = torch.tensor(
-                [_first_on_rank(target[s], t, k) for t in range(w.shape[0])], dtype=torch.bool
-            )
+            rank_row = far & wide
+            grouped = target[s] // ranks_per_node if fabric_rows == "node" else target[s]
+            first = torch.tensor([_first_on_rank(grouped, t, k) for t in range(w.shape[0])], dtype=torch.bool)
             own = w[:, k : k + 1].float() * per_copy[s][:, k]
             term = torch.where(rank_row[:, None], reduced[s][:, k], own)
             # A later k of a row per rank adds nothing (not even +0, which would turn a -0 sum into +0).
@@ -185,5 +199,5 @@ def combine_reference(
 
 
 def _first_on_rank(target: torch.Tensor, t: int, k: int) -> bool:
-    """Whether k is token t's first k on rank target[t, k]."""
+    """Whether k is token t's first k on rank (or node) target[t, k]."""
     return all(int(target[t, q]) != int(target[t, k]) for q in range(k))

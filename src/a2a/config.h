@@ -84,25 +84,44 @@ struct A2AConfig {
   bool same_node(int r) const { return node_of(r) == node_of(rank); }
   // Words of a routing row: count[s][0..E), then the wire rows u[s][0..N).
   int routing_width() const { return num_experts + world; }
+  // Rows of the padded, expert-major output at most.
+  int64_t max_output_rows() const {
+    return static_cast<int64_t>(max_recv_tokens) + static_cast<int64_t>(num_local_experts()) * (expert_padding - 1);
+  }
   // Rows per destination rank are in use: mode rank with a peer on another
   // node. Without one, mode rank is mode expert bit for bit, narrow tails too.
   bool rank_rows() const { return fabric_rows == FabricRows::kRank && world > ranks_per_node; }
   // Whether s and r exchange one row per (token, destination rank) rather
   // than one per copy: mode rank and different nodes.
   bool per_rank(int s, int r) const { return rank_rows() && node_of(s) != node_of(r); }
+  // Rows per destination node are in use: mode node with a peer on another
+  // node (docs/protocol.md, "Rows per destination node"). Sender s sends one
+  // row per (token, node) to the node's rank with its own local index, the
+  // forwarder, whose node peers read their entries from its workspace.
+  bool node_rows() const { return fabric_rows == FabricRows::kNode && world > ranks_per_node; }
+  // Whether s sends r's copies in rows per node (to r's forwarder for s).
+  bool per_node(int s, int r) const { return node_rows() && node_of(s) != node_of(r); }
+  // The rank of r's node that takes sender s's rows per node: s's local index there.
+  int forwarder(int s, int r) const { return node_of(r) * ranks_per_node + s % ranks_per_node; }
+  // The rank sender s writes r's copies to: r, or its forwarder.
+  int wire_dest(int s, int r) const { return per_node(s, r) ? forwarder(s, r) : r; }
+  // Whether s's rows to d are one per token (route entries in the tail), not one per copy.
+  bool merged(int s, int d) const { return per_rank(s, d) || (per_node(s, d) && d == forwarder(s, d)); }
+  // Tails with route entries: rows per rank or per node.
+  bool wide_rows() const { return rank_rows() || node_rows(); }
   // m: the most entries one row per rank carries. K, not min(K, L): a token
   // may pick one expert more than once, each pick an entry of its own.
   int max_entries() const { return topk; }
   // Entries a receiver keeps per wire row (output row, weight of each): m with rank rows, else 1.
-  int entries_per_row() const { return rank_rows() ? max_entries() : 1; }
+  int entries_per_row() const { return wide_rows() ? max_entries() : 1; }
   // Tail bytes (row_tail.h): mode expert 16; rank rows m entries of 8 bytes
   // (dispatch) and m fp32 values (combine), each to a whole 16 bytes. One
   // width for every row of an instance, so each section has one stride.
   size_t dispatch_tail_bytes() const {
-    return rank_rows() ? align_up(8 * static_cast<size_t>(max_entries()), 16) : kRowTail;
+    return wide_rows() ? align_up(8 * static_cast<size_t>(max_entries()), 16) : kRowTail;
   }
   size_t combine_tail_bytes() const {
-    return rank_rows() ? align_up(4 * static_cast<size_t>(max_entries()), 16) : kRowTail;
+    return wide_rows() ? align_up(4 * static_cast<size_t>(max_entries()), 16) : kRowTail;
   }
   int num_scales() const { return dispatch_dtype == DType::kFp8 ? (hidden + kFp8Block - 1) / kFp8Block : 0; }
   size_t payload_bytes() const { return static_cast<size_t>(hidden) * dtype_bytes(dispatch_dtype); }
@@ -127,12 +146,14 @@ struct A2AConfig {
     if (expert_padding < 1) bad("expert_padding must be >= 1");
     if (max_private_tokens < 0 || max_recv_tokens < 1) bad("max_private_tokens >= 0 and max_recv_tokens >= 1 expected");
     if (combine_dtype == DType::kFp8) bad("combine_dtype must be bf16 or fp32");
-    if (fabric_rows == FabricRows::kNode) bad("fabric_rows='node' is not built yet; use 'rank' or 'expert'");
-    if (fabric_rows != FabricRows::kExpert && fabric_rows != FabricRows::kRank)
-      bad("fabric_rows " + std::to_string(static_cast<int>(fabric_rows)) + " unknown; expected 'rank' or 'expert'");
-    if (rank_rows() && (num_local_experts() >= 0xFFFF || topk > 0xFFFF))
-      bad("fabric_rows='rank' holds expert and k in 16 bits: " + std::to_string(num_local_experts()) +
-          " experts per rank and topk " + std::to_string(topk) + " must be below 65535");
+    if (fabric_rows != FabricRows::kExpert && fabric_rows != FabricRows::kRank && fabric_rows != FabricRows::kNode)
+      bad("fabric_rows " + std::to_string(static_cast<int>(fabric_rows)) +
+          " unknown; expected 'rank', 'node' or 'expert'");
+    // A route entry holds its expert (rank rows: on the rank; node rows: on the node) and k in 16 bits.
+    const int64_t entry_experts = static_cast<int64_t>(num_local_experts()) * (node_rows() ? ranks_per_node : 1);
+    if (wide_rows() && (entry_experts >= 0xFFFF || topk > 0xFFFF))
+      bad("fabric_rows holds expert and k in 16 bits: " + std::to_string(entry_experts) + " experts per " +
+          (node_rows() ? "node" : "rank") + " and topk " + std::to_string(topk) + " must be below 65535");
     if (instance < 0 || instance >= kMaxInstances)
       bad("instance " + std::to_string(instance) + " outside [0, " + std::to_string(kMaxInstances) + ")");
   }

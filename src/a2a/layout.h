@@ -13,7 +13,19 @@ namespace moe_a2a::a2a {
 
 // Same-node signals: sender s stores the epoch into flag(s, kind) of the
 // receiver's workspace. Each flag has a cache line of its own.
-enum FlagKind : int { kFlagRoute = 0, kFlagDispatch = 1, kFlagCombine = 2, kFlagBarrier = 3, kNumFlagKinds = 4 };
+// Rows per node (A2AConfig::node_rows) add two: kFlagForward[s], raised in
+// every node peer's workspace by the proxy of s's forwarder once all of s's
+// rows are in its workspace; kFlagStaged[r], raised by r once its expert
+// outputs are in its y_stage section for the forwarders to sum.
+enum FlagKind : int {
+  kFlagRoute = 0,
+  kFlagDispatch = 1,
+  kFlagCombine = 2,
+  kFlagBarrier = 3,
+  kFlagForward = 4,
+  kFlagStaged = 5,
+  kNumFlagKinds = 6
+};
 constexpr size_t kFlagStride = 64;
 // A failing rank's note to its peers (peer_watch.h): sender s writes record s
 // of each peer's workspace, the text first and `state` last.
@@ -46,6 +58,11 @@ struct Layout {
   size_t aborts = 0;
   size_t routing_stamps = 0;
   size_t votes = 0;  // this rank's proposal when survivors agree on the live ranks (live_ranks.h)
+  // Rows per node only (else empty): this rank's expert outputs, fp32, one
+  // y_stride row per output row, and one fp32 row value each after them.
+  size_t y_stage = 0;
+  size_t y_values = 0;
+  size_t y_stride = 0;
   size_t total = 0;
   size_t dispatch_row = 0;
   size_t combine_row = 0;
@@ -81,6 +98,10 @@ struct Layout {
     l.aborts = section(world * kAbortStride);
     l.routing_stamps = section(world * kFlagStride);
     l.votes = section(2 * sizeof(uint64_t) + (world + 63) / 64 * sizeof(uint64_t));
+    const size_t out_rows = c.node_rows() ? static_cast<size_t>(c.max_output_rows()) : 0;
+    l.y_stride = static_cast<size_t>(c.hidden) * sizeof(float);
+    l.y_stage = section(out_rows * l.y_stride);
+    l.y_values = section(out_rows * sizeof(float));
     l.total = at;
     return l;
   }

@@ -65,25 +65,27 @@ struct RoutingView {
 
 // u[0..N) of a sender's routing row from its topk_ids (counts[0..E) already
 // counted): towards a per-rank peer (A2AConfig::per_rank) the tokens with at
-// least one k on it, towards the others the copies.
+// least one k on it; towards a forwarder (A2AConfig::per_node) the tokens
+// with at least one k on its node, and 0 towards the node's other ranks;
+// towards the others the copies.
 inline void count_wire_rows(const A2AConfig& c, const int32_t* topk_ids, int num_tokens, uint32_t* row) {
   const int E = c.num_experts, L = c.num_local_experts(), N = c.world, K = c.topk;
   uint32_t* u = row + E;
   for (int r = 0; r < N; ++r) {
     u[r] = 0;
-    if (!c.per_rank(c.rank, r))
+    if (!c.per_rank(c.rank, r) && !c.per_node(c.rank, r))
       for (int i = 0; i < L; ++i) u[r] += row[r * L + i];
   }
-  if (!c.rank_rows()) return;
-  std::vector<int> last(N, -1);  // the last token counted towards each rank
+  if (!c.wide_rows()) return;
+  std::vector<int> last(N, -1);  // the last token counted towards each destination
   for (int t = 0; t < num_tokens; ++t)
     for (int k = 0; k < K; ++k) {
       const int32_t e = topk_ids[static_cast<size_t>(t) * K + k];
       if (e < 0 || e >= E) continue;
-      const int r = e / L;
-      if (c.per_rank(c.rank, r) && last[r] != t) {
-        last[r] = t;
-        ++u[r];
+      const int d = c.wire_dest(c.rank, e / L);
+      if (c.merged(c.rank, d) && last[d] != t) {
+        last[d] = t;
+        ++u[d];
       }
     }
 }
@@ -160,9 +162,15 @@ struct Overflow {
 inline Overflow worst_overflow(const A2AConfig& c, const uint32_t* routing) {
   RoutingView v{routing, c.world, c.num_experts, c.num_local_experts()};
   Overflow worst;
-  for (int r = 0; r < c.world; ++r)
-    if (v.received(r) > static_cast<uint64_t>(c.max_recv_tokens) && v.received(r) > worst.copies)
-      worst = {r, v.received(r)};
+  for (int r = 0; r < c.world; ++r) {
+    uint64_t load = v.received(r);
+    if (c.node_rows()) {  // a forwarder's rows per node may outnumber its own copies: they share its sections
+      uint64_t wire = 0;
+      for (int s = 0; s < c.world; ++s) wire += v.rows(s, r);
+      load = std::max(load, wire);
+    }
+    if (load > static_cast<uint64_t>(c.max_recv_tokens) && load > worst.copies) worst = {r, load};
+  }
   return worst;
 }
 inline bool over_capacity(const A2AConfig& c, const uint32_t* routing) { return worst_overflow(c, routing).rank >= 0; }
@@ -200,14 +208,23 @@ inline void check_cached_routing(const A2AConfig& c, const uint32_t* routing, in
   for (int s = 0; s < c.world; ++s) {
     uint64_t n = 0, wire = 0;
     for (int r = 0; r < c.world; ++r) {
-      const uint64_t copies = v.to_rank(s, r), u = v.rows(s, r);
-      n += copies;
+      const uint64_t u = v.rows(s, r);
+      n += v.to_rank(s, r);
       wire += u;
-      const bool fits = c.per_rank(s, r) ? u <= copies && (u > 0) == (copies > 0) : u == copies;
+      // Rows per node carry the copies to the forwarder's whole node.
+      uint64_t copies = 0;
+      if (c.per_node(s, r)) {
+        if (r == c.forwarder(s, r))
+          for (int q = r - r % c.ranks_per_node; q < r - r % c.ranks_per_node + c.ranks_per_node; ++q)
+            copies += v.to_rank(s, q);
+      } else {
+        copies = v.to_rank(s, r);
+      }
+      const bool fits = c.merged(s, r) ? u <= copies && (u > 0) == (copies > 0) : u == copies;
       if (!fits)
         bad(s, "holds " + std::to_string(u) + " wire rows for rank " + std::to_string(r) + " with " +
-                   std::to_string(copies) + " copies; expected " +
-                   (c.per_rank(s, r) ? "between 1 and the copies (0 with none)" : "the copies"));
+                   std::to_string(copies) + " copies" + (c.per_node(s, r) ? " on its node" : "") + "; expected " +
+                   (c.merged(s, r) ? "between 1 and the copies (0 with none)" : "the copies"));
       if (s == c.rank && own != nullptr && u != own[c.num_experts + r])
         bad(s, "holds " + std::to_string(u) + " wire rows for rank " + std::to_string(r) +
                    "; this call's topk_ids make " + std::to_string(own[c.num_experts + r]));

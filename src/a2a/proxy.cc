@@ -450,8 +450,15 @@ void Proxy::wait_dispatch_arrivals(uint64_t epoch) {
     senders.push_back(s);
     slices.push_back(dispatch_slices_of(view.rows(s, c.rank)));
   }
+  const bool forwarding = c.node_rows();
   auto stamp = [&](int s) {
     if (cached_) take_routing_stamp(epoch, s);
+    // Rows per node of a sender whose forwarder we are: all in our workspace, so every rank of
+    // our node may read its entries (docs/protocol.md, "Rows per destination node").
+    if (forwarding && c.per_node(s, c.rank) && c.forwarder(s, c.rank) == c.rank)
+      for (int q = 0; q < c.world; ++q)
+        if (node_peer(q) || q == c.rank)
+          flag_at(ctx_.node_workspaces[q], ctx_.layout, s, kFlagForward)->store(epoch, std::memory_order_release);
   };
   wait_slices(kTagDispatch, senders, slices, ctx_.peers.slices_landed, ctx_.peers.landed, epoch, stamp);
 }

@@ -161,8 +161,12 @@ def check_traffic(a2a: AllToAll, inp: Inputs) -> None:
     core = a2a._core_cfg
 
     def wire_rows(s: int, r: int) -> int:
+        rpn = core.ranks_per_node
         on_r = inp.ids[s] // EXPERTS_PER_RANK == r
-        far = s // core.ranks_per_node != r // core.ranks_per_node
+        far = s // rpn != r // rpn
+        if far and a2a.cfg.fabric_rows == "node":  # to s's forwarder on r's node: a row per token there
+            on_node = inp.ids[s] // EXPERTS_PER_RANK // rpn == r // rpn
+            return int(on_node.any(dim=1).sum()) if r % rpn == s % rpn else 0
         return int(on_r.any(dim=1).sum() if far and a2a.cfg.fabric_rows == "rank" else on_r.sum())
 
     got = a2a.traffic().sum(axis=1)
@@ -245,6 +249,33 @@ def test_matches_reference(rpn: int | None, dispatch_dtype: str, combine_dtype: 
     ) as a2a:
         for it in range(4):
             check_round(a2a, make_inputs(1000 + it, a2a.cfg))
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize(
+    ("dispatch_dtype", "combine_dtype", "padding"),
+    [("bf16", "bf16", 1), ("fp8", "bf16", 4), ("fp32", "fp32", 3)],
+)
+def test_rows_per_node_match_reference(dispatch_dtype: str, combine_dtype: str, padding: int) -> None:
+    """fabric_rows="node" over virtual nodes of 2 (docs/protocol.md, "Rows per destination node"):
+    a token crosses once per other node, to the rank with its sender's local index there, which
+    passes its node peers their entries and sums their outputs; whole and split calls, zero tokens
+    and overflowing private slots equal the reference, and traffic() counts the rows per node."""
+    if DEVICE != "cpu" or WORLD < 4 or WORLD % 2:
+        pytest.skip("rows per node: the CPU backend, 2 or more nodes of 2 ranks")
+    with make_a2a(
+        2,
+        fabric_rows="node",
+        max_private_tokens=2,
+        dispatch_dtype=dispatch_dtype,
+        combine_dtype=combine_dtype,
+        expert_padding=padding,
+    ) as a2a:
+        cfg = a2a.cfg
+        for it in range(3):
+            check_round(a2a, make_inputs(1100 + it, cfg), split=it == 1, in_place=False)
+        check_round(a2a, make_inputs(1110, cfg, tokens=[0] + [cfg.max_tokens] * (WORLD - 1)))
+        check_round(a2a, make_inputs(1111, cfg, tokens=[0] * WORLD))
 
 
 @pytest.mark.mpi(min_size=1)

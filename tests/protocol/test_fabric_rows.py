@@ -1,6 +1,7 @@
-"""Rows per destination rank (fabric_rows="rank") and per copy ("expert"), in one process:
-every rank's dispatch and combine equal the reference bit for bit, in both modes, with and
-without virtual nodes, and the rows that cross are the ones docs/protocol.md counts."""
+"""Rows per destination rank (fabric_rows="rank"), per destination node ("node", forwarded
+inside it) and per copy ("expert"), in one process: every rank's dispatch and combine equal the
+reference bit for bit, in every mode, with and without virtual nodes, and the rows that cross are
+the ones docs/protocol.md counts."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from inputs import Inputs
 from moe_a2a import Config
 from moe_a2a.backends.common import CORE_DTYPE
 
-MODES = ("rank", "expert")
+MODES = ("rank", "node", "expert")
 Ids = Callable[[torch.Generator, int, int], torch.Tensor]  # (g, rank, tokens) -> [tokens, topk]
 
 
@@ -147,8 +148,12 @@ def test_the_modes_differ_by_rounding_only(make_world) -> None:
             outs[rpn, mode] = w.run(lambda r, inp=inp: r.round(inp))
     for r in range(4):
         for rpn in (1, 4):
-            assert torch.equal(outs[rpn, "rank"][r][0].expert_x, outs[rpn, "expert"][r][0].expert_x)
+            for mode in ("rank", "node"):
+                assert torch.equal(outs[rpn, mode][r][0].expert_x, outs[rpn, "expert"][r][0].expert_x)
         assert torch.equal(outs[4, "rank"][r][1], outs[4, "expert"][r][1])
+        assert torch.equal(outs[4, "node"][r][1], outs[4, "expert"][r][1])
+        # A node of one rank: its forwarder is the rank itself, the same sums in the same order.
+        assert torch.equal(outs[1, "node"][r][1], outs[1, "rank"][r][1])
         torch.testing.assert_close(
             outs[1, "rank"][r][1].float(), outs[1, "expert"][r][1].float(), rtol=2e-2, atol=2e-2
         )
@@ -157,10 +162,61 @@ def test_the_modes_differ_by_rounding_only(make_world) -> None:
 def test_config_takes_the_modes_it_has() -> None:
     base = dict(max_tokens=4, hidden=8, num_experts=4, topk=2)
     assert Config(**base).fabric_rows == "rank"  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="'node' is not built yet; use 'rank' or 'expert'"):
-        Config(**base, fabric_rows="node")  # type: ignore[arg-type]
+    assert Config(**base, fabric_rows="node").fabric_rows == "node"  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'node' with on_peer_loss='mask' is not built yet"):
+        Config(**base, fabric_rows="node", on_peer_loss="mask")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="fabric_rows: got 'ranks'"):
         Config(**base, fabric_rows="ranks")  # type: ignore[arg-type]
+
+
+def send_cached(w: World, inp: Inputs, r: int, matrix: torch.Tensor) -> None:
+    """Rank r's dispatch send half of `inp` along `matrix` (a cached call), straight to its core."""
+    x, ids = inp.xs[r].contiguous(), inp.ids[r].to(torch.int32).contiguous()
+    weights = inp.weights[r].contiguous()
+    w.ranks[r].impl.dispatch_send(
+        x.data_ptr(),
+        CORE_DTYPE[x.dtype],
+        0,
+        ids.data_ptr(),
+        x.shape[0],
+        matrix.data_ptr(),
+        weights.data_ptr(),
+    )
+
+
+def test_rows_per_node_cross_once_per_node(make_world) -> None:
+    """Two nodes of 2: a token with experts on both ranks of the other node crosses once, to the
+    rank with its sender's local index, which passes the other rank its entries; combine equals
+    the reference, which sums the node's part at the forwarder."""
+    w = make_world(4, ranks_per_node=2, fabric_rows="node", max_private_tokens=1)
+
+    def both_ranks_of_the_other_node(g: torch.Generator, rank: int, tokens: int) -> torch.Tensor:
+        other = (rank // 2 + 1) % 2 * 2  # the first rank of the other node
+        pick = torch.stack(
+            [torch.randperm(EXPERTS_PER_RANK, generator=g)[:2] for _ in range(tokens)] or [torch.empty(2)]
+        )
+        pick = pick[:tokens].long()
+        return torch.cat([other * EXPERTS_PER_RANK + pick, (other + 1) * EXPERTS_PER_RANK + pick], dim=1)
+
+    inp = with_ids(make_inputs(41, w.cfg, 4, tokens=[5, 3, 0, 4]), both_ranks_of_the_other_node, 41)
+    rounds(w, [inp])
+    for s, x in enumerate(inp.xs):
+        forwarder = (s // 2 + 1) % 2 * 2 + s % 2
+        assert list(w.ranks[s].impl.sent_counts()) == [x.shape[0] if r == forwarder else 0 for r in range(4)]
+
+
+def test_a_changed_wire_row_count_is_refused_per_node(make_world) -> None:
+    """Rows per node: a cached matrix that names rows for a rank of another node that is not the
+    sender's forwarder there is refused before anything is sent."""
+    w = make_world(4, ranks_per_node=2, fabric_rows="node")
+    inp = make_inputs(32, w.cfg, 4, tokens=[6, 5, 4, 3])
+    kept = w.run(lambda r: r.round(inp))
+    w.check(inp, kept)
+    bad = kept[0][0].routing.clone()
+    bad[0, w.cfg.num_experts + 3] = 1  # sender 0's forwarder on node 1 is rank 2
+    with pytest.raises(ValueError, match="row 0 holds 1 wire rows for rank 3 with 0 copies on its node"):
+        send_cached(w, inp, 0, bad)
+    w.check(inp, w.run(lambda r: r.round(inp)))
 
 
 def test_a_changed_wire_row_count_is_refused(make_world) -> None:
@@ -178,16 +234,6 @@ def test_a_changed_wire_row_count_is_refused(make_world) -> None:
         bad = matrix.clone()
         bad[s, E + r] = value
         bad[s, r * EXPERTS_PER_RANK] += more
-        x, ids = inp.xs[1].contiguous(), inp.ids[1].to(torch.int32).contiguous()
-        weights = inp.weights[1].contiguous()
         with pytest.raises(ValueError, match=f"dispatch: routing: row {s} .*{words}"):
-            w.ranks[1].impl.dispatch_send(
-                x.data_ptr(),
-                CORE_DTYPE[x.dtype],
-                0,
-                ids.data_ptr(),
-                x.shape[0],
-                bad.data_ptr(),
-                weights.data_ptr(),
-            )
+            send_cached(w, inp, 1, bad)
     w.check(inp, w.run(lambda r: r.round(inp)))

@@ -144,10 +144,16 @@ class World:
 
     def wire_rows(self, ids: list[torch.Tensor], s: int, r: int) -> int:
         """Rows sender s sends rank r for `ids` (docs/protocol.md, "Rows per destination rank"):
-        its tokens with a k on r towards a rank of another node with fabric_rows="rank", else its copies."""
+        its tokens with a k on r towards a rank of another node with fabric_rows="rank"; with
+        "node", towards the rank of another node with s's local index (its forwarder) its tokens
+        with a k on that node, and none to the node's other ranks; else its copies."""
         owner = ids[s].to(torch.int64) // (self.cfg.num_experts // self.size)
         if self.cfg.fabric_rows == "rank" and r not in self.node(s):
             return int((owner == r).any(dim=1).sum())
+        if self.cfg.fabric_rows == "node" and r not in self.node(s):
+            if r % self.rpn != s % self.rpn:
+                return 0
+            return int((owner // self.rpn == r // self.rpn).any(dim=1).sum())
         return int((owner == r).sum())
 
     def matrix(self, ids: list[torch.Tensor]) -> torch.Tensor:

@@ -15,26 +15,33 @@ namespace moe_a2a::a2a::cpu {
 
 namespace {
 
-// Wire row j of per-rank sender s: acc = sum_e coeff_e * y[row of entry e],
-// fp32 in entry (k) order, stored once in the combine dtype; tail value e is
-// entry e's row value (0 where unused).
-void pack_reduced(const CombineSendParams& p, int s) {
+// One entry's expert output as a reduced row reads it (null row: an unused entry).
+struct EntryOutput {
+  const uint8_t* row = nullptr;
+  DType dtype = DType::kFp32;
+  float value = 0.0f;  // its row value, into the tail
+};
+
+// Wire row j of sender s whose rows carry route entries: acc = sum_e coeff_e *
+// output of entry e, fp32 in entry (k) order, stored once in the combine
+// dtype; tail value e is entry e's row value (0 where unused). `output(i)`
+// gives entry i's (indexed as row_of_entry).
+template <typename Output>
+void pack_summed(const CombineSendParams& p, int s, Output&& output) {
   const A2AConfig& c = *p.cfg;
   const Layout& l = *p.layout;
   const RecvPlan& plan = *p.plan;
   const int H = c.hidden, m = c.max_entries();
-  const size_t y_row = static_cast<size_t>(H) * dtype_bytes(p.y_dtype);
   std::vector<float> acc(H), values(m);
   for (uint64_t j = 0; j < plan.wire[s]; ++j) {
     const size_t first = (plan.recv_base[s] + j) * m;
     std::fill(acc.begin(), acc.end(), 0.0f);
     std::fill(values.begin(), values.end(), 0.0f);
     for (int e = 0; e < m; ++e) {
-      const int64_t row = p.row_of_entry[first + e];
-      if (row < 0) continue;
-      const float coeff = p.weighted ? p.weight_of_entry[first + e] : 1.0f;
-      accumulate_row(acc.data(), coeff, static_cast<const uint8_t*>(p.y) + row * y_row, p.y_dtype, H);
-      if (p.row_values != nullptr) values[e] = p.row_values[row];
+      const EntryOutput out = output(first + e);
+      if (out.row == nullptr) continue;
+      accumulate_row(acc.data(), p.weighted ? p.weight_of_entry[first + e] : 1.0f, out.row, out.dtype, H);
+      values[e] = out.value;
     }
     uint8_t* dst = p.ws.self + l.combine_send + (plan.recv_base[s] + j) * l.combine_row;
     encode_combine_row(acc.data(), DType::kFp32, H, c.combine_dtype, dst);
@@ -42,10 +49,58 @@ void pack_reduced(const CombineSendParams& p, int s) {
   }
 }
 
+// A per-rank sender's rows: our own outputs.
+void pack_reduced(const CombineSendParams& p, int s) {
+  const size_t y_row = static_cast<size_t>(p.cfg->hidden) * dtype_bytes(p.y_dtype);
+  pack_summed(p, s, [&](size_t i) {
+    const int64_t row = p.row_of_entry[i];
+    if (row < 0) return EntryOutput{};
+    const float value = p.row_values != nullptr ? p.row_values[row] : 0.0f;
+    return EntryOutput{static_cast<const uint8_t*>(p.y) + row * y_row, p.y_dtype, value};
+  });
+}
+
+// A sender whose rows per node we forward: each entry's output from the
+// y_stage of the rank it went to (ourselves or a node peer).
+void pack_node_reduced(const CombineSendParams& p, int s) {
+  const Layout& l = *p.layout;
+  pack_summed(p, s, [&](size_t i) {
+    const int t = p.rank_of_entry[i];
+    if (t < 0) return EntryOutput{};
+    const int64_t row = p.row_of_entry[i];
+    const uint8_t* ws = p.ws.of(t);
+    float value;
+    std::memcpy(&value, ws + l.y_values + row * sizeof(float), sizeof(value));
+    return EntryOutput{ws + l.y_stage + row * l.y_stride, DType::kFp32, value};
+  });
+}
+
 }  // namespace
+
+void stage_outputs(const CombineSendParams& p) {
+  const A2AConfig& c = *p.cfg;
+  const Layout& l = *p.layout;
+  const int H = c.hidden;
+  const size_t y_row = static_cast<size_t>(H) * dtype_bytes(p.y_dtype);
+  auto* values = reinterpret_cast<float*>(p.ws.self + l.y_values);
+  for (uint64_t row = 0; row < p.plan->output_rows; ++row) {
+    auto* out = reinterpret_cast<float*>(p.ws.self + l.y_stage + row * l.y_stride);
+    const uint8_t* in = static_cast<const uint8_t*>(p.y) + row * y_row;
+    if (p.y_dtype == DType::kFp32) {
+      std::memcpy(out, in, static_cast<size_t>(H) * sizeof(float));
+    } else {
+      for (int h = 0; h < H; ++h) out[h] = load_element(in, p.y_dtype, h);
+    }
+    values[row] = p.row_values != nullptr ? p.row_values[row] : 0.0f;
+  }
+}
 
 void pack_combine_for(const CombineSendParams& p, int s) {
   const A2AConfig& c = *p.cfg;
+  if (c.per_node(s, c.rank)) {
+    if (c.forwarder(s, c.rank) == c.rank) pack_node_reduced(p, s);
+    return;
+  }
   if (c.per_rank(s, c.rank)) {
     pack_reduced(p, s);
     return;

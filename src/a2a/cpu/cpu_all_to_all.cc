@@ -183,10 +183,21 @@ uint64_t CpuAllToAll::dispatch_wait() {
   call_.plan = make_recv_plan(view, cfg_.rank, cfg_.max_private_tokens, cfg_.expert_padding);
   call_.sender_base.resize(static_cast<size_t>(cfg_.world) * cfg_.num_local_experts());
   sender_bases(view, call_.plan, cfg_.rank, call_.sender_base.data());
+  if (cfg_.node_rows()) {  // where a forwarder's entries go on each rank of our node
+    const int rpn = cfg_.ranks_per_node, node0 = cfg_.node_of(cfg_.rank) * rpn;
+    const size_t per_rank = static_cast<size_t>(cfg_.world) * cfg_.num_local_experts();
+    call_.node_sender_base.resize(rpn * per_rank);
+    for (int q = 0; q < rpn; ++q) {
+      const RecvPlan plan = make_recv_plan(view, node0 + q, cfg_.max_private_tokens, cfg_.expert_padding);
+      sender_bases(view, plan, node0 + q, call_.node_sender_base.data() + q * per_rank);
+    }
+  }
   return call_.plan.output_rows;
 }
 
 bool CpuAllToAll::landed(int s) const {
+  if (cfg_.per_node(s, cfg_.rank))  // raised by its forwarder's proxy on our node (maybe ours)
+    return flag_at(maps_.self, layout_, s, kFlagForward)->load(std::memory_order_acquire) >= call_.epoch;
   if (cfg_.same_node(s))
     return flag_at(maps_.self, layout_, s, kFlagDispatch)->load(std::memory_order_acquire) >= call_.epoch;
   return peers_.landed[s].get() >= call_.epoch;
@@ -204,6 +215,7 @@ void CpuAllToAll::dispatch_unpack(const DispatchUnpackArgs& args) {
   const size_t entries = call_.plan.total_wire * cfg_.entries_per_row();
   call_.row_of_entry.assign(entries, -1);
   call_.weight_of_entry.assign(entries, 0.0f);
+  call_.rank_of_entry.assign(cfg_.node_rows() ? entries : 0, -1);
   DispatchRecvParams p;
   p.cfg = &cfg_;
   p.layout = &layout_;
@@ -222,6 +234,8 @@ void CpuAllToAll::dispatch_unpack(const DispatchUnpackArgs& args) {
   p.row_of_entry = call_.row_of_entry.data();
   p.weight_of_entry = call_.weight_of_entry.data();
   p.sender_base = call_.sender_base.data();
+  p.node_sender_base = call_.node_sender_base.data();
+  p.rank_of_entry = call_.rank_of_entry.data();
   unpack_as_they_land(p);
   check_stamps(true);  // before the rows go to the caller: also where no wait ran
   zero_padding(p);
@@ -283,7 +297,17 @@ void CpuAllToAll::combine_send(const CombineSendArgs& args) {
   p.y = args.y;
   p.y_dtype = args.y_dtype;
   p.row_values = args.row_values;
+  p.rank_of_entry = call_.rank_of_entry.data();
+  bool staged = false;  // every node peer's outputs staged: what the rows per node we forward sum
+  if (cfg_.node_rows()) {
+    stage_outputs(p);
+    signal_node(kFlagStaged);
+  }
   for (int s : send_order_) {  // our peers as senders: their rows go back in the proxy's order
+    if (cfg_.per_node(s, cfg_.rank) && cfg_.forwarder(s, cfg_.rank) == cfg_.rank && !staged) {
+      wait_node(kFlagStaged, "staged expert outputs");
+      staged = true;
+    }
     pack_combine_for(p, s);
     if (cfg_.same_node(s))
       flag_at(maps_.of(s), layout_, cfg_.rank, kFlagCombine)->store(epoch, std::memory_order_release);

@@ -73,6 +73,8 @@ struct Call {
   std::vector<uint64_t> sender_base;  // [world][local experts] output row of (s, i)'s first copy
   std::vector<int64_t> row_of_entry;   // DispatchRecvParams'
   std::vector<float> weight_of_entry;
+  std::vector<int32_t> rank_of_entry;       // rows per node we forward: the rank of each entry
+  std::vector<uint64_t> node_sender_base;   // rows per node: every node rank's sender_base
   std::vector<int> unpack_order;
 };
 

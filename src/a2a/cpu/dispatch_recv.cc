@@ -102,10 +102,59 @@ void unpack_rank_rows(const DispatchRecvParams& p, int s) {
   }
 }
 
+// Rows per node from remote sender s, in the workspace of its forwarder on
+// our node (ourselves, or a node peer whose proxy raised our kFlagForward[s]):
+// wire row j carries token j's entries for the node in k order; ours go to
+// our output as rows per rank's do. The forwarder also notes, for every
+// entry, the rank and output row it went to, which its combine sums from.
+void unpack_node_rows(const DispatchRecvParams& p, int s) {
+  const A2AConfig& c = *p.cfg;
+  const Layout& l = *p.layout;
+  const RoutingView& v = *p.routing;
+  const int L = c.num_local_experts(), m = c.max_entries(), rpn = c.ranks_per_node, N = c.world;
+  const int f = c.forwarder(s, c.rank), node0 = c.node_of(c.rank) * rpn;
+  const bool forwarding = f == c.rank;
+  const uint64_t P = c.max_private_tokens, u = v.rows(s, f), shared = v.shared_offset(s, f, P);
+  const uint8_t* ws = p.ws.of(f);
+  std::vector<uint32_t> next(static_cast<size_t>(rpn) * L, 0);  // entries so far per expert of the node
+  for (uint64_t j = 0; j < u; ++j) {
+    const uint8_t* src = j < P ? ws + l.private_rows + (static_cast<size_t>(s) * P + j) * l.dispatch_row
+                               : ws + l.shared_rows + (shared + j - P) * l.dispatch_row;
+    const size_t first = forwarding ? (p.plan->recv_base[s] + j) * m : 0;
+    for (int e = 0; e < m; ++e) {
+      RouteEntry entry;
+      std::memcpy(&entry, src + l.dispatch_tail + e * sizeof(RouteEntry), sizeof(entry));
+      if (forwarding) {
+        p.row_of_entry[first + e] = -1;
+        p.weight_of_entry[first + e] = 0.0f;
+        p.rank_of_entry[first + e] = -1;
+      }
+      if (entry.expert == kNoExpert) continue;
+      const int x = entry.expert, local = x / L, i = x % L, t = node0 + local;
+      if (x >= rpn * L || next[x] >= v.count(s, t * L + i))
+        throw fabric::FabricError("rank " + std::to_string(c.rank) + ": sender " + std::to_string(s) +
+                                  "'s row per node " + std::to_string(j) + " names expert " + std::to_string(x) +
+                                  " of the node past its routing row's copies: the rows do not match the routing");
+      const uint64_t q = next[x]++;
+      if (t == c.rank) deliver(p, src, p.sender_base[static_cast<size_t>(s) * L + i] + q, entry.weight);
+      if (forwarding) {
+        const size_t base = (static_cast<size_t>(local) * N + s) * L + i;
+        p.row_of_entry[first + e] = static_cast<int64_t>(p.node_sender_base[base] + q);
+        p.weight_of_entry[first + e] = entry.weight;
+        p.rank_of_entry[first + e] = t;
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void unpack_sender(const DispatchRecvParams& p, int s) {
   const A2AConfig& c = *p.cfg;
+  if (c.per_node(s, c.rank)) {
+    unpack_node_rows(p, s);
+    return;
+  }
   if (c.per_rank(s, c.rank)) {
     unpack_rank_rows(p, s);
     return;

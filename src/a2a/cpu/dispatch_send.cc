@@ -46,9 +46,9 @@ void assign_rows(const DispatchSendParams& p) {
         p.entry_of_copy[i] = -1;
         continue;
       }
-      const int r = e / L;
+      const int r = c.wire_dest(c.rank, e / L);  // rows per node: the forwarder
       uint64_t slot;
-      if (c.per_rank(c.rank, r)) {
+      if (c.merged(c.rank, r)) {
         if (last[r] != t) {
           last[r] = t;
           entries[r] = 0;
@@ -74,20 +74,27 @@ void write_tail(const DispatchSendParams& p, int r, int64_t i, uint8_t* tail) {
   const A2AConfig& c = *p.cfg;
   const int K = c.topk, L = c.num_local_experts(), m = c.max_entries();
   auto weight = [&](int64_t copy) { return p.weights != nullptr ? p.weights[copy] : 0.0f; };
-  if (!c.rank_rows()) {
+  if (!c.wide_rows()) {
     const float w = weight(i);
     std::memcpy(tail, &w, sizeof(w));
     return;
   }
   auto put = [&](int e, const RouteEntry& v) { std::memcpy(tail + e * sizeof(RouteEntry), &v, sizeof(v)); };
+  // A row per node's entries name the expert on the node (its rank's local index times L, plus
+  // the expert on that rank); a row per rank's, on the rank.
+  const bool node = c.per_node(c.rank, r);
+  const int first = node ? c.node_of(r) * c.ranks_per_node * L : r * L;
+  const int span = node ? c.ranks_per_node * L : L;
   auto entry = [&](int64_t copy) {
-    return RouteEntry{weight(copy), static_cast<uint16_t>(p.topk_ids[copy] - r * L), static_cast<uint16_t>(copy % K)};
+    return RouteEntry{weight(copy), static_cast<uint16_t>(p.topk_ids[copy] - first), static_cast<uint16_t>(copy % K)};
   };
   int used = 0;
-  if (c.per_rank(c.rank, r)) {
+  if (c.merged(c.rank, r)) {
     const int64_t t = i / K;
-    for (int k = 0; k < K; ++k)
-      if (p.topk_ids[t * K + k] >= 0 && p.topk_ids[t * K + k] / L == r) put(used++, entry(t * K + k));
+    for (int k = 0; k < K; ++k) {
+      const int32_t e = p.topk_ids[t * K + k];
+      if (e >= first && e < first + span) put(used++, entry(t * K + k));
+    }
   } else {
     put(used++, entry(i));
   }

@@ -73,6 +73,12 @@ struct DispatchRecvParams {
   int64_t* row_of_entry = nullptr;
   float* weight_of_entry = nullptr;
   const uint64_t* sender_base = nullptr;  // [world][local experts]: output row of sender s's first copy of expert i
+  // Rows per node (A2AConfig::node_rows): sender_base of every rank of our
+  // node ([ranks_per_node][world][local experts], by local index), and for
+  // each entry of the rows we forward (indexed as row_of_entry) the rank it
+  // is for (-1: unused); row_of_entry then holds its output row there.
+  const uint64_t* node_sender_base = nullptr;
+  int32_t* rank_of_entry = nullptr;
 };
 
 // sender_base of DispatchRecvParams: start[i] plus the copies of expert i
@@ -94,10 +100,18 @@ struct CombineSendParams {
   DType y_dtype = DType::kBf16;
   const float* row_values = nullptr;  // [output_rows]: into each returned row's tail (null: zeros)
   bool weighted = true;               // rows per rank: sum_e w_e * y_e (false: sum_e y_e)
+  const int32_t* rank_of_entry = nullptr;  // DispatchRecvParams' (rows per node)
 };
+
+// Rows per node: our expert outputs (fp32) and row values into our y_stage
+// section, where the forwarders of our node read them.
+void stage_outputs(const CombineSendParams& p);
 
 // Returns sender s's rows: into its combine_recv (same node) or our
 // combine_send staging (remote), rank by rank so each can leave at once.
+// Rows per node we forward: each row's entries summed from the y_stage of
+// the ranks they are for (every node peer has staged); nothing where s's
+// forwarder is another rank.
 // A per-copy sender gets one row per copy; a per-rank one (A2AConfig::per_rank)
 // one row per wire row, its entries' outputs summed in fp32 in k order.
 void pack_combine_for(const CombineSendParams& p, int s);

@@ -64,6 +64,8 @@ void CudaAllToAll::init_switches() {
     throw std::invalid_argument("fabric_rows='rank' on device cuda takes fewer than " +
                                 std::to_string(kMaxRankRowExperts) + " experts per rank; got " +
                                 std::to_string(cfg_.num_local_experts()) + " (use fabric_rows='expert')");
+  if (cfg_.node_rows())
+    throw std::invalid_argument("fabric_rows='node' on device cuda is not built yet (CPU backend only); use 'rank'");
   for (int r = 0; r < cfg_.world; ++r) has_remote_ = has_remote_ || !cfg_.same_node(r);
   overlap_ = has_remote_ && env_switch("MOE_A2A_CUDA_OVERLAP") != 0;
   combine_dma_ = overlap_ && env_switch("MOE_A2A_CUDA_COMBINE_DMA") != 0;
