@@ -130,7 +130,7 @@ void bind_write_plan(nb::module_& m) {
       nb::arg("slot"), nb::arg("length"), nb::arg("num_nics"), nb::arg("threshold"),
       "Pieces (nic, offset, length) of one write.");
   m.def("nic_for_peer", &nic_for_peer, nb::arg("slot"), nb::arg("num_nics"));
-  m.def("peer_slot", &peer_slot, nb::arg("rank"), nb::arg("peer"), nb::arg("world"));
+  m.def("peer_slot", &peer_slot, nb::arg("rank"), nb::arg("peer"), nb::arg("world"), nb::arg("per_host") = 1);
   m.def(
       "encode_address",
       [](const std::string& provider, const std::vector<nb::bytes>& nics) {
@@ -209,14 +209,15 @@ void bind_transfer_engine(nb::module_& m) {
           "__init__",
           [](TransferEngine* e, int rank, int world, const std::string& provider, int num_nics,
              uint64_t split_threshold, const std::vector<std::string>& domains, const std::string& backend,
-             bool gpu_memory) {
+             bool gpu_memory, int ranks_per_host) {
             KeepSignals keep;
             new (e) TransferEngine(rank, world,
-                                   EngineOptions{backend, provider, num_nics, split_threshold, domains, gpu_memory});
+                                   EngineOptions{backend, provider, num_nics, split_threshold, domains, gpu_memory,
+                                                 ranks_per_host});
           },
           nb::arg("rank"), nb::arg("world"), nb::arg("provider") = "tcp", nb::arg("num_nics") = 1,
           nb::arg("split_threshold") = 1ull << 20, nb::arg("domains") = std::vector<std::string>{},
-          nb::arg("backend") = "libfabric", nb::arg("gpu_memory") = false)
+          nb::arg("backend") = "libfabric", nb::arg("gpu_memory") = false, nb::arg("ranks_per_host") = 1)
       .def_prop_ro("num_nics", &TransferEngine::num_nics)
       .def_prop_ro("provider", &TransferEngine::provider)
       .def_prop_ro("backend", &TransferEngine::backend)

@@ -261,7 +261,7 @@ void TransferEngine::check_range(OpKind op, int peer, const Region& src, uint64_
                                  uint64_t dst_length, uint64_t dst_offset, std::optional<uint32_t> tag) const {
   check_write(where(), op_name(op), peer, src.length, src_offset, length, dst_length, dst_offset, tag);
   Piece pieces[kMaxNics];
-  const int n = split_pieces(peer_slot(rank_, peer, world_), length, num_nics(), opts_.split_threshold, pieces);
+  const int n = split_pieces(peer_slot(rank_, peer, world_, opts_.ranks_per_host), length, num_nics(), opts_.split_threshold, pieces);
   for (int i = 0; i < n; ++i) {
     const uint64_t most = backends_[pieces[i].nic]->capabilities().max_message_size;
     if (most > 0 && pieces[i].length > most)
@@ -276,7 +276,7 @@ void TransferEngine::add_write(Worker::Batch* batch, OpKind op, const Region& sr
                                std::optional<uint32_t> tag) const {
   if (length == 0 && !tag) return;  // nothing to move, nothing to announce
   Piece pieces[kMaxNics];
-  const int n = split_pieces(peer_slot(rank_, to[0].peer, world_), length, num_nics(), opts_.split_threshold, pieces);
+  const int n = split_pieces(peer_slot(rank_, to[0].peer, world_, opts_.ranks_per_host), length, num_nics(), opts_.split_threshold, pieces);
   for (int i = 0; i < n; ++i) {
     const Piece& p = pieces[i];
     NicWrite w;

@@ -36,6 +36,9 @@ struct EngineOptions {
   // Ask for CUDA memory registration (FI_HMEM): a CUDA rank's engine; the
   // backends open without it where the provider does not offer it.
   bool gpu_memory = false;
+  // Ranks on each host, in blocks of rank numbers (1: unknown): which NIC
+  // serves a peer (sharding.h, peer_slot).
+  int ranks_per_host = 1;
 };
 
 class TransferEngine : public ProxyEngine {

@@ -272,6 +272,28 @@ def test_peer_slots_spread_every_ranks_peers_over_its_nics() -> None:
     assert sorted(_core.nic_for_peer(_core.peer_slot(1, p, 3), 2) for p in (0, 2)) == [0, 1]
 
 
+def test_hosts_of_several_ranks_spread_rails_and_all_other_hosts_over_the_nics() -> None:
+    """With per_host ranks on each host: a rank's peers of its own local index on the other hosts
+    (rows per node write only to them) and all its peers on other hosts (rows per rank) each
+    spread within one over its NICs; ingress too. Plain distances put rails on one NIC."""
+    for hosts, per_host, nics in itertools.product(range(2, 6), (2, 3, 4), (1, 2, 4)):
+        world = hosts * per_host
+
+        def nic(src: int, dst: int, world: int = world, per_host: int = per_host, nics: int = nics) -> int:
+            return _core.nic_for_peer(_core.peer_slot(src, dst, world, per_host), nics)
+
+        for rank in range(world):
+            others = [p for p in range(world) if p // per_host != rank // per_host]
+            rails = [p for p in others if p % per_host == rank % per_host]
+            for peers in (rails, others):
+                for load in ([nic(rank, p) for p in peers], [nic(p, rank) for p in peers]):
+                    counts = [load.count(n) for n in range(nics)]
+                    assert max(counts) - min(counts) <= 1, (hosts, per_host, nics, rank, peers, load)
+    # What the testbed found: 4 hosts x 2 ranks, 2 NICs; plain distances put every rail on NIC 1.
+    assert {_core.nic_for_peer(_core.peer_slot(0, p, 8), 2) for p in (2, 4, 6)} == {1}
+    assert sorted(_core.nic_for_peer(_core.peer_slot(0, p, 8, 2), 2) for p in (2, 4, 6)) == [0, 0, 1]
+
+
 def test_nic_for_peer_agrees_with_unsplit_writes() -> None:
     for peer, nics in itertools.product(range(10), (1, 2, 4)):
         assert _split(peer, 100, nics, 1 << 20) == [(_core.nic_for_peer(peer, nics), 0, 100)]
