@@ -135,7 +135,7 @@ def open_backend(
                 setup.region = engine.core.register_region(setup.workspace.ptr, setup.workspace.size)
             setup.remotes = engine.exchange_region(setup.region)
             with boot.together("creating the peer group"):
-                setup.group = engine.group(remote_peers, setup.remotes)
+                setup.group = engine.group(remote_peers, setup.remotes, setup.rails)
         setup.pids = boot.local_pids()
         setup.transfer = choose_transfer(boot, setup, device, provider, forced, graph_safe)
         return Opened(lease, setup, _start_backend(boot, setup, device, graph_safe))

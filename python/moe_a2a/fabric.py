@@ -61,17 +61,6 @@ def prepare_environment(bootstrap: Bootstrap, provider: str) -> None:
     hint_universe_size(bootstrap.world_size)
 
 
-def ranks_per_host(rank: int, pids: Sequence[int]) -> int:
-    """Ranks on our host where they are a block of rank numbers starting at a multiple of its
-    size (`pids[r]`: nonzero where rank r shares our host), else 1: how the engine spreads its
-    peers over the NICs (src/fabric/sharding.h, peer_slot)."""
-    here = [r for r, pid in enumerate(pids) if pid != 0 or r == rank]
-    n = len(here)
-    if n > 1 and len(pids) % n == 0 and here == list(range(rank // n * n, rank // n * n + n)):
-        return n
-    return 1
-
-
 class Engine:
     """A connected transfer engine: every rank's address is known once this returns."""
 
@@ -93,9 +82,8 @@ class Engine:
         `MOE_A2A_NICS`, else the `num_nics` nearest devices (to `gpu`, an index or PCI
         address, where given; else to this process's NUMA node). See `moe_a2a.nics`."""
         self.bootstrap = bootstrap
-        per_host = ranks_per_host(bootstrap.rank, bootstrap.local_pids())  # collective: before the checks
         with bootstrap.together("opening the fabric engine"):  # a bad NIC name is one rank's
-            self._open(provider, num_nics, split_threshold, nics, gpu, backend, gpu_memory, per_host)
+            self._open(provider, num_nics, split_threshold, nics, gpu, backend, gpu_memory)
         addresses = bootstrap.allgather(self.core.address())
         with bootstrap.together("connecting the fabric engine"):
             self.core.connect(addresses)
@@ -121,10 +109,8 @@ class Engine:
         gpu: int | str | None,
         backend: str,
         gpu_memory: bool = False,
-        per_host: int = 1,
     ) -> None:
-        """This rank's part of start-up: check the arguments, pick the NICs, open them.
-        `per_host`: ranks on each host, which decides the NIC of each peer."""
+        """This rank's part of start-up: check the arguments, pick the NICs, open them."""
         bootstrap = self.bootstrap
         provider = default_provider(provider)
         if not isinstance(provider, str) or not provider:
@@ -155,7 +141,6 @@ class Engine:
             self.nics.names,
             backend,
             gpu_memory,
-            per_host,
         )
 
     @property
@@ -185,15 +170,17 @@ class Engine:
                 for peer, blob in enumerate(blobs)
             ]
 
-    def group(self, peers: Sequence[int], remotes: Sequence[RemoteRegion | None]) -> Group:
-        """A peer group whose writes land in each peer's `remotes[peer]` region."""
+    def group(self, peers: Sequence[int], remotes: Sequence[RemoteRegion | None], rails: int = 0) -> Group:
+        """A peer group whose writes land in each peer's `remotes[peer]` region. `rails`: the
+        ranks per node where the group's data goes only to the peers with our local index on
+        other nodes (rows per node), spread over the NICs by node distance (0: every peer)."""
         regions: list[RemoteRegion] = []
         for p in peers:
             region = remotes[p]
             if region is None:
                 raise ValueError(f"remotes: peer {p} has none; expected a region for every peer of the group")
             regions.append(region)
-        return self.core.create_group(list(peers), regions)
+        return self.core.create_group(list(peers), regions, rails)
 
 
 # -- one engine per process, provider and set of ranks ------------------------------------------

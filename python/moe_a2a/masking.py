@@ -173,7 +173,7 @@ class LiveRanks:
             for r in gone_remote:
                 setup.engine.core.forgive_peer(r)
             setup.remote_peers = live_remote
-            setup.group = setup.engine.group(live_remote, setup.remotes)
+            setup.group = setup.engine.group(live_remote, setup.remotes, setup.rails)
         flags = [1 if r in self.masked else 0 for r in range(self.world_size)]
         if cpu:
             rebuilt = CpuBackend(setup, flags, resume)

@@ -130,7 +130,8 @@ void bind_write_plan(nb::module_& m) {
       nb::arg("slot"), nb::arg("length"), nb::arg("num_nics"), nb::arg("threshold"),
       "Pieces (nic, offset, length) of one write.");
   m.def("nic_for_peer", &nic_for_peer, nb::arg("slot"), nb::arg("num_nics"));
-  m.def("peer_slot", &peer_slot, nb::arg("rank"), nb::arg("peer"), nb::arg("world"), nb::arg("per_host") = 1);
+  m.def("peer_slot", &peer_slot, nb::arg("rank"), nb::arg("peer"), nb::arg("world"));
+  m.def("rail_slot", &rail_slot, nb::arg("rank"), nb::arg("peer"), nb::arg("world"), nb::arg("per_node"));
   m.def(
       "encode_address",
       [](const std::string& provider, const std::vector<nb::bytes>& nics) {
@@ -209,15 +210,14 @@ void bind_transfer_engine(nb::module_& m) {
           "__init__",
           [](TransferEngine* e, int rank, int world, const std::string& provider, int num_nics,
              uint64_t split_threshold, const std::vector<std::string>& domains, const std::string& backend,
-             bool gpu_memory, int ranks_per_host) {
+             bool gpu_memory) {
             KeepSignals keep;
             new (e) TransferEngine(rank, world,
-                                   EngineOptions{backend, provider, num_nics, split_threshold, domains, gpu_memory,
-                                                 ranks_per_host});
+                                   EngineOptions{backend, provider, num_nics, split_threshold, domains, gpu_memory});
           },
           nb::arg("rank"), nb::arg("world"), nb::arg("provider") = "tcp", nb::arg("num_nics") = 1,
           nb::arg("split_threshold") = 1ull << 20, nb::arg("domains") = std::vector<std::string>{},
-          nb::arg("backend") = "libfabric", nb::arg("gpu_memory") = false, nb::arg("ranks_per_host") = 1)
+          nb::arg("backend") = "libfabric", nb::arg("gpu_memory") = false)
       .def_prop_ro("num_nics", &TransferEngine::num_nics)
       .def_prop_ro("provider", &TransferEngine::provider)
       .def_prop_ro("backend", &TransferEngine::backend)
@@ -257,7 +257,10 @@ void bind_transfer_engine(nb::module_& m) {
           "add_remote_region",
           [](TransferEngine& e, int peer, const nb::bytes& d) { return e.add_remote_region(peer, from_py(d)); },
           nb::arg("peer"), nb::arg("descriptor"))
-      .def("create_group", &TransferEngine::create_group, nb::arg("peers"), nb::arg("remote_regions"))
+      .def("create_group", &TransferEngine::create_group, nb::arg("peers"), nb::arg("remote_regions"),
+           nb::arg("rails") = 0,
+           "rails: ranks per node where the group's data goes only to the peers with our local index on "
+           "other nodes (rows per node), whose NICs are then spread by node distance (0: by plain distance).")
       .def("release", &TransferEngine::release, nb::arg("region"), nb::arg("group").none())
       .def("arrivals", &TransferEngine::arrivals, nb::arg("nic"), "Immediates that arrived on NIC `nic` (debug).")
       .def_prop_ro("hot_path_allocations", &TransferEngine::hot_path_allocations,

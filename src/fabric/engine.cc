@@ -153,7 +153,11 @@ RemoteRegionId TransferEngine::add_remote_region(int peer, const Bytes& descript
   return RemoteRegionId{static_cast<uint32_t>(remotes_.size() - 1)};
 }
 
-GroupId TransferEngine::create_group(const std::vector<int>& peers, const std::vector<RemoteRegionId>& remote_regions) {
+GroupId TransferEngine::create_group(const std::vector<int>& peers, const std::vector<RemoteRegionId>& remote_regions,
+                                     int rails) {
+  if (rails < 0 || (rails > 0 && world_ % rails != 0))
+    throw FabricError(where() + ": create_group: rails: got " + std::to_string(rails) +
+                      "; expected 0 or the ranks of a node (a divisor of the world size " + std::to_string(world_) + ")");
   if (peers.size() != remote_regions.size())
     throw FabricError(where() + ": create_group got " + std::to_string(peers.size()) + " peers and " +
                       std::to_string(remote_regions.size()) + " remote regions; expected one region per peer");
@@ -169,6 +173,8 @@ GroupId TransferEngine::create_group(const std::vector<int>& peers, const std::v
     e.peer = peers[i];
     e.remote = remote_regions[i];
     e.length = dst.length;
+    const bool rail = rails > 0 && peers[i] % rails == rank_ % rails;
+    e.slot = rail ? rail_slot(rank_, peers[i], world_, rails) : peer_slot(rank_, peers[i], world_);
     for (const RemoteKey& k : dst.nics) {
       WriteDesc w;
       w.peer = peers[i];
@@ -257,11 +263,12 @@ void TransferEngine::check() const {
   if (!connected_) throw FabricError(where() + ": not connected: connect() with every rank's address first");
 }
 
-void TransferEngine::check_range(OpKind op, int peer, const Region& src, uint64_t src_offset, uint64_t length,
-                                 uint64_t dst_length, uint64_t dst_offset, std::optional<uint32_t> tag) const {
+void TransferEngine::check_range(OpKind op, int peer, int slot, const Region& src, uint64_t src_offset,
+                                 uint64_t length, uint64_t dst_length, uint64_t dst_offset,
+                                 std::optional<uint32_t> tag) const {
   check_write(where(), op_name(op), peer, src.length, src_offset, length, dst_length, dst_offset, tag);
   Piece pieces[kMaxNics];
-  const int n = split_pieces(peer_slot(rank_, peer, world_, opts_.ranks_per_host), length, num_nics(), opts_.split_threshold, pieces);
+  const int n = split_pieces(slot, length, num_nics(), opts_.split_threshold, pieces);
   for (int i = 0; i < n; ++i) {
     const uint64_t most = backends_[pieces[i].nic]->capabilities().max_message_size;
     if (most > 0 && pieces[i].length > most)
@@ -271,12 +278,12 @@ void TransferEngine::check_range(OpKind op, int peer, const Region& src, uint64_
   }
 }
 
-void TransferEngine::add_write(Worker::Batch* batch, OpKind op, const Region& src, uint64_t src_offset,
+void TransferEngine::add_write(Worker::Batch* batch, OpKind op, int slot, const Region& src, uint64_t src_offset,
                                uint64_t length, const WriteDesc* to, uint64_t dst_offset,
                                std::optional<uint32_t> tag) const {
   if (length == 0 && !tag) return;  // nothing to move, nothing to announce
   Piece pieces[kMaxNics];
-  const int n = split_pieces(peer_slot(rank_, to[0].peer, world_, opts_.ranks_per_host), length, num_nics(), opts_.split_threshold, pieces);
+  const int n = split_pieces(slot, length, num_nics(), opts_.split_threshold, pieces);
   for (int i = 0; i < n; ++i) {
     const Piece& p = pieces[i];
     NicWrite w;
@@ -302,7 +309,8 @@ void TransferEngine::write(RegionId region_id, uint64_t src_offset, uint64_t len
   std::shared_lock lock(tables_mu_);
   const Region& src = region(region_id);
   const RemoteRegion& dst = remote(remote_id);
-  check_range(OpKind::kWrite, dst.peer, src, src_offset, length, dst.length, dst_offset, tag);
+  const int slot = peer_slot(rank_, dst.peer, world_);
+  check_range(OpKind::kWrite, dst.peer, slot, src, src_offset, length, dst.length, dst_offset, tag);
   WriteDesc to[kMaxNics];
   for (size_t i = 0; i < dst.nics.size(); ++i) {
     to[i].peer = dst.peer;
@@ -310,7 +318,7 @@ void TransferEngine::write(RegionId region_id, uint64_t src_offset, uint64_t len
     to[i].remote_key = dst.nics[i].key;
   }
   Worker::Batch batch(worker_.get());
-  add_write(&batch, OpKind::kWrite, src, src_offset, length, to, dst_offset, tag);
+  add_write(&batch, OpKind::kWrite, slot, src, src_offset, length, to, dst_offset, tag);
 }
 
 void TransferEngine::scatter(GroupId group_id, RegionId region_id, const ScatterItem* items, size_t count,
@@ -326,13 +334,13 @@ void TransferEngine::scatter(GroupId group_id, RegionId region_id, const Scatter
       throw FabricError(where() + ": scatter item " + std::to_string(i) + " names peer index " +
                         std::to_string(it.peer) + "; the group has " + std::to_string(g.peers.size()) + " peers");
     const GroupEntry& e = g.peers[it.peer];
-    check_range(OpKind::kScatter, e.peer, src, it.src_offset, it.length, e.length, it.dst_offset, tag);
+    check_range(OpKind::kScatter, e.peer, e.slot, src, it.src_offset, it.length, e.length, it.dst_offset, tag);
   }
   Worker::Batch batch(worker_.get());
   for (size_t i = 0; i < count; ++i) {
     const ScatterItem& it = items[i];
-    add_write(&batch, OpKind::kScatter, src, it.src_offset, it.length, g.peers[it.peer].nics.data(), it.dst_offset,
-              tag);
+    const GroupEntry& e = g.peers[it.peer];
+    add_write(&batch, OpKind::kScatter, e.slot, src, it.src_offset, it.length, e.nics.data(), it.dst_offset, tag);
   }
 }
 

@@ -36,9 +36,6 @@ struct EngineOptions {
   // Ask for CUDA memory registration (FI_HMEM): a CUDA rank's engine; the
   // backends open without it where the provider does not offer it.
   bool gpu_memory = false;
-  // Ranks on each host, in blocks of rank numbers (1: unknown): which NIC
-  // serves a peer (sharding.h, peer_slot).
-  int ranks_per_host = 1;
 };
 
 class TransferEngine : public ProxyEngine {
@@ -80,7 +77,11 @@ class TransferEngine : public ProxyEngine {
   // requests are built here, once: per peer and NIC the address and key of
   // the remote region, and the barrier's zero-byte write; a step fills in
   // only offsets, lengths and the immediate.
-  GroupId create_group(const std::vector<int>& peers, const std::vector<RemoteRegionId>& remote_regions);
+  // `rails` (ranks per node; 0: none): the group's data goes only to the
+  // peers with our local index on other nodes, whose NICs are then chosen
+  // by rail_slot (sharding.h) instead of the plain distance.
+  GroupId create_group(const std::vector<int>& peers, const std::vector<RemoteRegionId>& remote_regions,
+                       int rails = 0);
   // Deregisters a local region and drops a group (and the remote regions it
   // binds): what one user of a shared engine releases when it closes. Ids are
   // not reused. Without a group: a start-up that failed before its group was made.
@@ -138,6 +139,7 @@ class TransferEngine : public ProxyEngine {
     RemoteRegionId remote;
     uint64_t length = 0;              // of the remote region, for bounds checks
     std::vector<WriteDesc> nics;      // per NIC: peer, remote base address and key
+    int slot = 0;                     // which NIC a write starts on (sharding.h)
     NicWrite barrier;                 // the zero-byte write; the immediate is filled per call
   };
   struct Group {
@@ -149,11 +151,12 @@ class TransferEngine : public ProxyEngine {
   const Region& region(RegionId id) const;
   const RemoteRegion& remote(RemoteRegionId id) const;
   void check_peer(int peer, const char* what) const;
-  void check_range(OpKind op, int peer, const Region& src, uint64_t src_offset, uint64_t length,
+  // `slot`: the peer's (sharding.h), which picks the NIC(s) of the write.
+  void check_range(OpKind op, int peer, int slot, const Region& src, uint64_t src_offset, uint64_t length,
                    uint64_t dst_length, uint64_t dst_offset, std::optional<uint32_t> tag) const;
   // Appends the piece(s) of one write; `to` holds the destination's per-NIC
   // requests (peer, base address, key).
-  void add_write(Worker::Batch* batch, OpKind op, const Region& src, uint64_t src_offset, uint64_t length,
+  void add_write(Worker::Batch* batch, OpKind op, int slot, const Region& src, uint64_t src_offset, uint64_t length,
                  const WriteDesc* to, uint64_t dst_offset, std::optional<uint32_t> tag) const;
   std::string where() const;
 

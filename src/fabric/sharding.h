@@ -18,22 +18,24 @@ constexpr uint64_t kSplitAlign = 4096;
 // rank + 1, world - 2 for rank - 1. Sharding by slot spreads every rank's peers
 // evenly over its NICs, on the sending side and on the receiving side (sharding
 // by rank number did not: with 3 ranks and 2 NICs, rank 1's peers 0 and 2 both
-// landed on NIC 0). With `per_host` ranks on each host (in blocks of rank
-// numbers), peers on other hosts are numbered by local-index distance, then
-// host distance: the peers a rank writes to may be only those with its own
-// local index on other hosts (rows per node, DeepEP's rails), whose plain
-// distances are all multiples of per_host, and so all on one NIC with
-// per_host NICs (measured: the testbed's rows per node took 1.75x longer than
-// rows per rank, one of its two NICs idle); numbered so, they take slots 0, 1,
-// ..., and all peers on other hosts take each slot once. Same-host peers come
-// after them (the fabric does not carry their rows). per_host 1: the plain distance.
-inline int peer_slot(int rank, int peer, int world, int per_host = 1) {
-  if (per_host <= 1 || world % per_host != 0) return ((peer - rank - 1) % world + world) % world;
-  const int hosts = world / per_host;
-  const int host = ((peer / per_host - rank / per_host) % hosts + hosts) % hosts;
-  const int local = ((peer % per_host - rank % per_host) % per_host + per_host) % per_host;
-  if (host == 0) return (hosts - 1) * per_host + local - 1;
-  return local * (hosts - 1) + host - 1;
+// landed on NIC 0).
+inline int peer_slot(int rank, int peer, int world) { return ((peer - rank - 1) % world + world) % world; }
+
+// The slot of a rail peer, a peer with our local index on another node
+// (`per_node` ranks a node, in blocks of rank numbers), in a group of rails
+// (rows per node write to nothing else: DeepEP's rails): the node distance
+// minus one, after local index times (nodes - 1). A rank's rails then take
+// consecutive slots, and a node's rails every slot once, so both spread over
+// the NICs (starting each rank one apart did not: 3 nodes of 2, 4 NICs).
+// By plain distance every rail is a multiple of per_node away: all on one
+// NIC where the NICs divide per_node (measured on the testbed, 2 NICs a
+// host: rows per node took 1.75x longer than rows per rank, one NIC idle).
+// Not for groups of every peer: plain distances spread those in both
+// directions, which no one numbering does for both kinds of group.
+inline int rail_slot(int rank, int peer, int world, int per_node) {
+  const int nodes = world / per_node;
+  const int node = ((peer / per_node - rank / per_node) % nodes + nodes) % nodes;
+  return (rank % per_node) * (nodes - 1) + (node + nodes - 1) % nodes;
 }
 
 // The peer in slot s is served by NIC s mod n; the write lands on the

@@ -272,26 +272,35 @@ def test_peer_slots_spread_every_ranks_peers_over_its_nics() -> None:
     assert sorted(_core.nic_for_peer(_core.peer_slot(1, p, 3), 2) for p in (0, 2)) == [0, 1]
 
 
-def test_hosts_of_several_ranks_spread_rails_and_all_other_hosts_over_the_nics() -> None:
-    """With per_host ranks on each host: a rank's peers of its own local index on the other hosts
-    (rows per node write only to them) and all its peers on other hosts (rows per rank) each
-    spread within one over its NICs; ingress too. Plain distances put rails on one NIC."""
-    for hosts, per_host, nics in itertools.product(range(2, 6), (2, 3, 4), (1, 2, 4)):
-        world = hosts * per_host
+def test_rail_slots_spread_each_ranks_and_each_nodes_rails_over_the_nics() -> None:
+    """Rows per node write only to the peers of our local index on other nodes: by rail_slot a
+    rank's rails, the rails reaching a rank, and all rails out of one node each spread within
+    one over the NICs; by plain distance they may all share one."""
+    for nodes, per_node, nics in itertools.product(range(2, 9), (1, 2, 3, 4, 8), (1, 2, 4, 8)):
+        world = nodes * per_node
 
-        def nic(src: int, dst: int, world: int = world, per_host: int = per_host, nics: int = nics) -> int:
-            return _core.nic_for_peer(_core.peer_slot(src, dst, world, per_host), nics)
+        def nic(src: int, dst: int, world: int = world, per_node: int = per_node, nics: int = nics) -> int:
+            return _core.nic_for_peer(_core.rail_slot(src, dst, world, per_node), nics)
+
+        def rails(rank: int, world: int = world, per_node: int = per_node) -> list[int]:
+            return [
+                p
+                for p in range(world)
+                if p // per_node != rank // per_node and p % per_node == rank % per_node
+            ]
 
         for rank in range(world):
-            others = [p for p in range(world) if p // per_host != rank // per_host]
-            rails = [p for p in others if p % per_host == rank % per_host]
-            for peers in (rails, others):
-                for load in ([nic(rank, p) for p in peers], [nic(p, rank) for p in peers]):
-                    counts = [load.count(n) for n in range(nics)]
-                    assert max(counts) - min(counts) <= 1, (hosts, per_host, nics, rank, peers, load)
+            for load in ([nic(rank, p) for p in rails(rank)], [nic(p, rank) for p in rails(rank)]):
+                counts = [load.count(n) for n in range(nics)]
+                assert max(counts) - min(counts) <= 1, (nodes, per_node, nics, rank, load)
+        for node in range(nodes):
+            load = [nic(r, p) for r in range(node * per_node, (node + 1) * per_node) for p in rails(r)]
+            counts = [load.count(n) for n in range(nics)]
+            assert max(counts) - min(counts) <= 1, (nodes, per_node, nics, node, load)
     # What the testbed found: 4 hosts x 2 ranks, 2 NICs; plain distances put every rail on NIC 1.
-    assert {_core.nic_for_peer(_core.peer_slot(0, p, 8), 2) for p in (2, 4, 6)} == {1}
-    assert sorted(_core.nic_for_peer(_core.peer_slot(0, p, 8, 2), 2) for p in (2, 4, 6)) == [0, 0, 1]
+    assert {_core.nic_for_peer(_core.peer_slot(r, r + d, 8), 2) for r in (0, 1) for d in (2, 4, 6)} == {1}
+    node = [_core.nic_for_peer(_core.rail_slot(r, r + d, 8, 2), 2) for r in (0, 1) for d in (2, 4, 6)]
+    assert sorted(node) == [0, 0, 0, 1, 1, 1]
 
 
 def test_nic_for_peer_agrees_with_unsplit_writes() -> None:

@@ -85,6 +85,12 @@ class Setup:
     remotes: Any = None  # index = rank: its RemoteRegion of the workspace (None: ours, or no engine)
     device_remotes: Any = None  # GPU-direct: the same for the device workspaces
 
+    @property
+    def rails(self) -> int:
+        """The ranks per node where rows cross only to our local index on other nodes (mode
+        node), which groups spread over the NICs by node distance; else 0."""
+        return int(self.core_cfg.ranks_per_node) if self.cfg.fabric_rows == "node" else 0
+
 
 class Backend(Protocol):
     """What `AllToAll` drives: the four halves of a step on one device, and their bookkeeping."""

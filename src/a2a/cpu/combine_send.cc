@@ -82,8 +82,9 @@ void stage_outputs(const CombineSendParams& p) {
   const Layout& l = *p.layout;
   const int H = c.hidden;
   const size_t y_row = static_cast<size_t>(H) * dtype_bytes(p.y_dtype);
+  const int L = c.num_local_experts();
   auto* values = reinterpret_cast<float*>(p.ws.self + l.y_values);
-  for (uint64_t row = 0; row < p.plan->output_rows; ++row) {
+  auto stage = [&](uint64_t row) {
     auto* out = reinterpret_cast<float*>(p.ws.self + l.y_stage + row * l.y_stride);
     const uint8_t* in = static_cast<const uint8_t*>(p.y) + row * y_row;
     if (p.y_dtype == DType::kFp32) {
@@ -92,6 +93,14 @@ void stage_outputs(const CombineSendParams& p) {
       for (int h = 0; h < H; ++h) out[h] = load_element(in, p.y_dtype, h);
     }
     values[row] = p.row_values != nullptr ? p.row_values[row] : 0.0f;
+  };
+  // A sender's copies of expert i are rows sender_base[s][i] onwards (dispatch_recv.cc).
+  for (int s = 0; s < c.world; ++s) {
+    if (!c.per_node(s, c.rank)) continue;
+    for (int i = 0; i < L; ++i) {
+      const uint64_t first = p.sender_base[static_cast<size_t>(s) * L + i];
+      for (uint32_t q = 0; q < p.routing->count(s, c.rank * L + i); ++q) stage(first + q);
+    }
   }
 }
 

@@ -298,6 +298,9 @@ void CpuAllToAll::combine_send(const CombineSendArgs& args) {
   p.y_dtype = args.y_dtype;
   p.row_values = args.row_values;
   p.rank_of_entry = call_.rank_of_entry.data();
+  const RoutingView view{call_.routing.data(), cfg_.world, cfg_.num_experts, cfg_.num_local_experts()};
+  p.routing = &view;
+  p.sender_base = call_.sender_base.data();
   bool staged = false;  // every node peer's outputs staged: what the rows per node we forward sum
   if (cfg_.node_rows()) {
     stage_outputs(p);

@@ -101,10 +101,13 @@ struct CombineSendParams {
   const float* row_values = nullptr;  // [output_rows]: into each returned row's tail (null: zeros)
   bool weighted = true;               // rows per rank: sum_e w_e * y_e (false: sum_e y_e)
   const int32_t* rank_of_entry = nullptr;  // DispatchRecvParams' (rows per node)
+  const RoutingView* routing = nullptr;     // rows per node: the call's matrix ...
+  const uint64_t* sender_base = nullptr;    // ... and DispatchRecvParams' sender_base
 };
 
-// Rows per node: our expert outputs (fp32) and row values into our y_stage
-// section, where the forwarders of our node read them.
+// Rows per node: the outputs (fp32) and row values of the copies that came
+// in rows per node into our y_stage section, where the forwarders of our
+// node read them (the other rows no forwarder reads).
 void stage_outputs(const CombineSendParams& p);
 
 // Returns sender s's rows: into its combine_recv (same node) or our
