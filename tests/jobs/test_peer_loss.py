@@ -264,9 +264,12 @@ def test_replacements_rejoin_and_the_full_set_resumes(tmp_path: Path, across_nod
     assert CALLS - 2 - skipped <= int(re.search(DONE, outs["0"])[1]) <= CALLS - 2, text  # type: ignore[index]
     assert CALLS - 13 - skipped // 2 <= int(re.search(DONE, outs["3'"])[1]) <= CALLS - 13, text  # type: ignore[index]
     assert int(re.search(DONE, outs["1'"])[1]) == CALLS - 24, text  # type: ignore[index]
+    # The survivors wait in rejoin() for the replacement to start: Python and torch (the CPU
+    # machine's goal: 5 s), and on a GPU its CUDA context too (4.0-5.1 s on the H200).
+    most = 15.0 if os.environ.get("MOE_A2A_TEST_DEVICE") == "cuda" else 5.0
     for name in ("0", "2"):
         took = [float(t) for t in re.findall(r"rejoined \(\d+,\) in ([0-9.]+) s", outs[name])]
-        assert len(took) == 2 and max(took) < 5.0, text
+        assert len(took) == 2 and max(took) < most, text
     assert not glob.glob(f"/dev/shm/moe-a2a-rejoin-{key}-*"), text
 
 
