@@ -507,6 +507,11 @@ class CpuAllToAll:
         Wire rows received from each rank in the last dispatch (copies, but rows per rank).
         """
 
+    def forwarded_counts(self) -> tuple[list[int], list[int]]:
+        """
+        Rows per node in the last call, per node peer: the rows we forwarded that hold its entries (it read them from us), and those entries (outputs of its that our combine read).
+        """
+
     @property
     def epoch(self) -> int: ...
 

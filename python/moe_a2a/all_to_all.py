@@ -564,7 +564,10 @@ class AllToAll(LostRanks):
 
         Routing row (E + N words, none when cached), then the wire rows (docs/protocol.md,
         "Rows per destination rank") at the mode's row sizes: dispatch rows out, and one
-        combine row back for each row received."""
+        combine row back for each row received. With `fabric_rows="node"` the forwarding
+        inside the node is counted at the forwarder, towards each node peer: the dispatch rows
+        it read its entries from, and each output of its that the forwarder summed (fp32, and
+        its row value)."""
         self._check_open()
         out = np.zeros((self.world_size, len(PATHS)), dtype=np.int64)
         if self._last is None:
@@ -580,6 +583,10 @@ class AllToAll(LostRanks):
                 + int(sent[peer]) * self._core_cfg.dispatch_row_bytes
                 + int(received[peer]) * self._core_cfg.combine_row_bytes
             )
+        forwarded = getattr(self._backend, "forwarded", None)
+        if self.cfg.fabric_rows == "node" and forwarded is not None:
+            rows, entries = forwarded()
+            out[:, 0] += rows * self._core_cfg.dispatch_row_bytes + entries * (4 * self.cfg.hidden + 4)
         return out
 
     def routing_rows(self) -> tuple[int, int]:

@@ -169,10 +169,22 @@ def check_traffic(a2a: AllToAll, inp: Inputs) -> None:
             return int(on_node.any(dim=1).sum()) if r % rpn == s % rpn else 0
         return int(on_r.any(dim=1).sum() if far and a2a.cfg.fabric_rows == "rank" else on_r.sum())
 
+    def forwarded(t: int) -> int:
+        """Rows per node: what this rank, forwarding, passed node peer t and read of its outputs."""
+        rpn = core.ranks_per_node
+        if a2a.cfg.fabric_rows != "node" or t // rpn != RANK // rpn or t == RANK:
+            return 0
+        rows = entries = 0
+        for s in range(WORLD):
+            if s // rpn != RANK // rpn and s % rpn == RANK % rpn:  # we forward s's rows
+                on_t = inp.ids[s] // EXPERTS_PER_RANK == t
+                rows, entries = rows + int(on_t.any(dim=1).sum()), entries + int(on_t.sum())
+        return rows * core.dispatch_row_bytes + entries * (4 * a2a.cfg.hidden + 4)
+
     got = a2a.traffic().sum(axis=1)
     for p in range(WORLD):
         rows = wire_rows(RANK, p) * core.dispatch_row_bytes + wire_rows(p, RANK) * core.combine_row_bytes
-        want = 0 if p == RANK else core.routing_width * 4 + rows
+        want = 0 if p == RANK else core.routing_width * 4 + rows + forwarded(p)
         assert got[p] == want, f"traffic to peer {p}: {got[p]} bytes, expected {want}"
 
 

@@ -123,6 +123,12 @@ class CpuBackend:
         but one per token towards a rank of another node with fabric_rows="rank"."""
         return np.array(self._impl.sent_counts()), np.array(self._impl.received_counts())
 
+    def forwarded(self) -> tuple[np.ndarray, np.ndarray]:
+        """Rows per node (fabric_rows="node") in the last call, per node peer: the rows we forwarded
+        that it read its entries from, and those entries (its outputs our combine read)."""
+        rows, entries = self._impl.forwarded_counts()
+        return np.array(rows, dtype=np.int64), np.array(entries, dtype=np.int64)
+
     def announce_failure(self, text: str) -> None:
         """Tell every peer that this rank failed, so their waits end at once."""
         self._impl.announce_failure(text)

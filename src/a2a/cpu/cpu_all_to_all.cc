@@ -338,6 +338,29 @@ void CpuAllToAll::combine_recv(const CombineRecvArgs& args) {
   call_.done = combine_phase(call_.epoch);
 }
 
+std::pair<std::vector<uint64_t>, std::vector<uint64_t>> CpuAllToAll::forwarded_counts() const {
+  std::vector<uint64_t> rows(cfg_.world, 0), entries(cfg_.world, 0);
+  if (!cfg_.node_rows() || call_.rank_of_entry.empty()) return {rows, entries};
+  const int m = cfg_.max_entries();
+  std::vector<int> last(cfg_.world, -1);  // the last row counted for each peer
+  for (int s = 0; s < cfg_.world; ++s) {
+    if (!cfg_.per_node(s, cfg_.rank) || cfg_.forwarder(s, cfg_.rank) != cfg_.rank) continue;
+    for (uint64_t j = 0; j < call_.plan.wire[s]; ++j) {
+      const uint64_t w = call_.plan.recv_base[s] + j;
+      for (int e = 0; e < m; ++e) {
+        const int t = call_.rank_of_entry[w * m + e];
+        if (t < 0 || t == cfg_.rank) continue;
+        ++entries[t];
+        if (last[t] != static_cast<int>(w)) {
+          last[t] = static_cast<int>(w);
+          ++rows[t];
+        }
+      }
+    }
+  }
+  return {rows, entries};
+}
+
 void CpuAllToAll::copy_routing(uint32_t* out) const { std::copy(call_.routing.begin(), call_.routing.end(), out); }
 
 std::vector<uint64_t> CpuAllToAll::sent_counts() const {

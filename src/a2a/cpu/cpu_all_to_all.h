@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../plan.h"
@@ -101,6 +102,10 @@ class CpuAllToAll {
   // (copies, except towards per-rank peers: A2AConfig::per_rank).
   std::vector<uint64_t> sent_counts() const;
   std::vector<uint64_t> received_counts() const { return call_.plan.wire; }
+  // Rows per node in the last call, per node peer t (0 elsewhere): the rows
+  // we forwarded that hold an entry of t (t read them from us), and those
+  // entries (each an output row of t's that our combine read).
+  std::pair<std::vector<uint64_t>, std::vector<uint64_t>> forwarded_counts() const;
   uint64_t epoch() const { return call_.epoch; }
   // Tells every peer that this rank failed; see Proxy::announce_failure.
   void announce_failure(const std::string& text) { proxy_->announce_failure(text, call_.done); }
