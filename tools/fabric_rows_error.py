@@ -1,6 +1,6 @@
-"""Combine error of fabric_rows="rank" and "expert" against an fp64 reference (docs/protocol.md,
-"Rows per destination rank"): worst and mean absolute error per element, for bf16 and fp32
-combine rows, every rank its own node.
+"""Combine error of fabric_rows "expert", "rank" and "node" against an fp64 reference
+(docs/protocol.md, "Rows per destination rank" and "... node"): worst and mean absolute error per
+element, for bf16 and fp32 combine rows; every rank its own node unless --ranks-per-node.
 
 The numbers come from moe_a2a.reference.combine_reference, which tests/protocol holds equal to the
 CPU backend bit for bit in both modes. Usage: python tools/fabric_rows_error.py [--tokens 128]
@@ -23,6 +23,9 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--ranks-per-node", type=int, default=1, help="ranks of one node (mode node sums per node)"
+    )
     a = ap.parse_args()
     g = torch.Generator().manual_seed(a.seed)
     n = a.ranks
@@ -33,7 +36,9 @@ def main() -> None:
     weights = [torch.softmax(torch.randn(a.tokens, a.topk, generator=g), dim=1) for _ in range(n)]
     ref = dispatch_reference(xs, ids, a.experts, "bf16")
     f32 = [torch.randn(d.expert_x.shape, generator=g) * 2 for d in ref]
-    print(f"{n} ranks (each its own node), {a.tokens} tokens each, hidden {a.hidden}, ", end="")
+    rpn = a.ranks_per_node
+    layout = "each its own node" if rpn == 1 else f"{n // rpn} nodes of {rpn}"
+    print(f"{n} ranks ({layout}), {a.tokens} tokens each, hidden {a.hidden}, ", end="")
     print(f"{a.experts} experts, top-{a.topk}")
     print("| expert outputs | combine_dtype | fabric_rows | worst abs error | mean abs error ", end="")
     print("| worst / max abs(out) |")
@@ -47,8 +52,8 @@ def main() -> None:
                     exact[s][t] += weights[s][t, k].double() * ys[r][row].double()
         scale = max(float(e.abs().max()) for e in exact)
         for dtype in ("bf16", "fp32"):
-            for mode in ("expert", "rank"):
-                outs = combine_reference(ys, ref, weights, dtype, mode, 1)
+            for mode in ("expert", "rank", "node") if rpn > 1 else ("expert", "rank"):
+                outs = combine_reference(ys, ref, weights, dtype, mode, rpn)
                 pairs = zip(outs, exact, strict=True)
                 err = torch.cat([(o.double() - e).abs().reshape(-1) for o, e in pairs])
                 worst, mean = float(err.max()), float(err.mean())
