@@ -178,9 +178,10 @@ inline bool over_capacity(const A2AConfig& c, const uint32_t* routing) { return 
 // What every rank's CapacityError says of an over-capacity call; `o` from
 // worst_overflow, or {} where the host does not know the matrix (CUDA within one node).
 inline std::string capacity_message(const A2AConfig& c, const Overflow& o = {}) {
+  const std::string what = c.node_rows() ? " token copies or rows per node" : " token copies";  // node: either
   const std::string over =
-      o.rank < 0 ? "more token copies to some rank than"
-                 : std::to_string(o.copies) + " token copies to rank " + std::to_string(o.rank) + ", more than";
+      o.rank < 0 ? "more" + what + " to some rank than"
+                 : std::to_string(o.copies) + what + " to rank " + std::to_string(o.rank) + ", more than";
   return "dispatch would deliver " + over + " max_recv_tokens=" + std::to_string(c.max_recv_tokens) +
          "; raise max_recv_tokens in Config (nothing was delivered; the next call can proceed)";
 }

@@ -12,7 +12,7 @@ import torch
 from world import EXPERTS_PER_RANK, Rank, World, expert_fn, make_inputs
 
 from inputs import Inputs
-from moe_a2a import Config
+from moe_a2a import Config, _core
 from moe_a2a.backends.common import CORE_DTYPE
 
 MODES = ("rank", "node", "expert")
@@ -167,6 +167,28 @@ def test_config_takes_the_modes_it_has() -> None:
         Config(**base, fabric_rows="node", on_peer_loss="mask")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="fabric_rows: got 'ranks'"):
         Config(**base, fabric_rows="ranks")  # type: ignore[arg-type]
+
+
+def test_a_forwarder_over_capacity_fails_on_every_rank(make_world) -> None:
+    """Rows per node share the forwarder's sections: 4 tokens of rank 0 for the two ranks of node 1
+    (2 copies each) fit max_recv_tokens=3 in mode rank, but not as 4 rows to rank 0's forwarder
+    there: a CapacityError on every rank, and the next call is exact."""
+    w = make_world(4, ranks_per_node=2, fabric_rows="node", topk=1, max_recv_tokens=3, max_private_tokens=1)
+
+    def node_1(g: torch.Generator, t: int, e: int, k: int) -> torch.Tensor:
+        return torch.tensor([[(2 + i % 2) * EXPERTS_PER_RANK] for i in range(t)])
+
+    big = make_inputs(51, w.cfg, 4, tokens=[4, 0, 0, 0], router=node_1)
+    small = make_inputs(52, w.cfg, 4, tokens=[1, 1, 0, 0])
+
+    def overflows(r: Rank) -> str:
+        with pytest.raises(_core.CapacityError, match="max_recv_tokens=3") as info:
+            r.dispatch(big.xs[r.rank], big.ids[r.rank], big.weights[r.rank])
+        return str(info.value)
+
+    for r, text in enumerate(w.run(overflows)):
+        assert isinstance(text, str) and "to rank 2" in text, f"rank {r}: {text!r}"
+    w.check(small, w.run(lambda r: r.round(small)))
 
 
 def send_cached(w: World, inp: Inputs, r: int, matrix: torch.Tensor) -> None:
