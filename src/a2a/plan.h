@@ -215,9 +215,9 @@ inline void check_cached_routing(const A2AConfig& c, const uint32_t* routing, in
       // Rows per node carry the copies to the forwarder's whole node.
       uint64_t copies = 0;
       if (c.per_node(s, r)) {
+        const int node0 = c.node_of(r) * c.ranks_per_node;
         if (r == c.forwarder(s, r))
-          for (int q = r - r % c.ranks_per_node; q < r - r % c.ranks_per_node + c.ranks_per_node; ++q)
-            copies += v.to_rank(s, q);
+          for (int q = node0; q < node0 + c.ranks_per_node; ++q) copies += v.to_rank(s, q);
       } else {
         copies = v.to_rank(s, r);
       }

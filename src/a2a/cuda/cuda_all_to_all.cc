@@ -206,10 +206,7 @@ void CudaAllToAll::wait_planned() {
   call_.at.routed = true;
 }
 
-int64_t CudaAllToAll::max_output_rows() const {
-  return static_cast<int64_t>(cfg_.max_recv_tokens) +
-         static_cast<int64_t>(cfg_.num_local_experts()) * (cfg_.expert_padding - 1);
-}
+int64_t CudaAllToAll::max_output_rows() const { return cfg_.max_output_rows(); }
 
 std::vector<int64_t> CudaAllToAll::wire_received() const {
   std::vector<SenderPlan> plans(cfg_.world);

@@ -153,11 +153,10 @@ class CudaAllToAll {
   // written to or read from again, and the proxy serves `remote_peers` (the
   // live ones) through `group` (`rows_group`: GPU-direct's group of device
   // workspaces; ignored when staging). The caller drops every masked
-  // (token, k) before dispatch (ids kMaskedExpertId). Blocks only on a
+  // (token, k) before dispatch (ids kMaskedExpert, row_tail.h). Blocks only on a
   // device copy; a graph captured before it must be captured again.
   void mask(const Masked& masked, uint64_t first_epoch, fabric::GroupId group, fabric::GroupId rows_group,
             const std::vector<int>& remote_peers);
-  const Masked& masked() const { return masked_; }
   // The device's epoch counter (synchronises with the device): graph replays
   // raise it and not the host's epoch(), so a mask after replays resumes after it.
   uint64_t device_epoch() const { return res_.device_epoch(); }

@@ -62,8 +62,8 @@ enum Status : int32_t {
   kStatusProxyFailed = 2,  // the proxy reported an error
   kStatusTimeout = 3,      // a flag did not arrive within timeout_ns
   kStatusBadExpert = 4,    // a topk id outside [0, num_experts): that copy was dropped
-  kStatusBadRow = 5,
-  kStatusStaleGraph = 6,   // a graph captured before a mask replayed: nothing was done       // a received row per rank named an expert or entry beyond the routing: dropped
+  kStatusBadRow = 5,       // a received row per rank named an expert or entry beyond the routing: dropped
+  kStatusStaleGraph = 6,   // a graph captured before a mask replayed: nothing was done
 };
 
 // What every kernel knows about the instance. Section offsets come from the

@@ -31,9 +31,7 @@ void scratch_sections(const A2AConfig& cfg, Scratch& s, uint64_t*& epoch, Sectio
   // Rows per rank only (A2AConfig::rank_rows): otherwise these sections are empty.
   const bool ranked = cfg.rank_rows();
   const size_t entries = ranked ? static_cast<size_t>(cfg.max_recv_tokens) * cfg.max_entries() : 0;
-  const size_t out_rows = ranked ? static_cast<size_t>(cfg.max_recv_tokens) +
-                                       static_cast<size_t>(cfg.num_local_experts()) * (cfg.expert_padding - 1)
-                                 : 0;
+  const size_t out_rows = ranked ? static_cast<size_t>(cfg.max_output_rows()) : 0;
   section(s.num_tokens, 1);
   section(s.slots, copies);
   section(s.copy_rank, copies);
