@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -97,8 +98,20 @@ def test_a_decision_that_reached_one_survivor_is_everyones() -> None:
     m, ends = meshes(world)
     decision = Vote(frozenset({3}), 41)
     ends[3][0].sendall(message(DECIDE, 0, 1, decision, world))
+    out: dict[int, Any] = {}
+    started = threading.Thread(
+        target=lambda: out.update(
+            run_all({r: (lambda r=r: m[r].agree(Vote(frozenset(), 40), 10.0)) for r in range(3)})
+        )
+    )
+    started.start()
+    # Rank 3 dies only once ranks 1 and 2 proposed to it, as a decider would have heard them:
+    # neither can have taken it for gone before the agreement began.
+    deadline = time.monotonic() + 10.0
+    while {msg.peer for msg in m[3]._inbox} < {1, 2} and time.monotonic() < deadline:
+        m[3].poll(0.01)
     kill(m[3])
-    out = run_all({r: (lambda r=r: m[r].agree(Vote(frozenset(), 40), 10.0)) for r in range(3)})
+    started.join()
     assert {out[r][0] for r in range(3)} == {decision}, out
 
 
