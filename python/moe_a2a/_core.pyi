@@ -191,6 +191,21 @@ class TransferEngine(ProxyEngine):
         The peer is gone and every survivor masked it: failures of writes to it, past and future, no longer fail the engine (every instance that shares it).
         """
 
+    def reconnect_peer(self, peer: int, address: bytes) -> None:
+        """
+        Rank `peer` is a new process (moe_a2a.rejoin): writes go to its `address` and its failures count again; nothing where the address is unchanged.
+        """
+
+    def watch_peer(self, peer: int, fd: int) -> None:
+        """
+        A replaced peer's liveness connection (as watch_peers); the old one closes.
+        """
+
+    def forget_peer_imm(self, peer: int, tag: int, mask: int) -> None:
+        """
+        Drop the counted arrivals from `peer` whose tag & mask == tag (a replaced rank's old process's).
+        """
+
     def register_region(self, ptr: int, length: int, kind: str = 'host', device: int = -1, name: str = 'region') -> Region: ...
 
     def region_descriptor(self, arg: Region, /) -> bytes: ...
@@ -278,6 +293,11 @@ FP8_BLOCK: int = 128
 FP8_MAX: float = 448.0
 
 MASKED_EXPERT: int = -2
+
+def instance_tags(instance: int) -> tuple[int, int]:
+    """
+    (tag, mask) that every immediate tag of instance slot `instance` matches (signals.h).
+    """
 
 def f32_to_e4m3(f32: bytes) -> bytes:
     """
@@ -451,6 +471,18 @@ class Workspace:
 
     def unlink(self) -> None: ...
 
+    def reopen_path(self) -> str: ...
+
+    def remap_peer(self, rank: int, name: str) -> None:
+        """
+        Same-node `rank` was replaced (moe_a2a.rejoin): map `name` (its reopen_path) in its place.
+        """
+
+    def forget_sender(self, sender: int) -> None:
+        """
+        Drop the abort record a replaced rank's old process left in our workspace.
+        """
+
 class CpuAllToAll:
     def __init__(self, workspace: Workspace, engine: ProxyEngine | None, region: Region | None, group: Group | None, remote_peers: Sequence[int], pids: Sequence[int], masked: Sequence[int] = [], first_epoch: int = 0) -> None:
         """
@@ -545,6 +577,16 @@ class CudaAllToAll:
     def ipc_handle(self) -> bytes: ...
 
     def open_node(self, handles: Sequence[bytes]) -> None: ...
+
+    def release_peer(self, rank: int) -> None:
+        """
+        A masked same-node rank is being replaced (moe_a2a.rejoin): let go of its old mappings, before the workspace remaps it.
+        """
+
+    def replace_peer(self, rank: int, handle: bytes, workspace: Workspace, pid: int) -> None:
+        """
+        A masked rank's replacement (proxy stopped): its IPC handle (same node; b'' elsewhere), the workspace's new mapping of it, its pid. The next mask() without it reaches it.
+        """
 
     def connect_local(self, peer: CudaAllToAll) -> None: ...
 

@@ -65,16 +65,32 @@ def core_config(cfg: Config, rank: int, world_size: int, ranks_per_node: int, sl
 
 
 def open_workspace(boot: Bootstrap, core_cfg: Any, node: set[int], share_rows: bool) -> Any:
-    """This rank's workspace, with every same-node peer's mapped (collective)."""
+    """This rank's workspace, with every same-node peer's mapped (collective). In a rejoin
+    (moe_a2a.rejoin) every rank offers its segment's reopen path, which outlives the name: the
+    replacement maps the survivors' here, the survivors map the replacement's later (`reuse_workspace`)."""
     name = f"/moe-a2a-{os.getpid()}-{uuid.uuid4().hex[:12]}-r{boot.rank}"
     with boot.together("allocating the workspace"):
         workspace = _core.Workspace(core_cfg, name, share_rows)
-    names = boot.allgather(name.encode())
+    offered = workspace.reopen_path() if getattr(boot, "joining", None) else name
+    names = boot.allgather(offered.encode())
     with boot.together("mapping the node's workspaces"):
         workspace.map_node([n.decode() if r in node else "" for r, n in enumerate(names)])
     boot.barrier()  # everyone has mapped everyone: the names can go
     workspace.unlink()
     return workspace
+
+
+def reuse_workspace(boot: Bootstrap, reuse: Any) -> None:
+    """`open_workspace`'s collectives on a survivor of a rejoin: its own workspace stays; the
+    replacements' paths are kept for the backend's step, which maps them once nothing reads
+    the old ones."""
+    with boot.together("allocating the workspace"):
+        pass
+    names = boot.allgather(reuse.setup.workspace.reopen_path().encode())
+    reuse.paths = {r: names[r].decode() for r in reuse.joining if r in reuse.setup.node}
+    with boot.together("mapping the node's workspaces"):
+        pass
+    boot.barrier()
 
 
 @dataclass(frozen=True)
@@ -102,6 +118,9 @@ def open_backend(
     topo = boot.topology
     node = set(topo.node_ranks)
     remote_peers = [r for r in range(topo.world_size) if r not in node]
+    reuse = getattr(boot, "reuse", None)
+    if reuse is not None:
+        return _reopen_backend(boot, reuse, device, provider, num_nics, nics, graph_safe, remote_peers)
     lease: EngineLease | None = None
     setup: Setup | None = None
     try:
@@ -133,7 +152,7 @@ def open_backend(
         if engine is not None:
             with boot.together("registering the workspace"):
                 setup.region = engine.core.register_region(setup.workspace.ptr, setup.workspace.size)
-            setup.remotes = engine.exchange_region(setup.region)
+            setup.remotes = engine.exchange_region(setup.region, bootstrap=boot)
             with boot.together("creating the peer group"):
                 setup.group = engine.group(remote_peers, setup.remotes, setup.rails)
         setup.pids = boot.local_pids()
@@ -146,6 +165,48 @@ def open_backend(
             else:
                 lease.close(None, None, None, 0.0)
         raise
+
+
+def _reopen_backend(
+    boot: Bootstrap,
+    reuse: Any,
+    device: str,
+    provider: str,
+    num_nics: int,
+    nics: Sequence[str] | str | None,
+    graph_safe: bool,
+    remote_peers: list[int],
+) -> Opened:
+    """`open_backend`'s collectives on a survivor of a rejoin (moe_a2a.rejoin), step for step as
+    the replacement runs them: the engine, workspace and registration stay; only the replacements
+    are connected, their regions added and their segments mapped. Releases nothing on failure:
+    the survivor's masked instance serves on."""
+    setup, lease = reuse.setup, reuse.lease
+    setup.bootstrap = boot
+    gpu = current_gpu_address() if device == "cuda" else None
+    forced = switches.get("MOE_A2A_GPU_DIRECT")
+    ask = device == "cuda" and forced is not False
+    if remote_peers:
+        lease_engine(boot, provider, num_nics, nics=nics, gpu=gpu, gpu_memory=ask, rejoining=lease)
+    reuse_workspace(boot, reuse)
+    engine = setup.engine
+    if engine is not None:
+        with boot.together("registering the workspace"):
+            pass
+        setup.remotes = engine.exchange_region(setup.region, reuse.joining, setup.remotes, boot)
+        with boot.together("creating the peer group"):
+            setup.remote_peers = remote_peers
+            setup.group = engine.group(remote_peers, setup.remotes, setup.rails)
+    setup.pids = boot.local_pids()
+    was = setup.transfer
+    setup.transfer = choose_transfer(boot, setup, device, provider, forced, graph_safe)
+    if setup.transfer.path != was.path:  # every rank sees the same agreed path
+        raise RuntimeError(
+            f"the rows' path is {setup.transfer.path!r} with the replacement(s) {list(reuse.joining)}, "
+            f"but the survivors use {was.path!r} ({setup.transfer.why}); start the replacement as the "
+            "survivors were"
+        )
+    return Opened(lease, setup, _start_backend(boot, setup, device, graph_safe, reuse))
 
 
 def choose_transfer(
@@ -165,14 +226,25 @@ def choose_transfer(
         return gpu_direct.agree(everyone, forced)
 
 
-def _start_backend(boot: Bootstrap, setup: Setup, device: str, graph_safe: bool) -> Backend:
+def _start_backend(
+    boot: Bootstrap, setup: Setup, device: str, graph_safe: bool, reuse: Any = None
+) -> Backend:
+    first_epoch = getattr(boot, "first_epoch", 0)  # after a rejoin the calls go on from the survivors'
     if device == "cuda":
         from moe_a2a.backends.cuda import CudaBackend
 
-        # After a rejoin the calls go on from the survivors' epoch, as on the CPU.
-        return CudaBackend(setup, graph_safe, getattr(boot, "first_epoch", 0))
+        if reuse is not None:
+            reuse.backend.rejoin(setup, reuse, first_epoch)
+            return reuse.backend
+        return CudaBackend(setup, graph_safe, first_epoch)
     from moe_a2a.backends.cpu import CpuBackend
 
     with boot.together("starting the cpu backend"):
-        # After a rejoin (moe_a2a.rejoin) the calls go on from the survivors' epoch.
-        return CpuBackend(setup, None, getattr(boot, "first_epoch", 0))
+        if reuse is not None:
+            reuse.forget_old_peers()
+            for r, path in reuse.paths.items():
+                setup.workspace.remap_peer(r, path)
+        backend = CpuBackend(setup, None, first_epoch)
+        if reuse is not None:
+            reuse.built = backend  # a rejoin that fails after this stops it
+    return backend

@@ -36,9 +36,8 @@ from moe_a2a.agreement import all_to_all_settings, check_agreement
 from moe_a2a.backends.common import Backend, RecvRequest, RowMath, Setup
 from moe_a2a.bootstrap import Bootstrap
 from moe_a2a.fabric import EngineLease, hint_universe_size
-from moe_a2a.masking import LiveRanks
 from moe_a2a.nics import num_nics_default
-from moe_a2a.rejoin import LostRanks
+from moe_a2a.rejoin import LostRanks, live_ranks
 
 CapacityError = _core.CapacityError
 FabricError = _core.FabricError
@@ -150,7 +149,6 @@ class AllToAll(LostRanks):
         }
         topo = self._boot.topology
         self.rank, self.world_size = topo.rank, topo.world_size
-        self._live = LiveRanks.of(self._boot, cfg, device)  # on_peer_loss="mask": ranks masked so far
         hint_universe_size(self.world_size)  # before anything starts libfabric in this process
         # A survivor that only raised would wait in MPI_Finalize for peers that wait for it.
         if abort_on_error is None:
@@ -161,12 +159,16 @@ class AllToAll(LostRanks):
             cfg, device, provider, topo.local_size, num_nics, graph_safe, self._slice_bytes
         )
         check_agreement(self._boot, settings)
+        # on_peer_loss="mask": ranks masked so far (a rejoin's survivor keeps its own).
+        self._live = live_ranks(self._boot, cfg, device)
+        reuse = getattr(self._boot, "reuse", None)  # a survivor's instance in a rejoin (moe_a2a.rejoin)
         self.max_private_tokens, self.max_recv_tokens = cfg.resolved(self.world_size)
         self.num_local_experts = cfg.num_experts // self.world_size
         self._node = set(topo.node_ranks)
         self._core_cfg = core_config(cfg, self.rank, self.world_size, topo.local_size, self._slice_bytes)
         with self._boot.together("checking that the workspace fits in memory"):
-            memory_plan.check_fits(memory_plan.plan_of(self._core_cfg, cfg, device))
+            if reuse is None:  # a survivor keeps its workspace
+                memory_plan.check_fits(memory_plan.plan_of(self._core_cfg, cfg, device))
         opened = open_backend(self._boot, cfg, self._core_cfg, device, provider, num_nics, nics, graph_safe)
         self._lease: EngineLease | None = opened.lease
         self._setup: Setup | None = opened.setup
@@ -640,6 +642,8 @@ class AllToAll(LostRanks):
         setup.workspace = None
         if self._live is not None:
             self._live.close()  # its control connections, across nodes
+            if hasattr(self._boot, "gone"):  # a rejoin's meeting: the lost ranks never leave it
+                self._boot.gone |= set(self._live.masked)
         self._boot.close()
 
     def reopen(self) -> AllToAll:

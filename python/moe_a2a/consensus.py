@@ -85,6 +85,16 @@ class ControlMesh:
             s.setblocking(False)
             self._selector.register(s, selectors.EVENT_READ, r)
 
+    def adopt(self, socks: dict[int, socket.socket]) -> None:
+        """Replacements' connections (moe_a2a.rejoin), in place of their old processes'."""
+        for r, sock in socks.items():
+            self._drop(r)
+            self.gone.discard(r)
+            self._socks[r] = sock
+            self._buffers[r] = bytearray()
+            sock.setblocking(False)
+            self._selector.register(sock, selectors.EVENT_READ, r)
+
     def close(self) -> None:
         self._selector.close()
         for s in self._socks.values():

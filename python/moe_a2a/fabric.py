@@ -87,18 +87,36 @@ class Engine:
         addresses = bootstrap.allgather(self.core.address())
         with bootstrap.together("connecting the fabric engine"):
             self.core.connect(addresses)
-        self._watch_other_hosts()
+        self._watch_other_hosts(bootstrap)
 
-    def _watch_other_hosts(self) -> None:
+    def rejoin(self, bootstrap: Bootstrap, joining: Sequence[int]) -> None:
+        """The constructor's collectives on a survivor of a rejoin (moe_a2a.rejoin), whose
+        replacements open new engines: only `joining` are connected anew (and watched)."""
+        with bootstrap.together("opening the fabric engine"):
+            pass
+        addresses = bootstrap.allgather(self.core.address())
+        with bootstrap.together("connecting the fabric engine"):
+            for r in joining:
+                self.core.reconnect_peer(r, addresses[r])
+        self._watch_other_hosts(bootstrap, joining)
+
+    def _watch_other_hosts(self, bootstrap: Bootstrap, joining: Sequence[int] | None = None) -> None:
         """Collective: control connections to the peers on other hosts, whose end the waits notice
-        (moe_a2a.peer_sockets); none where every peer shares our host."""
-        pids = self.bootstrap.local_pids()
-        mine = any(p == 0 for r, p in enumerate(pids) if r != self.bootstrap.rank)
-        if not any(self.bootstrap.allgather(b"1" if mine else b"")):
+        (moe_a2a.peer_sockets); none where every peer shares our host. `joining`: a rejoin's
+        survivor, which connects only to those."""
+        pids = bootstrap.local_pids()
+        mine = any(p == 0 for r, p in enumerate(pids) if r != bootstrap.rank)
+        if not any(bootstrap.allgather(b"1" if mine else b"")):
             return
-        fds = peer_sockets.connect(self.bootstrap, pids)
-        if fds is not None:
+        only = None if joining is None else {r for r in joining if pids[r] == 0}
+        fds = peer_sockets.connect(bootstrap, pids, only)
+        if fds is None:
+            return
+        if joining is None:
             self.core.watch_peers(fds)
+        else:
+            for r in only or ():
+                self.core.watch_peer(r, fds[r])
 
     def _open(
         self,
@@ -161,14 +179,27 @@ class Engine:
         """What NIC `nic`'s backend reports: GPU memory, ordering, sizes (`moe-a2a info` prints them)."""
         return dict(self.core.capabilities(nic))
 
-    def exchange_region(self, region: Region) -> list[RemoteRegion | None]:
-        """All-gather a region's descriptor; returns each peer's remote region (None for ourselves)."""
-        blobs = self.bootstrap.allgather(self.core.region_descriptor(region))
-        with self.bootstrap.together("adding the peers' regions"):
-            return [
-                None if peer == self.rank else self.core.add_remote_region(peer, blob)
-                for peer, blob in enumerate(blobs)
-            ]
+    def exchange_region(
+        self,
+        region: Region,
+        only: Sequence[int] | None = None,
+        known: Sequence[RemoteRegion | None] | None = None,
+        bootstrap: Bootstrap | None = None,
+    ) -> list[RemoteRegion | None]:
+        """All-gather a region's descriptor; returns each peer's remote region (None for ourselves).
+        `only` (a rejoin's survivor): add those peers' regions, keep the rest of `known`."""
+        boot = bootstrap if bootstrap is not None else self.bootstrap
+        blobs = boot.allgather(self.core.region_descriptor(region))
+        with boot.together("adding the peers' regions"):
+            if only is None:
+                return [
+                    None if peer == self.rank else self.core.add_remote_region(peer, blob)
+                    for peer, blob in enumerate(blobs)
+                ]
+            remotes = list(known or [None] * len(blobs))
+            for peer in only:
+                remotes[peer] = self.core.add_remote_region(peer, blobs[peer])
+            return remotes
 
     def group(self, peers: Sequence[int], remotes: Sequence[RemoteRegion | None], rails: int = 0) -> Group:
         """A peer group whose writes land in each peer's `remotes[peer]` region. `rails`: the
@@ -286,37 +317,59 @@ def lease_engine(
     nics: Sequence[str] | str | None = None,
     gpu: int | str | None = None,
     gpu_memory: bool = False,
+    rejoining: EngineLease | None = None,
 ) -> EngineLease:
     """The process's engine for this provider, NICs and ranks (collective: every rank calls it).
-    `gpu_memory`: an engine that registers CUDA memory where the provider can (a CUDA rank's)."""
+    `gpu_memory`: an engine that registers CUDA memory where the provider can (a CUDA rank's).
+    In a rejoin (moe_a2a.rejoin) a survivor passes its lease as `rejoining`: it keeps it and
+    connects the replacements, which take its tag slot and token."""
     provider = default_provider(provider)
     members = bootstrap.allgather(pickle.dumps((socket.gethostname(), os.getpid())))
     named = nics if nics is None or isinstance(nics, str) else tuple(nics)
     key = (provider, num_nics, named, gpu, gpu_memory, tuple(members))
-    with _shared_lock:
-        held = _shared.get(key)
-        if held is not None and held.engine.core.error:
-            held = None  # a fabric error is sticky: new instances get a fresh engine
-        if held is not None:
-            held.reap(time.monotonic())
-        mine = (held.token, sorted(held.busy())) if held is not None else (b"", [])
+    held: _SharedEngine | None = None
+    if rejoining is not None:
+        held = rejoining._shared
+        mine: tuple[bytes, list[int], int | None] = (held.token, sorted(held.busy()), rejoining.slot)
+    else:
+        with _shared_lock:
+            held = _shared.get(key)
+            if held is not None and held.engine.core.error:
+                held = None  # a fabric error is sticky: new instances get a fresh engine
+            if held is not None:
+                held.reap(time.monotonic())
+            mine = (held.token, sorted(held.busy()), None) if held is not None else (b"", [], None)
     # Shared only where every rank holds the same engine: a rank that closed its
     # last instance meanwhile has none, and then all open a new one together.
     offers = [pickle.loads(b) for b in bootstrap.allgather(pickle.dumps(mine))]
-    tokens = {token for token, _ in offers}
-    if held is not None and len(tokens) == 1 and b"" not in tokens:
-        busy = set().union(*(set(slots) for _, slots in offers))
+    tokens = {token for token, _, _ in offers}
+    kept = [(token, slot) for token, _, slot in offers if slot is not None]  # a rejoin's survivors'
+    fresh = not (len(tokens) == 1 and b"" not in tokens)
+    if rejoining is not None:
+        if fresh:  # the replacements open engines of their own: connect them
+            rejoining._shared.engine.rejoin(bootstrap, getattr(bootstrap, "joining", ()))
+            bootstrap.allgather(rejoining._shared.token)
+        return rejoining
+    if held is not None and not fresh:
+        busy = set().union(*(set(slots) for _, slots, _ in offers))
         free = next((s for s in range(_MAX_SLOTS) if s not in busy), None)
+        if kept:  # a replacement takes the survivors' slot (it is free on theirs)
+            mine_busy = held.busy()
+            free = kept[0][1] if kept[0][1] not in mine_busy else None
         if free is None:
             raise RuntimeError(
                 f"AllToAll: {_MAX_SLOTS} instances already share the {provider} engine "
                 f"(the most its immediate tags can tell apart); close some first"
+                if not kept
+                else f"AllToAll: the survivors' tag slot {kept[0][1]} is taken on this replacement's "
+                f"{provider} engine; rejoin the survivors' instances in the order they were made"
             )
         shared = held
     else:
         engine = Engine(bootstrap, provider, num_nics=num_nics, nics=nics, gpu=gpu, gpu_memory=gpu_memory)
-        shared = _SharedEngine(engine, bootstrap.allgather(os.urandom(16))[0])
-        free = 0
+        token = bootstrap.allgather(os.urandom(16))[0]
+        shared = _SharedEngine(engine, kept[0][0] if kept else token)
+        free = kept[0][1] if kept else 0
     with _shared_lock:
         shared.slots.add(free)
         _shared[key] = shared

@@ -141,6 +141,39 @@ class LiveRanks:
         self.experts = on_masked.repeat_interleave(self.local_experts)
         return newly, int(resume)
 
+    def rearm(self, backend: Any, setup: Any, resume: int) -> Any:
+        """The backend re-armed with the masked ranks, calls resuming after epoch `resume`: a new
+        CPU backend (`backend` None: the old one is closed), the CUDA one re-armed in place. After
+        an agreement, or a rejoin that failed (moe_a2a.rejoin)."""
+        from moe_a2a.backends.cpu import CpuBackend
+
+        remote = [r for r in range(self.world_size) if r not in setup.node]
+        gone_remote = [r for r in remote if r in self.masked]
+        if gone_remote and set(setup.remote_peers) & set(gone_remote):
+            # The masked remote peers leave the group (the old one stays with the engine until it
+            # closes: a few bytes a loss), and their writes' failures no longer fail the engine.
+            for r in gone_remote:
+                setup.engine.core.forgive_peer(r)
+            setup.remote_peers = [r for r in remote if r not in self.masked]
+            setup.group = setup.engine.group(setup.remote_peers, setup.remotes, setup.rails)
+        else:
+            gone_remote = []
+        flags = [1 if r in self.masked else 0 for r in range(self.world_size)]
+        if backend is None:
+            return CpuBackend(setup, flags, resume)
+        # The same kernels and memory: the node's CUDA IPC needs no new exchange.
+        backend.remask(setup, flags, resume, gone_remote)
+        return backend
+
+    def unmask(self) -> None:
+        """A rejoin let every masked rank in again (moe_a2a.rejoin)."""
+        self.masked, self.experts = frozenset(), None
+
+    def rejoin_mesh(self, boot: Any, joining: tuple[int, ...]) -> None:
+        """`of`'s collectives on a survivor of a rejoin: control connections to `joining` only."""
+        if self.mesh is not None:
+            self.mesh.adopt(peer_sockets.mesh(boot, boot.local_pids(), set(joining)))
+
     def recover(
         self, backend: Any, setup: Any, what: str, exc: BaseException, timeout_s: float
     ) -> tuple[Any, PeerLostError] | None:
@@ -165,21 +198,7 @@ class LiveRanks:
             epoch = backend.halt()
         newly, resume = self.agree(setup.workspace, setup.pids, lost, epoch, timeout_s)
         masked = tuple(sorted(self.masked))
-        live_remote = [r for r in setup.remote_peers if r not in self.masked]
-        gone_remote = [r for r in setup.remote_peers if r in self.masked]
-        if gone_remote:
-            # The masked remote peers leave the group (the old one stays with the engine until it
-            # closes: a few bytes a loss), and their writes' failures no longer fail the engine.
-            for r in gone_remote:
-                setup.engine.core.forgive_peer(r)
-            setup.remote_peers = live_remote
-            setup.group = setup.engine.group(live_remote, setup.remotes, setup.rails)
-        flags = [1 if r in self.masked else 0 for r in range(self.world_size)]
-        if cpu:
-            rebuilt = CpuBackend(setup, flags, resume)
-        else:  # the same kernels and memory, re-armed: the node's CUDA IPC needs no new exchange
-            backend.remask(setup, flags, resume, gone_remote)
-            rebuilt = backend
+        rebuilt = self.rearm(None if cpu else backend, setup, resume)
         if self.mesh is not None:
             # No survivor's next call may reach one still clearing the failed call's leftovers.
             live = frozenset(range(self.world_size)) - self.masked

@@ -126,11 +126,13 @@ def _accept(
     return got
 
 
-def connect(bootstrap: Any, pids: list[int]) -> list[int] | None:
+def connect(bootstrap: Any, pids: list[int], only: set[int] | None = None) -> list[int] | None:
     """Collective: a connected socket's descriptor per peer on another host (`pids[r] == 0`, index =
     rank, -1 elsewhere), for `TransferEngine.watch_peers`; None, on every rank, where some rank
-    could not make its own (each rank then warns why)."""
-    fds, why = _connect(bootstrap, pids, {r for r in range(bootstrap.world_size) if pids[r] == 0})
+    could not make its own (each rank then warns why). `only`: a rejoin's survivor connects to
+    those replacements alone (moe_a2a.rejoin)."""
+    others = {r for r in range(bootstrap.world_size) if pids[r] == 0}
+    fds, why = _connect(bootstrap, pids, others if only is None else only)
     if fds is None:
         warnings.warn(
             "moe-a2a: no control connections to peers on other hosts, so a dead peer there is noticed "
@@ -141,12 +143,12 @@ def connect(bootstrap: Any, pids: list[int]) -> list[int] | None:
     return fds
 
 
-def mesh(bootstrap: Any, pids: list[int]) -> dict[int, socket.socket]:
+def mesh(bootstrap: Any, pids: list[int], only: set[int] | None = None) -> dict[int, socket.socket]:
     """Collective: a connected socket to every other rank, for the survivors' agreement across
     nodes (moe_a2a.consensus); raises the same error on every rank where some rank could not make
-    its own."""
+    its own. `only`: a rejoin's survivor connects to those replacements alone."""
     rank = bootstrap.rank
-    fds, why = _connect(bootstrap, pids, set(range(bootstrap.world_size)))
+    fds, why = _connect(bootstrap, pids, set(range(bootstrap.world_size)) if only is None else only)
     if fds is None:
         raise ConnectionError(
             f"on_peer_loss='mask' across nodes needs a TCP connection between every two ranks: {why}"

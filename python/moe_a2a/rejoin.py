@@ -31,6 +31,7 @@ import pickle
 import re
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 from moe_a2a import _core, switches
@@ -41,6 +42,7 @@ from moe_a2a.masking import LiveRanks
 SHM = "/dev/shm"
 KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 SURVIVOR, REPLACEMENT = "survivor", "replacement"
+CLOSE_WAIT_S = 10.0  # how long a participant leaving a meeting in a store waits for the others
 
 
 class RejoinError(_core.PeerFailedError):
@@ -93,6 +95,8 @@ class NodeRendezvous(Bootstrap):
         self._established = False  # the opening exchange done: close() leaves its mark
         self._closed = False
         self._layout_arg: int | None = None  # the survivors' ranks_per_node (StoreRendezvous)
+        self.gone: set[int] = set()  # ranks lost since the meeting: close() waits for none of them
+        self.reuse: Reuse | None = None  # a survivor's: what its constructor keeps (AllToAll.rejoin)
         self._claim(role)
         try:
             self._welcome(role, masked, epoch)
@@ -420,9 +424,19 @@ class StoreRendezvous(NodeRendezvous):
         if not self._leave():
             return
         claims = sorted(self._claims.items())
-        if len(claims) == self.world_size and all(
-            self._read(f"r{r}-{nonce}-closed") is not None for r, (_, nonce) in claims
-        ):
+        # Wait (bounded) for every participant's mark: the store's host may be one of us, and a
+        # participant still reading our last all-gather would lose its connection if we left.
+        # Ranks lost since (`gone`) leave no mark: no wait for them.
+        # A mark is only checked for, never read: the last to see them all removes them (ours too,
+        # which then tells us every mark was there).
+        need = {r for r, _ in claims} - self.gone
+        deadline = time.monotonic() + min(self._timeout_s, CLOSE_WAIT_S)
+        while True:
+            marks = {r for r, (_, nonce) in claims if self._store.check([self._path(f"r{r}-{nonce}-closed")])}
+            if marks >= need or self.rank not in marks or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        if len(claims) == self.world_size and len(marks) == self.world_size:
             for r, (_, nonce) in claims:
                 self._remove(f"r{r}-{nonce}-g{self._gen}")
                 self._remove(f"r{r}-{nonce}-closed")
@@ -484,9 +498,51 @@ def leftovers(key: str) -> list[str]:
     return sorted(glob.glob(os.path.join(SHM, f"moe-a2a-rejoin-{check_key(key)}-*")))
 
 
-# Instance state the mixin reads and replaces; the rejoin swaps everything else a new instance
-# built (its backend, workspace, bootstrap, checks) and keeps these of the survivor's own.
+# Instance state the mixin reads and replaces; the rejoin swaps everything else the constructor
+# set (its bootstrap, checks, the backend it re-armed) and keeps these of the survivor's own.
 _KEPT = frozenset({"_pid", "_busy", "id", "_calls", "_args", "abort_on_error"})
+
+
+@dataclass
+class Reuse:
+    """A survivor's side of a rejoin: what its constructor keeps instead of making anew. The
+    constructor runs every collective step as the replacement does (moe_a2a.a2a_startup), but
+    connects, registers and maps only what the replacements bring."""
+
+    setup: Any  # the survivor's Setup: workspace, engine, region, remotes, updated in place
+    lease: Any  # its EngineLease, kept
+    backend: Any  # the CUDA backend, re-armed in place; None on the CPU (a new one is built)
+    live: LiveRanks
+    joining: tuple[int, ...]
+    paths: dict[int, str] = field(default_factory=dict)  # same-node replacements' segments
+    built: Any = None  # the CPU backend built, stopped again where the rejoin fails later
+
+    def forget_old_peers(self) -> None:
+        """What the replaced processes left in our memory and engine: abort records, arrivals."""
+        setup = self.setup
+        tag, mask = _core.instance_tags(int(setup.core_cfg.instance))
+        for r in self.joining:
+            setup.workspace.forget_sender(r)
+            if setup.engine is not None and r not in setup.node:
+                setup.engine.core.forget_peer_imm(r, tag, mask)
+
+
+def live_ranks(boot: Bootstrap, cfg: Any, device: str) -> LiveRanks | None:
+    """The constructor's LiveRanks (on_peer_loss="mask"): a rejoin's survivor keeps its own and
+    connects the replacements, which take the survivors' agreement counters."""
+    reuse = getattr(boot, "reuse", None)
+    if reuse is None:
+        live = LiveRanks.of(boot, cfg, device)
+    else:
+        live = reuse.live
+        live.rejoin_mesh(boot, reuse.joining)
+    if getattr(boot, "joining", None) and live is not None:
+        counters = (live.next_round, live.mesh.agreements if live.mesh is not None else 0)
+        offered = [b for b in boot.allgather(pickle.dumps(counters) if reuse is not None else b"") if b]
+        live.next_round, agreements = pickle.loads(offered[0])
+        if live.mesh is not None:
+            live.mesh.agreements = agreements
+    return live
 
 
 class LostRanks:
@@ -497,6 +553,7 @@ class LostRanks:
     _setup: Any
     _backend: Any
     _boot: Any
+    _lease: Any
     _state: str
     _last: Any
     _failure: str | None
@@ -505,6 +562,9 @@ class LostRanks:
     cfg: Any
     rank: int
     world_size: int
+    # The last rejoin on this survivor: (seconds waiting for the replacements to arrive, seconds
+    # from the meeting to every rank connected and re-armed).
+    rejoin_times: tuple[float, float] = (0.0, 0.0)
 
     @property
     def masked_ranks(self) -> tuple[int, ...]:
@@ -565,6 +625,7 @@ class LostRanks:
                 "ranks stay masked"
             )
         wait = self.cfg.timeout_s if timeout_s is None else timeout_s  # checked by the rendezvous
+        started = time.monotonic()
         rdzv = survivors_rendezvous(
             key,
             self.rank,
@@ -577,19 +638,40 @@ class LostRanks:
         )
         if isinstance(rdzv, StoreRendezvous):
             rdzv._own_store = owned
+        met = time.monotonic()
+        # Every survivor is here, between calls: stop ours (the CUDA kernels ended, the proxy
+        # joined) while the replacements are connected, then re-arm with them.
+        cpu = self.device.type == "cpu"  # type: ignore[attr-defined]
+        if cpu:
+            self._backend.close()
+        else:
+            self._backend.halt()
+        reuse = Reuse(self._setup, self._lease, None if cpu else self._backend, self._live, rdzv.joining)
+        rdzv.reuse = reuse
+        boot = self._setup.bootstrap
         try:
             fresh = type(self)(**{**self._args, "comm": rdzv})  # closes rdzv if it fails
-        except RejoinError:
-            raise
         except BaseException as exc:
+            # Masked as before: the replacements' ranks stay out of our group and kernels.
+            if reuse.built is not None:
+                reuse.built.close()
+            self._setup.bootstrap = boot
+            self._backend = self._live.rearm(None if cpu else self._backend, self._setup, rdzv.first_epoch)
+            if isinstance(exc, RejoinError):
+                raise
             raise RejoinError(
                 f"rank {self.rank}: the rejoin {key!r} failed, rank(s) {list(masked)} stay masked: {exc}"
             ) from exc
-        # Settled: every survivor called rejoin after its last call, and the meeting is past every
-        # survivor's rejoin, so every write into the old instance has landed; nothing is retired.
-        self._check_idle("close")  # type: ignore[attr-defined]
-        self._shut(True)  # type: ignore[attr-defined]  # and the old bootstrap
+        # Settled: every participant is past the constructor's last barrier. The constructor kept
+        # our workspace, engine and registration: only its bootstrap and checks are new.
+        old_boot = self._boot
+        if isinstance(old_boot, NodeRendezvous):
+            old_boot.gone = set(masked)
         self.__dict__.update({k: v for k, v in fresh.__dict__.items() if k not in _KEPT})
         self._args = {**self._args, "comm": rdzv}  # reopen() refuses it: the meeting ends at close
-        fresh.__dict__["_setup"] = None  # its resources are ours now: its close() does nothing
+        fresh.__dict__["_setup"] = None  # its resources are ours: its close() does nothing
+        old_boot.close()
+        self._live.unmask()
+        # (waiting for the replacements to arrive, connecting them): what probes print.
+        self.rejoin_times = (met - started, time.monotonic() - met)
         return rdzv.joining

@@ -52,7 +52,8 @@ ShmSegment::ShmSegment(const std::string& name, size_t size, bool create, Privat
   if (!keep.empty() && (!create || keep.end > size || keep.begin % 4096 || keep.end % 4096))
     throw std::invalid_argument("ShmSegment: a private range must be page-aligned, inside a segment we create");
   int flags = create ? (O_CREAT | O_EXCL | O_RDWR) : O_RDWR;
-  int fd = shm_open(name.c_str(), flags, 0600);
+  const bool by_path = !create && name.rfind("/proc/", 0) == 0;
+  int fd = by_path ? ::open(name.c_str(), O_RDWR | O_CLOEXEC) : shm_open(name.c_str(), flags, 0600);
   if (fd < 0) throw std::runtime_error(sys_error("shm_open", name));
   linked_ = create;
   if (create && ftruncate(fd, static_cast<off_t>(size)) != 0) {
@@ -63,18 +64,26 @@ ShmSegment::ShmSegment(const std::string& name, size_t size, bool create, Privat
   }
   void* p = keep.empty() ? mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
                          : map_with_private_range(fd, size, keep);
-  close(fd);
   if (p == MAP_FAILED) {
     std::string msg = sys_error("mmap of " + std::to_string(size) + " bytes", name);
+    close(fd);
     if (create) shm_unlink(name.c_str());
     throw std::runtime_error(msg);
   }
+  if (create) fd_ = fd;
+  else close(fd);
   data_ = static_cast<uint8_t*>(p);
 }
 
 ShmSegment::~ShmSegment() {
   if (data_ != nullptr) munmap(data_, size_);
+  if (fd_ >= 0) close(fd_);
   unlink();
+}
+
+std::string ShmSegment::reopen_path() const {
+  if (fd_ < 0) throw std::logic_error("reopen_path: only the segment's creator has one");
+  return "/proc/" + std::to_string(getpid()) + "/fd/" + std::to_string(fd_);
 }
 
 void ShmSegment::unlink() {

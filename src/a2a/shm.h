@@ -21,7 +21,8 @@ struct PrivateRange {
 class ShmSegment {
  public:
   // create=true: a new segment of `size` bytes (fails if the name exists),
-  // with `keep` private to us.
+  // with `keep` private to us. create=false: `name` is a segment's name, or
+  // a path under /proc (reopen_path()) for one whose name is gone.
   ShmSegment(const std::string& name, size_t size, bool create, PrivateRange keep = {});
   ~ShmSegment();
   ShmSegment(const ShmSegment&) = delete;
@@ -31,6 +32,10 @@ class ShmSegment {
   size_t size() const { return size_; }
   const std::string& name() const { return name_; }
   void unlink();
+  // A path a process of this host opens our segment by after its name was
+  // unlinked: a replacement rank maps the survivors' (moe_a2a.rejoin). We
+  // keep the descriptor open for it.
+  std::string reopen_path() const;
 
  private:
   std::string name_;
@@ -38,6 +43,7 @@ class ShmSegment {
   uint8_t* data_ = nullptr;
   bool owner_ = false;
   bool linked_ = false;
+  int fd_ = -1;  // ours (create=true), kept open for reopen_path()
 };
 
 }  // namespace moe_a2a::a2a

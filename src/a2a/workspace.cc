@@ -26,4 +26,26 @@ void Workspace::map_node(const std::vector<std::string>& names) {
   }
 }
 
+void Workspace::remap_peer(int rank, const std::string& name) {
+  if (rank < 0 || rank >= cfg_.world || rank == cfg_.rank || !cfg_.same_node(rank))
+    throw std::invalid_argument("remap_peer: rank " + std::to_string(rank) + " is not another rank of our node");
+  auto fresh = std::make_unique<ShmSegment>(name, layout_.total, false);
+  for (auto& seg : peers_)
+    if (seg->data() == node_[rank]) {
+      seg = std::move(fresh);
+      node_[rank] = seg->data();
+      return;
+    }
+  peers_.push_back(std::move(fresh));
+  node_[rank] = peers_.back()->data();
+}
+
+void Workspace::forget_sender(int sender) {
+  if (sender < 0 || sender >= cfg_.world || sender == cfg_.rank)
+    throw std::invalid_argument("forget_sender: rank " + std::to_string(sender) + " is not a peer");
+  AbortRecord* rec = abort_at(self(), layout_, sender);
+  rec->done = 0;
+  rec->state.store(0, std::memory_order_release);
+}
+
 }  // namespace moe_a2a::a2a

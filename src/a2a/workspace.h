@@ -29,6 +29,16 @@ class Workspace {
   // names[r]: the segment of rank r, for every rank of our node (others "").
   void map_node(const std::vector<std::string>& names);
   void unlink() { own_->unlink(); }
+  // Our segment's path for a process of this host once its name is gone
+  // (ShmSegment::reopen_path): what a rejoin hands the replacement.
+  std::string reopen_path() const { return own_->reopen_path(); }
+  // Same-node rank `rank` was replaced (moe_a2a.rejoin): its old mapping
+  // goes, `name` (a reopen_path) is mapped in its place. Callers first stop
+  // everything that reads the old one.
+  void remap_peer(int rank, const std::string& name);
+  // Rank `sender`'s old process may have left an abort record in ours (a
+  // failure it announced before it went): its replacement starts with none.
+  void forget_sender(int sender);
   // index = rank; nullptr for ranks of other nodes.
   const std::vector<uint8_t*>& node() const { return node_; }
 

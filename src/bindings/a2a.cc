@@ -17,6 +17,7 @@
 #include "a2a/live_ranks.h"
 #include "a2a/peer_watch.h"
 #include "a2a/memory_plan.h"
+#include "a2a/signals.h"
 #include "a2a/workspace.h"
 #include "pointers.h"
 
@@ -87,6 +88,13 @@ void bind_a2a(nb::module_& m) {
   m.attr("FP8_BLOCK") = kFp8Block;
   m.attr("FP8_MAX") = kFp8Max;
   m.attr("MASKED_EXPERT") = moe_a2a::a2a::kMaskedExpert;
+  m.def(
+      "instance_tags",
+      [](int instance) {
+        return std::make_pair(moe_a2a::a2a::wire_tag(instance, static_cast<moe_a2a::a2a::Tag>(0)),
+                              moe_a2a::a2a::kInstanceTagMask);
+      },
+      nb::arg("instance"), "(tag, mask) that every immediate tag of instance slot `instance` matches (signals.h).");
   bind_number_formats(m);
 
   nb::enum_<DType>(m, "DType").value("bf16", DType::kBf16).value("fp32", DType::kFp32).value("fp8", DType::kFp8);
@@ -145,7 +153,12 @@ void bind_a2a(nb::module_& m) {
       .def_prop_ro("size", &Workspace::size)
       .def_prop_ro("routing_offset", [](const Workspace& w) { return w.layout().routing; })
       .def("map_node", &Workspace::map_node, nb::arg("names"))
-      .def("unlink", &Workspace::unlink);
+      .def("unlink", &Workspace::unlink)
+      .def("reopen_path", &Workspace::reopen_path)
+      .def("remap_peer", &Workspace::remap_peer, nb::arg("rank"), nb::arg("name"),
+           "Same-node `rank` was replaced (moe_a2a.rejoin): map `name` (its reopen_path) in its place.")
+      .def("forget_sender", &Workspace::forget_sender, nb::arg("sender"),
+           "Drop the abort record a replaced rank's old process left in our workspace.");
 
   bind_cpu_all_to_all(m);
 

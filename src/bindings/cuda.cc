@@ -189,6 +189,19 @@ void bind_cuda(nb::module_& m) {
             a.open_node(hs);
           },
           nb::arg("handles"))
+      .def("release_peer", &CudaAllToAll::release_peer, nb::arg("rank"),
+           "A masked same-node rank is being replaced (moe_a2a.rejoin): let go of its old mappings, before "
+           "the workspace remaps it.")
+      .def(
+          "replace_peer",
+          [](CudaAllToAll& a, int rank, const nb::bytes& handle, const Workspace& ws, int pid) {
+            std::string h(static_cast<const char*>(handle.data()), handle.size());
+            uint8_t* host = rank >= 0 && rank < static_cast<int>(ws.node().size()) ? ws.node()[rank] : nullptr;
+            a.replace_peer(rank, h, host, pid);
+          },
+          nb::arg("rank"), nb::arg("handle"), nb::arg("workspace"), nb::arg("pid"),
+          "A masked rank's replacement (proxy stopped): its IPC handle (same node; b'' elsewhere), the "
+          "workspace's new mapping of it, its pid. The next mask() without it reaches it.")
       // No keep_alive: peers would keep each other alive in a cycle; the caller holds them all.
       .def("connect_local", &CudaAllToAll::connect_local, nb::arg("peer"))
       .def("rows_on_device", &CudaAllToAll::rows_on_device, nb::arg("region"), nb::arg("group"),

@@ -243,6 +243,16 @@ void bind_transfer_engine(nb::module_& m) {
            "The peer is gone and every survivor masked it: failures of writes to it, past and future, no "
            "longer fail the engine (every instance that shares it).")
       .def(
+          "reconnect_peer",
+          [](TransferEngine& e, int peer, const nb::bytes& address) { e.reconnect_peer(peer, from_py(address)); },
+          nb::arg("peer"), nb::arg("address"),
+          "Rank `peer` is a new process (moe_a2a.rejoin): writes go to its `address` and its failures count "
+          "again; nothing where the address is unchanged.")
+      .def("watch_peer", &TransferEngine::watch_peer, nb::arg("peer"), nb::arg("fd"),
+           "A replaced peer's liveness connection (as watch_peers); the old one closes.")
+      .def("forget_peer_imm", &TransferEngine::forget_peer_imm, nb::arg("peer"), nb::arg("tag"), nb::arg("mask"),
+           "Drop the counted arrivals from `peer` whose tag & mask == tag (a replaced rank's old process's).")
+      .def(
           "register_region",
           [](TransferEngine& e, uintptr_t ptr, uint64_t length, const std::string& kind, int device,
              const std::string& name) {

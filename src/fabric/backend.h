@@ -90,6 +90,10 @@ class Backend {
   // One address per rank, index = rank; our own is included. A connection-
   // oriented backend may connect lazily behind this (docs/transport.md).
   virtual void insert_peers(const std::vector<Bytes>& addresses) = 0;
+  // Rank `peer` is a new process now (moe_a2a.rejoin): writes to it go to
+  // `address` from here on. The old entry is left unused. Callable while the
+  // worker runs (under the same lock as its posts).
+  virtual void replace_peer(int peer, const Bytes& address) = 0;
   // Throws, naming what would be needed, for a memory kind it cannot register.
   virtual LocalMemory register_memory(const MemorySpec& mem) = 0;
   virtual void deregister_memory(const LocalMemory& mem) = 0;

@@ -112,7 +112,29 @@ void TransferEngine::connect(const std::vector<Bytes>& addresses) {
     for (size_t i = 0; i < backends_.size(); ++i) per_nic[i].push_back(blob.nics[i]);
   }
   for (size_t i = 0; i < backends_.size(); ++i) backends_[i]->insert_peers(per_nic[i]);
+  addresses_ = addresses;
   connected_ = true;
+}
+
+void TransferEngine::reconnect_peer(int peer, const Bytes& address) {
+  check_peer(peer, "reconnect_peer");
+  if (!connected_) throw FabricError(where() + ": reconnect_peer before connect");
+  if (address == addresses_[peer]) return;
+  AddressBlob blob = decode_address(address, "address of rank " + std::to_string(peer) + "'s replacement");
+  if (blob.provider != opts_.provider || blob.nics.size() != backends_.size())
+    throw FabricError(where() + " with " + std::to_string(backends_.size()) + " NIC(s) cannot talk to rank " +
+                      std::to_string(peer) + "'s replacement, which uses provider '" + blob.provider + "' with " +
+                      std::to_string(blob.nics.size()) + " NIC(s)");
+  for (size_t i = 0; i < backends_.size(); ++i) backends_[i]->replace_peer(peer, blob.nics[i]);
+  addresses_[peer] = address;
+  worker_->unforgive(peer);
+}
+
+void TransferEngine::watch_peer(int peer, int fd) {
+  check_peer(peer, "watch_peer");
+  if (peer_fds_.empty()) peer_fds_.assign(world_, -1);
+  if (peer_fds_[peer] >= 0) ::close(peer_fds_[peer]);
+  peer_fds_[peer] = fd;
 }
 
 RegionId TransferEngine::register_region(void* ptr, uint64_t length, MemoryKind kind, int device,
@@ -385,6 +407,13 @@ uint64_t TransferEngine::imm_count(uint32_t tag, int peer) const { return imms_.
 
 void TransferEngine::forget_imm(uint32_t tag, uint32_t mask) {
   imms_.erase_if([tag, mask](uint32_t imm) { return (imm_tag(imm) & mask) == tag; });
+}
+
+void TransferEngine::forget_peer_imm(int peer, uint32_t tag, uint32_t mask) {
+  check_peer(peer, "forget_peer_imm");
+  imms_.erase_if([peer, tag, mask](uint32_t imm) {
+    return imm_peer(imm) == static_cast<uint32_t>(peer) && (imm_tag(imm) & mask) == tag;
+  });
 }
 
 size_t TransferEngine::wait_any_imm(const std::vector<uint32_t>& tags, const std::vector<int>& peers,

@@ -65,6 +65,13 @@ class TransferEngine : public ProxyEngine {
   // of writes to it, past and future, no longer fail the engine. Affects every
   // instance that shares the engine. Never blocks.
   void forgive_peer(int peer);
+  // Rank `peer` is a new process (moe_a2a.rejoin): our writes go to its
+  // `address` (an address() blob, every NIC) and its failures count again;
+  // nothing where the address is the one we have (an instance that rejoins
+  // after another on this engine). Never blocks.
+  void reconnect_peer(int peer, const Bytes& address);
+  // Its liveness connection (watch_peers) is `fd` from here on; the old one closes.
+  void watch_peer(int peer, int fd);
 
   // `kind` other than host memory needs a backend that registers it
   // (Capabilities::gpu_memory); otherwise the error says what would be needed.
@@ -101,6 +108,9 @@ class TransferEngine : public ProxyEngine {
                 const std::function<void()>& on_idle = {}) override;
   uint64_t imm_count(uint32_t tag, int peer) const override;
   void forget_imm(uint32_t tag, uint32_t mask = 0xffffu) override;
+  // The same, for arrivals from `peer` only: a replaced rank's old process
+  // left them, and the new one's must not pair with them.
+  void forget_peer_imm(int peer, uint32_t tag, uint32_t mask);
   using ProxyEngine::wait_any_imm;
   size_t wait_any_imm(const std::vector<uint32_t>& tags, const std::vector<int>& peers,
                       const std::vector<uint64_t>& counts, double timeout_s,
@@ -120,6 +130,7 @@ class TransferEngine : public ProxyEngine {
 
  private:
   std::vector<int> peer_fds_;  // watch_peers: index = rank, -1 where none
+  std::vector<Bytes> addresses_;  // connect, reconnect_peer: index = rank
 
   struct Region {
     uint8_t* ptr = nullptr;

@@ -177,6 +177,17 @@ class LibfabricBackend final : public Backend {
     }
   }
 
+  void replace_peer(int peer, const Bytes& address) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (peer < 0 || static_cast<size_t>(peer) >= peers_.size())
+      throw FabricError(where() + ": replace_peer: rank " + std::to_string(peer) + " is not connected (" +
+                        std::to_string(peers_.size()) + " peers)");
+    fi_addr_t fresh = FI_ADDR_UNSPEC;
+    int n = fi_av_insert(av_, address.data(), 1, &fresh, 0, nullptr);
+    if (n != 1) fail("fi_av_insert of peer " + std::to_string(peer) + "'s replacement", n < 0 ? n : -FI_EINVAL);
+    peers_[peer] = fresh;
+  }
+
   LocalMemory register_memory(const MemorySpec& spec) override {
     if (spec.kind == MemoryKind::kCuda) return register_cuda(spec);
     void* ptr = spec.ptr;

@@ -123,6 +123,12 @@ bool Worker::is_forgiven(int peer) const {
   return std::find(forgiven_.begin(), forgiven_.end(), peer) != forgiven_.end();
 }
 
+void Worker::unforgive(int peer) {
+  std::lock_guard<std::mutex> lock(error_mu_);
+  forgiven_.erase(std::remove(forgiven_.begin(), forgiven_.end(), peer), forgiven_.end());
+  any_forgiven_.store(!forgiven_.empty());
+}
+
 void Worker::forgive(int peer) {
   uint64_t dropped = 0;
   {

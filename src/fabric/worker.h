@@ -90,6 +90,8 @@ class Worker {
   // later writes are not posted (counted as completed), and the worker is
   // healthy again unless another peer failed. Never blocks.
   void forgive(int peer);
+  // `peer`'s process was replaced: its writes fail the worker again.
+  void unforgive(int peer);
   // Waits until every submitted write completed; false on timeout.
   bool wait_idle(std::chrono::nanoseconds timeout);
 

@@ -239,9 +239,15 @@ while a2a.epoch < calls:
         fds_before, shm_before, maps_before = fds(), shm_files(), mapped()
     if step in rejoin_at and a2a.masked_ranks:
         t0 = time.time()
+        # A survivor keeps what it registered and connected: only the replacements are new.
+        ours = (a2a._setup.workspace.ptr, a2a._setup.engine, a2a._setup.region)
         try:
             back = a2a.rejoin(rejoin_at.pop(step))
             print(f"peer_loss_job: rank {rank} rejoined {back} in {time.time() - t0:.3f} s", flush=True)
+            kept = ours == (a2a._setup.workspace.ptr, a2a._setup.engine, a2a._setup.region)
+            print(f"peer_loss_job: rank {rank} kept its workspace, engine and region: {kept}", flush=True)
+            met, joined = a2a.rejoin_times
+            print(f"peer_loss_job: rank {rank} met in {met:.3f} s, joined in {joined:.3f} s", flush=True)
             rejoined = True
         except rejoin.RejoinError as exc:  # the masked instance serves on
             print(f"peer_loss_job: rank {rank} rejoin refused: {exc}", flush=True)
@@ -302,5 +308,7 @@ print(
     f"workspace mappings +{mapped() - maps_before}",
     flush=True,
 )
+t0 = time.time()
 a2a.close()
+print(f"peer_loss_job: rank {rank} closed in {time.time() - t0:.3f} s", flush=True)
 os._exit(0)  # no collective teardown with a dead peer

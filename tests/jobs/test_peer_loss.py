@@ -270,6 +270,8 @@ def test_replacements_rejoin_and_the_full_set_resumes(tmp_path: Path, across_nod
     for name in ("0", "2"):
         took = [float(t) for t in re.findall(r"rejoined \(\d+,\) in ([0-9.]+) s", outs[name])]
         assert len(took) == 2 and max(took) < most, text
+        # The survivors registered and connected nothing of their own anew.
+        assert len(re.findall(r"kept its workspace, engine and region: True", outs[name])) == 2, text
     assert not glob.glob(f"/dev/shm/moe-a2a-rejoin-{key}-*"), text
 
 

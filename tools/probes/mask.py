@@ -71,6 +71,8 @@ def rejoin(provider: str, runs: int) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
         env |= {"WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         env |= {"MOE_A2A_ABORT_ON_ERROR": "0", "REJOIN_AT": f"8:{key}"}
+        if "RANKS_PER_NODE" in env:  # virtual nodes share no /dev/shm meeting: rank 0's TCPStore
+            env["MOE_A2A_REJOIN_STORE"] = f"127.0.0.1:{port}"
         args = [sys.executable, str(JOB), provider, "30", "3:6"]
         procs = [
             subprocess.Popen(args, env=env | {"RANK": str(r)}, stdout=subprocess.PIPE, text=True)
@@ -88,11 +90,13 @@ def rejoin(provider: str, runs: int) -> None:
         ]  # type: ignore[index]
         inside = [float(re.search(r"rejoined \(3,\) in ([0-9.]+) s", o)[1]) for o in outs[:3]]  # type: ignore[index]
         joined = float(re.search(r"joined at epoch \d+ ([0-9.]+) s", outs[4])[1])  # type: ignore[index]
+        after = [float(re.search(r"joined in ([0-9.]+) s", o)[1]) for o in outs[:3]]  # type: ignore[index]
         print(
             f"{provider} run {run}: kill -> first full call, ranks 0-2 and 3': "
             + ", ".join(f"{t - killed:.3f} s" for t in full)
             + f"; survivors in rejoin(): {min(inside):.3f}-{max(inside):.3f} s; "
-            f"replacement from its first line to joined: {joined:.3f} s"
+            f"replacement from its first line to joined: {joined:.3f} s; survivors from the meeting "
+            f"to joined: {min(after):.3f}-{max(after):.3f} s"
         )
 
 

@@ -103,7 +103,7 @@ def _register_device_rows(setup: Setup, impl: Any, device: int) -> tuple[Any, An
                 f"registering GPU memory failed on rank {rank}, so every rank stages: {why}",
             )
             return None
-        remotes = engine.exchange_region(region)
+        remotes = engine.exchange_region(region, bootstrap=boot)
         setup.device_remotes = remotes  # a mask after a loss binds the live ones again
         with boot.together("binding the peers' device workspaces (GPU-direct)"):
             group = engine.group(setup.remote_peers, remotes)
@@ -154,6 +154,40 @@ class CudaBackend:
         self._alive: tuple[Any, ...] = ()  # tensors (and RowMath) the kernels read
         self._last_matrix: torch.Tensor | None = None  # the last call's, when it was cached
         self._last_rows: tuple[int, int] | None = None  # and its routing_rows
+
+    def rejoin(self, setup: Setup, reuse: Any, first_epoch: int) -> None:
+        """The constructor's collectives on a survivor of a rejoin (moe_a2a.rejoin), halted: the
+        replacements' GPU memory opened and their device workspaces bound (GPU-direct), nothing
+        of ours made anew; then re-armed with nobody masked at `first_epoch`."""
+        boot, impl = setup.bootstrap, self._impl
+        with boot.together("allocating the cuda backend"):
+            pass
+        handles = boot.allgather(impl.ipc_handle())
+        with boot.together("opening the node's GPU memory"):
+            reuse.forget_old_peers()
+            for r in reuse.joining:
+                if r in setup.node:
+                    impl.release_peer(r)  # before the workspace unmaps its old host workspace
+                    setup.workspace.remap_peer(r, reuse.paths[r])
+                impl.replace_peer(r, handles[r] if r in setup.node else b"", setup.workspace, setup.pids[r])
+        rows_group = None
+        if self.device_rows is not None:
+            region, group = self.device_rows[:2]
+            failed = [(r, b.decode()) for r, b in enumerate(boot.allgather(b"")) if b]
+            if failed:
+                raise RuntimeError(
+                    f"rank {failed[0][0]} could not register GPU memory ({failed[0][1]}), but the "
+                    "survivors' rows go GPU-direct"
+                )
+            setup.device_remotes = setup.engine.exchange_region(
+                region, reuse.joining, setup.device_remotes, boot
+            )
+            with boot.together("binding the peers' device workspaces (GPU-direct)"):
+                rows_group = setup.engine.group(setup.remote_peers, setup.device_remotes)
+                self.device_rows = (region, rows_group, *self.device_rows[2:])
+        self._impl.mask([0] * boot.world_size, first_epoch, setup.group, rows_group, setup.remote_peers)
+        self._alive, self._last_matrix, self._last_rows = (), None, None
+        self._setup = setup
 
     @property
     def epoch(self) -> int:

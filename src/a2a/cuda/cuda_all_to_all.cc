@@ -124,6 +124,18 @@ void CudaAllToAll::mask(const Masked& masked, uint64_t first_epoch, fabric::Grou
 
 void CudaAllToAll::open_node(const std::vector<std::string>& handles) { choose_recv(res_.open_node(handles)); }
 
+void CudaAllToAll::replace_peer(int rank, const std::string& handle, uint8_t* host_ws, int pid) {
+  if (rank < 0 || rank >= cfg_.world || rank == cfg_.rank)
+    throw std::invalid_argument("replace_peer: rank " + std::to_string(rank) + " is not a peer");
+  if (proxy_) throw std::logic_error("replace_peer: stop the proxy first");
+  if (cfg_.same_node(rank)) {
+    res_.open_peer(rank, handle, host_ws);
+    if (!proxy_ctx_.node_workspaces.empty()) proxy_ctx_.node_workspaces[rank] = host_ws;
+  }
+  if (rank < static_cast<int>(pids_.size())) pids_[rank] = pid;
+  if (rank < static_cast<int>(proxy_ctx_.pids.size())) proxy_ctx_.pids[rank] = pid;
+}
+
 void CudaAllToAll::connect_local(const CudaAllToAll& peer) {
   const int r = peer.cfg_.rank;
   if (r < 0 || r >= cfg_.world || !cfg_.same_node(r) || r == cfg_.rank)

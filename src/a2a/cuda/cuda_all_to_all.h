@@ -136,6 +136,12 @@ class CudaAllToAll {
   void open_node(const std::vector<std::string>& handles);
   // Same process: map a same-node peer's workspaces directly.
   void connect_local(const CudaAllToAll& peer);
+  // A masked rank's replacement (moe_a2a.rejoin), with the proxy stopped:
+  // release_peer before the host Workspace remaps a same-node rank;
+  // replace_peer after, with its IPC handle ("" for another node's) and pid.
+  // The mask() that follows without it reaches it.
+  void release_peer(int rank) { res_.release_peer(rank); }
+  void replace_peer(int rank, const std::string& handle, uint8_t* host_ws, int pid);
   // GPU-direct (docs/transport.md), before the first call: the proxy writes
   // the rows from `region` (our device workspace, registered with FI_HMEM)
   // into each peer's through `group`, at the host workspace's offsets; no

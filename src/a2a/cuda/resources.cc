@@ -1,6 +1,7 @@
 #include "resources.h"
 
 #include <atomic>
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <new>
@@ -236,24 +237,60 @@ bool CudaResources::open_node(const std::vector<std::string>& handles) {
   if (static_cast<int>(handles.size()) != cfg_.world)
     throw std::invalid_argument("open_node: got " + std::to_string(handles.size()) + " handles for a world of " +
                                 std::to_string(cfg_.world));
-  const cudaUUID_t mine = gpu_uuid(device_);
   bool gpu_shared = false;
   for (int r = 0; r < cfg_.world; ++r) {
     if (r == cfg_.rank || !cfg_.same_node(r)) continue;
-    if (handles[r].size() != sizeof(NodeHandle))
-      throw std::invalid_argument("open_node: the handle of rank " + std::to_string(r) + " has " +
-                                  std::to_string(handles[r].size()) + " bytes, expected " +
-                                  std::to_string(sizeof(NodeHandle)));
-    NodeHandle h;
-    std::memcpy(&h, handles[r].data(), sizeof(h));
-    void* p = nullptr;
-    check_cuda(cudaIpcOpenMemHandle(&p, h.workspace, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
-    ipc_opened_.push_back(p);
-    peers_[r].device = static_cast<uint8_t*>(p);
-    gpu_shared = gpu_shared || same_gpu(h.gpu, mine);
+    gpu_shared = open_ipc(r, handles[r]) || gpu_shared;
   }
   peers_dirty_ = true;
   return gpu_shared;
+}
+
+bool CudaResources::open_ipc(int r, const std::string& handle) {
+  if (handle.size() != sizeof(NodeHandle))
+    throw std::invalid_argument("open_node: the handle of rank " + std::to_string(r) + " has " +
+                                std::to_string(handle.size()) + " bytes, expected " + std::to_string(sizeof(NodeHandle)));
+  NodeHandle h;
+  std::memcpy(&h, handle.data(), sizeof(h));
+  void* p = nullptr;
+  check_cuda(cudaIpcOpenMemHandle(&p, h.workspace, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+  ipc_opened_.push_back(p);
+  if (ipc_of_.empty()) ipc_of_.assign(cfg_.world, nullptr);
+  ipc_of_[r] = p;
+  peers_[r].device = static_cast<uint8_t*>(p);
+  return same_gpu(h.gpu, gpu_uuid(device_));
+}
+
+void CudaResources::release_peer(int r) {
+  if (r < 0 || r >= cfg_.world || r == cfg_.rank || !cfg_.same_node(r))
+    throw std::invalid_argument("release_peer: rank " + std::to_string(r) + " is not another rank of our node");
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize(release_peer)");
+  uint8_t* host = r < static_cast<int>(node_ws_cpu_.size()) ? node_ws_cpu_[r] : nullptr;
+  auto reg = std::find(registered_.begin(), registered_.end(), static_cast<void*>(host));
+  if (host != nullptr && reg != registered_.end()) {
+    check_cuda(cudaHostUnregister(host), "cudaHostUnregister(replaced peer)");
+    registered_.erase(reg);
+  }
+  if (!ipc_of_.empty() && ipc_of_[r] != nullptr) {
+    auto open = std::find(ipc_opened_.begin(), ipc_opened_.end(), ipc_of_[r]);
+    if (open != ipc_opened_.end()) {
+      cudaIpcCloseMemHandle(*open);  // the old process's memory: gone with it, or going
+      ipc_opened_.erase(open);
+    }
+    ipc_of_[r] = nullptr;
+  }
+  node_ws_cpu_[r] = nullptr;
+  peers_[r] = PeerWorkspaces{};
+  peers_dirty_ = true;
+}
+
+void CudaResources::open_peer(int r, const std::string& handle, uint8_t* host) {
+  if (r < 0 || r >= cfg_.world || r == cfg_.rank || !cfg_.same_node(r) || host == nullptr)
+    throw std::invalid_argument("open_peer: rank " + std::to_string(r) + " is not another mapped rank of our node");
+  open_ipc(r, handle);
+  node_ws_cpu_[r] = host;
+  register_host(host, layout_.private_rows, &peers_[r].host);
+  peers_dirty_ = true;
 }
 
 void CudaResources::connect(int rank, uint8_t* device_ws, uint8_t* host_ws) {

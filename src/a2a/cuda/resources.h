@@ -50,6 +50,13 @@ class CudaResources {
   std::string ipc_handle() const;
   // Opens every same-node peer's handle; whether one of them shares our GPU.
   bool open_node(const std::vector<std::string>& handles);
+  // A masked same-node peer replaced by a new process (moe_a2a.rejoin):
+  // release_peer lets go of the old one's host workspace (before the
+  // Workspace unmaps it) and device workspace; open_peer maps the new one's
+  // (`host`: its host workspace as the Workspace maps it now). The next
+  // mask_peers that leaves it out reaches it again.
+  void release_peer(int rank);
+  void open_peer(int rank, const std::string& handle, uint8_t* host);
   // Same process: peer `rank`'s workspaces as it maps them.
   void connect(int rank, uint8_t* device_ws, uint8_t* host_ws);
 
@@ -100,6 +107,8 @@ class CudaResources {
   void allocate_mapped();
   void register_host(uint8_t* ptr, size_t bytes, uint8_t** device_ptr);
   void upload_peers();
+  // Opens rank r's handle into peers_[r].device; whether it shares our GPU.
+  bool open_ipc(int r, const std::string& handle);
 
   A2AConfig cfg_;
   Layout layout_;
@@ -113,6 +122,7 @@ class CudaResources {
   bool own_host_ws_ = false;           // allocated here (standalone)
   std::vector<void*> registered_;      // host ranges registered with CUDA
   std::vector<void*> ipc_opened_;      // peer device workspaces opened here
+  std::vector<void*> ipc_of_;          // index = rank: its entry of ipc_opened_, else null
   std::vector<PeerWorkspaces> peers_;  // index = rank
   Masked masked_;                      // ranks never reached again (mask_peers)
   uint64_t generation_ = 0;            // mask_peers calls so far (Instance::generation)
