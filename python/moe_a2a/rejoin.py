@@ -3,12 +3,13 @@ the full set of ranks resumes.
 
 The launcher's communicator cannot serve: it lost a member. The survivors and the replacement
 meet instead through files of the node's /dev/shm (`NodeRendezvous`, a `Bootstrap` for one node),
-named after a key that the caller gives both sides. Over it they build a new instance exactly as
-the constructor does (settings agreed, workspaces allocated and mapped, backend started), the
-epoch continuing from the survivors' (docs/peer-loss.md, "Rejoin"). A survivor keeps its masked
-instance until the new one is built on every rank, so a rejoin that fails (a replacement with a
-different configuration, one for a rank that is not masked, a second loss, nobody arriving in
-time) leaves the survivors serving as before.
+named after a key that the caller gives both sides. Over it every participant runs the
+constructor's steps; only the replacement builds an instance, at the survivors' epoch, and each
+survivor keeps its own (engine, workspace, registration) and takes only what the replacement
+brings: its address, region, segment and CUDA IPC handle (`Reuse`; docs/peer-loss.md,
+"Rejoin"). A rejoin that fails (a replacement with a different configuration, one for a rank
+that is not masked, a second loss, nobody arriving in time) re-arms the survivors' masked
+instance, which serves as before.
 
 Files, all under /dev/shm:
   moe-a2a-rejoin-{key}-r{rank}              claim of `rank`: the claimant's pid, role and a nonce
