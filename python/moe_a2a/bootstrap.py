@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from moe_a2a import switches
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -107,6 +109,9 @@ class Bootstrap:
         error: Exception | None = None
         try:
             yield
+            failing = switches.get("MOE_A2A_TEST_FAIL_STEP")
+            if failing and what.startswith(failing):
+                raise RuntimeError(f"MOE_A2A_TEST_FAIL_STEP: {what} fails on rank {self.rank}")
         except Exception as exc:
             error = exc
         mine = b"" if error is None else f"{type(error).__name__}: {error}".encode()

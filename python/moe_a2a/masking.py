@@ -149,11 +149,11 @@ class LiveRanks:
 
         remote = [r for r in range(self.world_size) if r not in setup.node]
         gone_remote = [r for r in remote if r in self.masked]
-        if gone_remote and set(setup.remote_peers) & set(gone_remote):
+        for r in gone_remote:  # their writes' failures no longer fail the engine (again, after a rejoin)
+            setup.engine.core.forgive_peer(r)
+        if set(setup.remote_peers) & set(gone_remote):
             # The masked remote peers leave the group (the old one stays with the engine until it
-            # closes: a few bytes a loss), and their writes' failures no longer fail the engine.
-            for r in gone_remote:
-                setup.engine.core.forgive_peer(r)
+            # closes: a few bytes a loss).
             setup.remote_peers = [r for r in remote if r not in self.masked]
             setup.group = setup.engine.group(setup.remote_peers, setup.remotes, setup.rails)
         else:

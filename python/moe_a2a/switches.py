@@ -160,6 +160,13 @@ REGISTRY: dict[str, Switch] = {
             "where it is set",
         ),
         Switch(
+            "MOE_A2A_TEST_FAIL_STEP",
+            "str",
+            None,
+            "tests only: the start-up step (Bootstrap.together) whose description starts with this fails "
+            "on the rank where it is set, after its body ran",
+        ),
+        Switch(
             "MOE_A2A_TEST_DELAY_WRITES_MS",
             "int",
             None,

@@ -194,6 +194,7 @@ def _launch_with_replacements(
     rejoins: dict[int, tuple[int, str]],
     bad: bool = False,
     across_nodes: bool = False,
+    replacement_env: dict[str, str] | None = None,
 ) -> tuple[dict[str, subprocess.Popen[bytes]], dict[str, str], str]:
     """WORLD ranks of peer_loss_job.py over torch.distributed and a launcher that starts rank
     r's replacement (named "r'") once r is gone, with key rejoins[r][1] (`bad`: with another
@@ -220,6 +221,7 @@ def _launch_with_replacements(
             for r, (_, key) in rejoins.items():
                 if procs[str(r)][0].poll() is not None and f"{r}'" not in procs:
                     extra = {"RANK": str(r), "REPLACEMENT_KEY": key, "REPLACEMENT_BAD": str(int(bad))}
+                    extra |= replacement_env or {}
                     procs[f"{r}'"] = start(f"rank{r}-replacement", extra)
             time.sleep(0.05)
     finally:
@@ -288,6 +290,27 @@ def test_a_replacement_with_another_configuration_is_refused_and_the_survivors_s
     for name in ("0", "1", "2"):
         assert procs[name].returncode == 0, text
         assert re.search(r"rejoin refused: .*hidden", outs[name]), text
+        done = re.search(DONE, outs[name])
+        assert done and done[3].strip(" ,") == "3" and int(done[1]) == CALLS - 1, text
+    assert not glob.glob(f"/dev/shm/moe-a2a-rejoin-{key}-*"), text
+
+
+@pytest.mark.timeout(300)
+def test_a_replacement_that_fails_late_leaves_the_survivors_serving_masked(tmp_path: Path) -> None:
+    """Rank 3's replacement fails in the backend's start, after the survivors connected its
+    address, added its region and mapped its segment: every survivor's rejoin raises, re-arms its
+    masked instance, and every later call still equals the masked reference."""
+    key = f"t{os.getpid()}-l"
+    cuda = os.environ.get("MOE_A2A_TEST_DEVICE") == "cuda"
+    step = "opening the node's GPU memory" if cuda else "starting the cpu backend"
+    procs, outs, text = _launch_with_replacements(
+        tmp_path, {3: 6}, {3: (12, key)}, replacement_env={"MOE_A2A_TEST_FAIL_STEP": step}
+    )
+    assert procs["3"].returncode == -9, text
+    assert procs["3'"].returncode not in (0, None) and "MOE_A2A_TEST_FAIL_STEP" in outs["3'"], text
+    for name in ("0", "1", "2"):
+        assert procs[name].returncode == 0, text
+        assert re.search(rf"rejoin refused: .*{step}", outs[name]), text
         done = re.search(DONE, outs[name])
         assert done and done[3].strip(" ,") == "3" and int(done[1]) == CALLS - 1, text
     assert not glob.glob(f"/dev/shm/moe-a2a-rejoin-{key}-*"), text
