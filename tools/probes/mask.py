@@ -48,7 +48,8 @@ def loss(provider: str, runs: int) -> None:
         outs = [p.communicate(timeout=200)[0] for p in procs]
         # Each survivor exits 0 only if every call it completed equalled the masked reference.
         codes = [p.returncode for p in procs[:3]]
-        path = re.search(r"rows path (\S+)", outs[0])
+        found = re.search(r"rows path (\S+)", outs[0])
+        path = found[1] if found else "?"
         if codes != [0, 0, 0]:
             print(f"{provider} run {run}: survivors exited {codes}\n" + "\n".join(outs))
             continue
@@ -91,8 +92,10 @@ def rejoin(provider: str, runs: int) -> None:
         inside = [float(re.search(r"rejoined \(3,\) in ([0-9.]+) s", o)[1]) for o in outs[:3]]  # type: ignore[index]
         joined = float(re.search(r"joined at epoch \d+ ([0-9.]+) s", outs[4])[1])  # type: ignore[index]
         after = [float(re.search(r"joined in ([0-9.]+) s", o)[1]) for o in outs[:3]]  # type: ignore[index]
+        found = re.search(r"rows path (\S+)", outs[0])
+        path = found[1] if found else "?"
         print(
-            f"{provider} run {run}: kill -> first full call, ranks 0-2 and 3': "
+            f"{provider} run {run} (rows {path}): kill -> first full call, ranks 0-2 and 3': "
             + ", ".join(f"{t - killed:.3f} s" for t in full)
             + f"; survivors in rejoin(): {min(inside):.3f}-{max(inside):.3f} s; "
             f"replacement from its first line to joined: {joined:.3f} s; survivors from the meeting "
