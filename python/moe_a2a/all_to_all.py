@@ -37,7 +37,7 @@ from moe_a2a.backends.common import Backend, RecvRequest, RowMath, Setup
 from moe_a2a.bootstrap import Bootstrap
 from moe_a2a.fabric import EngineLease, hint_universe_size
 from moe_a2a.nics import num_nics_default
-from moe_a2a.rejoin import LostRanks, live_ranks
+from moe_a2a.rejoin import LostRanks, live_ranks, register_masking
 
 CapacityError = _core.CapacityError
 FabricError = _core.FabricError
@@ -190,6 +190,8 @@ class AllToAll(LostRanks):
         self._last: weakref.ref[Dispatched] | None = None
         self._last_cached = False
         self._boot.barrier()  # every proxy runs and every peer is mapped before anyone writes
+        if self._live is not None:  # a loss another instance of the job sees is masked here too
+            register_masking(self)
 
     @property
     def epoch(self) -> int:

@@ -175,16 +175,24 @@ class LiveRanks:
             self.mesh.adopt(peer_sockets.mesh(boot, boot.local_pids(), set(joining)))
 
     def recover(
-        self, backend: Any, setup: Any, what: str, exc: BaseException, timeout_s: float
+        self,
+        backend: Any,
+        setup: Any,
+        what: str,
+        exc: BaseException,
+        timeout_s: float,
+        lost: list[int] | None = None,
     ) -> tuple[Any, PeerLostError] | None:
         """After a failed call: None where no peer's process is gone (the instance stops as
         usual); else the backend rebuilt with the agreed ranks masked, and the error the call
-        raises. Collective among the survivors; raises where they cannot agree in time."""
+        raises. Collective among the survivors; raises where they cannot agree in time.
+        `lost`: the ranks another instance of this process found gone (this one is idle)."""
         from moe_a2a.backends.cpu import CpuBackend
 
-        if not isinstance(exc, (_core.FabricError, _core.PeerFailedError)):
-            return None
-        lost = self.lost_peers(setup.pids)
+        if lost is None:
+            if not isinstance(exc, (_core.FabricError, _core.PeerFailedError)):
+                return None
+            lost = self.lost_peers(setup.pids)
         if not lost:
             return None
         cpu = isinstance(backend, CpuBackend)

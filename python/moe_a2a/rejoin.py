@@ -32,13 +32,14 @@ import pickle
 import re
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 from moe_a2a import _core, switches
 from moe_a2a.bootstrap import Bootstrap, Topology, _host_id, _layout
 from moe_a2a.cleanup import pid_alive
-from moe_a2a.masking import LiveRanks
+from moe_a2a.masking import LiveRanks, PeerLostError
 
 SHM = "/dev/shm"
 KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -528,6 +529,32 @@ class Reuse:
                 setup.engine.core.forget_peer_imm(r, tag, mask)
 
 
+# Instances with on_peer_loss="mask" in this process, in the order they were made (AllToAll.id).
+_masking: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def register_masking(inst: Any) -> None:
+    _masking.add(inst)
+
+
+def _siblings(inst: Any) -> list[Any]:
+    """The open, usable mask instances of `inst`'s job in this process (itself included), by id:
+    the same rank and world, and the same processes on this host."""
+    job = (inst.rank, inst.world_size, tuple(inst._setup.pids))
+    return sorted(
+        (
+            o
+            for o in _masking
+            if o._setup is not None
+            and o._failure is None
+            and o._live is not None
+            and (o.rank, o.world_size, tuple(o._setup.pids)) == job
+            and (o is inst or o._busy is None)
+        ),
+        key=lambda o: o.id,
+    )
+
+
 def live_ranks(boot: Bootstrap, cfg: Any, device: str) -> LiveRanks | None:
     """The constructor's LiveRanks (on_peer_loss="mask"): a rejoin's survivor keeps its own and
     connects the replacements, which take the survivors' agreement counters."""
@@ -579,22 +606,48 @@ class LostRanks:
 
     def _mask_after_loss(self, what: str, exc: BaseException) -> None:
         """on_peer_loss="mask" and a peer's process gone: agree with the survivors, rebuild the
-        backend without the lost ranks and raise PeerLostError (the instance stays usable)."""
+        backend without the lost ranks and raise PeerLostError (the instance stays usable).
+
+        A lost process is lost to every instance of the job (a model's layers): the other idle
+        instances of this process mask it too, each agreeing with its survivors, in the order
+        the instances were made. Every survivor runs the same agreements in the same order, so
+        none waits in one instance's agreement for a survivor that waits in another's (a
+        survivor whose call needed nothing from the lost rank may be a call further on)."""
         if self._live is None or self._setup is None:
             return
+        if not isinstance(exc, (_core.FabricError, _core.PeerFailedError)):
+            return
+        lost = self._live.lost_peers(self._setup.pids)
+        if not lost:
+            return
+        error: BaseException | None = None
+        for inst in _siblings(self):
+            if inst is self:
+                error = inst._agree_after_loss(what, exc, lost)
+            elif set(lost) - inst._live.masked:
+                inst._agree_after_loss("(idle)", exc, lost)
+        assert error is not None
+        raise error from exc
+
+    def _agree_after_loss(self, what: str, exc: BaseException, lost: list[int]) -> PeerLostError:
+        """This instance's agreement on `lost` and its re-armed backend (collective among the
+        survivors); the error its failed call raises. Where the agreement fails, so does the
+        instance."""
+        assert self._live is not None
         epoch = self._backend.epoch
         try:
-            outcome = self._live.recover(self._backend, self._setup, what, exc, self.cfg.timeout_s)
+            outcome = self._live.recover(
+                self._backend, self._setup, what, exc, self.cfg.timeout_s, list(lost)
+            )
         except BaseException as agreeing:
             self._failure = (
                 f"call {self._calls} ({what}, epoch {epoch}) on rank {self.rank}: {exc}; {agreeing}"
             )
             raise
-        if outcome is None:
-            return
+        assert outcome is not None
         self._backend, error = outcome
         self._state, self._last = "idle", None
-        raise error from exc
+        return error
 
     def rejoin(self, key: str, timeout_s: float | None = None, store: Any = None) -> tuple[int, ...]:
         """Collective among the survivors and one replacement per masked rank: let them in.

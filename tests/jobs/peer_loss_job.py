@@ -72,6 +72,14 @@ cfg = Config(
 RPN = int(os.environ.get("RANKS_PER_NODE", "0")) or None  # 2: two virtual nodes of 2 ranks each
 GRAPH = os.environ.get("PEER_LOSS_GRAPH") == "1"
 a2a = AllToAll(cfg, comm, device=DEVICE, provider=provider, ranks_per_node=RPN, graph_safe=GRAPH)
+# LAYERS > 1: more instances on the same engine (a model's layers), each losing the rank in its
+# own call and rejoining with its own key ("{key}-l{i}") right after the first.
+layers: list[AllToAll] = []
+for i in range(1, int(os.environ.get("LAYERS", "1"))):
+    layer_comm = comm
+    if "REPLACEMENT_KEY" in os.environ:
+        layer_comm = rejoin.replacement(f"{os.environ['REPLACEMENT_KEY']}-l{i}", rank, world, timeout_s=60.0)
+    layers.append(AllToAll(cfg, layer_comm, device=DEVICE, provider=provider, ranks_per_node=RPN))
 L = E // world
 if rank == 0:
     print(f"peer_loss_job: rows path {a2a.rows_path['path']}", flush=True)
@@ -231,7 +239,7 @@ if GRAPH:
 killed_at = None
 rejoined = "REPLACEMENT_KEY" in os.environ  # the next full call is the first after a rejoin
 seen_masked = 0
-checked = masked_checked = 0
+checked = masked_checked = layers_checked = 0
 fds_before = shm_before = maps_before = 0
 while a2a.epoch < calls:
     step = a2a.epoch  # every survivor resumes at the same epoch after a loss
@@ -242,7 +250,10 @@ while a2a.epoch < calls:
         # A survivor keeps what it registered and connected: only the replacements are new.
         ours = (a2a._setup.workspace.ptr, a2a._setup.engine, a2a._setup.region)
         try:
-            back = a2a.rejoin(rejoin_at.pop(step))
+            key = rejoin_at.pop(step)
+            back = a2a.rejoin(key)
+            for i, layer in enumerate(layers, 1):
+                layer.rejoin(f"{key}-l{i}")
             print(f"peer_loss_job: rank {rank} rejoined {back} in {time.time() - t0:.3f} s", flush=True)
             kept = ours == (a2a._setup.workspace.ptr, a2a._setup.engine, a2a._setup.region)
             print(f"peer_loss_job: rank {rank} kept its workspace, engine and region: {kept}", flush=True)
@@ -296,6 +307,22 @@ while a2a.epoch < calls:
             rejoined = False
     assert torch.equal(out, ref), f"rank {rank} step {step}: {(out.float() - ref.float()).abs().max()}"
     checked += 1
+    for i, layer in enumerate(layers, 1):
+        try:
+            d = layer.dispatch(xd, idsd, wd)
+            counts = d.tokens_per_expert.cpu()
+            start = counts.cumsum(0) - counts
+            y = torch.empty_like(d.expert_x)
+            for j in range(L):
+                a, n = int(start[j]), int(counts[j])
+                y[a : a + n] = expert(d.expert_x[a : a + n], rank * L + j)
+            out = layer.combine(y, d).cpu()
+        except PeerLostError as exc:  # this layer's own call saw the loss
+            print(f"peer_loss_job: rank {rank} layer {i} masked {exc.lost}", flush=True)
+            continue
+        ref, _ = reference(step, layer.masked_ranks)
+        assert torch.equal(out, ref), f"rank {rank} layer {i} step {step}"
+        layers_checked += 1
 if isinstance(a2a._args["comm"], rejoin.NodeRendezvous):  # built by a rejoin: no reopen()
     try:
         a2a.reopen()
@@ -305,10 +332,13 @@ grew = (fds() - fds_before, shm_files() - shm_before)
 print(
     f"peer_loss_job: rank {rank} done: {checked} calls checked, {masked_checked} masked, "
     f"masked {a2a.masked_ranks}, masked_calls {a2a.masked_calls}, fds +{grew[0]}, /dev/shm +{grew[1]}, "
-    f"workspace mappings +{mapped() - maps_before}",
+    f"workspace mappings +{mapped() - maps_before}, layers: {layers_checked} calls checked, masked "
+    f"{[layer.masked_ranks for layer in layers]}",
     flush=True,
 )
 t0 = time.time()
+for layer in layers:
+    layer.close()
 a2a.close()
 print(f"peer_loss_job: rank {rank} closed in {time.time() - t0:.3f} s", flush=True)
 os._exit(0)  # no collective teardown with a dead peer

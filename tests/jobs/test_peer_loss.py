@@ -195,6 +195,7 @@ def _launch_with_replacements(
     bad: bool = False,
     across_nodes: bool = False,
     replacement_env: dict[str, str] | None = None,
+    layers: int = 1,
 ) -> tuple[dict[str, subprocess.Popen[bytes]], dict[str, str], str]:
     """WORLD ranks of peer_loss_job.py over torch.distributed and a launcher that starts rank
     r's replacement (named "r'") once r is gone, with key rejoins[r][1] (`bad`: with another
@@ -207,6 +208,7 @@ def _launch_with_replacements(
     if across_nodes:
         env |= {"RANKS_PER_NODE": "2", "MOE_A2A_REJOIN_STORE": f"127.0.0.1:{port}"}
     env |= {"MOE_A2A_ABORT_ON_ERROR": "0", "REJOIN_AT": ",".join(f"{s}:{k}" for s, k in rejoins.values())}
+    env |= {"LAYERS": str(layers)}
     args = [sys.executable, str(SCRIPT), "tcp", str(CALLS), ",".join(f"{r}:{c}" for r, c in kills.items())]
 
     def start(name: str, extra: dict[str, str]) -> tuple[subprocess.Popen[bytes], Path]:
@@ -243,7 +245,11 @@ def test_replacements_rejoin_and_the_full_set_resumes(tmp_path: Path, across_nod
     meeting is in a TCPStore."""
     key = f"t{os.getpid()}{'-n' if across_nodes else ''}"  # unique to the job: never another's files
     procs, outs, text = _launch_with_replacements(
-        tmp_path, {3: 6, 1: 18}, {3: (12, f"{key}-a"), 1: (24, f"{key}-b")}, across_nodes=across_nodes
+        tmp_path,
+        {3: 6, 1: 18},
+        {3: (12, f"{key}-a"), 1: (24, f"{key}-b")},
+        across_nodes=across_nodes,
+        layers=2,
     )
     for name, p in procs.items():
         if name in ("3", "1"):
@@ -253,10 +259,14 @@ def test_replacements_rejoin_and_the_full_set_resumes(tmp_path: Path, across_nod
         done = re.search(DONE, outs[name])
         assert done and done[3].strip() == "", text  # nobody masked at the end
         # Across nodes the current meeting's TCPStore connections stay open with its instance (one
-        # per participant; the store's host, rank 0, serves the others'): bounded, not per rejoin.
-        fds_limit = 3 if across_nodes else 0
+        # per participant; the store's host, rank 0, serves the others'): bounded, not per rejoin;
+        # each of the two instances has its own meeting.
+        fds_limit = 3 * 2 if across_nodes else 0
         assert int(done[4]) <= fds_limit and int(done[5]) <= 0, f"{name}: fds or /dev/shm grew\n{text}"
         assert "reopen refused: reopen: this instance was built by a rejoin" in outs[name], text
+        # A second instance on the engine (a model's next layer) lost and got back the same ranks.
+        layer = re.search(r"layers: (\d+) calls checked, masked \[\(\)\]", outs[name])
+        assert layer and int(layer[1]) >= int(re.search(DONE, outs[name])[1]) - 3, text  # type: ignore[index]
         # Memory: the old instances' workspaces are unmapped (the new ones replace them).
         assert re.search(r"workspace mappings \+0\b", outs[name]), f"{name}: workspace mappings grew\n{text}"
     # The survivors of both losses count every call but the two that failed; the replacements
