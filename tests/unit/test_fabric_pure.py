@@ -592,10 +592,20 @@ time.sleep(600)
 """
 
 
+# A replacement of rank 1: as _PEER, then it waits for one write with immediate tag 903 from
+# rank 0 and prints the 8 bytes it brought.
+_REPLACEMENT = _PEER.replace(
+    "time.sleep(600)",
+    "e.wait_imm(903, 0, 1, 30.0)\nsys.stdout.buffer.write(bytes(buf[:8]))\nsys.stdout.flush()",
+)
+
+
 def test_a_forgiven_peer_fails_the_engine_no_more() -> None:
     """tcp: a peer process is SIGKILLed and writes to it fail the engine; once every survivor has
     masked that peer (forgive_peer), the engine is healthy again, the failed writes count as
-    done, and later writes to it fail nothing (moe_a2a.masking)."""
+    done, and later writes to it fail nothing (moe_a2a.masking). Then a replacement process
+    takes rank 1 (moe_a2a.rejoin): reconnect_peer sends our writes to its address, and its
+    failures would count again."""
     import pickle
     import subprocess
     import sys
@@ -633,3 +643,29 @@ def test_a_forgiven_peer_fails_the_engine_no_more() -> None:
     assert engine.error == "" and engine.tx_completed == engine.tx_submitted
     with pytest.raises(FabricError, match=r"forgive_peer: peer 2 is out of range"):
         engine.forgive_peer(2)
+    other = _core.encode_address("shm", [b"x"])
+    with pytest.raises(FabricError, match=r"cannot talk to rank 1's replacement, which uses provider 'shm'"):
+        engine.reconnect_peer(1, other)
+    with pytest.raises(FabricError, match=r"reconnect_peer: peer 2 is out of range"):
+        engine.reconnect_peer(2, engine.address())
+    replacement = subprocess.Popen(
+        [sys.executable, "-c", _REPLACEMENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert replacement.stdout is not None and replacement.stdin is not None
+        address, desc = pickle.load(replacement.stdout)
+        pickle.dump(engine.address(), replacement.stdin)
+        replacement.stdin.flush()
+        engine.reconnect_peer(1, address)
+        engine.reconnect_peer(1, address)  # the same address again: nothing (another instance's rejoin)
+        group = engine.create_group([1], [engine.add_remote_region(1, desc)])
+        buf[4096 : 4096 + 8] = b"rejoined"
+        engine.scatter(group, region, [_core.ScatterItem(0, 4096, 8, 0)], 903)
+        engine.wait_tx(10.0)
+        assert replacement.stdout.read(8) == b"rejoined"
+        assert replacement.wait(30) == 0
+    finally:
+        if replacement.poll() is None:
+            replacement.kill()
+            replacement.wait()
+    assert engine.error == ""
