@@ -299,6 +299,11 @@ def instance_tags(instance: int) -> tuple[int, int]:
     (tag, mask) that every immediate tag of instance slot `instance` matches (signals.h).
     """
 
+def fence_tag(instance: int) -> int:
+    """
+    The fence tag of instance slot `instance`: the survivors' zero-byte write after a loss (moe_a2a.masking).
+    """
+
 def f32_to_e4m3(f32: bytes) -> bytes:
     """
     fp32 values (bytes) to e4m3fn codes (bytes), as the CPU dispatch quantises.

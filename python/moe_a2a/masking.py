@@ -141,10 +141,11 @@ class LiveRanks:
         self.experts = on_masked.repeat_interleave(self.local_experts)
         return newly, int(resume)
 
-    def rearm(self, backend: Any, setup: Any, resume: int) -> Any:
+    def rearm(self, backend: Any, setup: Any, resume: int, fence_s: float | None = None) -> Any:
         """The backend re-armed with the masked ranks, calls resuming after epoch `resume`: a new
         CPU backend (`backend` None: the old one is closed), the CUDA one re-armed in place. After
-        an agreement, or a rejoin that failed (moe_a2a.rejoin)."""
+        an agreement (`fence_s`: the fence's timeout, collective among the survivors), or a
+        rejoin that failed (moe_a2a.rejoin)."""
         from moe_a2a.backends.cpu import CpuBackend
 
         remote = [r for r in range(self.world_size) if r not in setup.node]
@@ -158,6 +159,14 @@ class LiveRanks:
             setup.group = setup.engine.group(setup.remote_peers, setup.remotes, setup.rails)
         else:
             gone_remote = []
+        if fence_s is not None and setup.engine is not None and setup.remote_peers:
+            # The failed call's writes of a live remote peer may still be in the engines' queues or
+            # on the wire, and would pair with the next call (the new proxy forgets only what has
+            # landed). Each survivor writes a fence behind all of its own, and waits for every
+            # live remote peer's: writes to one peer are placed in order (tcp, shm; not efa's
+            # unordered RDM, docs/peer-loss.md).
+            fence = _core.fence_tag(int(setup.core_cfg.instance))
+            setup.engine.core.barrier(setup.group, fence, fence_s)
         flags = [1 if r in self.masked else 0 for r in range(self.world_size)]
         if backend is None:
             return CpuBackend(setup, flags, resume)
@@ -206,7 +215,7 @@ class LiveRanks:
             epoch = backend.halt()
         newly, resume = self.agree(setup.workspace, setup.pids, lost, epoch, timeout_s)
         masked = tuple(sorted(self.masked))
-        rebuilt = self.rearm(None if cpu else backend, setup, resume)
+        rebuilt = self.rearm(None if cpu else backend, setup, resume, timeout_s)
         if self.mesh is not None:
             # No survivor's next call may reach one still clearing the failed call's leftovers.
             live = frozenset(range(self.world_size)) - self.masked

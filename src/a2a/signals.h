@@ -74,7 +74,18 @@ inline PeerSignals peer_signals_in(Seq* block, int world) {
 
 // Immediate tags of the protocol's writes (docs/protocol.md, "Signals").
 // kTagStamp: a cached call's routing stamp (call_stamps.h) to each remote peer.
-enum Tag : uint32_t { kTagRoute = 1, kTagDispatch = 2, kTagCombine = 3, kTagBarrier = 4, kTagAbort = 5, kTagStamp = 6 };
+// kTagFence: after a loss, the survivors' zero-byte write behind everything
+// else they sent, before they re-arm (moe_a2a.masking); never counted by the
+// call checks.
+enum Tag : uint32_t {
+  kTagRoute = 1,
+  kTagDispatch = 2,
+  kTagCombine = 3,
+  kTagBarrier = 4,
+  kTagAbort = 5,
+  kTagStamp = 6,
+  kTagFence = 7
+};
 
 // The tag on the wire: the kind in the low bits, then the slice (slices.h:
 // the part, then the slice in it), the instance above them (config.h), so

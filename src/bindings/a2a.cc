@@ -95,6 +95,10 @@ void bind_a2a(nb::module_& m) {
                               moe_a2a::a2a::kInstanceTagMask);
       },
       nb::arg("instance"), "(tag, mask) that every immediate tag of instance slot `instance` matches (signals.h).");
+  m.def(
+      "fence_tag", [](int instance) { return moe_a2a::a2a::wire_tag(instance, moe_a2a::a2a::kTagFence); },
+      nb::arg("instance"),
+      "The fence tag of instance slot `instance`: the survivors' zero-byte write after a loss (moe_a2a.masking).");
   bind_number_formats(m);
 
   nb::enum_<DType>(m, "DType").value("bf16", DType::kBf16).value("fp32", DType::kFp32).value("fp8", DType::kFp8);
