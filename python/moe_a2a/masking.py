@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from moe_a2a import _core, gpu_direct, peer_sockets
+from moe_a2a import _core, peer_sockets
 from moe_a2a.cleanup import pid_alive
 from moe_a2a.consensus import ControlMesh, Vote
 
@@ -159,14 +159,13 @@ class LiveRanks:
             setup.group = setup.engine.group(setup.remote_peers, setup.remotes, setup.rails)
         else:
             gone_remote = []
-        staged = setup.transfer is None or setup.transfer.path != gpu_direct.GPU_DIRECT
-        if fence_s is not None and setup.engine is not None and setup.remote_peers and staged:
+        if fence_s is not None and setup.engine is not None and setup.remote_peers:
             # The failed call's writes of a live remote peer may still be in the engines' queues or
             # on the wire, and would pair with the next call (the new proxy forgets only what has
             # landed). Each survivor writes a fence behind all of its own, and waits for every
             # live remote peer's: writes to one peer are placed in order (tcp, shm; not efa's
-            # unordered RDM). Not with GPU-direct rows: there the fence never arrived on the
-            # H200 (shm with CUDA memory), which is open (docs/peer-loss.md).
+            # unordered RDM). The lost peers' writes that never complete (shm) were counted done
+            # when they were forgiven, so the fence is not held behind them.
             fence = _core.fence_tag(int(setup.core_cfg.instance))
             setup.engine.core.barrier(setup.group, fence, fence_s)
         flags = [1 if r in self.masked else 0 for r in range(self.world_size)]

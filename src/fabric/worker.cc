@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "error.h"
+#include "imm.h"
 
 namespace moe_a2a::fabric {
 namespace {
@@ -34,8 +35,13 @@ const char* op_name(OpKind op) {
 }
 
 Worker::Worker(std::vector<std::unique_ptr<Backend>>* backends, ImmCounters* imms, IdlePolicy idle)
-    : backends_(backends), imms_(imms), idle_(idle), arrivals_(new std::atomic<uint64_t>[backends->size()]) {
+    : backends_(backends),
+      imms_(imms),
+      idle_(idle),
+      arrivals_(new std::atomic<uint64_t>[backends->size()]),
+      in_flight_(new std::atomic<int64_t>[kMaxRanks]) {
   for (size_t i = 0; i < backends->size(); ++i) arrivals_[i].store(0);
+  for (int r = 0; r < kMaxRanks; ++r) in_flight_[r].store(0, std::memory_order_relaxed);
   queue_.reserve(kInitialQueue);
   pending_.reserve(kInitialQueue);
   thread_ = std::thread([this] { run(); });
@@ -142,6 +148,8 @@ void Worker::forgive(int peer) {
     }
     failures_ = std::move(left);
     error_ = failures_.empty() ? std::string() : failures_.front().second;
+    // Posted and never completed (a dead process's endpoint may not fail them): done now.
+    if (peer >= 0 && peer < kMaxRanks) dropped += static_cast<uint64_t>(in_flight_[peer].exchange(0));
     std::lock_guard<std::mutex> idle(idle_mu_);
     completed_.fetch_add(dropped);  // each failed write of the peer, never counted as completed
     failed_.store(!failures_.empty());
@@ -192,6 +200,8 @@ bool Worker::post_pending() {
       return progress;
     }
     if (!posted) break;  // queue full: completions first
+    if (piece.write.peer >= 0 && piece.write.peer < kMaxRanks)
+      in_flight_[piece.write.peer].fetch_add(1, std::memory_order_relaxed);
     ++head_;
     progress = true;
   }
@@ -200,6 +210,13 @@ bool Worker::post_pending() {
     head_ = 0;
   }
   return progress;
+}
+
+bool Worker::settle(int peer) {
+  if (peer < 0 || peer >= kMaxRanks) return true;
+  if (in_flight_[peer].fetch_sub(1, std::memory_order_relaxed) > 0) return true;
+  in_flight_[peer].fetch_add(1, std::memory_order_relaxed);  // forgive() counted it already
+  return false;
 }
 
 void Worker::write_done() {
@@ -217,10 +234,10 @@ bool Worker::handle(int nic, const Completion* done, int n) {
       arrivals_[nic].fetch_add(1, std::memory_order_relaxed);  // before a waiter can see the count
       imms_->add(c.imm);
     } else if (c.kind == CompletionKind::kSent) {
-      write_done();
+      if (settle(static_cast<int>(static_cast<uint32_t>(c.context)))) write_done();
     } else {
-      fail((*backends_)[nic]->last_error() + " [" + describe_context(c.context) + "]",
-           static_cast<int>(static_cast<uint32_t>(c.context)));
+      const int peer = static_cast<int>(static_cast<uint32_t>(c.context));
+      if (settle(peer)) fail((*backends_)[nic]->last_error() + " [" + describe_context(c.context) + "]", peer);
     }
   }
   return n > 0;

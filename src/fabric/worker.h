@@ -87,8 +87,10 @@ class Worker {
   bool failed() const { return failed_.load(); }
   // `peer` is gone and masked by every survivor (moe_a2a.masking): its writes'
   // failures so far no longer fail the worker (they count as completed), its
-  // later writes are not posted (counted as completed), and the worker is
-  // healthy again unless another peer failed. Never blocks.
+  // writes posted and not completed count as completed now (a provider may
+  // never complete a write to a dead process: shm), its later writes are not
+  // posted (counted as completed), and the worker is healthy again unless
+  // another peer failed. Never blocks.
   void forgive(int peer);
   // `peer`'s process was replaced: its writes fail the worker again.
   void unforgive(int peer);
@@ -128,6 +130,11 @@ class Worker {
   std::atomic<uint64_t> completed_{0};
   std::atomic<uint64_t> allocations_{0};
   std::unique_ptr<std::atomic<uint64_t>[]> arrivals_;
+  // Per peer (index = rank): writes posted and not completed. forgive() takes
+  // them as completed and zeroes the count; a completion that finds it at 0
+  // was taken so and counts nothing (settle).
+  std::unique_ptr<std::atomic<int64_t>[]> in_flight_;
+  bool settle(int peer);
   std::atomic<bool> failed_{false};
   mutable std::mutex error_mu_;
   std::string error_;
