@@ -621,11 +621,16 @@ class LostRanks:
         if not lost:
             return
         error: BaseException | None = None
-        for inst in _siblings(self):
-            if inst is self:
-                error = inst._agree_after_loss(what, exc, lost)
-            elif set(lost) - inst._live.masked:
-                inst._agree_after_loss("(idle)", exc, lost)
+        try:
+            for inst in _siblings(self):
+                if inst is self:
+                    error = inst._agree_after_loss(what, exc, lost)
+                elif set(lost) - inst._live.masked:
+                    inst._agree_after_loss("(idle)", exc, lost)
+        except BaseException as agreeing:  # an earlier instance's agreement failed: this one stops too
+            if self._failure is None:
+                self._failure = f"call {self._calls} ({what}) on rank {self.rank}: {exc}; {agreeing}"
+            raise
         assert error is not None
         raise error from exc
 
