@@ -215,8 +215,10 @@ bool Worker::post_pending() {
 bool Worker::settle(int peer) {
   if (peer < 0 || peer >= kMaxRanks) return true;
   if (in_flight_[peer].fetch_sub(1, std::memory_order_relaxed) > 0) return true;
-  in_flight_[peer].fetch_add(1, std::memory_order_relaxed);  // forgive() counted it already
-  return false;
+  in_flight_[peer].fetch_add(1, std::memory_order_relaxed);
+  // At 0: forgive() counted it already; or (peer not forgiven) a completion whose context names
+  // no write of ours (a provider's error without one), which counts as before.
+  return !(any_forgiven_.load(std::memory_order_relaxed) && is_forgiven(peer));
 }
 
 void Worker::write_done() {
