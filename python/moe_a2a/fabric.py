@@ -354,8 +354,7 @@ def lease_engine(
         busy = set().union(*(set(slots) for _, slots, _ in offers))
         free = next((s for s in range(_MAX_SLOTS) if s not in busy), None)
         if kept:  # a replacement takes the survivors' slot (it is free on theirs)
-            mine_busy = held.busy()
-            free = kept[0][1] if kept[0][1] not in mine_busy else None
+            free = kept[0][1] if kept[0][1] not in held.busy() else None
         if free is None:
             raise RuntimeError(
                 f"AllToAll: {_MAX_SLOTS} instances already share the {provider} engine "

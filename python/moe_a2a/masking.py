@@ -185,26 +185,14 @@ class LiveRanks:
             self.mesh.adopt(peer_sockets.mesh(boot, boot.local_pids(), set(joining)))
 
     def recover(
-        self,
-        backend: Any,
-        setup: Any,
-        what: str,
-        exc: BaseException,
-        timeout_s: float,
-        lost: list[int] | None = None,
-    ) -> tuple[Any, PeerLostError] | None:
-        """After a failed call: None where no peer's process is gone (the instance stops as
-        usual); else the backend rebuilt with the agreed ranks masked, and the error the call
-        raises. Collective among the survivors; raises where they cannot agree in time.
-        `lost`: the ranks another instance of this process found gone (this one is idle)."""
+        self, backend: Any, setup: Any, what: str, exc: BaseException, timeout_s: float, lost: list[int]
+    ) -> tuple[Any, PeerLostError]:
+        """After a failed call (`exc`), or idle beside the instance whose call failed
+        (moe_a2a.rejoin): the backend rebuilt with the agreed ranks masked, `lost` (found gone)
+        among them, and the error the call raises. Collective among the survivors; raises where
+        they cannot agree in time."""
         from moe_a2a.backends.cpu import CpuBackend
 
-        if lost is None:
-            if not isinstance(exc, (_core.FabricError, _core.PeerFailedError)):
-                return None
-            lost = self.lost_peers(setup.pids)
-        if not lost:
-            return None
         cpu = isinstance(backend, CpuBackend)
         # Nothing of ours moves after this, before anyone agrees: the CPU backend's proxy thread
         # joins; the CUDA one's kernels end (eager kernels never wait for a peer; a graph's end

@@ -641,7 +641,7 @@ class LostRanks:
         assert self._live is not None
         epoch = self._backend.epoch
         try:
-            outcome = self._live.recover(
+            self._backend, error = self._live.recover(
                 self._backend, self._setup, what, exc, self.cfg.timeout_s, list(lost)
             )
         except BaseException as agreeing:
@@ -649,8 +649,6 @@ class LostRanks:
                 f"call {self._calls} ({what}, epoch {epoch}) on rank {self.rank}: {exc}; {agreeing}"
             )
             raise
-        assert outcome is not None
-        self._backend, error = outcome
         self._state, self._last = "idle", None
         return error
 

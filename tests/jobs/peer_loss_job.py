@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -119,6 +120,18 @@ def reference(step: int, masked: tuple[int, ...]) -> torch.Tensor:
             if keep[t, k]:
                 out[t] += kept[t, k] * expert(x[t], int(ids[t, k])).float()
     return out.to(torch.bfloat16), ~keep
+
+
+def step_of(inst: AllToAll, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """One eager decode step of `inst`: dispatch, expert() on each local expert's rows, combine."""
+    d = inst.dispatch(x, ids, w)
+    counts = d.tokens_per_expert.cpu()
+    start = counts.cumsum(0) - counts
+    y = torch.empty_like(d.expert_x)
+    for i in range(L):
+        a, n = int(start[i]), int(counts[i])
+        y[a : a + n] = expert(d.expert_x[a : a + n], rank * L + i)
+    return d, inst.combine(y, d).cpu()
 
 
 def fds() -> int:
@@ -271,14 +284,7 @@ while a2a.epoch < calls:
                 torch.cuda.synchronize()  # the send kernels ran: the rows are out
             print(f"peer_loss_job: rank {rank} killed at {time.time():.6f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        d = a2a.dispatch(xd, idsd, wd)
-        counts = d.tokens_per_expert.cpu()
-        start = counts.cumsum(0) - counts
-        y = torch.empty_like(d.expert_x)
-        for i in range(L):
-            a, n = int(start[i]), int(counts[i])
-            y[a : a + n] = expert(d.expert_x[a : a + n], rank * L + i)
-        out = a2a.combine(y, d).cpu()
+        d, out = step_of(a2a, xd, idsd, wd)
     except PeerLostError as exc:
         print(
             f"peer_loss_job: rank {rank} masked {exc.lost} at {time.time():.6f} resume {exc.epoch}: {exc}",
@@ -309,14 +315,7 @@ while a2a.epoch < calls:
     checked += 1
     for i, layer in enumerate(layers, 1):
         try:
-            d = layer.dispatch(xd, idsd, wd)
-            counts = d.tokens_per_expert.cpu()
-            start = counts.cumsum(0) - counts
-            y = torch.empty_like(d.expert_x)
-            for j in range(L):
-                a, n = int(start[j]), int(counts[j])
-                y[a : a + n] = expert(d.expert_x[a : a + n], rank * L + j)
-            out = layer.combine(y, d).cpu()
+            _, out = step_of(layer, xd, idsd, wd)
         except PeerLostError as exc:  # this layer's own call saw the loss
             print(f"peer_loss_job: rank {rank} layer {i} masked {exc.lost}", flush=True)
             continue

@@ -287,6 +287,27 @@ def test_replacements_rejoin_and_the_full_set_resumes(tmp_path: Path, across_nod
     assert not glob.glob(f"/dev/shm/moe-a2a-rejoin-{key}-*"), text
 
 
+def _assert_refused_and_served_masked(
+    procs: dict[str, subprocess.Popen[bytes]],
+    outs: dict[str, str],
+    text: str,
+    key: str,
+    replacement_says: str,
+    survivors_say: str | None = None,
+) -> None:
+    """Rank 3 killed, its replacement failed saying `replacement_says`, every survivor's rejoin
+    refused saying `survivors_say` (default the same), and every survivor finished every call
+    but the failed one with rank 3 masked; no rejoin file left."""
+    assert procs["3"].returncode == -9, text
+    assert procs["3'"].returncode not in (0, None) and replacement_says in outs["3'"], text
+    for name in ("0", "1", "2"):
+        assert procs[name].returncode == 0, text
+        assert re.search(rf"rejoin refused: .*{survivors_say or replacement_says}", outs[name]), text
+        done = re.search(DONE, outs[name])
+        assert done and done[3].strip(" ,") == "3" and int(done[1]) == CALLS - 1, text
+    assert not glob.glob(f"/dev/shm/moe-a2a-rejoin-{key}-*"), text
+
+
 @pytest.mark.timeout(300)
 def test_a_replacement_with_another_configuration_is_refused_and_the_survivors_serve_on(
     tmp_path: Path,
@@ -295,14 +316,7 @@ def test_a_replacement_with_another_configuration_is_refused_and_the_survivors_s
     survivor's rejoin fail naming it, and the survivors finish every call with rank 3 masked."""
     key = f"t{os.getpid()}-c"
     procs, outs, text = _launch_with_replacements(tmp_path, {3: 6}, {3: (12, key)}, bad=True)
-    assert procs["3"].returncode == -9, text
-    assert procs["3'"].returncode not in (0, None) and "hidden" in outs["3'"], text
-    for name in ("0", "1", "2"):
-        assert procs[name].returncode == 0, text
-        assert re.search(r"rejoin refused: .*hidden", outs[name]), text
-        done = re.search(DONE, outs[name])
-        assert done and done[3].strip(" ,") == "3" and int(done[1]) == CALLS - 1, text
-    assert not glob.glob(f"/dev/shm/moe-a2a-rejoin-{key}-*"), text
+    _assert_refused_and_served_masked(procs, outs, text, key, "hidden")
 
 
 @pytest.mark.timeout(300)
@@ -316,14 +330,7 @@ def test_a_replacement_that_fails_late_leaves_the_survivors_serving_masked(tmp_p
     procs, outs, text = _launch_with_replacements(
         tmp_path, {3: 6}, {3: (12, key)}, replacement_env={"MOE_A2A_TEST_FAIL_STEP": step}
     )
-    assert procs["3"].returncode == -9, text
-    assert procs["3'"].returncode not in (0, None) and "MOE_A2A_TEST_FAIL_STEP" in outs["3'"], text
-    for name in ("0", "1", "2"):
-        assert procs[name].returncode == 0, text
-        assert re.search(rf"rejoin refused: .*{step}", outs[name]), text
-        done = re.search(DONE, outs[name])
-        assert done and done[3].strip(" ,") == "3" and int(done[1]) == CALLS - 1, text
-    assert not glob.glob(f"/dev/shm/moe-a2a-rejoin-{key}-*"), text
+    _assert_refused_and_served_masked(procs, outs, text, key, "MOE_A2A_TEST_FAIL_STEP", step)
 
 
 @pytest.mark.timeout(240)
