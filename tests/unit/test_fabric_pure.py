@@ -611,12 +611,17 @@ def test_a_forgiven_peer_fails_the_engine_no_more() -> None:
     import sys
     import time
 
-    peer = subprocess.Popen([sys.executable, "-c", _PEER], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    # Writes in flight when the peer dies fail; libfabric 1.17's tcp may instead keep writes
+    # posted after it is gone queued for ever, never failing them (the peer watch's sockets
+    # notice such a loss). So 4 MiB writes are on the wire when the peer is killed.
+    big = 4 << 20
+    peer_src = _PEER.replace("8192", str(2 * big))
+    peer = subprocess.Popen([sys.executable, "-c", peer_src], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         assert peer.stdout is not None and peer.stdin is not None
         address, desc = pickle.load(peer.stdout)
         engine = _core.TransferEngine(0, 2, "tcp")
-        buf = bytearray(8192)
+        buf = bytearray(2 * big)
         region = engine.register_region(_address_of(buf), len(buf))
         pickle.dump(engine.address(), peer.stdin)
         peer.stdin.flush()
@@ -624,12 +629,13 @@ def test_a_forgiven_peer_fails_the_engine_no_more() -> None:
         group = engine.create_group([1], [engine.add_remote_region(1, desc)])
         engine.scatter(group, region, [_core.ScatterItem(0, 0, 8, 4096)], 902)
         engine.wait_tx(30.0)
+        for _ in range(8):
+            engine.scatter(group, region, [_core.ScatterItem(0, 0, big, big)], 902)
     finally:
         peer.kill()
         peer.wait()
     deadline = time.monotonic() + 20
     while not engine.error and time.monotonic() < deadline:
-        engine.scatter(group, region, [_core.ScatterItem(0, 0, 8, 4096)], 902)
         time.sleep(0.05)
     assert "to peer 1" in engine.error, engine.error
     with pytest.raises(FabricError, match="to peer 1"):
