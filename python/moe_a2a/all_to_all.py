@@ -201,8 +201,9 @@ class AllToAll(LostRanks):
 
     @property
     def max_output_rows(self) -> int:
-        """Rows of `expert_x` in graph-safe mode (the most a call can deliver, padded)."""
-        return int(getattr(self._backend, "max_output_rows", 0))
+        """The most rows a call can deliver, padded: `expert_x`'s rows in graph-safe mode."""
+        c = self._core_cfg
+        return int(c.max_recv_tokens) + self.num_local_experts * (int(c.expert_padding) - 1)
 
     # -- dispatch -------------------------------------------------------------------------------
 

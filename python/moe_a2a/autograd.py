@@ -37,6 +37,7 @@ from moe_a2a.ep_channel import Channel
 from moe_a2a.ep_types import CompiledRouting, ExpertRouting, PendingCombined, PendingRouted, Routed
 
 GRAD_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+COMPILED_ROWS = ("exact", "capacity")
 _ids = itertools.count(1)
 
 
@@ -49,6 +50,14 @@ class ExpertParallel:
     `max_live_routings` routings are alive at once: a model with L layers
     needs L (2L with activation recomputation); more is an error, never a
     silent overwrite.
+
+    `compiled_rows` is what a dispatch under torch.compile hands the experts:
+    `"exact"` the rows it received (a data-dependent size: the caller's graph
+    reads it on the host and compiles for an unbacked size), `"capacity"` always
+    `max_output_rows` rows, those past the received ones zero (a static size:
+    no host read in the graph, and Inductor compiles the experts for a fixed
+    shape; experts must then take `tokens_per_expert` as the filled rows, as
+    TorchTitan's do). Eager calls always return the exact rows.
     """
 
     def __init__(
@@ -62,6 +71,7 @@ class ExpertParallel:
         grad_dtype: str = "bf16",
         max_live_routings: int = 64,
         nics: Sequence[str] | str | None = None,
+        compiled_rows: str = "exact",
     ) -> None:
         if not isinstance(cfg, Config):
             raise TypeError(f"cfg: got {type(cfg).__name__}; expected moe_a2a.Config")
@@ -73,6 +83,9 @@ class ExpertParallel:
             or max_live_routings < 1
         ):
             raise ValueError(f"max_live_routings: got {max_live_routings!r}; expected an integer >= 1")
+        if compiled_rows not in COMPILED_ROWS:
+            raise ValueError(f"compiled_rows: got {compiled_rows!r}; expected one of {list(COMPILED_ROWS)}")
+        self.compiled_rows = compiled_rows
         self.cfg = cfg
         self.grad_dtype = grad_dtype
         self.max_live_routings = max_live_routings
@@ -101,6 +114,7 @@ class ExpertParallel:
         self.device = self.forward_a2a.device
         self._ids_dtypes = self.forward_a2a._backend.ids_dtypes  # what the core takes unconverted
         self._all = list({id(a): a for a in (self.forward_a2a, self.backward_a2a)}.values())
+        self._capacity_rows = self.forward_a2a.max_output_rows  # a plain int for Dynamo
         compiled_ops.register(self)
 
     # -- public API ---------------------------------------------------------------------------
@@ -235,8 +249,11 @@ class ExpertParallel:
         ids = self._check_ids(topk_ids)
         track = torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad)
         counts, key, num_rows = compiled_ops.dispatch_op(x, ids, topk_weights, self.id, track)
-        rows = num_rows.item()  # an unbacked size under capture_scalar_outputs
-        torch._check_is_size(rows)
+        if self.compiled_rows == "capacity":
+            rows = self._capacity_rows  # static: nothing read on the host
+        else:
+            rows = num_rows.item()  # an unbacked size under capture_scalar_outputs
+            torch._check_is_size(rows)
         expert_x, row_weights = compiled_ops.dispatch_rows_op(x, topk_weights, key, self.id, rows)
         return Routed(
             expert_x=expert_x,

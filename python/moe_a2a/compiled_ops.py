@@ -10,11 +10,14 @@ through four operators:
 - `moe_a2a::combine(y, row_weights, key, ep_id, num_tokens, weighted, backward)` -> [T, H];
 - their backwards, `moe_a2a::dispatch_backward` and `moe_a2a::combine_backward`.
 
-Shapes: the row count U is data-dependent. The caller reads it with `.item()`, which
-TorchTitan's `capture_scalar_outputs=True` turns into an unbacked size (checked with
-`torch._check_is_size`), and hands it to `dispatch_rows`, whose fake implementation
-gives rows of that size: nothing is padded to a capacity and the experts see exactly
-eager's rows. The handle is an integer: `ep_id` names
+Shapes: the row count U is data-dependent. With `ExpertParallel(compiled_rows="exact")`
+the caller reads it with `.item()`, which TorchTitan's `capture_scalar_outputs=True`
+turns into an unbacked size (checked with `torch._check_is_size`), and hands it to
+`dispatch_rows`, whose fake implementation gives rows of that size: the experts see
+exactly eager's rows. With `"capacity"` the caller passes the instance's
+`max_output_rows` R instead (a constant): rows [R, H] with zeros past U, and the ops
+that take rows back (`combine`, the backwards) use their first U. No host read, and
+Inductor compiles the experts for a static size. The handle is an integer: `ep_id` names
 the `ExpertParallel` (a per-process registry), the routing key (a tensor, made at run
 time) names its `ExpertRouting` in that instance's registry. A routing stays there
 until its last use: the dispatch's backward, else the combine's backward, else the combine.
@@ -26,6 +29,7 @@ calls do not go through these operators at all. docs/training.md has the design.
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any
 
@@ -106,7 +110,27 @@ def dispatch_rows_op(
     h._compiled = (None, h._compiled[1])  # type: ignore[attr-defined]
     assert h.row_weights is not None and expert_x is not None
     # Fresh tensors: the routing keeps its own row weights for the backward.
-    return expert_x, h.row_weights.clone()
+    return _padded(expert_x, num_rows), _padded(h.row_weights.clone(), num_rows)
+
+
+def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """`t`'s rows, then zero rows up to `rows` (compiled_rows="capacity"). On `t`'s own
+    storage where it holds them (the CUDA backend's outputs are views of buffers of the
+    capacity, so only the rows past t's are written), else a copy."""
+    have = t.shape[0]
+    if have == rows:
+        return t
+    if have > rows:  # the backend's capacity checks make this unreachable
+        raise RuntimeError(f"moe_a2a ops: {have} rows do not fit the capacity of {rows}")
+    shape = (rows, *t.shape[1:])
+    need = (t.storage_offset() + rows * math.prod(t.shape[1:])) * t.element_size()
+    if t.is_contiguous() and t.untyped_storage().nbytes() >= need:
+        full = t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), shape, t.stride())
+        full[have:].zero_()
+        return full
+    full = t.new_zeros(shape)
+    full[:have] = t
+    return full
 
 
 @dispatch_rows_op.register_fake
@@ -146,6 +170,10 @@ def dispatch_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ep = _ep(ep_id)
     h = _routing(ep_id, key, pop=True)  # its last use
+    if grad_rows is not None:  # capacity rows: the first num_rows are the dispatch's
+        grad_rows = grad_rows[: h.num_rows]
+    if grad_row_weights is not None:
+        grad_row_weights = grad_row_weights[: h.num_rows]
     grad_x, grad_w = ep._backward_dispatch(grad_rows, grad_row_weights, h, weights_grad)
     if grad_w is None:
         grad_w = torch.zeros(num_tokens, ep.cfg.topk, dtype=torch.float32, device=grad_x.device)
@@ -186,7 +214,7 @@ def combine_op(
     ep = _ep(ep_id)
     ep._check_open()
     h = _routing(ep_id, key, pop=False)
-    ep._forward_combine_send(y, h, weighted)
+    ep._forward_combine_send(y[: h.num_rows], h, weighted)  # capacity rows: the filled ones
     out = ep._forward_combine_recv()
     if not backward and not h._compiled[1]:  # type: ignore[attr-defined]  # no backward will come
         _routings.pop((ep_id, h.seq), None)
@@ -233,12 +261,13 @@ def combine_backward_op(
     h = _routing(ep_id, key, pop=False)
     if weighted and h.row_weights is None:
         raise RuntimeError("backward: this combine's dispatch ran with gradients disabled")
-    grad_y, grad_w = ep._backward_combine(grad_out, h, weighted, y if dot else None)
+    grad_y, grad_w = ep._backward_combine(grad_out, h, weighted, y[: h.num_rows] if dot else None)
     if not h._compiled[1]:  # type: ignore[attr-defined]  # no dispatch backward will come
         _routings.pop((ep_id, h.seq), None)
     if grad_w is None:
         grad_w = torch.zeros(grad_y.shape[0], dtype=torch.float32, device=grad_y.device)
-    return grad_y.to(y.dtype), grad_w.to(torch.float32)
+    rows = y.shape[0]  # capacity rows: zero past the filled ones, as the dispatch gave them
+    return _padded(grad_y.to(y.dtype), rows), _padded(grad_w.to(torch.float32), rows)
 
 
 @combine_backward_op.register_fake

@@ -106,14 +106,17 @@ def test_bench_train_runs_and_agrees(dtype: str, tmp_path: Path, capsys: pytest.
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.timeout(300)
 def test_bench_train_compiled_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """--compile: every contender's forward compiled fullgraph (the first, untimed call compiles);
-    the results still agree, the header says so; and the figures go to a CSV."""
+    """--compile: every contender's forward compiled fullgraph (the first, untimed call compiles),
+    moe-a2a's with capacity rows; the results still agree, the header says so; and the figures
+    go to a CSV. --compiled-rows without --compile is refused."""
     out = Path(COMM.bcast(str(tmp_path / "train.csv")))
-    assert a2a.main(parse([*tiny(out, "bf16"), "--compile"])) == 0
+    with pytest.raises(UsageError, match=r"^--compiled-rows: got 'capacity'; only used with --compile"):
+        a2a.main(parse([*tiny(out, "bf16"), "--compiled-rows", "capacity"]))
+    assert a2a.main(parse([*tiny(out, "bf16"), "--compile", "--compiled-rows", "capacity"])) == 0
     COMM.Barrier()
     if COMM.Get_rank() == 0:
         text = capsys.readouterr().out
-        assert "  compile:    each forward torch.compile'd, fullgraph" in text
+        assert "  compile:    each forward torch.compile'd, fullgraph; moe-a2a's rows capacity" in text
         with out.open() as f:
             rows = list(csv.DictReader(f))
         assert rows[0]["phase"] == "fwd"

@@ -21,6 +21,9 @@ from test_torchtitan import ep_mesh, ours, step  # noqa: E402, F401  (ep_mesh: t
 # Inductor fuses the router's and experts' arithmetic differently from eager; the
 # exchanges themselves are the same operators' results bit for bit.
 TOL = 1e-6
+# The loss is a sum over every element, which Inductor's GPU reduction adds in another order:
+# 1.7e-6 of the scale on the H200 (some seeds), against TOL's 1e-6.
+LOSS_TOL = 1e-5
 
 
 def assert_close_but_bf16_flips(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -57,18 +60,21 @@ def _skip_unless_run_here() -> None:
         pytest.skip("compile cases run at 1, 2 and 4 ranks, on the CPU over tcp only (compiling is slow)")
 
 
-def _compiled(mesh: object, seed: int) -> torch.nn.Module:
-    moe = ours("softmax", seed, mesh)
+def _compiled(mesh: object, seed: int, rows: str) -> torch.nn.Module:
+    moe = ours("softmax", seed, mesh, compiled_rows=rows)
     moe.routed_experts.token_dispatcher.init_buffer()
     moe.compile(fullgraph=True)
     return moe
 
 
-def test_compiled_block_matches_eager(ep_mesh: object, seed: int) -> None:  # noqa: F811
+@pytest.mark.parametrize("rows", ["exact", "capacity"])
+def test_compiled_block_matches_eager(ep_mesh: object, seed: int, rows: str) -> None:  # noqa: F811
+    """compiled_rows="capacity": TorchTitan's experts take the zero rows past the received
+    ones (its own dispatchers pad too) and the results are the same."""
     _skip_unless_run_here()
     import titan_case as tc
 
-    eager, comp = ours("softmax", seed, ep_mesh), _compiled(ep_mesh, seed)
+    eager, comp = ours("softmax", seed, ep_mesh), _compiled(ep_mesh, seed, rows)
     xs, gs = tc.batch(seed, WORLD)
     x, g = xs[RANK], gs[RANK]
     for _ in range(2):  # the second step reuses the compiled graphs
@@ -76,7 +82,7 @@ def test_compiled_block_matches_eager(ep_mesh: object, seed: int) -> None:  # no
             m.zero_grad()
         loss_e, xe = step(eager, x, g)
         loss_c, xc = step(comp, x, g)
-        assert tc.max_err(loss_c, loss_e) <= TOL * tc.scale(loss_e)
+        assert tc.max_err(loss_c, loss_e) <= LOSS_TOL * tc.scale(loss_e)
         assert xe.grad is not None and xc.grad is not None
         assert_close_but_bf16_flips(xc.grad, xe.grad, "x.grad")
         pe = dict(eager.named_parameters())
@@ -140,11 +146,32 @@ def test_expert_parallel_compiled_matches_eager(seed: int) -> None:
             out = fn(x, ids.to(DEVICE), w, weight)
             out.backward(grad.to(DEVICE))
             results.append((out.detach(), x.grad, w.grad, weight.grad))
+        # compiled_rows="capacity": the experts see max_output_rows rows, zero past the
+        # received ones; the results are the same
+        with ExpertParallel(
+            cfg, device=DEVICE, provider=PROVIDER, grad_dtype="fp32", compiled_rows="capacity"
+        ) as cap:
+
+            def cap_layer(
+                x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, weight: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                routed = cap.dispatch(x, ids, w)
+                y = torch.tanh(routed.expert_x @ weight)
+                return cap.combine(y, routed), routed.expert_x, routed.tokens_per_expert
+
+            x, w, weight = (t.clone().to(DEVICE).requires_grad_() for t in (x0, w0, weight0))
+            out, rows, counts = torch.compile(cap_layer, fullgraph=True)(x, ids.to(DEVICE), w, weight)
+            out.backward(grad.to(DEVICE))
+            results.append((out.detach(), x.grad, w.grad, weight.grad))
+            assert rows.shape[0] == cap.forward_a2a.max_output_rows
+            assert not bool(rows[int(counts.sum()) :].any()), "the rows past the received ones are zero"
+            assert cap.live_routings == 0
         names = ("out", "x.grad", "w.grad", "weight.grad")
-        for name, got, want in zip(names, results[1], results[0], strict=True):
-            assert got is not None and want is not None, name
-            err = float((got - want).abs().max())
-            assert err <= TOL * max(1.0, float(want.abs().max())), f"{name}: max abs error {err:.3g}"
+        for compiled in results[1:]:
+            for name, got, want in zip(names, compiled, results[0], strict=True):
+                assert got is not None and want is not None, name
+                err = float((got - want).abs().max())
+                assert err <= TOL * max(1.0, float(want.abs().max())), f"{name}: max abs error {err:.3g}"
         assert ep.live_routings == 0  # the compiled backward released its routing
         # Only the expert weight trains (no dispatch backward): the combine's backward is the
         # routing's last use, and releases it.

@@ -15,6 +15,7 @@ import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -56,11 +57,12 @@ def _free_port() -> int:
 
 
 def ours(
-    router: str, seed: int, mesh: object, dispatch_dtype: str = "fp32", sized: bool = True
+    router: str, seed: int, mesh: object, dispatch_dtype: str = "fp32", sized: bool = True, **fields: Any
 ) -> torch.nn.Module:
     """The same module on this rank: moe-a2a's dispatcher, only the local experts' weights.
 
-    `sized=False` leaves hidden_dim and num_max_tokens_per_rank to the first dispatch.
+    `sized=False` leaves hidden_dim and num_max_tokens_per_rank to the first dispatch;
+    `fields` go to the dispatcher's Config.
     """
     unsized = {} if sized else {"hidden_dim": None, "num_max_tokens_per_rank": None}
     return tc.ours(
@@ -74,6 +76,7 @@ def ours(
         provider=PROVIDER,
         ranks_per_node=RANKS_PER_NODE,
         **unsized,
+        **fields,
     )
 
 

@@ -1,7 +1,7 @@
 """Where one rank's training step of dispatch + combine spends its GPU time (one process, no mpirun).
 
     python3 tools/gpu/profile_train.py [--dispatch-dtype bf16|fp8] [--compile] [--steps 3]
-                                       [--trace FILE.json] [--stacks]
+                                       [--compiled-rows exact|capacity] [--trace FILE.json] [--stacks]
 
 The step of `moe-a2a bench a2a --train` at the DeepSeek-V3 training shape
 (4096 tokens, hidden 7168, 256 experts, top-8, bf16 gradients, the identity
@@ -37,6 +37,12 @@ def main() -> None:
     p.add_argument("--trace", help="write the profiled steps as a Chrome trace to this file")
     p.add_argument("--stacks", action="store_true", help="record Python functions in the trace")
     p.add_argument("--compile", action="store_true", help="the forward under torch.compile (fullgraph)")
+    p.add_argument(
+        "--compiled-rows",
+        choices=("exact", "capacity"),
+        default="exact",
+        help="with --compile: ExpertParallel's compiled_rows",
+    )
     args = p.parse_args()
     torch.cuda.set_device(0)
     cfg = Config(
@@ -48,7 +54,8 @@ def main() -> None:
         combine_dtype="bf16",
         max_recv_tokens=T * K,
     )
-    ep = ExpertParallel(cfg, MPI.COMM_WORLD, device="cuda", grad_dtype="bf16")
+    rows = args.compiled_rows
+    ep = ExpertParallel(cfg, MPI.COMM_WORLD, device="cuda", grad_dtype="bf16", compiled_rows=rows)
     g = torch.Generator().manual_seed(0)
     x0 = torch.randn(T, H, generator=g).bfloat16().cuda()
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).cuda()

@@ -398,6 +398,8 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError("--grad-dtype: only used with --train")
     if args.compile:
         raise UsageError("--compile: only used with --train")
+    if args.compiled_rows is not None:
+        raise UsageError("--compiled-rows: only used with --train --compile")
     args.mode = args.mode or "both"
     args.dispatch_dtype = args.dispatch_dtype or "fp8"
     if args.device == "cuda" and args.baseline is None:
@@ -635,6 +637,14 @@ def add_parser(subparsers: Any) -> None:
         action="store_true",
         help="with --train: every contender's forward under torch.compile (fullgraph), as TorchTitan's "
         "--compile.enable compiles a block (default: off)",
+    )
+    p.add_argument(
+        "--compiled-rows",
+        choices=["exact", "capacity"],
+        default=None,
+        help="with --compile: what moe-a2a's compiled dispatch gives the expert, the rows received "
+        "(a data-dependent size) or max_output_rows rows, zero past them (a static size) "
+        "(ExpertParallel's compiled_rows; default: exact)",
     )
     p.add_argument(
         "--grad-dtype",

@@ -86,6 +86,9 @@ def check_args(args: argparse.Namespace, world: int) -> dict[str, int]:
         )
     if args.warmup < 0:
         raise TrainArgumentError(f"--warmup: got {args.warmup}; expected an integer >= 0")
+    if args.compiled_rows is not None and not args.compile:
+        raise TrainArgumentError(f"--compiled-rows: got {args.compiled_rows!r}; only used with --compile")
+    args.compiled_rows = args.compiled_rows or "exact"
     if args.compile and args.warmup < 1:
         raise TrainArgumentError(
             f"--warmup: got {args.warmup}; --compile needs 1 or more (the first call compiles, untimed)"
@@ -325,6 +328,7 @@ def run(args: argparse.Namespace, comm: Any, device: Any, shape: dict[str, int])
                 provider=args.provider,
                 ranks_per_node=args.ranks_per_node,
                 grad_dtype=args.grad_dtype,
+                compiled_rows=args.compiled_rows,
             )
         )
         contenders = [ours(ep)]
@@ -377,6 +381,7 @@ def settings_of(
         iters=args.iters,
         warmup=args.warmup,
         compile=bool(args.compile),
+        compiled_rows=args.compiled_rows,
         **shape,
     )
 
@@ -434,7 +439,9 @@ def format_config(result: dict[str, Any]) -> str:
             "sizes": f"{report.sizes_text(s['tokens'], s['hidden'], s['num_experts'], s['topk'])}; "
             f"max_recv_tokens {result['max_recv_tokens']}",
             "iterations": f"{s['iters']} timed after {s['warmup']} warm-up",
-            "compile": "each forward torch.compile'd, fullgraph" if s["compile"] else "off (eager)",
+            "compile": f"each forward torch.compile'd, fullgraph; moe-a2a's rows {s['compiled_rows']}"
+            if s["compile"]
+            else "off (eager)",
             "peak RSS": f"{result['peak_rss_mib_per_rank']} MiB/rank",
             **({"tuning": report.tuning_set()} if s["device"] == "cuda" else {}),
             "switches": report.switches_set(),

@@ -18,7 +18,7 @@ import torch
 from torchtitan.models.common.token_dispatcher import BaseEPTokenDispatcher, LocalTokenDispatcher
 
 from moe_a2a.all_to_all import COMBINE_DTYPES, DISPATCH_DTYPES, Config
-from moe_a2a.autograd import GRAD_DTYPES, ExpertParallel
+from moe_a2a.autograd import COMPILED_ROWS, GRAD_DTYPES, ExpertParallel
 from moe_a2a.ep_types import Routed
 
 # One ExpertParallel per (process group, shape, device): the layers of a model share it
@@ -53,6 +53,9 @@ class MoeA2ATokenDispatcher(BaseEPTokenDispatcher):
         num_nics: int | None = None  # default: MOE_A2A_NUM_NICS (the job presets), else 1
         max_recv_tokens: int | None = None  # default: the worst case (every copy to one rank)
         timeout_s: float = 60.0
+        # Under torch.compile: "exact" rows, or "capacity" (max_output_rows rows, zero past the
+        # received ones; a static shape for the experts: set max_recv_tokens near the need)
+        compiled_rows: str = "exact"
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
@@ -60,6 +63,7 @@ class MoeA2ATokenDispatcher(BaseEPTokenDispatcher):
             ("dispatch_dtype", DISPATCH_DTYPES),
             ("combine_dtype", COMBINE_DTYPES),
             ("grad_dtype", GRAD_DTYPES),
+            ("compiled_rows", COMPILED_ROWS),
         ):
             value = getattr(config, name)
             if value not in allowed:
@@ -109,7 +113,8 @@ class MoeA2ATokenDispatcher(BaseEPTokenDispatcher):
         )
         group = self.ep_mesh.get_group()
         device = "cuda" if self.ep_mesh.device_type == "cuda" else "cpu"
-        key = (id(group), cfg, device, c.grad_dtype, c.provider, c.ranks_per_node, c.num_nics)
+        opts = (c.grad_dtype, c.provider, c.ranks_per_node, c.num_nics, c.compiled_rows)
+        key = (id(group), cfg, device, *opts)
         if key not in _shared:
             _shared[key] = ExpertParallel(
                 cfg,
@@ -119,6 +124,7 @@ class MoeA2ATokenDispatcher(BaseEPTokenDispatcher):
                 ranks_per_node=c.ranks_per_node,
                 num_nics=c.num_nics,
                 grad_dtype=c.grad_dtype,
+                compiled_rows=c.compiled_rows,
             )
             ep = _shared[key]
             log.info(
