@@ -432,6 +432,9 @@ class A2AConfig:
     @property
     def routing_width(self) -> int: ...
 
+    @property
+    def max_output_rows(self) -> int: ...
+
     max_instances: Final[int] = ...
     """(arg: object, /) -> int"""
 

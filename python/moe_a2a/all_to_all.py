@@ -202,8 +202,7 @@ class AllToAll(LostRanks):
     @property
     def max_output_rows(self) -> int:
         """The most rows a call can deliver, padded: `expert_x`'s rows in graph-safe mode."""
-        c = self._core_cfg
-        return int(c.max_recv_tokens) + self.num_local_experts * (int(c.expert_padding) - 1)
+        return int(self._core_cfg.max_output_rows)
 
     # -- dispatch -------------------------------------------------------------------------------
 

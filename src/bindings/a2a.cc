@@ -126,6 +126,7 @@ void bind_a2a(nb::module_& m) {
       .def_rw("slice_bytes", &A2AConfig::slice_bytes)
       .def_rw("fabric_rows", &A2AConfig::fabric_rows)
       .def_prop_ro("routing_width", &A2AConfig::routing_width)
+      .def_prop_ro("max_output_rows", &A2AConfig::max_output_rows)
       .def_prop_ro_static("max_instances", [](nb::handle) { return kMaxInstances; })
       .def_prop_ro("dispatch_row_bytes", &A2AConfig::dispatch_row_bytes)
       .def_prop_ro("combine_row_bytes", &A2AConfig::combine_row_bytes)
