@@ -632,7 +632,7 @@ class CudaAllToAll:
 
     def combine_send(self, y: int, y_dtype: DType, y_rows: int, stream: int, in_place: bool = False, row_values: int = 0, weighted: bool = True) -> None:
         """
-        in_place: y stays unchanged until the receive half, which reads this rank's own rows from it. row_values: [y_rows] fp32, one per row back in its tail (0: zeros). weighted: rows per rank are summed where the experts are times the dispatch's weights (false: plainly).
+        in_place: y stays unchanged until the receive half, which reads this rank's own rows from it. row_values: [y_rows] fp32, one per row back in its tail (0: zeros). weighted: rows per rank or node are summed where the experts are times the dispatch's weights (false: plainly). With fabric_rows='node' it blocks until every same-node peer staged its outputs.
         """
 
     def combine_recv(self, weights: int, out: int, host_wait: bool, stream: int, values_out: int = 0) -> None:
@@ -663,6 +663,11 @@ class CudaAllToAll:
     def wire_received(self) -> list[int]:
         """
         Wire rows each sender sent us in the last planned dispatch (synchronises with the device).
+        """
+
+    def forwarded_counts(self) -> tuple[list[int], list[int]]:
+        """
+        Rows per node, the last planned dispatch, per node peer: the rows we forwarded that it read entries from, and those entries (synchronises with the device).
         """
 
     @property

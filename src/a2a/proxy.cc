@@ -455,10 +455,20 @@ void Proxy::wait_dispatch_arrivals(uint64_t epoch) {
     if (cached_) take_routing_stamp(epoch, s);
     // Rows per node of a sender whose forwarder we are: all in our workspace, so every rank of
     // our node may read its entries (docs/protocol.md, "Rows per destination node").
-    if (forwarding && c.per_node(s, c.rank) && c.forwarder(s, c.rank) == c.rank)
+    if (forwarding && c.per_node(s, c.rank) && c.forwarder(s, c.rank) == c.rank) {
+      const uint64_t u = view.rows(s, c.rank);
+      if (ctx_.before_forward && u > 0) {
+        const Layout& l = ctx_.layout;
+        const uint64_t P = static_cast<uint64_t>(c.max_private_tokens);
+        const uint64_t in_private = std::min(u, P);
+        ctx_.before_forward(s, l.private_rows + static_cast<size_t>(s) * P * l.dispatch_row,
+                            in_private * l.dispatch_row, l.shared_rows + view.shared_offset(s, c.rank, P) * l.dispatch_row,
+                            (u - in_private) * l.dispatch_row);
+      }
       for (int q = 0; q < c.world; ++q)
         if (node_peer(q) || q == c.rank)
           flag_at(ctx_.node_workspaces[q], ctx_.layout, s, kFlagForward)->store(epoch, std::memory_order_release);
+    }
   };
   wait_slices(kTagDispatch, senders, slices, ctx_.peers.slices_landed, ctx_.peers.landed, epoch, stamp);
 }

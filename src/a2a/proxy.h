@@ -53,6 +53,13 @@ struct ProxyContext {
   // The dispatches already started (by an instance this one replaces after a
   // loss): the proxy's first call is the next one.
   uint64_t first_epoch = 0;
+  // Rows per node: makes the rows of remote sender s that we forward readable
+  // by our node peers before we raise forward[s] (the CUDA backend copies the
+  // two byte ranges, private then shared rows, from our host workspace to the
+  // same offsets of its device workspace). Blocks until done; a throw fails
+  // the proxy. Empty: the rows are readable where they landed (CPU, GPU-direct).
+  std::function<void(int s, size_t private_off, size_t private_bytes, size_t shared_off, size_t shared_bytes)>
+      before_forward;
 };
 
 // The context of a rank's proxy: its workspace (and the node's mappings), the

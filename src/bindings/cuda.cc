@@ -5,6 +5,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -44,6 +45,9 @@ std::map<std::string, size_t> layout_dict(const Layout& l) {
           {"send", l.send},
           {"combine_send", l.combine_send},
           {"combine_recv", l.combine_recv},
+          {"y_stage", l.y_stage},
+          {"y_values", l.y_values},
+          {"y_stride", l.y_stride},
           {"total", l.total},
           {"dispatch_row", l.dispatch_row},
           {"combine_row", l.combine_row}};
@@ -123,10 +127,11 @@ void def_halves(nb::class_<CudaAllToAll>& cls) {
                            stream_of(stream));
           },
           nb::arg("y"), nb::arg("y_dtype"), nb::arg("y_rows"), nb::arg("stream"), nb::arg("in_place") = false,
-          nb::arg("row_values") = 0, nb::arg("weighted") = true,
+          nb::arg("row_values") = 0, nb::arg("weighted") = true, release(),
           "in_place: y stays unchanged until the receive half, which reads this rank's own rows from it. "
           "row_values: [y_rows] fp32, one per row back in its tail (0: zeros). weighted: rows per rank "
-          "are summed where the experts are times the dispatch's weights (false: plainly).")
+          "or node are summed where the experts are times the dispatch's weights (false: plainly). With "
+          "fabric_rows='node' it blocks until every same-node peer staged its outputs.")
       .def(
           "combine_recv",
           [](CudaAllToAll& a, uintptr_t weights, uintptr_t out, bool host_wait, uintptr_t stream,
@@ -236,6 +241,9 @@ void bind_cuda(nb::module_& m) {
       .def_prop_ro("max_output_rows", &CudaAllToAll::max_output_rows)
       .def("wire_received", &CudaAllToAll::wire_received, release(),
            "Wire rows each sender sent us in the last planned dispatch (synchronises with the device).")
+      .def("forwarded_counts", &CudaAllToAll::forwarded_counts, release(),
+           "Rows per node, the last planned dispatch, per node peer: the rows we forwarded that it read entries "
+           "from, and those entries (synchronises with the device).")
       .def_prop_ro("fused_recv", &CudaAllToAll::fused_recv,
                    "Eager dispatch_recv plans and copies in one launch (no other rank of the node on our GPU).")
       .def_prop_ro("epoch", &CudaAllToAll::epoch)

@@ -6,12 +6,16 @@ workspaces directly, as CUDA IPC does between processes; between nodes this
 harness plays the host proxy: after the send halves it copies the fabric rows
 between host workspaces with the formulas of docs/protocol.md and raises the
 proxy's flags, so both the same-node path and the fabric path of the kernels
-carry traffic.
+carry traffic. With rows per node it also plays the forwarder's proxy (the rows
+it received copied to its device workspace, then forward[s] raised at every rank
+of its node), and runs the ranks' combine sends in threads of their own: each
+waits for its node peers' staged outputs.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +79,20 @@ def _get_u64(address: int) -> int:
     return ctypes.c_uint64.from_address(address).value
 
 
+class _DeviceBytes:
+    """`n` bytes of device memory at `ptr`, for torch.as_tensor."""
+
+    def __init__(self, ptr: int, n: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+def _host_to_device(device_ptr: int, host_ptr: int, n: int) -> None:
+    if n == 0:
+        return
+    host = torch.frombuffer((ctypes.c_uint8 * n).from_address(host_ptr), dtype=torch.uint8)
+    torch.as_tensor(_DeviceBytes(device_ptr, n), device="cuda").copy_(host)
+
+
 class LocalWorld:
     """`shape.world` ranks in this process; nodes of `shape.ranks_per_node` consecutive ranks."""
 
@@ -136,9 +154,13 @@ class LocalWorld:
             self.counts[s] = np.frombuffer((ctypes.c_uint32 * words).from_address(own), dtype=np.uint32)
         row = self.layout["dispatch_row"]
         p = self.private
-        # As the proxy: no overflow writes when some rank would receive too many copies.
+        # As the proxy: no overflow writes when some rank would receive too many copies
+        # (rows per node: or wire rows, plan.h's worst_overflow).
+        noded = s_.fabric_rows == "node" and s_.world > s_.ranks_per_node
         overflow = any(
-            sum(self._copies(s, r) for s in range(s_.world)) > self.max_recv for r in range(s_.world)
+            sum(self._copies(s, r) for s in range(s_.world)) > self.max_recv
+            or (noded and sum(self._rows(s, r) for s in range(s_.world)) > self.max_recv)
+            for r in range(s_.world)
         )
         for s, r in self.remote_pairs():
             ctypes.memmove(
@@ -156,10 +178,34 @@ class LocalWorld:
                     self._host(s, "send", (off + p) * row),
                     (c - p) * row,
                 )
+        if noded and not overflow:
+            self._play_forwarding(epoch)
         for rank in self.ranks:
             if overflow:
                 _set_u64(rank.signals["overflow"], epoch)
             _set_u64(rank.signals["dispatch_done"], epoch)
+
+    def _play_forwarding(self, epoch: int) -> None:
+        """Rows per node: each forwarder's proxy copies the rows it received from a remote
+        sender to its device workspace, then raises that sender's forward flag at every rank
+        of its node (docs/protocol.md, "Rows per destination node")."""
+        s_ = self.shape
+        rpn, p, row = s_.ranks_per_node, self.private, self.layout["dispatch_row"]
+        for s, f in self.remote_pairs():
+            if f % rpn != s % rpn:
+                continue  # not s's forwarder on f's node
+            u = self._rows(s, f)
+            shared = sum(max(0, self._rows(q, f) - p) for q in range(s))
+            for section, offset, n in (
+                ("private_rows", s * p * row, min(u, p) * row),
+                ("shared_rows", shared * row, max(0, u - p) * row),
+            ):
+                at = self.layout[section] + offset
+                _host_to_device(self.ranks[f].device_workspace + at, self.ranks[f].host_workspace + at, n)
+            torch.cuda.synchronize()
+            for t in range(f // rpn * rpn, f // rpn * rpn + rpn):
+                flag = self.ranks[t].host_workspace + self.layout["flags"] + (s * 6 + 4) * 64  # kFlagForward
+                _set_u64(flag, epoch)
 
     def _play_proxy_combine(self, epoch: int) -> None:
         crow = self.layout["combine_row"]
@@ -241,8 +287,17 @@ class LocalWorld:
         """`weighted`: rows per rank summed with the dispatch's weights where the experts are
         (else plainly: pass weights of one then)."""
         stream = torch.cuda.current_stream().cuda_stream
-        for a, y in zip(self.ranks, ys, strict=True):
-            a.combine_send(y.data_ptr(), CORE_DTYPE[y.dtype], y.shape[0], stream, weighted=weighted)
+        sends = [
+            lambda a=a, y=y: a.combine_send(
+                y.data_ptr(), CORE_DTYPE[y.dtype], y.shape[0], stream, weighted=weighted
+            )
+            for a, y in zip(self.ranks, ys, strict=True)
+        ]
+        if self.shape.fabric_rows == "node" and self.shape.world > self.shape.ranks_per_node:
+            _in_threads(sends)  # each waits for its node peers' staged outputs
+        else:
+            for send in sends:
+                send()
         torch.cuda.synchronize()
         epoch = self.ranks[0].epoch
         for a in self.ranks if self.shape.world > 1 else []:
@@ -258,3 +313,22 @@ class LocalWorld:
         for a in self.ranks:
             a.check()
         return outs
+
+
+def _in_threads(calls: list) -> None:
+    """Runs each call in a thread of its own; raises the first error."""
+    errors: list[BaseException] = []
+
+    def run(call: object) -> None:
+        try:
+            call()  # type: ignore[operator]
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]

@@ -1,7 +1,9 @@
-"""Rows per destination rank (issue 30) in the CUDA kernels, several ranks in one process.
+"""Rows per destination rank and node (issue 30) in the CUDA kernels, several ranks in one process.
 
 Each case runs with `fabric_rows="rank"` (a token crosses to a rank of another node once,
-combine reduced there) and `"expert"` (a row per copy), on virtual nodes of two ranks and of
+combine reduced there), `"node"` (once to the node, forwarded there, combine reduced per node;
+receives wait on the host, as graph-safe calls are not built for it) and `"expert"` (a row per
+copy), on virtual nodes of two ranks and of
 one (every peer remote): dispatched rows, fp8 scales and counts bit for bit against
 moe_a2a.reference, and combine within one unit in the last place of its mode's reference
 (the same fp32 operations in the same order). Decode-sized calls route and pack in one
@@ -9,6 +11,8 @@ kernel; prefill-sized ones route in two and pack through the bulk copy engine.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -20,7 +24,7 @@ pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 
 # (world, ranks per node): nodes of two ranks (IPC and fabric peers) and of one.
 LAYOUTS = [(2, 1), (4, 2), (4, 1), (8, 2), (8, 1)]
-MODES = ["rank", "expert"]
+MODES = ["rank", "node", "expert"]
 
 
 def _tokens(world: int, most: int) -> list[int]:
@@ -45,7 +49,7 @@ SHAPES = [
 def test_modes_match_the_reference(world: int, rpn: int, mode: str, args: tuple, extra: dict) -> None:
     max_tokens, hidden, per_rank, topk, *dtypes = args
     shape = Shape.of(world, rpn, max_tokens, hidden, per_rank * world, topk, *dtypes, fabric_rows=mode)
-    _run(shape, _tokens(world, max_tokens), **extra)
+    _run(shape, _tokens(world, max_tokens), host_wait=mode == "node", **extra)
 
 
 # Hard routings with rows per rank, each on nodes of two ranks and of one.
@@ -85,7 +89,35 @@ HARD = [
 ]
 
 
-@pytest.mark.parametrize(("shape", "extra"), [c[1:] for c in HARD], ids=[c[0] for c in HARD])
+def _per_node(shape: Shape) -> Shape:
+    """The case with rows per node on nodes of two ranks (eager receives)."""
+    return dataclasses.replace(
+        shape, ranks_per_node=2, config=dataclasses.replace(shape.config, fabric_rows="node")
+    )
+
+
+NODE_HARD = [
+    (f"node-{name}", _per_node(shape), {**extra, "host_wait": True})
+    for name, shape, extra in HARD
+    if name not in ("host-wait", "top1-kernel-waits", "fp8-prequantised")  # the same paths below / world 2
+] + [
+    # node 0's second rank forwards rows it holds no copy of (every copy to rank 0's experts)
+    (
+        "node-one-rank-8",
+        Shape.of(8, 2, 12, 128, 32, 4, fabric_rows="node"),
+        {"mode": "one_rank", "host_wait": True},
+    ),
+    (
+        "node-reuse-fp8-8x4",
+        Shape.of(8, 4, 20, 256, 32, 8, "fp8", max_private_tokens=3, fabric_rows="node"),
+        {"iterations": 4, "host_wait": True},
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("shape", "extra"), [c[1:] for c in HARD + NODE_HARD], ids=[c[0] for c in HARD + NODE_HARD]
+)
 def test_hard_cases_with_rows_per_rank(shape: Shape, extra: dict) -> None:
     _run(shape, _tokens(shape.world, shape.max_tokens), **extra)
 
@@ -107,6 +139,27 @@ def test_rows_per_rank_cross_once_per_token() -> None:
             assert world._rows(s, r) == want, (s, r)
 
 
+def test_rows_per_node_cross_once_per_node() -> None:
+    """With rows per node the routing row's wire rows go to one rank of each other node,
+    the sender's forwarder there (the rank of its local index): one per token with a copy
+    on that node; the node's other ranks get none."""
+    shape = Shape.of(8, 2, 16, 128, 32, 4, fabric_rows="node")
+    world = LocalWorld(shape, host_wait=True)
+    gen = torch.Generator().manual_seed(6)
+    ids = [torch.randint(0, 32, (16, 4), generator=gen) for _ in range(8)]
+    xs = [torch.randn(16, 128, generator=gen).to(torch.bfloat16).cuda() for _ in range(8)]
+    world.dispatch(xs, [i.cuda() for i in ids])
+    for s in range(8):
+        nodes = ids[s] // (shape.local_experts * 2)
+        ranks = ids[s] // shape.local_experts
+        for r in range(8):
+            if world.same_node(s, r):
+                want = int((ranks == r).sum())
+            else:
+                want = int((nodes == r // 2).any(dim=1).sum()) if r % 2 == s % 2 else 0
+            assert world._rows(s, r) == want, (s, r)
+
+
 @pytest.mark.parametrize("host_wait", [False, True], ids=["kernel-waits", "host-waits"])
 def test_rows_per_rank_without_staging(host_wait: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """MOE_A2A_CUDA_OVERLAP=0: rows for remote peers packed straight into the fabric's host
@@ -115,3 +168,6 @@ def test_rows_per_rank_without_staging(host_wait: bool, monkeypatch: pytest.Monk
     shape = Shape.of(4, 2, 24, 256, 16, 8, "fp8", max_private_tokens=4, fabric_rows="rank")
     _run(shape, _tokens(4, 24), host_wait=host_wait, iterations=3)
     _run(Shape.of(4, 1, 300, 256, 16, 8, fabric_rows="rank"), _tokens(4, 300), host_wait=host_wait)
+    if host_wait:  # rows per node: the host waits for every forward flag, then one plan and copy
+        shape = Shape.of(8, 2, 24, 256, 32, 8, "fp8", max_private_tokens=4, fabric_rows="node")
+        _run(shape, _tokens(8, 24), host_wait=True, iterations=3)

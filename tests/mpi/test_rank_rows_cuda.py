@@ -1,7 +1,8 @@
-"""Rows per destination rank (issue 30) on the GPU across MPI ranks, against the reference.
+"""Rows per destination rank and node (issue 30) on the GPU across MPI ranks, against the reference.
 
-Both modes, `fabric_rows="rank"` (a token crosses to a rank of another node once, its
-combine summed there) and `"expert"` (a row per copy), on every node layout: dispatched
+Every mode, `fabric_rows="rank"` (a token crosses to a rank of another node once, its
+combine summed there), `"node"` (once to each other node, forwarded inside it, its combine
+summed per node) and `"expert"` (a row per copy), on every node layout: dispatched
 rows, fp8 scales, counts and row weights bit for bit, combine within one unit in the last
 place of its mode's reference (docs/cuda.md: the same fp32 operations in the same order).
 Whole calls and halves, decode and prefill shapes, cached routing and a captured graph.
@@ -22,7 +23,7 @@ pytestmark = [
     device_pytestmark,
     pytest.mark.skipif(DEVICE != "cuda", reason="CPU: tests/protocol/test_fabric_rows.py runs these cases"),
 ]
-MODES = ["rank", "expert"]
+MODES = ["rank", "node", "expert"]
 EXPERTS_PER_RANK = 4  # top-8 of 4 a rank: most tokens pick several experts of one rank
 ULP = {"bf16": 2.0**-7, "fp32": 2.0**-22}
 # (max tokens, hidden, topk): decode routes and packs in one kernel; prefill (more than 1024
@@ -167,6 +168,8 @@ def replay_checked(
 def test_graph_capture_replays(rpn: int | None, mode: str, dtype: str) -> None:
     """A whole step captured once and replayed with new inputs: wire rows, entries and
     reduced rows all computed on the GPU (shapes fixed: every rank has tokens)."""
+    if mode == "node":
+        pytest.skip("fabric_rows='node': graph-safe calls are not built yet on CUDA (refused at construction)")
     with make(rpn, mode, dispatch_dtype=dtype, graph_safe=True) as a2a:
         held = mine(inputs(300, a2a.cfg, none_on_one=False))
 

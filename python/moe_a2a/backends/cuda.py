@@ -369,6 +369,13 @@ class CudaBackend:
         own = np.frombuffer((ctypes.c_uint32 * (experts + world)).from_address(start), dtype=np.uint32)
         return own[experts:].astype(np.int64), np.array(self._impl.wire_received(), dtype=np.int64)
 
+    def forwarded(self) -> tuple[np.ndarray, np.ndarray]:
+        """Rows per node (fabric_rows="node") in the last call, per node peer: the rows we forwarded
+        that it read its entries from, and those entries (its outputs our combine read)."""
+        torch.cuda.current_stream(self.device).synchronize()
+        rows, entries = self._impl.forwarded_counts()
+        return np.array(rows, dtype=np.int64), np.array(entries, dtype=np.int64)
+
     def routing_rows(self) -> tuple[int, int]:
         return int(self._impl.routing_rows_sent), int(self._impl.routing_rows_received)
 

@@ -161,6 +161,9 @@ void CudaAllToAll::dispatch_recv(const DispatchRecvArgs& args, cudaStream_t stre
   check_recv_args(cfg_, args, call_.self_needs_dequant, call_.routing != nullptr);
   if (res_.rows_on_device() && !args.host_wait)
     throw std::invalid_argument("dispatch_recv: GPU-direct rows need host_wait (graph-safe instances stage)");
+  if (cfg_.node_rows() && !args.host_wait)
+    throw std::invalid_argument("dispatch_recv: fabric_rows='node' on device cuda needs host_wait (graph-safe calls "
+                                "are not built yet; use fabric_rows='rank')");
   call_.recv = args;
   if (args.host_wait && overlap_) return dispatch_recv_by_sender(stream);
   if (args.host_wait) wait_dispatch_host();
@@ -186,6 +189,16 @@ void CudaAllToAll::wait_dispatch_host() {
   if (has_remote_ && signals->overflow.get() == epoch) {
     call_.at.routed = call_.at.overflow = call_.at.combining = true;  // over capacity: past our barrier
     throw_capacity();
+  }
+  if (has_remote_ && cfg_.node_rows()) {  // each remote sender's rows for our node, readable at its forwarder here
+    const auto deadline = deadline_after(cfg_.timeout_s);
+    for (int s = 0; s < cfg_.world; ++s)
+      if (cfg_.per_node(s, cfg_.rank) && !wait_at_least(flag_at(res_.host_ws_cpu(), layout_, s, kFlagForward), epoch,
+                                                        deadline, [this] { check_proxy(); }))
+        throw fabric::TimeoutError("rank " + std::to_string(cfg_.rank) + ": timed out after " +
+                                   std::to_string(cfg_.timeout_s) + " s waiting for rank " +
+                                   std::to_string(cfg_.forwarder(s, cfg_.rank)) + " to forward the rows of sender " +
+                                   std::to_string(s) + " (epoch " + std::to_string(epoch) + ")");
   }
   // With a proxy, it waited for every routing row; without one nobody does in
   // eager calls: a same-node peer that ran this call cached raised its dispatch
@@ -309,6 +322,20 @@ void CudaAllToAll::combine_send(const CombineSendArgs& args, cudaStream_t stream
   p.row_values = args.row_values;
   p.weighted = args.weighted ? 1 : 0;
   p.self_in_place = call_.combine.in_place ? 1 : 0;
+  if (cfg_.node_rows()) {
+    // Rows per node: the rows we forward sum our node peers' staged outputs,
+    // so ours are staged first and theirs awaited here (eager calls only).
+    check_cuda(launch_stage_outputs(p, stream), "combine stage outputs");
+    const auto deadline = deadline_after(cfg_.timeout_s);
+    for (int t = 0; t < cfg_.world; ++t)
+      if (t != cfg_.rank && node_peer(t) &&
+          !wait_at_least(flag_at(res_.host_ws_cpu(), layout_, t, kFlagStaged), call_.epoch, deadline,
+                         [this] { check_proxy(); }))
+        throw fabric::TimeoutError("rank " + std::to_string(cfg_.rank) + ": timed out after " +
+                                   std::to_string(cfg_.timeout_s) +
+                                   " s waiting for the staged expert outputs of same-node peer " + std::to_string(t) +
+                                   " (epoch " + std::to_string(call_.epoch) + ")");
+  }
   check_cuda(launch_combine_send(p, stream), "combine send");
 }
 
@@ -358,8 +385,8 @@ void CudaAllToAll::check() const {
       throw fabric::TimeoutError(who + "a kernel timed out waiting for a peer's or the proxy's flag (epoch " +
                                  std::to_string(call_.epoch) + ")");
     case kStatusBadRow:
-      throw fabric::FabricError(who + "a row per rank (epoch " + std::to_string(call_.epoch) +
-                                ") named a local expert or more entries than its sender's routing row holds; "
+      throw fabric::FabricError(who + "a row per rank or node (epoch " + std::to_string(call_.epoch) +
+                                ") named an expert or more entries than its sender's routing row holds; "
                                 "those entries were dropped");
     case kStatusStaleGraph:
       throw StaleGraphError(who + "a CUDA graph captured before ranks were masked was replayed; its kernels did "

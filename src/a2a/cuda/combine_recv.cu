@@ -91,10 +91,10 @@ __global__ void __launch_bounds__(kMaxThreads) reduce_kernel(CombineRecvParams p
       const bool on_device = p.remote_on_device || same_node(in, r);
       const uint8_t* ws = on_device ? in.device_ws : in.fabric_ws;
       rows = ws + l.combine_recv + static_cast<size_t>(slot) * l.combine_row;
-      // A row per rank came back weighted and summed over t's copies to r
-      // (its entries): it is added once, at entry 0, times 1; each copy's
-      // value is its entry's.
-      const int32_t word = in.rank_rows ? p.scratch.copy_entry[i] : -1;
+      // A row per rank (or node) came back weighted and summed over t's
+      // copies to r (or r's node), its entries: it is added once, at entry 0,
+      // times 1; each copy's value is its entry's.
+      const int32_t word = wide(in) ? p.scratch.copy_entry[i] : -1;
       if (p.values_out != nullptr)
         value = load_f32(rows + l.combine_tail + (word < 0 ? 0 : word_entry(word)) * sizeof(float));
       if (word >= 0) {

@@ -5,7 +5,8 @@
 // remote ones (the proxy writes those with one write per peer; staged: into
 // the device workspace's combine_send, which stage_kernel copies to the
 // fabric's peer by peer). The last block raises the combine flag of
-// same-node peers, and combine_packed unless staged.
+// same-node peers, and combine_packed unless staged. Rows per node first
+// stage the outputs the forwarders sum (stage_outputs_kernel).
 #include <cuda_runtime.h>
 
 #include "launch.h"
@@ -33,12 +34,14 @@ __device__ __forceinline__ int wire_sender(const SenderPlan* senders, int world,
   return lo;
 }
 
-// Rows per rank (docs/protocol.md, "Rows per destination rank"): each wire
-// row w of a per-rank sender goes back as one row, the sum of its entries'
-// outputs, each times its dispatch weight (weighted) or 1, in fp32 in entry
-// (k) order, product then sum; its tail holds each entry's row value (0 for
-// none). One warp a chunk of a row, like the rows per copy.
-__device__ void return_rank_rows(const CombineSendParams& p, int chunk_elems, int rows) {
+// Rows per rank or node (docs/protocol.md, "Rows per destination rank",
+// "... node"): each wire row w of a wide sender goes back as one row, the sum
+// of its entries' outputs, each times its dispatch weight (weighted) or 1, in
+// fp32 in entry (k) order, product then sum; its tail holds each entry's row
+// value (0 for none). Rows per rank read our own y; rows per node, which we
+// forward, the fp32 outputs that our node's ranks staged (stage_outputs_kernel),
+// each entry's on its rank. One warp a chunk of a row, like the rows per copy.
+__device__ void return_summed_rows(const CombineSendParams& p, int chunk_elems, int rows) {
   const Instance& in = p.inst;
   const Layout& l = in.layout;
   const SenderPlan* senders = p.scratch.senders;
@@ -49,9 +52,24 @@ __device__ void return_rank_rows(const CombineSendParams& p, int chunk_elems, in
   const int32_t* entry_row = p.scratch.entry_row;
   const float* entry_weight = p.scratch.entry_weight;
   const uint8_t* y = static_cast<const uint8_t*>(p.y);
+  const int node0 = in.rank / in.ranks_per_node * in.ranks_per_node;
+  // A node peer's rows: within its output buffers (launch.h max_output_rows).
+  const int row_end =
+      in.node_rows ? static_cast<int>(in.max_recv + static_cast<int64_t>(in.local_experts) * (in.expert_padding - 1))
+                   : rows;
+  // Entry e's row of outputs and its dtype: ours in y, or a node rank's staged row.
+  const auto source = [&](int64_t at, int row, int* dtype) -> const uint8_t* {
+    if (!in.node_rows) {
+      *dtype = p.y_dtype;
+      return y + row * y_row;
+    }
+    *dtype = static_cast<int>(DType::kFp32);
+    return in.peers[node0 + p.scratch.entry_rank[at]].device + l.y_stage + static_cast<size_t>(row) * l.y_stride;
+  };
   for (ChunkWalk walk(row_chunks(static_cast<int64_t>(H) * out_bytes)); walk.row < total; walk.next()) {
     const int64_t w = walk.row;
-    if (!per_rank(in, wire_sender(senders, N, w))) continue;  // rows per copy went back above
+    const int s = wire_sender(senders, N, w);
+    if (!per_rank(in, s) && !node_sender(in, s)) continue;  // rows per copy went back above
     uint8_t* dst = (in.staged ? in.device_ws : in.fabric_ws) + l.combine_send + w * l.combine_row;
     const int e0 = walk.chunk * chunk_elems;
     const int e1 = e0 + chunk_elems < H ? e0 + chunk_elems : H;
@@ -63,10 +81,12 @@ __device__ void return_rank_rows(const CombineSendParams& p, int chunk_elems, in
       for (int i = 0; i < kVec; ++i) acc[i] = 0.0f;
       for (int e = 0; e < m; ++e) {  // the same entry on every lane: broadcast loads
         const int row = entry_row[w * m + e];
-        if (row < 0 || row >= rows) continue;
+        if (row < 0 || row >= row_end) continue;
         const float coeff = p.weighted ? entry_weight[w * m + e] : 1.0f;
+        int dtype;
+        const uint8_t* src = source(w * m + e, row, &dtype);
         float v[kVec];
-        load_piece(y + row * y_row, p.y_dtype, first, n, v);
+        load_piece(src, dtype, first, n, v);
 #pragma unroll
         for (int i = 0; i < kVec; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(coeff, v[i]));
       }
@@ -75,8 +95,15 @@ __device__ void return_rank_rows(const CombineSendParams& p, int chunk_elems, in
     if (walk.chunk != 0) continue;
     for (int e = walk.lane; e < m; e += kWarp) {  // each entry's value into the tail
       const int row = entry_row[w * m + e];
-      const bool has = row >= 0 && row < rows && p.row_values != nullptr;
-      store_f32(dst + l.combine_tail + e * sizeof(float), has ? p.row_values[row] : 0.0f);
+      float value = 0.0f;
+      if (row >= 0 && row < row_end) {
+        if (in.node_rows)
+          value = load_f32(in.peers[node0 + p.scratch.entry_rank[w * m + e]].device + l.y_values +
+                           static_cast<size_t>(row) * sizeof(float));
+        else if (p.row_values != nullptr)
+          value = p.row_values[row];
+      }
+      store_f32(dst + l.combine_tail + e * sizeof(float), value);
     }
   }
 }
@@ -107,6 +134,39 @@ __device__ __forceinline__ void convert_range(uint8_t* dst, const uint8_t* src, 
     const Encoded enc = out_bytes == 4 ? encode_fp32(v) : encode_bf16(v);
     store_piece(dst + first * out_bytes, enc, out_bytes, n);
   }
+}
+
+// Rows per node: our outputs of copies that came in rows per node, in fp32
+// (exact from bf16), with their row values, into our device workspace's
+// y_stage, where the forwarder that received them sums them
+// (return_summed_rows); then raises our staged flag at every node rank.
+__global__ void __launch_bounds__(kReturnThreads, kReturnBlocksPerSm) stage_outputs_kernel(CombineSendParams p) {
+  if (stale_replay(p.inst)) return;  // a graph captured before a mask
+  extern __shared__ Segment segs[];
+  kernel_prologue();  // our copy kernels, which read the forwarders' rows, are done (the rows' reuse)
+  const Instance& in = p.inst;
+  const Layout& l = in.layout;
+  const int H = in.hidden;
+  const int64_t y_row = static_cast<int64_t>(H) * dtype_size(p.y_dtype);
+  const uint8_t* y = static_cast<const uint8_t*>(p.y);
+  const bool planned = *reinterpret_cast<volatile uint64_t*>(p.scratch.plan_ok) == *in.epoch;
+  const int filled = planned ? *p.scratch.output_rows : 0;
+  const int rows = filled < p.y_rows ? filled : static_cast<int>(p.y_rows);
+  load_segments(segs, p.scratch.segments, in.num_experts);
+  __syncthreads();
+  const int chunk_elems = static_cast<int>(chunk_bytes(static_cast<int64_t>(H) * 4) / 4);
+  for (ChunkWalk walk(row_chunks(static_cast<int64_t>(H) * 4)); walk.row < rows; walk.next()) {
+    int s, j;
+    if (!locate(segs, in.num_experts, walk.row, &s, &j) || !node_sender(in, s)) continue;
+    uint8_t* dst = in.device_ws + l.y_stage + static_cast<size_t>(walk.row) * l.y_stride;
+    const int e0 = walk.chunk * chunk_elems;
+    const int e1 = e0 + chunk_elems < H ? e0 + chunk_elems : H;
+    convert_range(dst, y + walk.row * y_row, e0, e1, p.y_dtype, static_cast<int>(DType::kFp32), walk.lane);
+    if (walk.chunk == 0 && walk.lane == 0)
+      store_f32(in.device_ws + l.y_values + static_cast<size_t>(walk.row) * sizeof(float),
+                p.row_values != nullptr ? p.row_values[walk.row] : 0.0f);
+  }
+  signal_when_grid_done(in, p.scratch.done_blocks, kFlagStaged, nullptr);
 }
 
 __global__ void __launch_bounds__(kReturnThreads, kReturnBlocksPerSm) return_kernel(CombineSendParams p) {
@@ -143,7 +203,7 @@ __global__ void __launch_bounds__(kReturnThreads, kReturnBlocksPerSm) return_ker
   const auto destination = [&]() -> uint8_t* {
     int s, j;
     if (!locate(segs, in.num_experts, walk.row, &s, &j) || (s == in.rank && p.self_in_place)) return nullptr;
-    if (per_rank(in, s)) return nullptr;  // summed into its wire row below (return_rank_rows)
+    if (per_rank(in, s) || node_sender(in, s)) return nullptr;  // summed into a wire row (return_summed_rows)
     return return_row(in, p.scratch.senders, s, j);
   };
   // The row's value into its tail, once per row (its first chunk's lane 0).
@@ -172,11 +232,26 @@ __global__ void __launch_bounds__(kReturnThreads, kReturnBlocksPerSm) return_ker
       }
     }
   }
-  if (in.rank_rows && rows > 0) return_rank_rows(p, chunk_elems, rows);  // rows 0: no plan
+  // No plan (capacity, a failed wait): rows per rank see no rows; rows per
+  // node the plan's word, since a forwarder may have rows to sum and no copies.
+  if (in.node_rows ? *reinterpret_cast<volatile uint64_t*>(p.scratch.plan_ok) == *in.epoch
+                   : in.rank_rows && rows > 0)
+    return_summed_rows(p, chunk_elems, rows);
   signal_when_grid_done(in, p.scratch.done_blocks, kFlagCombine, packed_flag(in, in.proxy.combine_packed));
 }
 
 }  // namespace
+
+cudaError_t launch_stage_outputs(const CombineSendParams& p, cudaStream_t stream) {
+  const Instance& in = p.inst;
+  if (!in.node_rows) return cudaSuccess;
+  const size_t seg_smem = static_cast<size_t>(in.num_experts) * sizeof(Segment);
+  cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(stage_outputs_kernel), seg_smem);
+  if (err != cudaSuccess) return err;
+  const int chunks = row_chunks(static_cast<int64_t>(in.hidden) * 4);
+  const int blocks = persistent_blocks(max_output_rows(in) * chunks, kReturnThreads / kWarp, kReturnBlocksPerSm);
+  return launch_kernel(stage_outputs_kernel, blocks, kReturnThreads, seg_smem, stream, p);
+}
 
 cudaError_t launch_combine_send(const CombineSendParams& p, cudaStream_t stream) {
   const Instance& in = p.inst;

@@ -40,6 +40,12 @@ CudaAllToAll::CudaAllToAll(Workspace* host_workspace, fabric::ProxyEngine* engin
     ProxyContext ctx =
         proxy_context(*host_workspace, engine, region, group, remote_peers, res_.signals(), res_.peer_signals(), pids);
     ctx.caller_arms = true;  // dispatch_send arms it; kernels cannot wake a thread
+    if (cfg_.node_rows())  // staged: the rows we forward go to our device workspace, where node peers read them
+      ctx.before_forward = [this](int, size_t private_off, size_t private_bytes, size_t shared_off,
+                                  size_t shared_bytes) {
+        res_.forward_to_device(private_off, private_bytes);
+        res_.forward_to_device(shared_off, shared_bytes);
+      };
     proxy_ctx_ = ctx;
     proxy_ = std::make_unique<Proxy>(std::move(ctx));
   }
@@ -58,14 +64,15 @@ CudaAllToAll::~CudaAllToAll() {
 }
 
 void CudaAllToAll::init_switches() {
-  // A copy's entry word (rows.cuh, entry_word) holds its local expert in 15 bits.
+  // A copy's entry word (rows.cuh, entry_word) holds its expert on the
+  // destination rank (rows per node: on its node) in 15 bits.
   constexpr int kMaxRankRowExperts = 1 << 15;
-  if (cfg_.rank_rows() && cfg_.num_local_experts() >= kMaxRankRowExperts)
-    throw std::invalid_argument("fabric_rows='rank' on device cuda takes fewer than " +
-                                std::to_string(kMaxRankRowExperts) + " experts per rank; got " +
-                                std::to_string(cfg_.num_local_experts()) + " (use fabric_rows='expert')");
-  if (cfg_.node_rows())
-    throw std::invalid_argument("fabric_rows='node' on device cuda is not built yet (CPU backend only); use 'rank'");
+  const int entry_experts = cfg_.num_local_experts() * (cfg_.node_rows() ? cfg_.ranks_per_node : 1);
+  if (cfg_.wide_rows() && entry_experts >= kMaxRankRowExperts)
+    throw std::invalid_argument(std::string("fabric_rows='") + (cfg_.node_rows() ? "node" : "rank") +
+                                "' on device cuda takes fewer than " + std::to_string(kMaxRankRowExperts) +
+                                " experts per " + (cfg_.node_rows() ? "node" : "rank") + "; got " +
+                                std::to_string(entry_experts) + " (use fabric_rows='expert')");
   for (int r = 0; r < cfg_.world; ++r) has_remote_ = has_remote_ || !cfg_.same_node(r);
   overlap_ = has_remote_ && env_switch("MOE_A2A_CUDA_OVERLAP") != 0;
   combine_dma_ = overlap_ && env_switch("MOE_A2A_CUDA_COMBINE_DMA") != 0;
@@ -82,6 +89,11 @@ void CudaAllToAll::rows_on_device(fabric::RegionId region, fabric::GroupId group
   proxy_.reset();  // idle: nothing was armed yet
   proxy_ctx_.rows_region = region;
   proxy_ctx_.rows_group = group;
+  if (cfg_.node_rows())  // the rows land in our device workspace: a NIC's writes may want a flush first
+    proxy_ctx_.before_forward = [this](int, size_t, size_t, size_t, size_t) {
+      check_cuda(cudaSetDevice(res_.device()), "cudaSetDevice(forward)");
+      res_.flush_fabric_writes();
+    };
   proxy_ = std::make_unique<Proxy>(proxy_ctx_);
   res_.set_rows_on_device(nic_writes);
   combine_dma_ = false;  // the rows land in GPU memory: nothing to copy back
@@ -219,6 +231,36 @@ void CudaAllToAll::wait_planned() {
 }
 
 int64_t CudaAllToAll::max_output_rows() const { return cfg_.max_output_rows(); }
+
+std::pair<std::vector<uint64_t>, std::vector<uint64_t>> CudaAllToAll::forwarded_counts() const {
+  std::vector<uint64_t> rows(cfg_.world, 0), entries(cfg_.world, 0);
+  if (!cfg_.node_rows() || call_.epoch == 0) return {rows, entries};
+  std::vector<SenderPlan> plans(cfg_.world);
+  check_cuda(cudaMemcpy(plans.data(), res_.scratch().senders, plans.size() * sizeof(SenderPlan), cudaMemcpyDeviceToHost),
+             "reading the plan's senders");
+  const int m = cfg_.max_entries();
+  const int64_t wire = plans.back().recv_base + plans.back().wire;
+  std::vector<int32_t> entry_rank(static_cast<size_t>(wire) * m);
+  if (wire > 0)
+    check_cuda(cudaMemcpy(entry_rank.data(), res_.scratch().entry_rank, entry_rank.size() * sizeof(int32_t),
+                          cudaMemcpyDeviceToHost),
+               "reading the forwarded entries");
+  const int node0 = cfg_.rank / cfg_.ranks_per_node * cfg_.ranks_per_node;
+  for (int s = 0; s < cfg_.world; ++s) {
+    if (!cfg_.per_node(s, cfg_.rank) || cfg_.forwarder(s, cfg_.rank) != cfg_.rank) continue;
+    for (int64_t j = 0; j < plans[s].wire; ++j) {
+      std::vector<bool> counted(cfg_.ranks_per_node, false);  // the row, once per node peer
+      for (int e = 0; e < m; ++e) {
+        const int l = entry_rank[static_cast<size_t>(plans[s].recv_base + j) * m + e];
+        const int t = node0 + l;
+        if (l < 0 || t == cfg_.rank) continue;
+        ++entries[t];
+        if (!counted[l]) counted[l] = true, ++rows[t];
+      }
+    }
+  }
+  return {rows, entries};
+}
 
 std::vector<int64_t> CudaAllToAll::wire_received() const {
   std::vector<SenderPlan> plans(cfg_.world);

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../call_stamps.h"
@@ -193,6 +194,10 @@ class CudaAllToAll {
   // plan's scratch: the workspace's routing matrix may already hold a peer's
   // row of its next call. Synchronises with the device.
   std::vector<int64_t> wire_received() const;
+  // Rows per node, the last planned dispatch, per node peer t: the rows we
+  // forwarded that t read entries from, and those entries (each an output of
+  // t's that our combine sums). Synchronises with the device.
+  std::pair<std::vector<uint64_t>, std::vector<uint64_t>> forwarded_counts() const;
   bool fused_recv() const { return fused_recv_; }
   uint64_t epoch() const { return call_.epoch; }
   // Routing rows written to peers / peers' rows waited for or read, by this

@@ -160,10 +160,10 @@ __global__ void __launch_bounds__(kBulkThreads, kBulkBlocksPerSm) bulk_pack_kern
       // Each copy's weight into its row's tail: bytes no bulk write touches.
       const int64_t copy = static_cast<int64_t>(t) * K + lane;
       const float w = lane < K && p.weights != nullptr ? p.weights[copy] : 0.0f;
-      if (!in.rank_rows) {
+      if (!wide(in)) {
         if (mine != nullptr) store_f32(mine + body_bytes, w);
       } else if (lane < K) {
-        // Rows per rank: every copy of a token's row writes its entry, also those
+        // Rows per rank or node: every copy of a token's row writes its entry, also those
         // that do not pack it (copy_dst null).
         const int32_t word = p.scratch.copy_entry[copy];
         uint8_t* tail_row = word >= 0 ? (in.staged ? in.device_ws : in.fabric_ws) + in.layout.send +

@@ -2,8 +2,8 @@
 // kernel) waits for the route flag of every same-node sender and, with
 // remote peers, for the proxy's dispatch_done; plans (recv_plan.cuh); then
 // waits for the packs, whose rows the copy kernel after it reads.
-// With rows per rank, entry_kernel then places the entries of each per-rank
-// sender's rows (their tails) in the output, before any copy reads them.
+// With rows per rank or node, entry_kernel then places the entries of each
+// wide sender's rows (their tails) in the output, before any copy reads them.
 #include <cuda_runtime.h>
 
 #include "launch.h"
@@ -76,6 +76,11 @@ __global__ void __launch_bounds__(kPlanThreads, kPlanMinBlocks) plan_kernel(Disp
 // order, where rows per copy would have put them. The walk is a stable
 // counting sort, as routing's (route.cuh): each warp matches its entries'
 // experts, counts them, and hands out q in order. One block per sender.
+// Rows per node ("Rows per destination node"): a sender's rows for our node
+// are read whole from its forwarder's device workspace; each rank keeps the
+// entries of its own experts (row_wire, row_weight), and the forwarder also
+// those of its node peers, with their output rows (node_segs), for the
+// combine's sums.
 constexpr int kEntryThreads = EntryTuning::kThreads;
 constexpr int kEntryWarps = kEntryThreads / kWarp;
 constexpr int kEntriesInFlight = EntryTuning::kEntriesInFlight;
@@ -83,27 +88,39 @@ constexpr int kEntryWarpItems = kEntriesInFlight * kWarp;
 
 __global__ void __launch_bounds__(kEntryThreads) entry_kernel(DispatchRecvParams p) {
   if (stale_replay(p.inst)) return;  // a graph captured before a mask
-  extern __shared__ int32_t entry_smem[];  // hist [warps][L], then next [L]
+  extern __shared__ int32_t entry_smem[];  // hist [warps][K], then next [K]
   kernel_prologue();                       // the plan, and the rows (landed before this launch)
   const Instance& in = p.inst;
   const Scratch& sc = p.scratch;
   const int s = p.sender >= 0 ? p.sender : static_cast<int>(blockIdx.x);
-  if (s >= in.world || !per_rank(in, s) || *sc.output_rows == 0) return;  // rows 0: no plan (capacity, a failed wait)
-  const int L = in.local_experts, N = in.world, m = in.max_entries;
+  if (s >= in.world) return;
+  const bool noded = node_sender(in, s);
+  if (!per_rank(in, s) && !noded) return;
+  // No plan (capacity, a failed wait): rows per rank see no output rows; rows
+  // per node the plan's word, since a forwarder may have rows and no copies.
+  if (noded ? *reinterpret_cast<volatile uint64_t*>(sc.plan_ok) != *in.epoch : *sc.output_rows == 0) return;
+  const int L = in.local_experts, N = in.world, m = in.max_entries, rpn = in.ranks_per_node;
   const SenderPlan plan = sc.senders[s];
-  const int64_t first = p.sender >= 0 ? p.sender_first : 0;
-  const int64_t end = p.sender >= 0 ? (p.sender_end < plan.wire ? p.sender_end : plan.wire) : plan.wire;
+  // Rows per node: every key of the node where we forward s's rows, else ours
+  // only (key i of our local index, the other entries skipped).
+  const bool forwards = noded && plan.fwd == in.rank;
+  const int K = forwards ? rpn * L : L, own = in.rank % rpn;
+  // Rows per node are read whole (their forwarder raised forward[s] for all of them).
+  const int64_t rows = noded ? plan.read_rows : plan.wire;
+  const int64_t first = p.sender >= 0 && !noded ? p.sender_first : 0;
+  const int64_t end = p.sender >= 0 && !noded ? (p.sender_end < rows ? p.sender_end : rows) : rows;
   const int64_t entries = end > first ? (end - first) * m : 0;
   int32_t* hist = entry_smem;
-  int32_t* next = hist + kEntryWarps * L;
+  int32_t* next = hist + kEntryWarps * K;
+  int32_t* next_base = sc.entry_next + static_cast<size_t>(s) * (in.node_rows ? rpn * L : L);
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const unsigned lanes_below = (1u << lane) - 1;
-  for (int i = threadIdx.x; i < L; i += kEntryThreads) next[i] = sc.entry_next[s * L + i];
+  for (int i = threadIdx.x; i < K; i += kEntryThreads) next[i] = next_base[i];
   __shared__ int bad;
   if (threadIdx.x == 0) bad = 0;
   __syncthreads();  // bad and next before any round
   for (int64_t base = 0; base < entries; base += kEntryWarps * kEntryWarpItems) {
-    for (int i = threadIdx.x; i < kEntryWarps * L; i += kEntryThreads) hist[i] = 0;
+    for (int i = threadIdx.x; i < kEntryWarps * K; i += kEntryThreads) hist[i] = 0;
     // The warp's entries, their loads in flight together: expert (key, -1 for
     // none) and weight.
     int key[kEntriesInFlight];
@@ -117,47 +134,71 @@ __global__ void __launch_bounds__(kEntryThreads) entry_kernel(DispatchRecvParams
       if (idx >= entries) continue;
       const int64_t j = first + idx / m;
       const uint8_t* tail = source_row(in, sc.senders, s, j) + in.layout.dispatch_tail;
-      // As the plan reads routing rows the proxy put in host memory: from L2, not L1.
+      // As the plan reads routing rows the proxy put in host memory: from L2,
+      // not L1 (rows per node: a peer's device memory, over IPC).
       const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(tail + (idx % m) * sizeof(RouteEntry)));
       const int expert = static_cast<int>(raw.y & 0xffffu);
       weight[u] = __uint_as_float(raw.x);
       if (expert == kNoExpert) continue;
-      if (expert < L) key[u] = expert;
-      else bad = 1;
+      if (!noded) {
+        if (expert < L) key[u] = expert;
+        else bad = 1;
+      } else if (expert >= rpn * L) {
+        bad = 1;
+      } else if (forwards) {
+        key[u] = expert;
+      } else if (expert / L == own) {
+        key[u] = expert % L;
+      }
     }
 #pragma unroll
     for (int u = 0; u < kEntriesInFlight; ++u) peers[u] = __match_any_sync(kFullMask, key[u]);
     __syncthreads();  // hist zeroed
 #pragma unroll
     for (int u = 0; u < kEntriesInFlight; ++u) {
-      if (key[u] >= 0 && lane == __ffs(peers[u]) - 1) hist[warp * L + key[u]] += __popc(peers[u]);
+      if (key[u] >= 0 && lane == __ffs(peers[u]) - 1) hist[warp * K + key[u]] += __popc(peers[u]);
       __syncwarp();
     }
     __syncthreads();
-    warp_offsets(hist, kEntryWarps, L, next, next);  // next: past this round
+    warp_offsets(hist, kEntryWarps, K, next, next);  // next: past this round
     __syncthreads();
 #pragma unroll
     for (int u = 0; u < kEntriesInFlight; ++u) {  // in order: q stays stable
-      const int q = key[u] >= 0 ? hist[warp * L + key[u]] + __popc(peers[u] & lanes_below) : -1;
+      const int q = key[u] >= 0 ? hist[warp * K + key[u]] + __popc(peers[u] & lanes_below) : -1;
       __syncwarp();
-      if (key[u] >= 0 && lane == __ffs(peers[u]) - 1) hist[warp * L + key[u]] += __popc(peers[u]);
+      if (key[u] >= 0 && lane == __ffs(peers[u]) - 1) hist[warp * K + key[u]] += __popc(peers[u]);
       __syncwarp();
       const int64_t idx = base + warp * kEntryWarpItems + u * kWarp + lane;
       if (idx >= entries) continue;
-      const int64_t at = (plan.recv_base + first + idx / m) * m + idx % m;  // (w, e): w = recv_base + j
-      int row = -1;
+      const int64_t j = first + idx / m;
+      int row = -1;  // the output row, on node rank key / L where we forward
       if (key[u] >= 0) {
-        const Segment g = sc.segments[key[u] * N + s];
-        if (q < g.count) row = g.out_row + q;
+        int32_t out_row, count;
+        if (forwards) {
+          const NodeSegment g = sc.node_segs[static_cast<size_t>(key[u]) * N + s];
+          out_row = g.out_row, count = g.count;
+        } else {
+          const Segment g = sc.segments[key[u] * N + s];
+          out_row = g.out_row, count = g.count;
+        }
+        if (q < count) row = out_row + q;
         else bad = 1;  // more entries for this expert than the sender's routing row says
       }
-      sc.entry_row[at] = row;
-      sc.entry_weight[at] = row >= 0 ? weight[u] : 0.0f;
-      if (row >= 0) sc.row_entry[row] = static_cast<int32_t>(at);
+      if (!noded || forwards) {  // the entries of the rows we received (combine_send sums them)
+        const int64_t at = (plan.recv_base + j) * m + idx % m;  // (w, e): w = recv_base + j
+        sc.entry_row[at] = row;
+        sc.entry_weight[at] = row >= 0 ? weight[u] : 0.0f;
+        if (noded) sc.entry_rank[at] = row >= 0 ? key[u] / L : -1;
+        else if (row >= 0) sc.row_entry[row] = static_cast<int32_t>(at);
+      }
+      if (noded && row >= 0 && (!forwards || key[u] / L == own)) {  // one of our own output rows
+        sc.row_wire[row] = static_cast<int32_t>(j);
+        sc.row_weight[row] = weight[u];
+      }
     }
     __syncthreads();  // hist is zeroed again
   }
-  for (int i = threadIdx.x; i < L; i += kEntryThreads) sc.entry_next[s * L + i] = next[i];
+  for (int i = threadIdx.x; i < K; i += kEntryThreads) next_base[i] = next[i];
   if (threadIdx.x == 0 && bad) report(in, kStatusBadRow);
 }
 
@@ -165,8 +206,9 @@ __global__ void __launch_bounds__(kEntryThreads) entry_kernel(DispatchRecvParams
 
 cudaError_t launch_dispatch_entries(const DispatchRecvParams& p, cudaStream_t stream) {
   const Instance& in = p.inst;
-  if (!in.rank_rows) return cudaSuccess;
-  const size_t smem = static_cast<size_t>(kEntryWarps + 1) * in.local_experts * sizeof(int32_t);
+  if (!wide(in)) return cudaSuccess;
+  const int keys = in.local_experts * (in.node_rows ? in.ranks_per_node : 1);  // entry_kernel's K, at most
+  const size_t smem = static_cast<size_t>(kEntryWarps + 1) * keys * sizeof(int32_t);
   cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(entry_kernel), smem);
   if (err != cudaSuccess) return err;
   return launch_kernel(entry_kernel, p.sender >= 0 ? 1 : in.world, kEntryThreads, smem, stream, p);

@@ -95,6 +95,7 @@ __device__ __forceinline__ void copy_rows(const DispatchRecvParams& p, Segment* 
       if (!locate(segs, in.num_experts, row, &s, &j)) continue;  // padding
       if (by_token && s == in.rank) continue;
       if (per_rank(in, s)) j = wire_row_of(p, s, row);  // a row per rank holds it
+      else if (node_sender(in, s)) j = p.scratch.row_wire[row];  // a row per node, at its forwarder
     }
     receive_row<kMode>(p, s, j, row, walk);
   }
@@ -124,6 +125,7 @@ __device__ __forceinline__ void copy_sender_rows(const DispatchRecvParams& p, Se
       if (row < 0) continue;  // an unused entry
     } else {
       row = sender_output_row(segs, 1, L, j);
+      if (node_sender(in, s)) j = p.scratch.row_wire[row];  // a row per node, at its forwarder
     }
     receive_row<kMode>(p, s, j, row, walk);
   }
@@ -206,7 +208,7 @@ cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t strea
   const size_t plan_smem = plan_smem_bytes(in);
   const size_t seg_smem = static_cast<size_t>(in.num_experts) * sizeof(Segment);
   const int blocks = persistent_blocks(p.max_output_rows * recv_row_chunks(p), kCopyThreads / kWarp, kCopyBlocksPerSm);
-  if (p.fused && !in.rank_rows) {  // rows per rank need entry_kernel between the plan and the copies
+  if (p.fused && !wide(in)) {  // rows per rank or node need entry_kernel between the plan and the copies
     const size_t smem = plan_smem > seg_smem ? plan_smem : seg_smem;
     const auto kernel = p.dequant                ? plan_copy_kernel<kRecvDequant>
                         : p.row_scale != nullptr ? plan_copy_kernel<kRecvScaled>
@@ -216,7 +218,7 @@ cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t strea
     return launch_kernel(kernel, blocks, kCopyThreads, smem, stream, p);
   }
   cudaError_t err = launch_dispatch_plan(p, stream);
-  if (err == cudaSuccess && in.rank_rows) {
+  if (err == cudaSuccess && wide(in)) {
     DispatchRecvParams every = p;
     every.sender = -1;
     err = launch_dispatch_entries(every, stream);

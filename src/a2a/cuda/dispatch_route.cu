@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(kLargeThreads) count_kernel(DispatchSendParams
   for (int i = threadIdx.x; i < kLargeWarps * E; i += kLargeThreads) hist[i] = 0;
   __syncthreads();
   count_ids(ids, hist + warp * E, lane);
-  if (p.inst.rank_rows) count_ranks(p.inst, ids, match_ranks(p, ids, begin, lane), hist + warp * E, lane);
+  if (wide(p.inst)) count_ranks(p.inst, ids, match_ranks(p, ids, begin, lane), hist + warp * E, lane);
   if (__any_sync(kFullMask, ids.dropped) && lane == 0) *p.scratch.dropped = 1;
   __syncthreads();
   warp_offsets(hist, kLargeWarps, E, nullptr, p.scratch.block_base + static_cast<size_t>(blockIdx.x) * E);
@@ -93,8 +93,8 @@ __global__ void __launch_bounds__(kLargeThreads) slot_kernel(DispatchSendParams 
       [&](int o, int32_t v) { first[key_at(in, o)] = v; });
   for (int e = threadIdx.x; e < E; e += kLargeThreads) mine[e] += first[e];
   count_ids(ids, hist + warp * E, lane);
-  const RankIds ranks = in.rank_rows ? match_ranks(p, ids, begin, lane) : RankIds{};
-  if (in.rank_rows) count_ranks(in, ids, ranks, hist + warp * E, lane);
+  const RankIds ranks = wide(in) ? match_ranks(p, ids, begin, lane) : RankIds{};
+  if (wide(in)) count_ranks(in, ids, ranks, hist + warp * E, lane);
   __syncthreads();
   warp_offsets(hist, kLargeWarps, E, mine, nullptr);
   if (leader) {
@@ -115,14 +115,14 @@ __global__ void __launch_bounds__(kLargeThreads) slot_kernel(DispatchSendParams 
     const int64_t send_start = e >= 0 ? first[r * in.local_experts] : 0;
     const bool in_place = r == in.rank && p.self_in_place;  // the receive half reads x
     s.slots[i] = slot;
-    s.copy_rank[i] = r;
+    s.copy_rank[i] = r >= 0 ? wire_dest(in, r) : -1;  // where its combine comes back from
     if (in_place) s.self_copy[slot - send_start] = static_cast<int32_t>(i);
     // A row per rank is packed once, by its token's entry 0.
     const bool packs = e >= 0 && !in_place && (word < 0 || word_entry(word) == 0);
     s.copy_dst[i] = packs ? destination(in, slot, r, send_start) : nullptr;
-    if (in.rank_rows) s.copy_entry[i] = word;
+    if (wide(in)) s.copy_entry[i] = word;
   };
-  if (in.rank_rows) {
+  if (wide(in)) {
     slot_ids_ranked(in, ids, ranks, begin, end, hist + warp * E, nullptr, sink, lane);
   } else {
     slot_ids(ids, begin, end, hist + warp * E, nullptr, [&](int64_t i, int slot, int e) { sink(i, slot, e, -1); },
@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(kLargeThreads) slot_kernel(DispatchSendParams 
 }  // namespace
 
 cudaError_t launch_route(const DispatchSendParams& p, cudaStream_t stream) {
-  const size_t E = p.inst.num_experts + (p.inst.rank_rows ? p.inst.world : 0);  // route_keys
+  const size_t E = p.inst.num_experts + (wide(p.inst) ? p.inst.world : 0);  // route_keys
   const int blocks = route_blocks(static_cast<int64_t>(p.inst.max_tokens) * p.inst.topk);
   const size_t hist_smem = kLargeWarps * E * sizeof(int32_t);
   const size_t slot_smem = hist_smem + 3 * E * sizeof(int32_t);

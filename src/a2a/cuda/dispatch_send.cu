@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(kPackThreads, kPackBlocksPerSm) pack_kernel(Di
         *word = s.copy_entry[c];
         return *word >= 0 ? rank_row(p.inst, s.slots[c]) : copy_dst[c];
       },
-      p.inst.rank_rows != 0);
+      wide(p.inst));
   signal_when_grid_done(p.inst, p.scratch.done_blocks, kFlagDispatch, packed_flag(p.inst, p.inst.proxy.packed));
 }
 
@@ -249,7 +249,7 @@ __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) rout
     table[i] = make_int2(slot, e);
     if (!leader) return;
     const int r = e >= 0 ? e / L : -1;
-    s.slots[i] = slot, s.copy_rank[i] = r;
+    s.slots[i] = slot, s.copy_rank[i] = r >= 0 ? wire_dest(in, r) : -1;  // where its combine comes back from
     if (kRanked) s.copy_entry[i] = word;
     if (r == in.rank && p.self_in_place) s.self_copy[slot - first[r * L]] = static_cast<int32_t>(i);
   };
@@ -267,11 +267,14 @@ __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) rout
     allow_dependents();
   }
   // Only the copies of our own items need a destination: one lane each. With
-  // rows per rank a copy's entry comes from its token's copies in the table.
-  const auto entry_of = [&](int64_t c, int r) {
+  // rows per rank or node a copy's entry comes from its token's copies in the
+  // table (d: their wire destination).
+  const auto entry_of = [&](int64_t c, int d) {
     int entry, count;
-    token_entries(c, in.topk, r, [&](int64_t o) { return table[o].y >= 0 ? table[o].y / L : -1; }, &entry, &count);
-    return entry_word(entry, count, table[c].y % L);
+    token_entries(
+        c, in.topk, d, [&](int64_t o) { return table[o].y >= 0 ? wire_dest(in, table[o].y / L) : -1; }, &entry,
+        &count);
+    return entry_word(entry, count, table[c].y - dest_first_expert(in, d));
   };
   pack_items<kMode>(
       p, tokens, items,
@@ -280,7 +283,8 @@ __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) rout
         if (copy.y < 0) return nullptr;  // dropped
         const int r = copy.y / L;
         if (r == in.rank && p.self_in_place) return nullptr;  // the receive half reads x
-        if (kRanked && per_rank(in, r) && word_entry(entry_of(c, r)) != 0) return nullptr;  // entry 0 packs the row
+        if (kRanked && wide_remote(in, r) && word_entry(entry_of(c, wire_dest(in, r))) != 0)
+          return nullptr;  // entry 0 packs the row
         return destination(in, copy.x, r, first[r * L]);
       },
       [&](int64_t c, int32_t* word) -> uint8_t* {
@@ -288,8 +292,8 @@ __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) rout
         if (copy.y < 0) return nullptr;  // dropped
         const int r = copy.y / L;
         if (r == in.rank && p.self_in_place) return nullptr;
-        if (!kRanked || !per_rank(in, r)) return destination(in, copy.x, r, first[r * L]);
-        *word = entry_of(c, r);
+        if (!kRanked || !wide_remote(in, r)) return destination(in, copy.x, r, first[r * L]);
+        *word = entry_of(c, wire_dest(in, r));
         return rank_row(in, copy.x);
       },
       kRanked);
@@ -302,9 +306,9 @@ cudaError_t launch_pack(const DispatchSendParams& p, cudaStream_t stream) {
   const int slices = ((in.hidden + kVec - 1) / kVec + kWarp - 1) / kWarp;
   const int64_t items = static_cast<int64_t>(in.max_tokens) * slices;
   const int64_t max_copies = static_cast<int64_t>(in.max_tokens) * in.topk;
-  const size_t smem = route_pack_smem(max_copies, in.num_experts + (in.rank_rows ? in.world : 0));  // route_keys
+  const size_t smem = route_pack_smem(max_copies, in.num_experts + (wide(in) ? in.world : 0));  // route_keys
   if (max_copies <= kRoutePackMaxCopies && smem <= kRoutePackSmemBytes) {
-    const auto kernel = in.rank_rows ? route_pack_kernel<kMode, true> : route_pack_kernel<kMode, false>;
+    const auto kernel = wide(in) ? route_pack_kernel<kMode, true> : route_pack_kernel<kMode, false>;
     cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
     if (err != cudaSuccess) return err;
     const int blocks = persistent_blocks(items, kRoutePackWarps, kRoutePackBlocksPerSm);

@@ -73,8 +73,18 @@ void FabricReceive::copy_dispatch(const LandingView& v, DispatchRecvParams p, co
   const A2AConfig& cfg = *v.cfg;
   const RoutingView view{matrix, cfg.world, cfg.num_experts, cfg.num_local_experts()};
   std::vector<Pending> pending;
+  std::vector<int64_t> own(cfg.world, 0);  // rows per node: our copies of each node sender
   for (int d = 0; d < cfg.world; ++d) {  // ourselves first: our rows are there in stream order
     const int s = (cfg.rank + d) % cfg.world;
+    if (cfg.per_node(s, cfg.rank)) {
+      // Its rows for our node, at its forwarder here (maybe us), readable once the
+      // forwarder's proxy raised forward[s]: in one piece. A forwarder with no
+      // copies of its own still notes the entries (combine_send sums them).
+      own[s] = static_cast<int64_t>(view.to_rank(s, cfg.rank));
+      const bool forwards = cfg.forwarder(s, cfg.rank) == cfg.rank && view.rows(s, cfg.rank) > 0;
+      if (own[s] > 0 || forwards) pending.push_back({s, one_piece(1), 0});
+      continue;
+    }
     const uint64_t c = view.rows(s, cfg.rank);  // wire rows
     if (c == 0) continue;
     const bool sliced = !cfg.same_node(s) && !cached;
@@ -86,6 +96,12 @@ void FabricReceive::copy_dispatch(const LandingView& v, DispatchRecvParams p, co
     const int s = q.peer;
     const uint32_t all = q.cut.count();
     if (s == cfg.rank) return all;
+    if (cfg.per_node(s, cfg.rank)) {
+      const bool forwarded =
+          flag_at(v.host_ws_cpu, *v.layout, s, kFlagForward)->load(std::memory_order_acquire) >= v.epoch;
+      // A cached call's stamp check (on_first) needs our proxy to have taken s's stamp too.
+      return forwarded && (!cached || v.peer.landed[s].get() >= v.epoch) ? all : 0;
+    }
     if (cfg.same_node(s))
       return flag_at(v.host_ws_cpu, *v.layout, s, kFlagDispatch)->load(std::memory_order_acquire) >= v.epoch ? all : 0;
     // A cached call takes a remote sender's rows in one piece, but the proxy still counts its
@@ -98,6 +114,13 @@ void FabricReceive::copy_dispatch(const LandingView& v, DispatchRecvParams p, co
   const auto take = [&](const Pending& q, uint32_t in) {
     p.sender = q.peer;
     if (q.next == 0) on_first(q.peer);
+    if (cfg.per_node(q.peer, cfg.rank)) {  // the whole sender: its entries, then our copies
+      p.sender_first = 0;
+      p.sender_end = own[q.peer];
+      check_cuda(launch_dispatch_entries(p, stream), "dispatch entries");
+      if (own[q.peer] > 0) check_cuda(launch_copy_sender(p, stream), "dispatch copy");
+      return;
+    }
     if (v.before_read && !cfg.same_node(q.peer)) v.before_read();
     p.sender_first = static_cast<int64_t>(q.cut.begin(q.next));  // consecutive slices are consecutive copies
     p.sender_end = static_cast<int64_t>(q.cut.end(in - 1));

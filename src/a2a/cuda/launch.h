@@ -27,6 +27,11 @@ cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t strea
 // combine_packed and the combine flag of same-node peers.
 cudaError_t launch_combine_send(const CombineSendParams& p, cudaStream_t stream);
 
+// Rows per node, before launch_combine_send: our outputs that a forwarder
+// sums into fp32 y_stage, then our staged flag at every node rank (whose
+// combine_send must wait for it). Nothing otherwise.
+cudaError_t launch_stage_outputs(const CombineSendParams& p, cudaStream_t stream);
+
 // Waits for every receiver, then the fp32 weighted sum per token.
 cudaError_t launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream);
 

@@ -96,7 +96,14 @@ struct Instance {
   // max_entries RouteEntry (row_tail.h), and its combine comes back reduced.
   // Same-node peers keep one row per copy. 0: every row is a copy.
   int32_t rank_rows = 0;
-  int32_t max_entries = 1;     // m: entries of a row per rank
+  // Rows per destination node (A2AConfig::node_rows): towards another node a
+  // token crosses once, to the rank of our local index there (its
+  // forwarder), its tail's entries naming experts of the whole node; the
+  // forwarder's node peers read their entries from its device workspace
+  // (docs/protocol.md "Rows per destination node").
+  int32_t node_rows = 0;
+  int32_t ranks_per_node = 1;
+  int32_t max_entries = 1;     // m: entries of a row per rank or node
   // Some rank is masked (live_ranks.h): an id of kMaskedExpert (row_tail.h)
   // is a dropped copy, not an error. 0: every id out of range is one.
   int32_t any_masked = 0;
@@ -124,6 +131,12 @@ struct SenderPlan {
   int64_t recv_base = 0;   // sum_{s' < s} u[s'][rank]: combine_send staging row of (s, 0)
   int64_t shared_off = 0;  // shared row of (s, P)
   int64_t send_off = 0;    // send_off[s][rank] (over u): (s, 0) in s's send section and combine_recv
+  // Rows per node, a sender on another node: its rows for our node sit in
+  // the device workspace of its forwarder here (fwd, maybe us), read_rows of
+  // them (u[s][fwd]), the shared ones from read_shared_off on.
+  int32_t fwd = -1;
+  int64_t read_rows = 0;
+  int64_t read_shared_off = 0;
 };
 
 // Output rows [out_row, out_row + count) of local expert `expert` hold copies
@@ -134,6 +147,13 @@ struct Segment {
   int32_t count = 0;
   int32_t sender = 0;
   int32_t first_j = 0;
+};
+
+// Rows per node: output rows [out_row, out_row + count) of a node rank's
+// local expert hold its copies from one sender (Scratch::node_segs).
+struct NodeSegment {
+  int32_t out_row = 0;
+  int32_t count = 0;
 };
 
 // Device scratch of one instance: what a dispatch leaves for its receive half
@@ -174,6 +194,19 @@ struct Scratch {
   float* entry_weight = nullptr;   // [max_recv * max_entries]
   int32_t* row_entry = nullptr;    // [max_output_rows]
   int32_t* entry_next = nullptr;   // [world][local_experts] entries handed out per (sender, expert) so far
+  // Rows per node (Instance::node_rows; empty sections otherwise). entry_row
+  // and entry_weight above then hold, for the rows we forward, the output row
+  // on node rank entry_rank[w * m + e] (its index in the node, -1: unused);
+  // entry_next is [world][ranks_per_node * local_experts]. Each output row
+  // that came in a row per node: its wire row at the forwarder and its weight.
+  int32_t* entry_rank = nullptr;   // [max_recv * max_entries]
+  int32_t* row_wire = nullptr;     // [max_output_rows]
+  float* row_weight = nullptr;     // [max_output_rows]
+  // Output rows of every node rank's copies from each sender, as segments:
+  // node_segs[(l * L + i) * world + s] = {out_row, count} of node rank l's
+  // local expert i (the forwarder's entries name them).
+  NodeSegment* node_segs = nullptr;  // [ranks_per_node * local_experts * world]
+  uint64_t* plan_ok = nullptr;     // [1] epoch of the last plan that delivered (rows per node)
 };
 
 struct DispatchSendParams {

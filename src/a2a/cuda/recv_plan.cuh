@@ -50,6 +50,37 @@ __device__ __forceinline__ void signal_planned(const DispatchRecvParams& p, uint
   st_release_sys(p.scratch.planned_host, epoch);
 }
 
+// Rows per node: the output rows of every rank of our node, per sender and
+// local expert (Scratch::node_segs), as that rank's own plan places them: the
+// entries of the rows we forward name them. n and start: [L] of shared memory.
+__device__ inline void node_segments(const DispatchRecvParams& p, const int32_t* matrix, int32_t* n, int32_t* start) {
+  const Instance& in = p.inst;
+  const int N = in.world, E = in.num_experts, L = in.local_experts, W = E + N, rpn = in.ranks_per_node;
+  const int node0 = in.rank / rpn * rpn, pad = in.expert_padding;
+  for (int l = 0; l < rpn; ++l) {
+    const int32_t* col = matrix + (node0 + l) * L;  // col[s * W + i]: copies of s for expert i of rank node0 + l
+    __syncthreads();  // n and start of the last round are read
+    for (int i = threadIdx.x; i < L; i += kPlanThreads) {
+      int32_t total = 0;
+      for (int s = 0; s < N; ++s) total += col[s * W + i];
+      n[i] = total;
+    }
+    __syncthreads();
+    block_exclusive_scan<kPlanThreads, int32_t>(
+        L, [&](int i) { return (n[i] + pad - 1) / pad * pad; }, [&](int i, int32_t v) { start[i] = v; });
+    __syncthreads();
+    for (int i = threadIdx.x; i < L; i += kPlanThreads) {
+      int32_t at = start[i];
+      for (int s = 0; s < N; ++s) {
+        NodeSegment& g = p.scratch.node_segs[(l * L + i) * N + s];
+        g.out_row = at;
+        g.count = col[s * W + i];
+        at += g.count;
+      }
+    }
+  }
+}
+
 // The plan from the routing matrix: capacity for every rank, per-sender
 // placement, tokens_per_expert, expert starts and the segment table; with
 // `ok` false (a wait failed) or over capacity it delivers nothing. Rows of
@@ -84,7 +115,11 @@ __device__ inline void compute_plan(const DispatchRecvParams& p, int32_t* matrix
       int64_t received = 0;
       for (int i = lane; i < N * L; i += kWarp) received += matrix[(i / L) * W + r * L + i % L];
       received = warp_sum(received);
-      if (lane == 0 && received > in.max_recv) ok = 0, report(in, kStatusCapacity);
+      int64_t wire = 0;  // rows per node: a forwarder's wire rows may outnumber its copies (plan.h worst_overflow)
+      if (in.node_rows)
+        for (int q = lane; q < N; q += kWarp) wire += matrix[q * W + E + r];
+      wire = warp_sum(wire);
+      if (lane == 0 && (received > in.max_recv || wire > in.max_recv)) ok = 0, report(in, kStatusCapacity);
     }
   }
   __syncthreads();
@@ -97,14 +132,30 @@ __device__ inline void compute_plan(const DispatchRecvParams& p, int32_t* matrix
     for (int q = lane; q < rank; q += kWarp) before += matrix[s * W + E + q];
     copies = warp_sum(copies);
     before = warp_sum(before);
+    // Rows per node: where s's rows for our node sit, at its forwarder here.
+    const int fwd = node_sender(in, s) ? forwarder_of(in, s) : -1;
+    int64_t read_shared_off = 0;
+    if (fwd >= 0) {
+      for (int q = lane; q < s; q += kWarp) {
+        const int64_t u = matrix[q * W + E + fwd];
+        read_shared_off += u > P ? u - P : 0;
+      }
+      read_shared_off = warp_sum(read_shared_off);
+    }
     if (lane == 0) {
-      p.scratch.senders[s].copies = copies;
-      p.scratch.senders[s].wire = matrix[s * W + E + rank];
-      p.scratch.senders[s].send_off = before;
+      SenderPlan& sp = p.scratch.senders[s];
+      sp.copies = copies;
+      sp.wire = matrix[s * W + E + rank];
+      sp.send_off = before;
+      sp.fwd = fwd;
+      sp.read_rows = fwd >= 0 ? matrix[s * W + E + fwd] : 0;
+      sp.read_shared_off = read_shared_off;
     }
   }
-  if (in.rank_rows)  // entry_kernel hands out each per-rank sender's rows from here
-    for (int i = tid; i < N * L; i += kPlanThreads) p.scratch.entry_next[i] = 0;
+  if (wide(in)) {  // entry_kernel hands out each wide sender's rows from here
+    const int keys = N * L * (in.node_rows ? in.ranks_per_node : 1);
+    for (int i = tid; i < keys; i += kPlanThreads) p.scratch.entry_next[i] = 0;
+  }
   for (int i = tid; i < L; i += kPlanThreads) {
     int32_t total = 0;
     for (int s = 0; s < N; ++s) total += mine[s * W + i];
@@ -141,7 +192,12 @@ __device__ inline void compute_plan(const DispatchRecvParams& p, int32_t* matrix
       at += mine[s * W + i];
     }
   }
-  if (tid == 0) *p.scratch.output_rows = *p.scratch.output_rows_host = rows_out;
+  if (in.node_rows) node_segments(p, matrix, n, start);
+  __syncthreads();
+  if (tid == 0) {
+    *p.scratch.output_rows = *p.scratch.output_rows_host = rows_out;
+    if (in.node_rows) *p.scratch.plan_ok = *in.epoch;
+  }
 }
 
 // Shared memory of compute_plan: matrix [world][E + world], n[L], start[L].

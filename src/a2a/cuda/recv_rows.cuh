@@ -15,6 +15,12 @@ __device__ __forceinline__ const uint8_t* source_row(const Instance& in, const S
   const Layout& l = in.layout;
   const size_t row = l.dispatch_row;
   const int64_t P = in.max_private;
+  if (node_sender(in, s)) {  // its row for our node, in its forwarder's device workspace
+    const SenderPlan& sp = senders[s];
+    const uint8_t* ws = in.peers[sp.fwd].device;
+    if (j < P) return ws + l.private_rows + (static_cast<size_t>(s) * P + j) * row;
+    return ws + l.shared_rows + (sp.read_shared_off + j - P) * row;
+  }
   if (j < P) {
     const uint8_t* ws = same_node(in, s) ? in.device_ws : in.fabric_ws;
     return ws + l.private_rows + (static_cast<size_t>(s) * P + j) * row;
@@ -37,7 +43,7 @@ __device__ __forceinline__ const uint8_t* row_source(const DispatchRecvParams& p
 }
 
 // Output row `row`'s weight, copy (s, j)'s: from its row's tail (a row per
-// rank: its entry's, as entry_kernel took it), or for one of ours read in
+// rank or node: its entry's, as entry_kernel took it), or for one of ours read in
 // place from the send half's weights.
 __device__ __forceinline__ void deliver_weight(const DispatchRecvParams& p, int s, int j, int row) {
   if (p.out_weight == nullptr) return;
@@ -46,6 +52,7 @@ __device__ __forceinline__ void deliver_weight(const DispatchRecvParams& p, int 
   if (s == in.rank && p.self_x != nullptr)
     w = p.self_weights != nullptr ? p.self_weights[p.scratch.self_copy[j]] : 0.0f;
   else if (per_rank(in, s)) w = p.scratch.entry_weight[p.scratch.row_entry[row]];
+  else if (node_sender(in, s)) w = p.scratch.row_weight[row];
   else w = load_f32(source_row(in, p.scratch.senders, s, j) + in.layout.dispatch_tail);
   p.out_weight[row] = w;
 }

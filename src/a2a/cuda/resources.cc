@@ -141,6 +141,7 @@ void CudaResources::allocate_mapped() {
 
 CudaResources::~CudaResources() {
   cudaDeviceSynchronize();
+  if (forward_stream_ != nullptr) cudaStreamDestroy(forward_stream_);  // the proxy is gone (~CudaAllToAll)
   for (void* p : ipc_opened_) cudaIpcCloseMemHandle(p);
   for (void* p : registered_) {
     if (own_host_ws_ && p == registered_.front()) cudaFreeHost(p);
@@ -203,6 +204,20 @@ void CudaResources::flush_fabric_writes() const {
     check_cuda(cudaDeviceFlushGPUDirectRDMAWrites(cudaFlushGPUDirectRDMAWritesTargetCurrentDevice,
                                                   cudaFlushGPUDirectRDMAWritesToOwner),
                "cudaDeviceFlushGPUDirectRDMAWrites");
+}
+
+void CudaResources::forward_to_device(size_t offset, size_t bytes) {
+  if (bytes == 0) return;
+  if (offset + bytes > layout_.total)
+    throw std::logic_error("forward_to_device: bytes [" + std::to_string(offset) + ", " +
+                           std::to_string(offset + bytes) + ") past the workspace (" + std::to_string(layout_.total) +
+                           ")");
+  check_cuda(cudaSetDevice(device_), "cudaSetDevice(forward)");  // the proxy's thread
+  if (forward_stream_ == nullptr)
+    check_cuda(cudaStreamCreateWithFlags(&forward_stream_, cudaStreamNonBlocking), "cudaStreamCreate(forward)");
+  check_cuda(cudaMemcpyAsync(device_ws_ + offset, host_ws_cpu_ + offset, bytes, cudaMemcpyHostToDevice, forward_stream_),
+             "cudaMemcpyAsync(forwarded rows)");
+  check_cuda(cudaStreamSynchronize(forward_stream_), "cudaStreamSynchronize(forwarded rows)");
 }
 
 void CudaResources::map_node(const std::vector<uint8_t*>& node) {
@@ -359,6 +374,8 @@ const Instance& CudaResources::instance(bool has_remote, bool staged, int64_t ti
   in.staged = staged ? 1 : 0;
   in.timeout_ns = timeout_ns;
   in.rank_rows = cfg_.rank_rows() ? 1 : 0;
+  in.node_rows = cfg_.node_rows() ? 1 : 0;
+  in.ranks_per_node = cfg_.ranks_per_node;
   in.max_entries = cfg_.max_entries();
   in.any_masked = 0;
   for (const uint8_t m : masked_) in.any_masked |= m;

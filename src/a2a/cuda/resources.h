@@ -76,6 +76,11 @@ class CudaResources {
   // this device needs a flush of a NIC's writes.
   void flush_fabric_writes() const;
   bool flushes() const { return flush_writes_; }
+  // Rows per node, staged: copies [offset, offset + bytes) of our host
+  // workspace to the same offsets of the device workspace, where node peers
+  // read the rows we forward, and waits for it. The proxy's thread calls it
+  // (ProxyContext::before_forward), on a stream of its own.
+  void forward_to_device(size_t offset, size_t bytes);
 
   // Masked ranks (live_ranks.h), after every kernel of ours ended: a masked
   // same-node peer's workspaces are no longer reached (the kernels take it
@@ -130,6 +135,7 @@ class CudaResources {
   bool peers_dirty_ = true;
   bool rows_on_device_ = false;  // GPU-direct
   bool flush_writes_ = false;    // GPU-direct through a NIC on a device that needs a flush
+  cudaStream_t forward_stream_ = nullptr;  // forward_to_device's, made at its first call
   Instance instance_;  // rebuilt when peers change
 
   uint8_t* scratch_mem_ = nullptr;

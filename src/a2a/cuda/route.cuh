@@ -128,13 +128,20 @@ __device__ __forceinline__ RankIds match_ranks(const DispatchSendParams& p, cons
   for (int u = 0; u < kIdsInFlight; ++u) {
     const int e = ids.e[u];
     const int r = e >= 0 ? e / L : -1;
+    const int d = r >= 0 ? wire_dest(in, r) : -1;  // r, or its node's forwarder for us
     q.word[u] = -1;
-    if (r >= 0 && per_rank(in, r)) {
+    if (r >= 0 && wide_remote(in, r)) {
       int entry, count;
-      token_entries(begin + u * kWarp + lane, in.topk, r, [&](int64_t c) { return id_rank(p, c); }, &entry, &count);
-      q.word[u] = entry_word(entry, count, e % L);
+      token_entries(
+          begin + u * kWarp + lane, in.topk, d,
+          [&](int64_t c) {
+            const int rc = id_rank(p, c);
+            return rc >= 0 ? wire_dest(in, rc) : -1;
+          },
+          &entry, &count);
+      q.word[u] = entry_word(entry, count, e - dest_first_expert(in, d));
     }
-    key[u] = q.word[u] >= 0 ? static_cast<unsigned>(r + 1) : 0u;
+    key[u] = q.word[u] >= 0 ? static_cast<unsigned>(d + 1) : 0u;
     q.group[u] = kFullMask;
   }
   const int bits = 32 - __clz(in.world);  // keys lie in [0, world]
@@ -152,41 +159,44 @@ __device__ __forceinline__ RankIds match_ranks(const DispatchSendParams& p, cons
   return q;
 }
 
-// First walk, rows per rank: hist[E + r] += this warp's tokens that pick per-rank peer r.
+// First walk, rows per rank or node: hist[E + d] += this warp's tokens whose
+// row goes to d (a per-rank peer, or a node's forwarder).
 __device__ __forceinline__ void count_ranks(const Instance& in, const WarpIds& ids, const RankIds& q, int32_t* hist,
                                             int lane) {
 #pragma unroll
   for (int u = 0; u < kIdsInFlight; ++u) {
     if (q.word[u] >= 0 && lane == __ffs(q.leads[u]) - 1)
-      hist[in.num_experts + ids.e[u] / in.local_experts] += __popc(q.leads[u]);
+      hist[in.num_experts + wire_dest(in, ids.e[u] / in.local_experts)] += __popc(q.leads[u]);
     __syncwarp();
   }
 }
 
-// Routing keys: experts, and with rows per rank one per rank (E + r).
+// Routing keys: experts, and with rows per rank or node one per rank (E + r).
 __device__ __forceinline__ int route_keys(const Instance& in) {
-  return in.num_experts + (in.rank_rows ? in.world : 0);
+  return in.num_experts + (wide(in) ? in.world : 0);
 }
 
 // The key at position o of the send order: per rank its row key (rows per
 // rank), then its experts; without rows per rank the experts alone.
 __device__ __forceinline__ int key_at(const Instance& in, int o) {
-  if (!in.rank_rows) return o;
+  if (!wide(in)) return o;
   const int L = in.local_experts, r = o / (L + 1), i = o % (L + 1);
   return i == 0 ? in.num_experts + r : r * L + i - 1;
 }
 
-// Send rows of a key: a per-rank peer's row key its tokens, its experts none;
-// another rank's experts their copies, its row key none.
+// Send rows of a key: a remote peer's row key its tokens (rows per node:
+// those with a copy on its node, where it is our forwarder; 0 for the node's
+// other ranks), its experts none; a same-node rank's experts their copies,
+// its row key none.
 __device__ __forceinline__ int32_t key_rows(const Instance& in, const int32_t* counts, int key) {
   const int E = in.num_experts;
-  if (key >= E) return per_rank(in, key - E) ? counts[key] : 0;
-  return per_rank(in, key / in.local_experts) ? 0 : counts[key];
+  if (key >= E) return wide_remote(in, key - E) ? counts[key] : 0;
+  return wide_remote(in, key / in.local_experts) ? 0 : counts[key];
 }
 
 // u[r]: wire rows to rank r (routing row words E + r).
 __device__ __forceinline__ uint32_t wire_rows(const Instance& in, const int32_t* counts, int r) {
-  if (per_rank(in, r)) return static_cast<uint32_t>(counts[in.num_experts + r]);
+  if (wide_remote(in, r)) return static_cast<uint32_t>(counts[in.num_experts + r]);
   uint32_t n = 0;
   for (int i = 0; i < in.local_experts; ++i) n += static_cast<uint32_t>(counts[r * in.local_experts + i]);
   return n;
@@ -247,7 +257,7 @@ __device__ __forceinline__ void slot_ids_ranked(const Instance& in, const WarpId
   for (int u = 0; u < kIdsInFlight; ++u) {  // in order: ranks stay stable
     const int e = ids.e[u];
     const int32_t word = q.word[u];
-    const int key = word >= 0 ? in.num_experts + e / in.local_experts : e;
+    const int key = word >= 0 ? in.num_experts + wire_dest(in, e / in.local_experts) : e;
     // A copy after its token's entry 0 takes the row handed out last before it: that entry's.
     const int own = word >= 0 ? __popc(q.leads[u] & lanes_below) - (word_entry(word) == 0 ? 0 : 1)
                               : __popc(ids.peers[u] & lanes_below);

@@ -245,6 +245,36 @@ __device__ __forceinline__ bool same_node(const Instance& in, int r) { return in
 // per rank in use and r on another node.
 __device__ __forceinline__ bool per_rank(const Instance& in, int r) { return in.rank_rows && !same_node(in, r); }
 
+// Whether rows carry route entries at all: rows per rank or per node.
+__host__ __device__ __forceinline__ bool wide(const Instance& in) { return in.rank_rows || in.node_rows; }
+
+// Send side: whether our copies for rank r are merged into a row per token,
+// r's own (rows per rank) or its node forwarder's (rows per node).
+__device__ __forceinline__ bool wide_remote(const Instance& in, int r) { return wide(in) && !same_node(in, r); }
+
+// The rank our copies for rank r go to: r, or with rows per node the rank of
+// our local index on r's node (A2AConfig::wire_dest).
+__device__ __forceinline__ int wire_dest(const Instance& in, int r) {
+  const int rpn = in.ranks_per_node;
+  return in.node_rows && !same_node(in, r) ? r / rpn * rpn + in.rank % rpn : r;
+}
+
+// The expert an entry's expert index counts from at wire destination d: d's
+// first expert, or with rows per node its node's (row_tail.h).
+__device__ __forceinline__ int dest_first_expert(const Instance& in, int d) {
+  return (in.node_rows ? d / in.ranks_per_node * in.ranks_per_node : d) * in.local_experts;
+}
+
+// Receive side: whether sender s sends our copies in rows per node, through
+// its forwarder on our node (which may be us).
+__device__ __forceinline__ bool node_sender(const Instance& in, int s) { return in.node_rows && !same_node(in, s); }
+
+// The forwarder of sender s on our node.
+__device__ __forceinline__ int forwarder_of(const Instance& in, int s) {
+  const int rpn = in.ranks_per_node;
+  return in.rank / rpn * rpn + s % rpn;
+}
+
 // A copy's place in its token's row per rank (Scratch::copy_entry): its entry
 // (k order among the token's copies to that rank), the row's entries, its
 // local expert on that rank. -1: a row of its own.

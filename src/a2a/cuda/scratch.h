@@ -25,13 +25,15 @@ constexpr size_t kScratchAlign = 256;
 template <typename Section>
 void scratch_sections(const A2AConfig& cfg, Scratch& s, uint64_t*& epoch, Section&& section) {
   const size_t copies = static_cast<size_t>(cfg.max_tokens) * cfg.topk;
-  // Routing keys: experts, and with rows per rank one more per rank (route.cuh).
-  const size_t keys = static_cast<size_t>(cfg.num_experts) + (cfg.rank_rows() ? cfg.world : 0);
+  // Routing keys: experts, and with rows per rank or node one more per rank (route.cuh).
+  const size_t keys = static_cast<size_t>(cfg.num_experts) + (cfg.wide_rows() ? cfg.world : 0);
   const size_t route_blocks_experts = static_cast<size_t>(route_blocks(static_cast<int64_t>(copies))) * keys;
-  // Rows per rank only (A2AConfig::rank_rows): otherwise these sections are empty.
-  const bool ranked = cfg.rank_rows();
+  // Rows per rank or node only (A2AConfig::wide_rows): otherwise these sections are empty.
+  const bool ranked = cfg.wide_rows();
+  const bool noded = cfg.node_rows();  // rows per node only
   const size_t entries = ranked ? static_cast<size_t>(cfg.max_recv_tokens) * cfg.max_entries() : 0;
   const size_t out_rows = ranked ? static_cast<size_t>(cfg.max_output_rows()) : 0;
+  const size_t node_keys = static_cast<size_t>(cfg.ranks_per_node) * cfg.num_local_experts();
   section(s.num_tokens, 1);
   section(s.slots, copies);
   section(s.copy_rank, copies);
@@ -53,7 +55,12 @@ void scratch_sections(const A2AConfig& cfg, Scratch& s, uint64_t*& epoch, Sectio
   section(s.entry_row, entries);
   section(s.entry_weight, entries);
   section(s.row_entry, out_rows);
-  section(s.entry_next, ranked ? static_cast<size_t>(cfg.num_experts) : 0);
+  section(s.entry_next, !ranked ? 0 : static_cast<size_t>(cfg.world) * (noded ? node_keys : cfg.num_local_experts()));
+  section(s.entry_rank, noded ? entries : 0);
+  section(s.row_wire, noded ? out_rows : 0);
+  section(s.row_weight, noded ? out_rows : 0);
+  section(s.node_segs, noded ? node_keys * cfg.world : 0);
+  section(s.plan_ok, noded ? 1 : 0);
 }
 
 template <typename T>
