@@ -18,6 +18,10 @@
 // (its entry 0, which packs the row); a later copy of the token takes the row
 // of its entry 0, the last one handed out before it. Keys are laid out in send
 // order by key_at: per rank, its row key, then its experts.
+// Rows per node (Instance::node_rows) use the same keys with the wire
+// destination d = wire_dest(r), the forwarder of our local index on r's node:
+// E + d counts the tokens with a copy on that node, entries the token's copies
+// to the node (docs/cuda-fabric-rows.md).
 #pragma once
 
 #include "memory.cuh"
