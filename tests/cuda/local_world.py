@@ -287,14 +287,18 @@ class LocalWorld:
         """`weighted`: rows per rank summed with the dispatch's weights where the experts are
         (else plainly: pass weights of one then)."""
         stream = torch.cuda.current_stream().cuda_stream
+        noded = self.shape.fabric_rows == "node" and self.shape.world > self.shape.ranks_per_node
+        # Rows per node: each rank's send waits for its node peers' staged outputs (on the
+        # host, or in a kernel), so each runs in a thread and on a stream of its own.
+        streams = [torch.cuda.Stream().cuda_stream if noded else stream for _ in self.ranks]
         sends = [
-            lambda a=a, y=y: a.combine_send(
-                y.data_ptr(), CORE_DTYPE[y.dtype], y.shape[0], stream, weighted=weighted
+            lambda a=a, y=y, s=s: a.combine_send(
+                y.data_ptr(), CORE_DTYPE[y.dtype], y.shape[0], s, weighted=weighted
             )
-            for a, y in zip(self.ranks, ys, strict=True)
+            for a, y, s in zip(self.ranks, ys, streams, strict=True)
         ]
-        if self.shape.fabric_rows == "node" and self.shape.world > self.shape.ranks_per_node:
-            _in_threads(sends)  # each waits for its node peers' staged outputs
+        if noded:
+            _in_threads(sends)
         else:
             for send in sends:
                 send()

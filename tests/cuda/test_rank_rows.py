@@ -1,9 +1,8 @@
 """Rows per destination rank and node (issue 30) in the CUDA kernels, several ranks in one process.
 
 Each case runs with `fabric_rows="rank"` (a token crosses to a rank of another node once,
-combine reduced there), `"node"` (once to the node, forwarded there, combine reduced per node;
-receives wait on the host, as graph-safe calls are not built for it) and `"expert"` (a row per
-copy), on virtual nodes of two ranks and of
+combine reduced there), `"node"` (once to the node, forwarded there, combine reduced per node)
+and `"expert"` (a row per copy), on virtual nodes of two ranks and of
 one (every peer remote): dispatched rows, fp8 scales and counts bit for bit against
 moe_a2a.reference, and combine within one unit in the last place of its mode's reference
 (the same fp32 operations in the same order). Decode-sized calls route and pack in one
@@ -49,7 +48,7 @@ SHAPES = [
 def test_modes_match_the_reference(world: int, rpn: int, mode: str, args: tuple, extra: dict) -> None:
     max_tokens, hidden, per_rank, topk, *dtypes = args
     shape = Shape.of(world, rpn, max_tokens, hidden, per_rank * world, topk, *dtypes, fabric_rows=mode)
-    _run(shape, _tokens(world, max_tokens), host_wait=mode == "node", **extra)
+    _run(shape, _tokens(world, max_tokens), **extra)
 
 
 # Hard routings with rows per rank, each on nodes of two ranks and of one.
@@ -97,9 +96,9 @@ def _per_node(shape: Shape) -> Shape:
 
 
 NODE_HARD = [
-    (f"node-{name}", _per_node(shape), {**extra, "host_wait": True})
+    (f"node-{name}", _per_node(shape), extra)
     for name, shape, extra in HARD
-    if name not in ("host-wait", "top1-kernel-waits", "fp8-prequantised")  # the same paths below / world 2
+    if name != "fp8-prequantised"  # world 2: one node
 ] + [
     # node 0's second rank forwards rows it holds no copy of (every copy to rank 0's experts)
     (
@@ -110,7 +109,7 @@ NODE_HARD = [
     (
         "node-reuse-fp8-8x4",
         Shape.of(8, 4, 20, 256, 32, 8, "fp8", max_private_tokens=3, fabric_rows="node"),
-        {"iterations": 4, "host_wait": True},
+        {"iterations": 4},
     ),
 ]
 

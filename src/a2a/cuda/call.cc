@@ -161,9 +161,6 @@ void CudaAllToAll::dispatch_recv(const DispatchRecvArgs& args, cudaStream_t stre
   check_recv_args(cfg_, args, call_.self_needs_dequant, call_.routing != nullptr);
   if (res_.rows_on_device() && !args.host_wait)
     throw std::invalid_argument("dispatch_recv: GPU-direct rows need host_wait (graph-safe instances stage)");
-  if (cfg_.node_rows() && !args.host_wait)
-    throw std::invalid_argument("dispatch_recv: fabric_rows='node' on device cuda needs host_wait (graph-safe calls "
-                                "are not built yet; use fabric_rows='rank')");
   call_.recv = args;
   if (args.host_wait && overlap_) return dispatch_recv_by_sender(stream);
   if (args.host_wait) wait_dispatch_host();
@@ -322,10 +319,12 @@ void CudaAllToAll::combine_send(const CombineSendArgs& args, cudaStream_t stream
   p.row_values = args.row_values;
   p.weighted = args.weighted ? 1 : 0;
   p.self_in_place = call_.combine.in_place ? 1 : 0;
-  if (cfg_.node_rows()) {
-    // Rows per node: the rows we forward sum our node peers' staged outputs,
-    // so ours are staged first and theirs awaited here (eager calls only).
-    check_cuda(launch_stage_outputs(p, stream), "combine stage outputs");
+  // Rows per node: the rows we forward sum our node peers' staged outputs, so
+  // ours are staged first and theirs awaited, on the host (eager calls) or in
+  // a kernel (graph-safe ones, whose dispatch_recv did not wait on the host).
+  p.wait_in_kernel = call_.recv.host_wait ? 0 : 1;
+  if (cfg_.node_rows()) check_cuda(launch_stage_outputs(p, stream), "combine stage outputs");
+  if (cfg_.node_rows() && !p.wait_in_kernel) {
     const auto deadline = deadline_after(cfg_.timeout_s);
     for (int t = 0; t < cfg_.world; ++t)
       if (t != cfg_.rank && node_peer(t) &&

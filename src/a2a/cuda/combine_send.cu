@@ -169,6 +169,19 @@ __global__ void __launch_bounds__(kReturnThreads, kReturnBlocksPerSm) stage_outp
   signal_when_grid_done(in, p.scratch.done_blocks, kFlagStaged, nullptr);
 }
 
+// Rows per node, graph-safe calls: waits (one block) for the staged flag of
+// every node peer; return_kernel, next, reads their y_stage.
+__global__ void staged_wait_kernel(CombineSendParams p) {
+  if (stale_replay(p.inst)) return;  // a graph captured before a mask
+  grid_dependency_wait();  // dependents start when it ends (it spins on other processes)
+  const Instance& in = p.inst;
+  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(in.epoch);
+  const uint64_t deadline = global_timer_ns() + in.timeout_ns;
+  for (int r = threadIdx.x; r < in.world; r += blockDim.x)
+    if (r != in.rank && same_node(in, r) && !wait_geq(flag_ptr(in.host_ws, in.layout, r, kFlagStaged), epoch, deadline))
+      report(in, kStatusTimeout);
+}
+
 __global__ void __launch_bounds__(kReturnThreads, kReturnBlocksPerSm) return_kernel(CombineSendParams p) {
   if (stale_replay(p.inst)) return;  // a graph captured before a mask
   extern __shared__ Segment segs[];
@@ -250,7 +263,9 @@ cudaError_t launch_stage_outputs(const CombineSendParams& p, cudaStream_t stream
   if (err != cudaSuccess) return err;
   const int chunks = row_chunks(static_cast<int64_t>(in.hidden) * 4);
   const int blocks = persistent_blocks(max_output_rows(in) * chunks, kReturnThreads / kWarp, kReturnBlocksPerSm);
-  return launch_kernel(stage_outputs_kernel, blocks, kReturnThreads, seg_smem, stream, p);
+  err = launch_kernel(stage_outputs_kernel, blocks, kReturnThreads, seg_smem, stream, p);
+  if (err != cudaSuccess || !p.wait_in_kernel) return err;
+  return launch_kernel(staged_wait_kernel, 1, kWarp, 0, stream, p);
 }
 
 cudaError_t launch_combine_send(const CombineSendParams& p, cudaStream_t stream) {

@@ -29,7 +29,8 @@ cudaError_t launch_combine_send(const CombineSendParams& p, cudaStream_t stream)
 
 // Rows per node, before launch_combine_send: our outputs that a forwarder
 // sums into fp32 y_stage, then our staged flag at every node rank (whose
-// combine_send must wait for it). Nothing otherwise.
+// combine_send must wait for it: on the host, or with wait_in_kernel in a
+// kernel after it). Nothing otherwise.
 cudaError_t launch_stage_outputs(const CombineSendParams& p, cudaStream_t stream);
 
 // Waits for every receiver, then the fp32 weighted sum per token.

@@ -290,6 +290,9 @@ struct CombineSendParams {
   // Rows per rank are summed here over their entries: each times its
   // dispatch weight (1), or plainly (0, the unweighted combine).
   int32_t weighted = 1;
+  // Rows per node: the staged outputs of node peers are awaited in a kernel
+  // (graph-safe calls), not on the host.
+  int32_t wait_in_kernel = 0;
 };
 
 struct CombineRecvParams {

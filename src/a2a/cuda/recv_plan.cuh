@@ -41,6 +41,7 @@ __device__ inline bool wait_peers(const Instance& in, int kind, uint64_t epoch, 
 __device__ inline void deliver_nothing(const DispatchRecvParams& p) {
   for (int i = threadIdx.x; i < p.inst.local_experts; i += blockDim.x) p.tokens_per_expert[i] = 0;
   if (threadIdx.x == 0) *p.scratch.output_rows = *p.scratch.output_rows_host = 0;
+  if (threadIdx.x == 0 && p.inst.node_rows) *p.scratch.plan_ok = 0;  // no plan: nothing to forward or sum
 }
 
 // Where the eager host waits: the plan is final (output rows, status).
