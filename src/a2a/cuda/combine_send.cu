@@ -176,10 +176,7 @@ __global__ void staged_wait_kernel(CombineSendParams p) {
   grid_dependency_wait();  // dependents start when it ends (it spins on other processes)
   const Instance& in = p.inst;
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(in.epoch);
-  const uint64_t deadline = global_timer_ns() + in.timeout_ns;
-  for (int r = threadIdx.x; r < in.world; r += blockDim.x)
-    if (r != in.rank && same_node(in, r) && !wait_geq(flag_ptr(in.host_ws, in.layout, r, kFlagStaged), epoch, deadline))
-      report(in, kStatusTimeout);
+  wait_peers(in, kFlagStaged, epoch, global_timer_ns() + in.timeout_ns);
 }
 
 __global__ void __launch_bounds__(kReturnThreads, kReturnBlocksPerSm) return_kernel(CombineSendParams p) {

@@ -24,18 +24,6 @@ __device__ __forceinline__ int64_t warp_sum(int64_t v) {
   return v;
 }
 
-// Waits (every thread of the block) for flag `kind` of every same-node peer
-// but ourselves; false, with the status set, on a timeout.
-__device__ inline bool wait_peers(const Instance& in, int kind, uint64_t epoch, uint64_t deadline) {
-  bool ok = true;
-  for (int s = threadIdx.x; s < in.world; s += blockDim.x)
-    if (s != in.rank && same_node(in, s) && !wait_geq(flag_ptr(in.host_ws, in.layout, s, kind), epoch, deadline)) {
-      report(in, kStatusTimeout);
-      ok = false;
-    }
-  return __syncthreads_and(ok);
-}
-
 // After a failed wait or over capacity: no rows; the host raises the status.
 // Every thread of the block calls it.
 __device__ inline void deliver_nothing(const DispatchRecvParams& p) {

@@ -30,6 +30,18 @@ __device__ __forceinline__ void signal_when_grid_done(const Instance& in, uint32
   if (proxy_flag != nullptr) st_release_sys(proxy_flag, epoch);
 }
 
+// Waits (every thread of the block) for flag `kind` of every same-node peer
+// but ourselves; false, with the status set, on a timeout.
+__device__ inline bool wait_peers(const Instance& in, int kind, uint64_t epoch, uint64_t deadline) {
+  bool ok = true;
+  for (int s = threadIdx.x; s < in.world; s += blockDim.x)
+    if (s != in.rank && same_node(in, s) && !wait_geq(flag_ptr(in.host_ws, in.layout, s, kind), epoch, deadline)) {
+      report(in, kStatusTimeout);
+      ok = false;
+    }
+  return __syncthreads_and(ok);
+}
+
 // Waits (one thread) until the proxy's `flag` reaches `epoch`; false, with
 // the status set, once the proxy failed or at the deadline.
 __device__ inline bool wait_proxy(const Instance& in, const uint64_t* flag, uint64_t epoch, uint64_t deadline) {
