@@ -179,6 +179,7 @@ def test_graph_capture_replays(rpn: int | None, mode: str, dtype: str) -> None:
 
         step()  # eager warm-up (maps peers, sets kernel attributes), then the capture
         torch.cuda.synchronize()
+        a2a.check()  # a kernel that timed out in the warm-up fails here, not silently
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = step()
