@@ -89,7 +89,7 @@ HARD = [
 
 
 def _per_node(shape: Shape) -> Shape:
-    """The case with rows per node on nodes of two ranks (eager receives)."""
+    """The case with rows per node on nodes of two ranks."""
     return dataclasses.replace(
         shape, ranks_per_node=2, config=dataclasses.replace(shape.config, fabric_rows="node")
     )

@@ -187,16 +187,13 @@ void CudaAllToAll::wait_dispatch_host() {
     call_.at.routed = call_.at.overflow = call_.at.combining = true;  // over capacity: past our barrier
     throw_capacity();
   }
-  if (has_remote_ && cfg_.node_rows()) {  // each remote sender's rows for our node, readable at its forwarder here
-    const auto deadline = deadline_after(cfg_.timeout_s);
-    for (int s = 0; s < cfg_.world; ++s)
-      if (cfg_.per_node(s, cfg_.rank) && !wait_at_least(flag_at(res_.host_ws_cpu(), layout_, s, kFlagForward), epoch,
-                                                        deadline, [this] { check_proxy(); }))
-        throw fabric::TimeoutError("rank " + std::to_string(cfg_.rank) + ": timed out after " +
-                                   std::to_string(cfg_.timeout_s) + " s waiting for rank " +
-                                   std::to_string(cfg_.forwarder(s, cfg_.rank)) + " to forward the rows of sender " +
-                                   std::to_string(s) + " (epoch " + std::to_string(epoch) + ")");
-  }
+  if (has_remote_ && cfg_.node_rows())  // each remote sender's rows for our node, readable at its forwarder here
+    wait_flags(
+        kFlagForward, [this](int s) { return cfg_.per_node(s, cfg_.rank); },
+        [this](int s) {
+          return "rank " + std::to_string(cfg_.forwarder(s, cfg_.rank)) + " to forward the rows of sender " +
+                 std::to_string(s);
+        });
   // With a proxy, it waited for every routing row; without one nobody does in
   // eager calls: a same-node peer that ran this call cached raised its dispatch
   // flag but no route flag, and its row in our workspace is an older call's.
@@ -324,17 +321,10 @@ void CudaAllToAll::combine_send(const CombineSendArgs& args, cudaStream_t stream
   // a kernel (graph-safe ones, whose dispatch_recv did not wait on the host).
   p.wait_in_kernel = call_.recv.host_wait ? 0 : 1;
   if (cfg_.node_rows()) check_cuda(launch_stage_outputs(p, stream), "combine stage outputs");
-  if (cfg_.node_rows() && !p.wait_in_kernel) {
-    const auto deadline = deadline_after(cfg_.timeout_s);
-    for (int t = 0; t < cfg_.world; ++t)
-      if (t != cfg_.rank && node_peer(t) &&
-          !wait_at_least(flag_at(res_.host_ws_cpu(), layout_, t, kFlagStaged), call_.epoch, deadline,
-                         [this] { check_proxy(); }))
-        throw fabric::TimeoutError("rank " + std::to_string(cfg_.rank) + ": timed out after " +
-                                   std::to_string(cfg_.timeout_s) +
-                                   " s waiting for the staged expert outputs of same-node peer " + std::to_string(t) +
-                                   " (epoch " + std::to_string(call_.epoch) + ")");
-  }
+  if (cfg_.node_rows() && !p.wait_in_kernel)
+    wait_flags(
+        kFlagStaged, [this](int t) { return t != cfg_.rank && node_peer(t); },
+        [](int t) { return "the staged expert outputs of same-node peer " + std::to_string(t); });
   check_cuda(launch_combine_send(p, stream), "combine send");
 }
 

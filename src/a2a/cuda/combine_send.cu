@@ -53,10 +53,7 @@ __device__ void return_summed_rows(const CombineSendParams& p, int chunk_elems, 
   const float* entry_weight = p.scratch.entry_weight;
   const uint8_t* y = static_cast<const uint8_t*>(p.y);
   const int node0 = in.rank / in.ranks_per_node * in.ranks_per_node;
-  // A node peer's rows: within its output buffers (launch.h max_output_rows).
-  const int row_end =
-      in.node_rows ? static_cast<int>(in.max_recv + static_cast<int64_t>(in.local_experts) * (in.expert_padding - 1))
-                   : rows;
+  const int row_end = in.node_rows ? static_cast<int>(max_output_rows(in)) : rows;  // a node peer's: its buffers'
   // Entry e's row of outputs and its dtype: ours in y, or a node rank's staged row.
   const auto source = [&](int64_t at, int row, int* dtype) -> const uint8_t* {
     if (!in.node_rows) {

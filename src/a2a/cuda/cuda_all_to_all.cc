@@ -199,13 +199,22 @@ void CudaAllToAll::wait_host(FlagKind kind, const Seq& done, const char* what) {
                                  std::to_string(epoch));
     check_proxy();
   }
+  // Our own kernels come first on the stream.
+  wait_flags(
+      kind, [this](int s) { return s != cfg_.rank && node_peer(s); },
+      [what](int s) { return std::string("the ") + what + " of same-node peer " + std::to_string(s); });
+}
+
+void CudaAllToAll::wait_flags(FlagKind kind, const std::function<bool(int)>& from,
+                              const std::function<std::string(int)>& what) {
+  const uint64_t epoch = call_.epoch;
   const auto deadline = deadline_after(cfg_.timeout_s);
-  for (int s = 0; s < cfg_.world; ++s) {
-    if (s == cfg_.rank || !node_peer(s)) continue;  // our own kernels come first on the stream
-    if (!wait_at_least(flag_at(res_.host_ws_cpu(), layout_, s, kind), epoch, deadline, [this] { check_proxy(); }))
-      throw fabric::TimeoutError(who + std::to_string(cfg_.timeout_s) + " s waiting for the " + what +
-                                 " of same-node peer " + std::to_string(s) + " (epoch " + std::to_string(epoch) + ")");
-  }
+  for (int s = 0; s < cfg_.world; ++s)
+    if (from(s) &&
+        !wait_at_least(flag_at(res_.host_ws_cpu(), layout_, s, kind), epoch, deadline, [this] { check_proxy(); }))
+      throw fabric::TimeoutError("rank " + std::to_string(cfg_.rank) + ": timed out after " +
+                                 std::to_string(cfg_.timeout_s) + " s waiting for " + what(s) + " (epoch " +
+                                 std::to_string(epoch) + ")");
 }
 
 void CudaAllToAll::wait_planned() {
@@ -235,9 +244,7 @@ int64_t CudaAllToAll::max_output_rows() const { return cfg_.max_output_rows(); }
 std::pair<std::vector<uint64_t>, std::vector<uint64_t>> CudaAllToAll::forwarded_counts() const {
   std::vector<uint64_t> rows(cfg_.world, 0), entries(cfg_.world, 0);
   if (!cfg_.node_rows() || call_.epoch == 0) return {rows, entries};
-  std::vector<SenderPlan> plans(cfg_.world);
-  check_cuda(cudaMemcpy(plans.data(), res_.scratch().senders, plans.size() * sizeof(SenderPlan), cudaMemcpyDeviceToHost),
-             "reading the plan's senders");
+  const std::vector<SenderPlan> plans = sender_plans();
   const int m = cfg_.max_entries();
   const int64_t wire = plans.back().recv_base + plans.back().wire;
   std::vector<int32_t> entry_rank(static_cast<size_t>(wire) * m);
@@ -262,10 +269,15 @@ std::pair<std::vector<uint64_t>, std::vector<uint64_t>> CudaAllToAll::forwarded_
   return {rows, entries};
 }
 
-std::vector<int64_t> CudaAllToAll::wire_received() const {
+std::vector<SenderPlan> CudaAllToAll::sender_plans() const {
   std::vector<SenderPlan> plans(cfg_.world);
   check_cuda(cudaMemcpy(plans.data(), res_.scratch().senders, plans.size() * sizeof(SenderPlan), cudaMemcpyDeviceToHost),
              "reading the plan's senders");
+  return plans;
+}
+
+std::vector<int64_t> CudaAllToAll::wire_received() const {
+  const std::vector<SenderPlan> plans = sender_plans();
   std::vector<int64_t> wire(plans.size());
   for (size_t s = 0; s < plans.size(); ++s) wire[s] = plans[s].wire;
   return wire;

@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <chrono>
+#include <functional>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -219,6 +220,11 @@ class CudaAllToAll {
   // Host waits of the receive halves: every same-node flag of `kind` and the
   // proxy's `done` (with remote peers) at the current epoch.
   void wait_host(FlagKind kind, const Seq& done, const char* what);
+  // Until flag `kind` of every sender s with from(s) reaches the current
+  // epoch (timeout_s); the TimeoutError names what(s) and where it is late.
+  void wait_flags(FlagKind kind, const std::function<bool(int)>& from, const std::function<std::string(int)>& what);
+  // The plan's senders (SenderPlan), from the device.
+  std::vector<SenderPlan> sender_plans() const;
   void wait_dispatch_host();
   DispatchRecvParams recv_params();
   void dispatch_recv_by_sender(cudaStream_t stream);

@@ -59,15 +59,9 @@ __global__ void __launch_bounds__(kPlanThreads, kPlanMinBlocks) plan_kernel(Disp
   // forwarder here (forward[s], raised by the forwarder's proxy; none when
   // over capacity, when there is no plan to deliver either).
   if (p.wait_in_kernel && in.node_rows && in.has_remote &&
-      *reinterpret_cast<volatile uint64_t*>(p.scratch.plan_ok) == epoch) {
-    bool forwarded = true;
-    for (int s = threadIdx.x; s < in.world; s += blockDim.x)
-      if (node_sender(in, s) && !wait_geq(flag_ptr(in.host_ws, in.layout, s, kFlagForward), epoch, deadline)) {
-        report(in, kStatusTimeout);
-        forwarded = false;
-      }
-    if (!__syncthreads_and(forwarded)) deliver_nothing(p);
-  }
+      *reinterpret_cast<volatile uint64_t*>(p.scratch.plan_ok) == epoch &&
+      !wait_flags(in, kFlagForward, epoch, deadline, [&](int s) { return node_sender(in, s); }))
+    deliver_nothing(p);
   grid_dependency_wait();  // the routing before us reported its status too
   allow_dependents();
   // An eager host (the one that saw the flags itself) waits for this word,

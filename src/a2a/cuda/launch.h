@@ -60,7 +60,7 @@ bool bulk_pack_fits(const DispatchSendParams& p);
 cudaError_t launch_bulk_pack(const DispatchSendParams& p, cudaStream_t stream);
 
 // Rows of the dispatch output buffers that a call may fill.
-inline int64_t max_output_rows(const Instance& in) {
+MOE_A2A_HD inline int64_t max_output_rows(const Instance& in) {
   return in.max_recv + static_cast<int64_t>(in.local_experts) * (in.expert_padding - 1);
 }
 

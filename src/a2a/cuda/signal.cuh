@@ -30,16 +30,23 @@ __device__ __forceinline__ void signal_when_grid_done(const Instance& in, uint32
   if (proxy_flag != nullptr) st_release_sys(proxy_flag, epoch);
 }
 
-// Waits (every thread of the block) for flag `kind` of every same-node peer
-// but ourselves; false, with the status set, on a timeout.
-__device__ inline bool wait_peers(const Instance& in, int kind, uint64_t epoch, uint64_t deadline) {
+// Waits (every thread of the block) for flag `kind` of every sender s that
+// `from(s)` names, in our host workspace; false, with the status set, on a
+// timeout.
+template <typename From>
+__device__ inline bool wait_flags(const Instance& in, int kind, uint64_t epoch, uint64_t deadline, From from) {
   bool ok = true;
   for (int s = threadIdx.x; s < in.world; s += blockDim.x)
-    if (s != in.rank && same_node(in, s) && !wait_geq(flag_ptr(in.host_ws, in.layout, s, kind), epoch, deadline)) {
+    if (from(s) && !wait_geq(flag_ptr(in.host_ws, in.layout, s, kind), epoch, deadline)) {
       report(in, kStatusTimeout);
       ok = false;
     }
   return __syncthreads_and(ok);
+}
+
+// wait_flags for every same-node peer but ourselves.
+__device__ inline bool wait_peers(const Instance& in, int kind, uint64_t epoch, uint64_t deadline) {
+  return wait_flags(in, kind, epoch, deadline, [&](int s) { return s != in.rank && same_node(in, s); });
 }
 
 // Waits (one thread) until the proxy's `flag` reaches `epoch`; false, with
