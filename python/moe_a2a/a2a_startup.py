@@ -61,6 +61,8 @@ def core_config(cfg: Config, rank: int, world_size: int, ranks_per_node: int, sl
     c.max_private_tokens, c.max_recv_tokens = cfg.resolved(world_size)
     c.timeout_s = float(cfg.timeout_s)
     c.slice_bytes = slice_bytes
+    if cfg.fabric_rows == "auto":  # the mode is the instance's: Config.fabric_rows_for
+        raise ValueError("fabric_rows: got 'auto'; expected the mode resolved by Config.fabric_rows_for")
     c.fabric_rows = getattr(_core.FabricRows, cfg.fabric_rows)
     return c
 

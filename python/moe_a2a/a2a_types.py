@@ -18,9 +18,11 @@ DISPATCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.f
 COMBINE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DEVICES = ("cpu", "cuda")
 # What one row on the fabric is (docs/protocol.md, "Rows per destination rank"): "rank" sends
-# a token once per remote destination rank and combines it reduced there; "expert" sends one
-# row per (token, k) copy, as before. Same-node peers exchange copies in both.
-FABRIC_ROWS = ("rank", "node", "expert")
+# a token once per remote destination rank and combines it reduced there; "node" once per
+# remote node, forwarded inside it; "expert" one row per (token, k) copy. Same-node peers
+# exchange copies in all. "auto" is the fastest measured mode that the instance can run
+# (Config.fabric_rows_for).
+FABRIC_ROWS = ("auto", "rank", "node", "expert")
 ON_PEER_LOSS = ("stop", "mask")
 PATHS = ("same_node", "fabric")
 
@@ -47,7 +49,7 @@ class Config:
     max_private_tokens: int | None = None
     max_recv_tokens: int | None = None
     timeout_s: float = 60.0
-    fabric_rows: str = "rank"
+    fabric_rows: str = "auto"
     # What a lost rank does to the survivors (docs/reliability.md, "Mask and continue"): "stop"
     # (every rank's instance stops; training) or "mask" (they agree on the live ranks and go on
     # without the lost rank's experts; serving, CPU backend, one node).
@@ -91,6 +93,18 @@ class Config:
                 f"max_tokens * topk: got {self.max_tokens} * {self.topk} = {self.max_tokens * self.topk}; "
                 f"expected at most {CORE_INT_MAX}"
             )
+
+    def fabric_rows_for(self, world_size: int, ranks_per_node: int, graph_safe: bool = False) -> str:
+        """The mode an instance over `world_size` ranks, `ranks_per_node` to a node, runs:
+        `fabric_rows` itself unless it is "auto". "auto" is "node" where a node has several ranks
+        and peers on other nodes, which put fewer bytes on the fabric and measured faster in every
+        shape where a NIC or a GPU bounds the step (docs/benchmarks-fabric.md, "Which mode auto runs");
+        "rank" where node is not built (on_peer_loss="mask", graph-safe instances) or adds
+        nothing (one rank per node, or one node)."""
+        if self.fabric_rows != "auto":
+            return self.fabric_rows
+        spans = 1 < ranks_per_node < world_size
+        return "node" if spans and self.on_peer_loss != "mask" and not graph_safe else "rank"
 
     def resolved(self, world_size: int) -> tuple[int, int]:
         """(max_private_tokens, max_recv_tokens) for a world size, defaults filled in."""

@@ -12,6 +12,7 @@ import itertools
 import sys
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -159,6 +160,9 @@ class AllToAll(LostRanks):
             cfg, device, provider, topo.local_size, num_nics, graph_safe, self._slice_bytes
         )
         check_agreement(self._boot, settings)
+        # "auto" resolved from what every rank agreed on: a2a.cfg names the mode that runs.
+        cfg = replace(cfg, fabric_rows=cfg.fabric_rows_for(self.world_size, topo.local_size, graph_safe))
+        self.cfg = cfg
         # on_peer_loss="mask": ranks masked so far (a rejoin's survivor keeps its own).
         self._live = live_ranks(self._boot, cfg, device)
         reuse = getattr(self._boot, "reuse", None)  # a survivor's instance in a rejoin (moe_a2a.rejoin)

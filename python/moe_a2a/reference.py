@@ -144,6 +144,8 @@ def combine_reference(
     node are summed by its forwarder ("Rows per destination node"). The result
     is stored as `combine_dtype`. An unweighted combine is this with weights of one.
     """
+    if fabric_rows not in ("rank", "node", "expert"):  # "auto": the instance's mode (a2a.cfg)
+        raise ValueError(f"fabric_rows: got {fabric_rows!r}; expected 'rank', 'node' or 'expert'")
     wire = DTYPES[combine_dtype]
     hidden = ys[0].shape[1] if ys else 0
     wide = fabric_rows in ("rank", "node")

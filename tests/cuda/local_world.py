@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -42,8 +42,11 @@ class Shape:
 
     @classmethod
     def of(cls, world: int, ranks_per_node: int, *args: Any, **kwargs: Any) -> Shape:
-        """Shape.of(world, ranks_per_node, <Config's arguments>)."""
-        return cls(world, ranks_per_node, Config(*args, **kwargs))
+        """Shape.of(world, ranks_per_node, <Config's arguments>); fabric_rows="auto" taken as
+        "rank": the cases name the other modes where they test them."""
+        config = Config(*args, **kwargs)
+        mode = "rank" if config.fabric_rows == "auto" else config.fabric_rows
+        return cls(world, ranks_per_node, replace(config, fabric_rows=mode))
 
     def __getattr__(self, name: str) -> Any:
         if name == "config":  # not set yet (copying): no recursion

@@ -30,15 +30,21 @@ def gpu_direct_a2a(monkeypatch: pytest.MonkeyPatch, rpn: int, **overrides: objec
         pytest.skip(f"GPU-direct cannot run in this job: {e}")
 
 
+# (ranks per node, fabric_rows): rows per node (the default over nodes of 2) land at the forwarder's
+# device workspace, where its node peers read them.
+MODES = [(rpn, mode) for rpn in REMOTE for mode in (("rank", "node") if rpn > 1 else ("rank",))]
+
+
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("rpn", REMOTE)
+@pytest.mark.parametrize(("rpn", "mode"), MODES)
 @pytest.mark.parametrize("dispatch_dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("max_tokens", [24, 384], ids=["decode", "prefill"])
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "halves"])
 def test_gpu_direct_rows_equal_the_reference(
-    monkeypatch: pytest.MonkeyPatch, rpn: int, dispatch_dtype: str, max_tokens: int, split: bool
+    monkeypatch: pytest.MonkeyPatch, rpn: int, mode: str, dispatch_dtype: str, max_tokens: int, split: bool
 ) -> None:
-    with gpu_direct_a2a(monkeypatch, rpn, dispatch_dtype=dispatch_dtype, max_tokens=max_tokens) as a2a:
+    overrides = dict(dispatch_dtype=dispatch_dtype, max_tokens=max_tokens, fabric_rows=mode)
+    with gpu_direct_a2a(monkeypatch, rpn, **overrides) as a2a:
         assert a2a.rows_path["path"] == "gpu-direct", a2a.rows_path
         for it in range(3):
             check_round(a2a, make_inputs(3100 + it, a2a.cfg), split=split)

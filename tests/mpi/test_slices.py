@@ -66,8 +66,12 @@ def expected_writes(a2a: AllToAll, ids: list, slice_bytes: int) -> int:
     P = a2a.max_private_tokens
     n = 0
 
-    def wire_rows(s: int, r: int) -> int:  # docs/protocol.md, "Rows per destination rank"
-        on_r = torch.as_tensor(ids[s]) // EXPERTS_PER_RANK == r
+    def wire_rows(s: int, r: int) -> int:  # docs/protocol.md, "Rows per destination rank" and "node"
+        owner = torch.as_tensor(ids[s]) // EXPERTS_PER_RANK
+        if a2a.cfg.fabric_rows == "node":  # to s's forwarder on r's node: a row per token with a k there
+            rpn = core.ranks_per_node
+            return int((owner // rpn == r // rpn).any(dim=1).sum()) if r % rpn == s % rpn else 0
+        on_r = owner == r
         return int(on_r.any(dim=1).sum() if a2a.cfg.fabric_rows == "rank" else on_r.sum())
 
     for r in range(WORLD):

@@ -30,7 +30,9 @@ from moe_a2a.integrations.torchtitan import close_shared  # noqa: E402
 from titan_case import DIM, loss_of, max_err, scale  # noqa: E402
 
 # tcp: every rank its own node (all traffic over the fabric); shm: one node.
-RANKS_PER_NODE = 1 if PROVIDER == "tcp" else None
+# tcp: peers on other (virtual) nodes; nodes of 2 where they can be, which run rows per node (the
+# default there), else every rank its own node (rows per rank). shm: one node.
+RANKS_PER_NODE = (2 if WORLD >= 4 and WORLD % 2 == 0 else 1) if PROVIDER == "tcp" else None
 ROUTERS = list(tc.ROUTERS)
 
 
@@ -116,6 +118,9 @@ def test_forward_and_every_gradient_match_local_dispatcher(ep_mesh: object, rout
     mine, ref = ours(router, seed, ep_mesh), reference(router, seed)
     xs, gs = batch(seed)
     loss, x = step(mine, xs[RANK], gs[RANK])
+    ep = mine.routed_experts.token_dispatcher.ep  # type: ignore[union-attr]
+    rows = "node" if RANKS_PER_NODE == 2 else "rank"  # the default, as this layout resolves it
+    assert ep.forward_a2a.cfg.fabric_rows == ep.backward_a2a.cfg.fabric_rows == rows
     reduce_replicated(mine)
     ref_x = torch.cat(xs, dim=1).to(DEVICE).requires_grad_()
     (ref(ref_x) * torch.cat(gs, dim=1).to(DEVICE)).sum().backward()

@@ -161,12 +161,40 @@ def test_the_modes_differ_by_rounding_only(make_world) -> None:
 
 def test_config_takes_the_modes_it_has() -> None:
     base = dict(max_tokens=4, hidden=8, num_experts=4, topk=2)
-    assert Config(**base).fabric_rows == "rank"  # type: ignore[arg-type]
+    assert Config(**base).fabric_rows == "auto"  # type: ignore[arg-type]
     assert Config(**base, fabric_rows="node").fabric_rows == "node"  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="'node' with on_peer_loss='mask' is not built yet"):
         Config(**base, fabric_rows="node", on_peer_loss="mask")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="fabric_rows: got 'ranks'"):
         Config(**base, fabric_rows="ranks")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("world", "rpn", "overrides", "graph_safe", "mode"),
+    [
+        (8, 2, {}, False, "node"),  # several ranks a node, peers on other nodes
+        (8, 4, {}, False, "node"),
+        (8, 1, {}, False, "rank"),  # a node of one rank: nothing to forward inside it
+        (8, 8, {}, False, "rank"),  # one node: no fabric (rank and node alike)
+        (8, 2, {}, True, "rank"),  # graph-safe instances: node is not qualified there
+        (8, 2, {"on_peer_loss": "mask"}, False, "rank"),  # mask: node is not built
+        (8, 2, {"fabric_rows": "expert"}, False, "expert"),  # a mode named is the mode
+        (8, 1, {"fabric_rows": "node"}, False, "node"),
+    ],
+)
+def test_auto_is_the_fastest_mode_the_instance_runs(
+    world: int, rpn: int, overrides: dict[str, str], graph_safe: bool, mode: str
+) -> None:
+    cfg = Config(max_tokens=4, hidden=8, num_experts=16, topk=2, **overrides)  # type: ignore[arg-type]
+    assert cfg.fabric_rows_for(world, rpn, graph_safe) == mode
+
+
+def test_a_world_of_virtual_nodes_runs_node_by_default(make_world) -> None:
+    """The default ("auto") over nodes of 2 is rows per node, and exact: AllToAll resolves it alike."""
+    w = make_world(4, ranks_per_node=2)
+    assert w.cfg.fabric_rows == "node"
+    inp = make_inputs(53, w.cfg, 4)
+    w.check(inp, w.run(lambda r: r.round(inp)))
 
 
 def test_a_forwarder_over_capacity_fails_on_every_rank(make_world) -> None:
@@ -244,7 +272,7 @@ def test_a_changed_wire_row_count_is_refused_per_node(make_world) -> None:
 def test_a_changed_wire_row_count_is_refused(make_world) -> None:
     """A cached call whose matrix names more wire rows than copies, or other wire rows than our
     own ids make, is refused before anything is sent; the next call is exact."""
-    w = make_world(4, ranks_per_node=2)
+    w = make_world(4, ranks_per_node=2, fabric_rows="rank")
     inp = make_inputs(31, w.cfg, 4, tokens=[6, 5, 4, 3])
     kept = w.run(lambda r: r.round(inp))
     w.check(inp, kept)

@@ -17,7 +17,7 @@ import os
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -126,7 +126,8 @@ class World:
             max_tokens=24, hidden=HIDDEN, num_experts=EXPERTS_PER_RANK * size, topk=4, timeout_s=30.0
         )
         params.update(config)
-        self.cfg = Config(**params)
+        cfg = Config(**params)
+        self.cfg = replace(cfg, fabric_rows=cfg.fabric_rows_for(size, ranks_per_node))  # as AllToAll does
         self.size, self.rpn = size, ranks_per_node
         self.fabric = _core.MemoryFabric(size)
         self.max_private_tokens, self.max_recv_tokens = self.cfg.resolved(size)

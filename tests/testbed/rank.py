@@ -137,7 +137,7 @@ def node(group: object, rank: int, world: int, args: dict[str, str]) -> dict[str
     y = (d.expert_x.float() * 0.5 - 1.0).to(torch.bfloat16)
     out = a2a.combine(y, d)
     ys = [(r.expert_x.float() * 0.5 - 1.0).to(torch.bfloat16) for r in ref]
-    expected = combine_reference(ys, ref, ws, "fp32", cfg.fabric_rows, topo.local_size)[rank]
+    expected = combine_reference(ys, ref, ws, "fp32", a2a.cfg.fabric_rows, topo.local_size)[rank]
     assert torch.equal(out, expected), f"combine differs by up to {(out - expected).abs().max()}"
     traffic = a2a.traffic()  # [peer, path]: path 0 within the node, 1 across the fabric
     a2a.close()

@@ -193,17 +193,19 @@ def test_bench_a2a_cuda_rows_and_table() -> None:
     assert "baseline/moe-a2a" in cells(lines[0]) and cells(lines[2])[5] == "25"
     assert cells(lines[-1])[-4:] == ["2000.0", "4.00", "250.0", "200.0"]
     rows_path = {"path": "gpu-direct", "reason": "FI_HMEM, iface CUDA, FI_HMEM_DEVICE_ONLY (CUDA IPC)"}
-    res.update(ranks_per_node=1, fill_gbs=3000.0, rows_path=rows_path)
+    res.update(ranks_per_node=1, fill_gbs=3000.0, rows_path=rows_path, fabric_rows="node")
     args = argparse.Namespace(provider="shm", iters=10, warmup=3, rounds=4, shapes=["decode"])
     config = a2a_cuda.format_config(a2a_cuda.settings_of(args, 1, [res])).splitlines()
     assert config[0] == "moe-a2a bench a2a --device cuda"
     assert "gpu-direct (FI_HMEM, iface CUDA" in config[3]  # the rows' path each figure measured
-    assert "decode 128 tokens/rank, hidden 7168, 256 experts, top-8" in config[7]
+    assert config[4].split() == ["fabric_rows:", "node"]  # "auto" resolved: the mode measured
+    assert "decode 128 tokens/rank, hidden 7168, 256 experts, top-8" in config[8]
     assert [line.split(":")[0].strip() for line in config[1:]] == [
         *(
             "ranks",
             "provider",
             "rows' path",
+            "fabric_rows",
             "device",
             "baseline",
             "payloads",
@@ -214,7 +216,7 @@ def test_bench_a2a_cuda_rows_and_table() -> None:
             "switches",
         )
     ]
-    assert config[10].split(":", 1)[1].strip() == report.tuning_set()  # the build's launch tuning
+    assert config[11].split(":", 1)[1].strip() == report.tuning_set()  # the build's launch tuning
 
 
 def test_bench_a2a_cuda_compares_whole_phases_with_the_engine_alone() -> None:

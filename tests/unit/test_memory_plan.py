@@ -12,6 +12,7 @@ import ctypes
 import os
 import re
 import uuid
+from dataclasses import replace
 
 import pytest
 
@@ -43,8 +44,9 @@ def within(measured: int, planned: int, tol: float = 0.10) -> bool:
 
 @pytest.mark.parametrize("share_rows", [True, False])
 def test_plan_equals_the_memory_a_touched_workspace_takes(share_rows: bool) -> None:
-    core = core_config(CFG, 0, 2, 2)
-    plan = memory_plan.plan_of(core, CFG, "cpu") if share_rows else memory_plan.plan_of(core, CFG, "cuda")
+    cfg = replace(CFG, fabric_rows=CFG.fabric_rows_for(2, 2))  # as AllToAll resolves "auto"
+    core = core_config(cfg, 0, 2, 2)
+    plan = memory_plan.plan_of(core, cfg, "cpu") if share_rows else memory_plan.plan_of(core, cfg, "cuda")
     ws = _core.Workspace(core, f"/moe-a2a-test-{os.getpid()}-{uuid.uuid4().hex[:8]}", share_rows)
     ws.unlink()
     assert resident(ws.ptr, ws.ptr + ws.size) == {"file": 0, "anon": 0}  # nothing touched yet
@@ -90,6 +92,17 @@ def test_plan_by_topology() -> None:
 def vm_size() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+
+
+def test_plan_resolves_auto_as_the_instance_does() -> None:
+    """The default's plan is that of the mode the instance would run (rows per node need more
+    device scratch: the node's entries and staged outputs)."""
+    plans = {m: memory_plan.plan(replace(CFG, fabric_rows=m), 8, 2, device="cuda") for m in ("rank", "node")}
+    assert plans["node"] != plans["rank"]
+    assert memory_plan.plan(CFG, 8, 2, device="cuda") == plans["node"]
+    assert memory_plan.plan(CFG, 8, 2, device="cuda", graph_safe=True) == plans["rank"]
+    with pytest.raises(ValueError, match="graph_safe: got 1; expected True or False"):
+        memory_plan.plan(CFG, 8, 2, graph_safe=1)  # type: ignore[arg-type]
 
 
 def test_a_configuration_that_cannot_fit_is_refused_before_anything_is_allocated() -> None:

@@ -524,7 +524,7 @@ def _modes(text: str) -> list[str]:
     from moe_a2a.a2a_types import FABRIC_ROWS
 
     modes = [m for m in text.split(",") if m]
-    built = list(FABRIC_ROWS)
+    built = [m for m in FABRIC_ROWS if m != "auto"]  # side by side: the modes themselves
     if not modes or any(m not in built for m in modes) or len(set(modes)) != len(modes):
         raise argparse.ArgumentTypeError(f"got {text!r}; expected distinct modes of {built}, comma-separated")
     return modes

@@ -206,6 +206,7 @@ def run_shape(
     with a2a:
         result["ranks_per_node"] = len(a2a._node)
         result["rows_path"] = a2a.rows_path
+        result["fabric_rows"] = a2a.cfg.fabric_rows  # "auto" resolved: what this instance runs
         y_full = torch.randn(a2a.max_output_rows, MODEL["hidden"], device=device).to(torch.bfloat16)
         times: dict[str, list[float]] = {p: [] for p in PHASES}
         received = []
@@ -529,6 +530,7 @@ def settings_of(args: argparse.Namespace, world: int, results: list[dict[str, An
     return dict(
         world=world,
         ranks_per_node=results[0]["ranks_per_node"] if results else None,
+        fabric_rows=results[0].get("fabric_rows") if results else None,
         rows_path={
             r["shape"] + (f" {r['path']}" if "path" in r else ""): r["rows_path"]
             for r in results
@@ -556,6 +558,7 @@ def format_config(s: dict[str, Any]) -> str:
             "ranks": f"{s['world']} ({s['ranks_per_node']} per node)",
             "provider": s["provider"],
             "rows' path": report.rows_path_text(s["rows_path"]) if s.get("rows_path") else "unknown",
+            "fabric_rows": s.get("fabric_rows") or "unknown",
             "device": f"cuda ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else "cuda",
             "baseline": "torch-native (quantise, sort by expert, index_select; index_add_)",
             "payloads": f"dispatch {s['dispatch_dtype']}, combine {s['combine_dtype']}",
