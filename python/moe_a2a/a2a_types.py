@@ -35,6 +35,14 @@ def positive_int(name: str, value: Any, minimum: int = 1) -> None:
         raise ValueError(f"{name}: got {value!r}; expected an integer in [{minimum}, {CORE_INT_MAX}]")
 
 
+def default_fabric_rows(
+    world_size: int, ranks_per_node: int, on_peer_loss: str = "stop", graph_safe: bool = False
+) -> str:
+    """What fabric_rows="auto" runs over `world_size` ranks, `ranks_per_node` to a node."""
+    spans = 1 < ranks_per_node < world_size  # several ranks a node, and other nodes
+    return "node" if spans and on_peer_loss != "mask" and not graph_safe else "rank"
+
+
 @dataclass(frozen=True)
 class Config:
     """Shape and policy of an AllToAll; fixed for its lifetime (buffers are sized from it)."""
@@ -103,8 +111,7 @@ class Config:
         nothing (one rank per node, or one node)."""
         if self.fabric_rows != "auto":
             return self.fabric_rows
-        spans = 1 < ranks_per_node < world_size
-        return "node" if spans and self.on_peer_loss != "mask" and not graph_safe else "rank"
+        return default_fabric_rows(world_size, ranks_per_node, self.on_peer_loss, graph_safe)
 
     def resolved(self, world_size: int) -> tuple[int, int]:
         """(max_private_tokens, max_recv_tokens) for a world size, defaults filled in."""

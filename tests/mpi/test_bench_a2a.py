@@ -82,10 +82,13 @@ def test_bench_a2a_runs_and_checks(baseline: str, tmp_path: Path, capsys: pytest
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("ranks_per_node", ["1", "world"])
+@pytest.mark.parametrize(
+    "ranks_per_node", ["1", "world", *(["2"] if COMM.Get_size() >= 4 and COMM.Get_size() % 2 == 0 else [])]
+)
 def test_bench_a2a_times_the_engine_alone_where_every_peer_is_remote(
     ranks_per_node: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Also: without --fabric-rows, expert and rank, and node where the default runs it (nodes of 2)."""
     out = Path(COMM.bcast(str(tmp_path / "a2a.json")))
     rpn = str(COMM.Get_size()) if ranks_per_node == "world" else ranks_per_node
     args = parse(
@@ -100,7 +103,9 @@ def test_bench_a2a_times_the_engine_alone_where_every_peer_is_remote(
     table = capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     head = next(line for line in table.splitlines() if line.startswith("| shape"))
-    if ranks_per_node == "world":  # one node: no byte goes through the engine, nothing to compare
+    modes = ["expert", "rank", "node"] if ranks_per_node == "2" else ["expert", "rank"]
+    assert list(dict.fromkeys(r["fabric_rows"] for r in rows)) == modes
+    if ranks_per_node != "1":  # a same-node peer: not every byte goes through the engine, nothing to compare
         assert all("engine_p50_us" not in r for r in rows) and cells(head) == [h for _, h in a2a.COLUMNS]
         return
     assert cells(head)[-2:] == [h for _, h in a2a.ENGINE_COLUMNS], head

@@ -409,8 +409,15 @@ def main(args: argparse.Namespace) -> int:
             f"--rows-path: got {','.join(args.rows_path)}; only the per-phase CUDA benchmark "
             "(--device cuda without --baseline) compares rows' paths"
         )
-    args.fabric_rows = args.fabric_rows or ["expert", "rank"]
     comm = MPI.COMM_WORLD
+    if not args.fabric_rows:  # one row per expert, per rank, and what the default runs here
+        from moe_a2a.a2a_types import default_fabric_rows
+
+        host = comm.Split_type(MPI.COMM_TYPE_SHARED)  # collective: every rank asks
+        local = args.ranks_per_node or host.Get_size()
+        host.Free()
+        default = default_fabric_rows(comm.Get_size(), local)
+        args.fabric_rows = list(dict.fromkeys(["expert", "rank", default]))
     check_shapes(args, comm.Get_size())
     if args.device == "cuda":
         torch.cuda.set_device(local_rank(comm) % torch.cuda.device_count())  # one rank per GPU
@@ -598,7 +605,7 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         metavar="MODES",
         help="Config.fabric_rows modes to run side by side, one AllToAll each, comma-separated "
-        "(default: expert,rank)",
+        "(default: expert,rank, and node where nodes have several ranks, as the default runs there)",
     )
     p.add_argument(
         "--rows-path",
