@@ -58,10 +58,13 @@ struct Layout {
   size_t aborts = 0;
   size_t routing_stamps = 0;
   size_t votes = 0;  // this rank's proposal when survivors agree on the live ranks (live_ranks.h)
-  // Rows per node only (else empty): this rank's expert outputs, fp32, one
-  // y_stride row per output row, and one fp32 row value each after them.
+  // Rows per node only (else empty): this rank's expert outputs, one y_stride
+  // row per output row (room for fp32), one fp32 row value each after them,
+  // then the DType the CPU backend staged them in (its y's: a bf16 y moves
+  // half the bytes; the CUDA backend stages fp32).
   size_t y_stage = 0;
   size_t y_values = 0;
+  size_t y_stage_dtype = 0;
   size_t y_stride = 0;
   size_t total = 0;
   size_t dispatch_row = 0;
@@ -101,7 +104,8 @@ struct Layout {
     const size_t out_rows = c.node_rows() ? static_cast<size_t>(c.max_output_rows()) : 0;
     l.y_stride = static_cast<size_t>(c.hidden) * sizeof(float);
     l.y_stage = section(out_rows * l.y_stride);
-    l.y_values = section(out_rows * sizeof(float));
+    l.y_values = section(out_rows * sizeof(float) + (out_rows > 0 ? sizeof(uint64_t) : 0));
+    l.y_stage_dtype = l.y_values + out_rows * sizeof(float);
     l.total = at;
     return l;
   }

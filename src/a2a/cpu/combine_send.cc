@@ -71,7 +71,8 @@ void pack_node_reduced(const CombineSendParams& p, int s) {
     const uint8_t* ws = p.ws.of(t);
     float value;
     std::memcpy(&value, ws + l.y_values + row * sizeof(float), sizeof(value));
-    return EntryOutput{ws + l.y_stage + row * l.y_stride, DType::kFp32, value};
+    const auto dtype = static_cast<DType>(ws[l.y_stage_dtype]);  // t's y's, written before kFlagStaged
+    return EntryOutput{ws + l.y_stage + row * l.y_stride, dtype, value};
   });
 }
 
@@ -80,18 +81,13 @@ void pack_node_reduced(const CombineSendParams& p, int s) {
 void stage_outputs(const CombineSendParams& p) {
   const A2AConfig& c = *p.cfg;
   const Layout& l = *p.layout;
-  const int H = c.hidden;
-  const size_t y_row = static_cast<size_t>(H) * dtype_bytes(p.y_dtype);
+  const size_t y_row = static_cast<size_t>(c.hidden) * dtype_bytes(p.y_dtype);
   const int L = c.num_local_experts();
   auto* values = reinterpret_cast<float*>(p.ws.self + l.y_values);
+  // As y holds them: the forwarder widens to fp32 as it sums, the same values either way.
+  p.ws.self[l.y_stage_dtype] = static_cast<uint8_t>(p.y_dtype);
   auto stage = [&](uint64_t row) {
-    auto* out = reinterpret_cast<float*>(p.ws.self + l.y_stage + row * l.y_stride);
-    const uint8_t* in = static_cast<const uint8_t*>(p.y) + row * y_row;
-    if (p.y_dtype == DType::kFp32) {
-      std::memcpy(out, in, static_cast<size_t>(H) * sizeof(float));
-    } else {
-      for (int h = 0; h < H; ++h) out[h] = load_element(in, p.y_dtype, h);
-    }
+    std::memcpy(p.ws.self + l.y_stage + row * l.y_stride, static_cast<const uint8_t*>(p.y) + row * y_row, y_row);
     values[row] = p.row_values != nullptr ? p.row_values[row] : 0.0f;
   };
   // A sender's copies of expert i are rows sender_base[s][i] onwards (dispatch_recv.cc).

@@ -105,9 +105,9 @@ struct CombineSendParams {
   const uint64_t* sender_base = nullptr;    // ... and DispatchRecvParams' sender_base
 };
 
-// Rows per node: the outputs (fp32) and row values of the copies that came
-// in rows per node into our y_stage section, where the forwarders of our
-// node read them (the other rows no forwarder reads).
+// Rows per node: the outputs (in y's dtype, noted in y_stage_dtype) and row
+// values of the copies that came in rows per node into our y_stage section,
+// where the forwarders of our node read them (the other rows no forwarder reads).
 void stage_outputs(const CombineSendParams& p);
 
 // Returns sender s's rows: into its combine_recv (same node) or our
