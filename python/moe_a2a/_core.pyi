@@ -547,9 +547,9 @@ class CpuAllToAll:
         Wire rows received from each rank in the last dispatch (copies, but rows per rank).
         """
 
-    def forwarded_counts(self) -> tuple[list[int], list[int]]:
+    def forwarded_traffic(self) -> tuple[list[int], list[int]]:
         """
-        Rows per node in the last call, per node peer: the rows we forwarded that hold its entries (it read them from us), and those entries (outputs of its that our combine read).
+        Rows per node in the last call, per node peer: the rows we forwarded that hold its entries (it read them from us), and the bytes of its outputs and row values our combine read.
         """
 
     @property

@@ -574,8 +574,8 @@ class AllToAll(LostRanks):
         "Rows per destination rank") at the mode's row sizes: dispatch rows out, and one
         combine row back for each row received. With `fabric_rows="node"` the forwarding
         inside the node is counted at the forwarder, towards each node peer: the dispatch rows
-        it read its entries from, and each output of its that the forwarder summed (fp32, and
-        its row value)."""
+        it read its entries from, and each output of its that the forwarder summed, as the peer
+        staged it (CPU: its y's dtype; CUDA: fp32), with its row value."""
         self._check_open()
         out = np.zeros((self.world_size, len(PATHS)), dtype=np.int64)
         if self._last is None:
@@ -593,8 +593,8 @@ class AllToAll(LostRanks):
             )
         forwarded = getattr(self._backend, "forwarded", None)
         if self.cfg.fabric_rows == "node" and forwarded is not None:
-            rows, entries = forwarded()
-            out[:, 0] += rows * self._core_cfg.dispatch_row_bytes + entries * (4 * self.cfg.hidden + 4)
+            rows, output_bytes = forwarded()
+            out[:, 0] += rows * self._core_cfg.dispatch_row_bytes + output_bytes
         return out
 
     def routing_rows(self) -> tuple[int, int]:

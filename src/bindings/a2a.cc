@@ -269,9 +269,9 @@ void bind_cpu_all_to_all(nb::module_& m) {
            "Wire rows sent to each rank in the last dispatch (copies, but rows per rank).")
       .def("received_counts", &cpu::CpuAllToAll::received_counts,
            "Wire rows received from each rank in the last dispatch (copies, but rows per rank).")
-      .def("forwarded_counts", &cpu::CpuAllToAll::forwarded_counts,
+      .def("forwarded_traffic", &cpu::CpuAllToAll::forwarded_traffic,
            "Rows per node in the last call, per node peer: the rows we forwarded that hold its entries "
-           "(it read them from us), and those entries (outputs of its that our combine read).")
+           "(it read them from us), and the bytes of its outputs and row values our combine read.")
       .def_prop_ro("epoch", &cpu::CpuAllToAll::epoch);
 }
 

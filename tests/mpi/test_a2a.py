@@ -179,7 +179,8 @@ def check_traffic(a2a: AllToAll, inp: Inputs) -> None:
             if s // rpn != RANK // rpn and s % rpn == RANK % rpn:  # we forward s's rows
                 on_t = inp.ids[s] // EXPERTS_PER_RANK == t
                 rows, entries = rows + int(on_t.any(dim=1).sum()), entries + int(on_t.sum())
-        return rows * core.dispatch_row_bytes + entries * (4 * a2a.cfg.hidden + 4)
+        staged = 4 if DEVICE == "cuda" else 2  # CUDA stages fp32, the CPU y's dtype (expert_fn's bf16)
+        return rows * core.dispatch_row_bytes + entries * (staged * a2a.cfg.hidden + 4)
 
     got = a2a.traffic().sum(axis=1)
     for p in range(WORLD):

@@ -125,9 +125,10 @@ class CpuBackend:
 
     def forwarded(self) -> tuple[np.ndarray, np.ndarray]:
         """Rows per node (fabric_rows="node") in the last call, per node peer: the rows we forwarded
-        that it read its entries from, and those entries (its outputs our combine read)."""
-        rows, entries = self._impl.forwarded_counts()
-        return np.array(rows, dtype=np.int64), np.array(entries, dtype=np.int64)
+        that it read its entries from, and the bytes of its outputs (as it staged them: its y's
+        dtype) and row values that our combine read."""
+        rows, output_bytes = self._impl.forwarded_traffic()
+        return np.array(rows, dtype=np.int64), np.array(output_bytes, dtype=np.int64)
 
     def announce_failure(self, text: str) -> None:
         """Tell every peer that this rank failed, so their waits end at once."""

@@ -371,10 +371,12 @@ class CudaBackend:
 
     def forwarded(self) -> tuple[np.ndarray, np.ndarray]:
         """Rows per node (fabric_rows="node") in the last call, per node peer: the rows we forwarded
-        that it read its entries from, and those entries (its outputs our combine read)."""
+        that it read its entries from, and the bytes of its outputs (staged in fp32) and row values
+        that our combine read."""
         torch.cuda.current_stream(self.device).synchronize()
         rows, entries = self._impl.forwarded_counts()
-        return np.array(rows, dtype=np.int64), np.array(entries, dtype=np.int64)
+        per_entry = 4 * self.cfg.hidden + 4
+        return np.array(rows, dtype=np.int64), np.array(entries, dtype=np.int64) * per_entry
 
     def routing_rows(self) -> tuple[int, int]:
         return int(self._impl.routing_rows_sent), int(self._impl.routing_rows_received)

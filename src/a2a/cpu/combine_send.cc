@@ -60,14 +60,19 @@ void pack_reduced(const CombineSendParams& p, int s) {
   });
 }
 
-// A sender whose rows per node we forward: each entry's output from the
-// y_stage of the rank it went to (ourselves or a node peer).
+// A sender whose rows per node we forward: each entry's output from our y,
+// or from the y_stage of the node peer it went to.
 void pack_node_reduced(const CombineSendParams& p, int s) {
   const Layout& l = *p.layout;
+  const size_t y_row = static_cast<size_t>(p.cfg->hidden) * dtype_bytes(p.y_dtype);
   pack_summed(p, s, [&](size_t i) {
     const int t = p.rank_of_entry[i];
     if (t < 0) return EntryOutput{};
     const int64_t row = p.row_of_entry[i];
+    if (t == p.cfg->rank) {
+      const float value = p.row_values != nullptr ? p.row_values[row] : 0.0f;
+      return EntryOutput{static_cast<const uint8_t*>(p.y) + row * y_row, p.y_dtype, value};
+    }
     const uint8_t* ws = p.ws.of(t);
     float value;
     std::memcpy(&value, ws + l.y_values + row * sizeof(float), sizeof(value));
@@ -90,9 +95,10 @@ void stage_outputs(const CombineSendParams& p) {
     std::memcpy(p.ws.self + l.y_stage + row * l.y_stride, static_cast<const uint8_t*>(p.y) + row * y_row, y_row);
     values[row] = p.row_values != nullptr ? p.row_values[row] : 0.0f;
   };
-  // A sender's copies of expert i are rows sender_base[s][i] onwards (dispatch_recv.cc).
+  // A sender's copies of expert i are rows sender_base[s][i] onwards (dispatch_recv.cc); those of a
+  // sender we forward we read from y ourselves.
   for (int s = 0; s < c.world; ++s) {
-    if (!c.per_node(s, c.rank)) continue;
+    if (!c.per_node(s, c.rank) || c.forwarder(s, c.rank) == c.rank) continue;
     for (int i = 0; i < L; ++i) {
       const uint64_t first = p.sender_base[static_cast<size_t>(s) * L + i];
       for (uint32_t q = 0; q < p.routing->count(s, c.rank * L + i); ++q) stage(first + q);

@@ -338,9 +338,9 @@ void CpuAllToAll::combine_recv(const CombineRecvArgs& args) {
   call_.done = combine_phase(call_.epoch);
 }
 
-std::pair<std::vector<uint64_t>, std::vector<uint64_t>> CpuAllToAll::forwarded_counts() const {
-  std::vector<uint64_t> rows(cfg_.world, 0), entries(cfg_.world, 0);
-  if (!cfg_.node_rows() || call_.rank_of_entry.empty()) return {rows, entries};
+std::pair<std::vector<uint64_t>, std::vector<uint64_t>> CpuAllToAll::forwarded_traffic() const {
+  std::vector<uint64_t> rows(cfg_.world, 0), output_bytes(cfg_.world, 0);
+  if (!cfg_.node_rows() || call_.rank_of_entry.empty()) return {rows, output_bytes};
   const int m = cfg_.max_entries();
   std::vector<int> last(cfg_.world, -1);  // the last row counted for each peer
   for (int s = 0; s < cfg_.world; ++s) {
@@ -350,7 +350,8 @@ std::pair<std::vector<uint64_t>, std::vector<uint64_t>> CpuAllToAll::forwarded_c
       for (int e = 0; e < m; ++e) {
         const int t = call_.rank_of_entry[w * m + e];
         if (t < 0 || t == cfg_.rank) continue;
-        ++entries[t];
+        const auto staged = static_cast<DType>(maps_.of(t)[layout_.y_stage_dtype]);  // stage_outputs
+        output_bytes[t] += static_cast<uint64_t>(cfg_.hidden) * dtype_bytes(staged) + sizeof(float);
         if (last[t] != static_cast<int>(w)) {
           last[t] = static_cast<int>(w);
           ++rows[t];
@@ -358,7 +359,7 @@ std::pair<std::vector<uint64_t>, std::vector<uint64_t>> CpuAllToAll::forwarded_c
       }
     }
   }
-  return {rows, entries};
+  return {rows, output_bytes};
 }
 
 void CpuAllToAll::copy_routing(uint32_t* out) const { std::copy(call_.routing.begin(), call_.routing.end(), out); }

@@ -103,9 +103,10 @@ class CpuAllToAll {
   std::vector<uint64_t> sent_counts() const;
   std::vector<uint64_t> received_counts() const { return call_.plan.wire; }
   // Rows per node in the last call, per node peer t (0 elsewhere): the rows
-  // we forwarded that hold an entry of t (t read them from us), and those
-  // entries (each an output row of t's that our combine read).
-  std::pair<std::vector<uint64_t>, std::vector<uint64_t>> forwarded_counts() const;
+  // we forwarded that hold an entry of t (t read them from us), and the bytes
+  // of t's outputs our combine read for those entries (each an output row, in
+  // the dtype t staged it in, and its fp32 row value).
+  std::pair<std::vector<uint64_t>, std::vector<uint64_t>> forwarded_traffic() const;
   uint64_t epoch() const { return call_.epoch; }
   // Tells every peer that this rank failed; see Proxy::announce_failure.
   void announce_failure(const std::string& text) { proxy_->announce_failure(text, call_.done); }

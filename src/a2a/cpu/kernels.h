@@ -106,8 +106,8 @@ struct CombineSendParams {
 };
 
 // Rows per node: the outputs (in y's dtype, noted in y_stage_dtype) and row
-// values of the copies that came in rows per node into our y_stage section,
-// where the forwarders of our node read them (the other rows no forwarder reads).
+// values of the copies that came in rows per node forwarded by a node peer
+// into our y_stage section, where it reads them (no one reads the other rows).
 void stage_outputs(const CombineSendParams& p);
 
 // Returns sender s's rows: into its combine_recv (same node) or our
