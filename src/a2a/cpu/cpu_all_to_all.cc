@@ -216,6 +216,7 @@ void CpuAllToAll::dispatch_unpack(const DispatchUnpackArgs& args) {
   call_.row_of_entry.assign(entries, -1);
   call_.weight_of_entry.assign(entries, 0.0f);
   call_.rank_of_entry.assign(cfg_.node_rows() ? entries : 0, -1);
+  call_.staged_dtype.assign(cfg_.node_rows() ? cfg_.world : 0, kNotStaged);
   DispatchRecvParams p;
   p.cfg = &cfg_;
   p.layout = &layout_;
@@ -310,6 +311,8 @@ void CpuAllToAll::combine_send(const CombineSendArgs& args) {
     if (cfg_.per_node(s, cfg_.rank) && cfg_.forwarder(s, cfg_.rank) == cfg_.rank && !staged) {
       wait_node(kFlagStaged, "staged expert outputs");
       staged = true;
+      for (int t = 0; t < cfg_.world; ++t)  // what traffic() counts; a peer restages only in its next call
+        if (cfg_.same_node(t) && t != cfg_.rank) call_.staged_dtype[t] = maps_.of(t)[layout_.y_stage_dtype];
     }
     pack_combine_for(p, s);
     if (cfg_.same_node(s))
@@ -350,8 +353,9 @@ std::pair<std::vector<uint64_t>, std::vector<uint64_t>> CpuAllToAll::forwarded_t
       for (int e = 0; e < m; ++e) {
         const int t = call_.rank_of_entry[w * m + e];
         if (t < 0 || t == cfg_.rank) continue;
-        const auto staged = static_cast<DType>(maps_.of(t)[layout_.y_stage_dtype]);  // stage_outputs
-        output_bytes[t] += static_cast<uint64_t>(cfg_.hidden) * dtype_bytes(staged) + sizeof(float);
+        const uint8_t staged = call_.staged_dtype[t];  // none read yet: the combine has not run
+        const uint64_t row = static_cast<uint64_t>(cfg_.hidden) * dtype_bytes(static_cast<DType>(staged));
+        if (staged != kNotStaged) output_bytes[t] += row + sizeof(float);
         if (last[t] != static_cast<int>(w)) {
           last[t] = static_cast<int>(w);
           ++rows[t];

@@ -57,6 +57,8 @@ struct CombineRecvArgs {
 };
 
 // The current call: what each half leaves for the next.
+constexpr uint8_t kNotStaged = 0xFF;  // Call::staged_dtype before the combine read it
+
 struct Call {
   uint64_t epoch = 0;
   uint64_t done = 0;  // the last phase whose receive half completed (peer_watch.h)
@@ -76,6 +78,9 @@ struct Call {
   std::vector<float> weight_of_entry;
   std::vector<int32_t> rank_of_entry;       // rows per node we forward: the rank of each entry
   std::vector<uint64_t> node_sender_base;   // rows per node: every node rank's sender_base
+  // Rows per node we forward: each node peer's staged dtype, read once it staged (combine_send);
+  // kNotStaged before that call's combine.
+  std::vector<uint8_t> staged_dtype;
   std::vector<int> unpack_order;
 };
 
