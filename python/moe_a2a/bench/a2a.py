@@ -410,13 +410,15 @@ def main(args: argparse.Namespace) -> int:
             "(--device cuda without --baseline) compares rows' paths"
         )
     comm = MPI.COMM_WORLD
+    # Collective, so every rank asks (rank 0 alone prints): the ranks on our host.
+    host = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    host_size = host.Get_size()
+    host.Free()
+    one_host = host_size == comm.Get_size()
     if not args.fabric_rows:  # one row per expert, per rank, and what the default runs here
         from moe_a2a.a2a_types import default_fabric_rows
 
-        host = comm.Split_type(MPI.COMM_TYPE_SHARED)  # collective: every rank asks
-        local = args.ranks_per_node or host.Get_size()
-        host.Free()
-        default = default_fabric_rows(comm.Get_size(), local)
+        default = default_fabric_rows(comm.Get_size(), args.ranks_per_node or host_size)
         args.fabric_rows = list(dict.fromkeys(["expert", "rank", default]))
     check_shapes(args, comm.Get_size())
     if args.device == "cuda":
@@ -427,8 +429,6 @@ def main(args: argparse.Namespace) -> int:
         device = torch.device("cpu")
     args.baseline = args.baseline or "mpi"
     exchange = make_exchange(args, comm, device)
-    # Collective, so every rank asks (rank 0 alone prints): are all ranks on one host?
-    one_host = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size() == comm.Get_size()
     results: list[dict[str, Any]] = []
     INTERRUPTS.install()
     try:
