@@ -665,9 +665,9 @@ class CudaAllToAll:
         Wire rows each sender sent us in the last planned dispatch (synchronises with the device).
         """
 
-    def forwarded_counts(self) -> tuple[list[int], list[int]]:
+    def forwarded_traffic(self) -> tuple[list[int], list[int]]:
         """
-        Rows per node, the last planned dispatch, per node peer: the rows we forwarded that it read entries from, and those entries (synchronises with the device).
+        Rows per node, the last planned dispatch, per node peer: the rows we forwarded that it read entries from, and the bytes of its outputs and row values our combine read (synchronises with the device).
         """
 
     @property

@@ -241,9 +241,9 @@ void bind_cuda(nb::module_& m) {
       .def_prop_ro("max_output_rows", &CudaAllToAll::max_output_rows)
       .def("wire_received", &CudaAllToAll::wire_received, release(),
            "Wire rows each sender sent us in the last planned dispatch (synchronises with the device).")
-      .def("forwarded_counts", &CudaAllToAll::forwarded_counts, release(),
+      .def("forwarded_traffic", &CudaAllToAll::forwarded_traffic, release(),
            "Rows per node, the last planned dispatch, per node peer: the rows we forwarded that it read entries "
-           "from, and those entries (synchronises with the device).")
+           "from, and the bytes of its outputs and row values our combine read (synchronises with the device).")
       .def_prop_ro("fused_recv", &CudaAllToAll::fused_recv,
                    "Eager dispatch_recv plans and copies in one launch (no other rank of the node on our GPU).")
       .def_prop_ro("epoch", &CudaAllToAll::epoch)

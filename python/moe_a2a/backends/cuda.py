@@ -374,9 +374,8 @@ class CudaBackend:
         that it read its entries from, and the bytes of its outputs (staged in fp32) and row values
         that our combine read."""
         torch.cuda.current_stream(self.device).synchronize()
-        rows, entries = self._impl.forwarded_counts()
-        per_entry = 4 * self.cfg.hidden + 4
-        return np.array(rows, dtype=np.int64), np.array(entries, dtype=np.int64) * per_entry
+        rows, output_bytes = self._impl.forwarded_traffic()
+        return np.array(rows, dtype=np.int64), np.array(output_bytes, dtype=np.int64)
 
     def routing_rows(self) -> tuple[int, int]:
         return int(self._impl.routing_rows_sent), int(self._impl.routing_rows_received)

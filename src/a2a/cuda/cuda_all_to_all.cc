@@ -241,9 +241,11 @@ void CudaAllToAll::wait_planned() {
 
 int64_t CudaAllToAll::max_output_rows() const { return cfg_.max_output_rows(); }
 
-std::pair<std::vector<uint64_t>, std::vector<uint64_t>> CudaAllToAll::forwarded_counts() const {
-  std::vector<uint64_t> rows(cfg_.world, 0), entries(cfg_.world, 0);
-  if (!cfg_.node_rows() || call_.epoch == 0) return {rows, entries};
+std::pair<std::vector<uint64_t>, std::vector<uint64_t>> CudaAllToAll::forwarded_traffic() const {
+  std::vector<uint64_t> rows(cfg_.world, 0), output_bytes(cfg_.world, 0);
+  if (!cfg_.node_rows() || call_.epoch == 0) return {rows, output_bytes};
+  // stage_outputs_kernel stages fp32 rows, each with its fp32 row value.
+  const uint64_t per_entry = static_cast<uint64_t>(cfg_.hidden) * sizeof(float) + sizeof(float);
   const std::vector<SenderPlan> plans = sender_plans();
   const int m = cfg_.max_entries();
   const int64_t wire = plans.back().recv_base + plans.back().wire;
@@ -261,12 +263,12 @@ std::pair<std::vector<uint64_t>, std::vector<uint64_t>> CudaAllToAll::forwarded_
         const int l = entry_rank[static_cast<size_t>(plans[s].recv_base + j) * m + e];
         const int t = node0 + l;
         if (l < 0 || t == cfg_.rank) continue;
-        ++entries[t];
+        output_bytes[t] += per_entry;
         if (!counted[l]) counted[l] = true, ++rows[t];
       }
     }
   }
-  return {rows, entries};
+  return {rows, output_bytes};
 }
 
 std::vector<SenderPlan> CudaAllToAll::sender_plans() const {

@@ -196,9 +196,10 @@ class CudaAllToAll {
   // row of its next call. Synchronises with the device.
   std::vector<int64_t> wire_received() const;
   // Rows per node, the last planned dispatch, per node peer t: the rows we
-  // forwarded that t read entries from, and those entries (each an output of
-  // t's that our combine sums). Synchronises with the device.
-  std::pair<std::vector<uint64_t>, std::vector<uint64_t>> forwarded_counts() const;
+  // forwarded that t read entries from, and the bytes of t's outputs our
+  // combine sums for those entries (staged in fp32, and each row value).
+  // Synchronises with the device.
+  std::pair<std::vector<uint64_t>, std::vector<uint64_t>> forwarded_traffic() const;
   bool fused_recv() const { return fused_recv_; }
   uint64_t epoch() const { return call_.epoch; }
   // Routing rows written to peers / peers' rows waited for or read, by this
