@@ -115,6 +115,9 @@ class ExpertParallel:
         self._ids_dtypes = self.forward_a2a._backend.ids_dtypes  # what the core takes unconverted
         self._all = list({id(a): a for a in (self.forward_a2a, self.backward_a2a)}.values())
         self._capacity_rows = self.forward_a2a.max_output_rows  # a plain int for Dynamo
+        # The operators' name for us: a string, which Dynamo keeps a constant (an int that
+        # differs between two instances through one compiled function becomes a SymInt).
+        self.op_id = str(self.id)
         compiled_ops.register(self)
 
     # -- public API ---------------------------------------------------------------------------
@@ -248,13 +251,13 @@ class ExpertParallel:
             raise ValueError(f"dispatch: topk_weights: got {describe(topk_weights)}; expected a float tensor")
         ids = self._check_ids(topk_ids)
         track = torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad)
-        counts, key, num_rows = compiled_ops.dispatch_op(x, ids, topk_weights, self.id, track)
+        counts, key, num_rows = compiled_ops.dispatch_op(x, ids, topk_weights, self.op_id, track)
         if self.compiled_rows == "capacity":
             rows = self._capacity_rows  # static: nothing read on the host
         else:
             rows = num_rows.item()  # an unbacked size under capture_scalar_outputs
             torch._check_is_size(rows)
-        expert_x, row_weights = compiled_ops.dispatch_rows_op(x, topk_weights, key, self.id, rows)
+        expert_x, row_weights = compiled_ops.dispatch_rows_op(x, topk_weights, key, self.op_id, rows)
         return Routed(
             expert_x=expert_x,
             tokens_per_expert=counts,
@@ -273,7 +276,7 @@ class ExpertParallel:
         w = routed.row_weights
         assert w is not None
         backward = torch.is_grad_enabled() and (y.requires_grad or w.requires_grad)
-        return compiled_ops.combine_op(y, w, h.key, self.id, h.num_tokens, weighted, backward)
+        return compiled_ops.combine_op(y, w, h.key, self.op_id, h.num_tokens, weighted, backward)
 
     @property
     def live_routings(self) -> int:
@@ -283,7 +286,7 @@ class ExpertParallel:
         # A failure stops every instance alike, whichever one a rank saw it in: on the
         # failing rank all of them, on a peer the one whose call raised PeerFailedError.
         # Closing waits for the peers only where none failed, the same choice on every rank.
-        compiled_ops.drop_routings(self.id)
+        compiled_ops.drop_routings(self.op_id)
         healthy = all(a._failure is None for a in self._all if a._setup is not None)
         for a2a in self._all:
             a2a.close(wait_for_peers=healthy)

@@ -17,8 +17,10 @@ turns into an unbacked size (checked with `torch._check_is_size`), and hands it 
 exactly eager's rows. With `"capacity"` the caller passes the instance's
 `max_output_rows` R instead (a constant): rows [R, H] with zeros past U, and the ops
 that take rows back (`combine`, the backwards) use their first U. No host read, and
-Inductor compiles the experts for a static size. The handle is an integer: `ep_id` names
-the `ExpertParallel` (a per-process registry), the routing key (a tensor, made at run
+Inductor compiles the experts for a static size. The handle is a string and a tensor:
+`ep_id` names the `ExpertParallel` (`op_id`, in a per-process registry; a string, so one
+compiled function called with several instances specialises on each, where an int would
+become a symbolic size that names none), the routing key (a tensor, made at run
 time) names its `ExpertRouting` in that instance's registry. A routing stays there
 until its last use: the dispatch's backward, else the combine's backward, else the combine.
 
@@ -39,22 +41,22 @@ from moe_a2a.a2a_types import COMBINE_DTYPES
 from moe_a2a.ep_types import ExpertRouting
 
 # moe_a2a.autograd imports this module: its ExpertParallel is `Any` here.
-_instances: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-_routings: dict[tuple[int, int], ExpertRouting] = {}
+_instances: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+_routings: dict[tuple[str, int], ExpertRouting] = {}
 
 
 def register(ep: Any) -> None:
-    _instances[ep.id] = ep
+    _instances[ep.op_id] = ep
 
 
-def _ep(ep_id: int) -> Any:
+def _ep(ep_id: str) -> Any:
     ep = _instances.get(ep_id)
     if ep is None:
         raise RuntimeError(f"moe_a2a ops: ExpertParallel #{ep_id} is closed or was never opened")
     return ep
 
 
-def _routing(ep_id: int, key: torch.Tensor, pop: bool) -> ExpertRouting:
+def _routing(ep_id: str, key: torch.Tensor, pop: bool) -> ExpertRouting:
     k = (ep_id, int(key.item()))
     h = _routings.pop(k, None) if pop else _routings.get(k)
     if h is None:
@@ -64,7 +66,7 @@ def _routing(ep_id: int, key: torch.Tensor, pop: bool) -> ExpertRouting:
     return h
 
 
-def drop_routings(ep_id: int) -> None:
+def drop_routings(ep_id: str) -> None:
     """Forget an instance's routings (on close)."""
     for k in [k for k in _routings if k[0] == ep_id]:
         del _routings[k]
@@ -75,7 +77,7 @@ def drop_routings(ep_id: int) -> None:
 
 @torch.library.custom_op("moe_a2a::dispatch", mutates_args=())
 def dispatch_op(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, ep_id: int, keep: bool
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, ep_id: str, keep: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The exchange: tokens per local expert [E], the routing key [] and the row count []
     (int64); the rows wait in the routing for `dispatch_rows`."""
@@ -92,7 +94,7 @@ def dispatch_op(
 
 @dispatch_op.register_fake
 def _dispatch_fake(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, ep_id: int, keep: bool
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, ep_id: str, keep: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ep = _ep(ep_id)
     scalar = torch.empty((), dtype=torch.int64)
@@ -101,7 +103,7 @@ def _dispatch_fake(
 
 @torch.library.custom_op("moe_a2a::dispatch_rows", mutates_args=())
 def dispatch_rows_op(
-    x: torch.Tensor, topk_weights: torch.Tensor, key: torch.Tensor, ep_id: int, num_rows: int
+    x: torch.Tensor, topk_weights: torch.Tensor, key: torch.Tensor, ep_id: str, num_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows [num_rows, H] and their routing weights [num_rows] of the dispatch `key`;
     differentiable w.r.t. `x` and `topk_weights` (the dispatch's inputs)."""
@@ -135,7 +137,7 @@ def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 @dispatch_rows_op.register_fake
 def _dispatch_rows_fake(
-    x: torch.Tensor, topk_weights: torch.Tensor, key: torch.Tensor, ep_id: int, num_rows: int
+    x: torch.Tensor, topk_weights: torch.Tensor, key: torch.Tensor, ep_id: str, num_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty(num_rows, x.shape[1]), x.new_empty(num_rows, dtype=torch.float32)
 
@@ -163,7 +165,7 @@ def dispatch_backward_op(
     grad_rows: torch.Tensor | None,
     grad_row_weights: torch.Tensor | None,
     key: torch.Tensor,
-    ep_id: int,
+    ep_id: str,
     num_tokens: int,
     x_dtype: torch.dtype,
     weights_grad: bool,
@@ -185,7 +187,7 @@ def _dispatch_backward_fake(
     grad_rows: torch.Tensor | None,
     grad_row_weights: torch.Tensor | None,
     key: torch.Tensor,
-    ep_id: int,
+    ep_id: str,
     num_tokens: int,
     x_dtype: torch.dtype,
     weights_grad: bool,
@@ -206,7 +208,7 @@ def combine_op(
     y: torch.Tensor,
     row_weights: torch.Tensor,
     key: torch.Tensor,
-    ep_id: int,
+    ep_id: str,
     num_tokens: int,
     weighted: bool,
     backward: bool,
@@ -228,7 +230,7 @@ def _combine_fake(
     y: torch.Tensor,
     row_weights: torch.Tensor,
     key: torch.Tensor,
-    ep_id: int,
+    ep_id: str,
     num_tokens: int,
     weighted: bool,
     backward: bool,
@@ -255,7 +257,7 @@ combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 @torch.library.custom_op("moe_a2a::combine_backward", mutates_args=())
 def combine_backward_op(
-    grad_out: torch.Tensor, y: torch.Tensor, key: torch.Tensor, ep_id: int, weighted: bool, dot: bool
+    grad_out: torch.Tensor, y: torch.Tensor, key: torch.Tensor, ep_id: str, weighted: bool, dot: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ep = _ep(ep_id)
     h = _routing(ep_id, key, pop=False)
@@ -272,7 +274,7 @@ def combine_backward_op(
 
 @combine_backward_op.register_fake
 def _combine_backward_fake(
-    grad_out: torch.Tensor, y: torch.Tensor, key: torch.Tensor, ep_id: int, weighted: bool, dot: bool
+    grad_out: torch.Tensor, y: torch.Tensor, key: torch.Tensor, ep_id: str, weighted: bool, dot: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(y), y.new_empty(y.shape[0], dtype=torch.float32)
 

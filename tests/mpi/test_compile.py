@@ -183,7 +183,7 @@ def test_expert_parallel_compiled_matches_eager(seed: int) -> None:
         assert grads[0] is not None and grads[1] is not None
         assert float((grads[1] - grads[0]).abs().max()) <= TOL * max(1.0, float(grads[0].abs().max()))
         # (the channel keeps the backward's dispatch open until the next one closes it, as in eager)
-        assert not [k for k in compiled_ops._routings if k[0] == ep.id]
+        assert not [k for k in compiled_ops._routings if k[0] == ep.op_id]
         compiled = torch.compile(layer, fullgraph=True)
         with pytest.raises(Exception, match="dispatch: x: got"):  # at trace time
             compiled(x0.half().to(DEVICE), ids.to(DEVICE), w0.to(DEVICE), weight0.to(DEVICE))
@@ -192,3 +192,42 @@ def test_expert_parallel_compiled_matches_eager(seed: int) -> None:
         # (the CPU checks before sending; the CUDA kernels drop the copies and the receive half raises)
         with pytest.raises(ValueError, match="topk_ids: found expert id|topk_ids held an expert id outside"):
             compiled(x0.to(DEVICE), bad.to(DEVICE), w0.to(DEVICE), weight0.to(DEVICE))
+
+
+def test_one_compiled_function_serves_several_instances(seed: int) -> None:
+    """A function compiled once and called with each of several ExpertParallel instances of
+    different shapes (a helper shared by layers that hold their own instance) recompiles for
+    each and matches eager for each; an instance's name must stay a constant for Dynamo,
+    which once turned the second instance's int id into a symbolic size and crashed
+    inside the compiler. One rank: the recompilation is per process."""
+    _skip_unless_run_here()
+    if WORLD != 1:
+        pytest.skip("one rank: what it checks happens inside one process")
+    from moe_a2a.all_to_all import Config
+    from moe_a2a.autograd import ExpertParallel
+
+    def layer(ep: ExpertParallel, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        routed = ep.dispatch(x, ids, w)
+        return ep.combine(torch.tanh(routed.expert_x), routed)
+
+    compiled = torch.compile(layer, fullgraph=True)
+    g = torch.Generator().manual_seed(seed)
+    for hidden, experts, rows in ((16, 4, "exact"), (24, 6, "exact"), (8, 4, "capacity")):
+        cfg = Config(max_tokens=8, hidden=hidden, num_experts=experts, topk=2, combine_dtype="fp32")
+        x0 = torch.randn(5, hidden, generator=g)
+        ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(5)]).to(DEVICE)
+        w0 = torch.rand(5, 2, generator=g)
+        with ExpertParallel(
+            cfg, device=DEVICE, provider=PROVIDER, grad_dtype="fp32", compiled_rows=rows
+        ) as ep:
+            results = []
+            for fn in (layer, compiled):
+                x, w = (t.clone().to(DEVICE).requires_grad_() for t in (x0, w0))
+                out = fn(ep, x, ids, w)
+                out.backward(torch.ones_like(out))
+                results.append((out.detach(), x.grad, w.grad))
+            for name, got, want in zip(("out", "x.grad", "w.grad"), results[1], results[0], strict=True):
+                assert got is not None and want is not None, name
+                err = float((got - want).abs().max())
+                assert err <= TOL * max(1.0, float(want.abs().max())), f"hidden {hidden}: {name}: {err:.3g}"
+            assert ep.live_routings == 0
