@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from moe_a2a import compiled_ops
-from moe_a2a.a2a_types import Config, Dispatched, RowRequest, describe
+from moe_a2a.a2a_types import COMBINE_DTYPES, Config, Dispatched, RowRequest, describe
 from moe_a2a.all_to_all import AllToAll
 from moe_a2a.ep_channel import Channel
 from moe_a2a.ep_types import CompiledRouting, ExpertRouting, PendingCombined, PendingRouted, Routed
@@ -115,9 +115,10 @@ class ExpertParallel:
         self._ids_dtypes = self.forward_a2a._backend.ids_dtypes  # what the core takes unconverted
         self._all = list({id(a): a for a in (self.forward_a2a, self.backward_a2a)}.values())
         self._capacity_rows = self.forward_a2a.max_output_rows  # a plain int for Dynamo
-        # The operators' name for us: a string, which Dynamo keeps a constant (an int that
-        # differs between two instances through one compiled function becomes a SymInt).
-        self.op_id = str(self.id)
+        # The operators' handle on us: a tensor, which Dynamo passes as a graph input, so one
+        # graph serves every instance of a shape (each layer may hold its own; a constant would
+        # compile a graph per instance, and fullgraph fails past the recompile limit).
+        self._op_handle = torch.tensor(self.id, dtype=torch.int64)
         compiled_ops.register(self)
 
     # -- public API ---------------------------------------------------------------------------
@@ -251,13 +252,15 @@ class ExpertParallel:
             raise ValueError(f"dispatch: topk_weights: got {describe(topk_weights)}; expected a float tensor")
         ids = self._check_ids(topk_ids)
         track = torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad)
-        counts, key, num_rows = compiled_ops.dispatch_op(x, ids, topk_weights, self.op_id, track)
+        counts, key, num_rows = compiled_ops.dispatch_op(
+            x, ids, topk_weights, self._op_handle, self.num_local_experts, track
+        )
         if self.compiled_rows == "capacity":
             rows = self._capacity_rows  # static: nothing read on the host
         else:
             rows = num_rows.item()  # an unbacked size under capture_scalar_outputs
             torch._check_is_size(rows)
-        expert_x, row_weights = compiled_ops.dispatch_rows_op(x, topk_weights, key, self.op_id, rows)
+        expert_x, row_weights = compiled_ops.dispatch_rows_op(x, topk_weights, key, self._op_handle, rows)
         return Routed(
             expert_x=expert_x,
             tokens_per_expert=counts,
@@ -276,7 +279,10 @@ class ExpertParallel:
         w = routed.row_weights
         assert w is not None
         backward = torch.is_grad_enabled() and (y.requires_grad or w.requires_grad)
-        return compiled_ops.combine_op(y, w, h.key, self.op_id, h.num_tokens, weighted, backward)
+        out_dtype = COMBINE_DTYPES[self.cfg.combine_dtype]
+        return compiled_ops.combine_op(
+            y, w, h.key, self._op_handle, h.num_tokens, out_dtype, weighted, backward
+        )
 
     @property
     def live_routings(self) -> int:
@@ -286,7 +292,7 @@ class ExpertParallel:
         # A failure stops every instance alike, whichever one a rank saw it in: on the
         # failing rank all of them, on a peer the one whose call raised PeerFailedError.
         # Closing waits for the peers only where none failed, the same choice on every rank.
-        compiled_ops.drop_routings(self.op_id)
+        compiled_ops.drop_routings(self.id)
         healthy = all(a._failure is None for a in self._all if a._setup is not None)
         for a2a in self._all:
             a2a.close(wait_for_peers=healthy)

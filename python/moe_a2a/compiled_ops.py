@@ -4,10 +4,10 @@ Dynamo cannot trace into the core (it would hand it fake tensors) nor carry an
 `ExpertRouting` through a graph, so under compile `ExpertParallel`'s whole calls go
 through four operators:
 
-- `moe_a2a::dispatch(x, ids, weights, ep_id, keep)` -> tokens per local expert [E],
+- `moe_a2a::dispatch(x, ids, weights, inst, E, keep)` -> tokens per local expert [E],
   routing key [] and row count U [] (int64): the exchange itself;
-- `moe_a2a::dispatch_rows(x, weights, key, ep_id, U)` -> rows [U, H], row weights [U];
-- `moe_a2a::combine(y, row_weights, key, ep_id, num_tokens, weighted, backward)` -> [T, H];
+- `moe_a2a::dispatch_rows(x, weights, key, inst, U)` -> rows [U, H], row weights [U];
+- `moe_a2a::combine(y, row_weights, key, inst, T, out_dtype, weighted, backward)` -> [T, H];
 - their backwards, `moe_a2a::dispatch_backward` and `moe_a2a::combine_backward`.
 
 Shapes: the row count U is data-dependent. With `ExpertParallel(compiled_rows="exact")`
@@ -17,11 +17,11 @@ turns into an unbacked size (checked with `torch._check_is_size`), and hands it 
 exactly eager's rows. With `"capacity"` the caller passes the instance's
 `max_output_rows` R instead (a constant): rows [R, H] with zeros past U, and the ops
 that take rows back (`combine`, the backwards) use their first U. No host read, and
-Inductor compiles the experts for a static size. The handle is a string and a tensor:
-`ep_id` names the `ExpertParallel` (`op_id`, in a per-process registry; a string, so one
-compiled function called with several instances specialises on each, where an int would
-become a symbolic size that names none), the routing key (a tensor, made at run
-time) names its `ExpertRouting` in that instance's registry. A routing stays there
+Inductor compiles the experts for a static size. The handle is two tensors: `inst` (the
+instance's `_op_handle`, its id) names the `ExpertParallel` in a per-process registry, the
+routing key (made at run time) its `ExpertRouting`. As tensors they are graph inputs, so one
+graph serves every instance of a shape, each layer's own included; the fake implementations
+take the shapes from their arguments, never from the instance. A routing stays there
 until its last use: the dispatch's backward, else the combine's backward, else the combine.
 
 The real implementations call the same methods as eager autograd (`_forward_dispatch`,
@@ -37,36 +37,36 @@ from typing import Any
 
 import torch
 
-from moe_a2a.a2a_types import COMBINE_DTYPES
 from moe_a2a.ep_types import ExpertRouting
 
 # moe_a2a.autograd imports this module: its ExpertParallel is `Any` here.
-_instances: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
-_routings: dict[tuple[str, int], ExpertRouting] = {}
+_instances: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_routings: dict[tuple[int, int], ExpertRouting] = {}
 
 
 def register(ep: Any) -> None:
-    _instances[ep.op_id] = ep
+    _instances[ep.id] = ep
 
 
-def _ep(ep_id: str) -> Any:
+def _ep(inst: torch.Tensor) -> Any:
+    ep_id = int(inst.item())
     ep = _instances.get(ep_id)
     if ep is None:
         raise RuntimeError(f"moe_a2a ops: ExpertParallel #{ep_id} is closed or was never opened")
     return ep
 
 
-def _routing(ep_id: str, key: torch.Tensor, pop: bool) -> ExpertRouting:
-    k = (ep_id, int(key.item()))
+def _routing(inst: torch.Tensor, key: torch.Tensor, pop: bool) -> ExpertRouting:
+    k = (int(inst.item()), int(key.item()))
     h = _routings.pop(k, None) if pop else _routings.get(k)
     if h is None:
         raise RuntimeError(
-            f"moe_a2a ops: routing {k[1]} of ExpertParallel #{ep_id} is gone (its backward already ran)"
+            f"moe_a2a ops: routing {k[1]} of ExpertParallel #{k[0]} is gone (its backward already ran)"
         )
     return h
 
 
-def drop_routings(ep_id: str) -> None:
+def drop_routings(ep_id: int) -> None:
     """Forget an instance's routings (on close)."""
     for k in [k for k in _routings if k[0] == ep_id]:
         del _routings[k]
@@ -77,15 +77,20 @@ def drop_routings(ep_id: str) -> None:
 
 @torch.library.custom_op("moe_a2a::dispatch", mutates_args=())
 def dispatch_op(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, ep_id: str, keep: bool
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    inst: torch.Tensor,
+    num_local_experts: int,
+    keep: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The exchange: tokens per local expert [E], the routing key [] and the row count []
     (int64); the rows wait in the routing for `dispatch_rows`."""
-    ep = _ep(ep_id)
+    ep = _ep(inst)
     ep._check_open()
     expert_x, h = ep._forward_dispatch(x, topk_ids, topk_weights, None)
     assert h.row_weights is not None
-    _routings[(ep_id, h.seq)] = h
+    _routings[(ep.id, h.seq)] = h
     h._compiled = (expert_x, keep)  # keep: this dispatch's backward will come
     key = torch.tensor(h.seq, dtype=torch.int64)
     rows = torch.tensor(h.num_rows, dtype=torch.int64)
@@ -94,20 +99,24 @@ def dispatch_op(
 
 @dispatch_op.register_fake
 def _dispatch_fake(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, ep_id: str, keep: bool
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    inst: torch.Tensor,
+    num_local_experts: int,
+    keep: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    ep = _ep(ep_id)
     scalar = torch.empty((), dtype=torch.int64)
-    return x.new_empty(ep.num_local_experts, dtype=torch.int32), scalar, scalar.clone()
+    return x.new_empty(num_local_experts, dtype=torch.int32), scalar, scalar.clone()
 
 
 @torch.library.custom_op("moe_a2a::dispatch_rows", mutates_args=())
 def dispatch_rows_op(
-    x: torch.Tensor, topk_weights: torch.Tensor, key: torch.Tensor, ep_id: str, num_rows: int
+    x: torch.Tensor, topk_weights: torch.Tensor, key: torch.Tensor, inst: torch.Tensor, num_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows [num_rows, H] and their routing weights [num_rows] of the dispatch `key`;
     differentiable w.r.t. `x` and `topk_weights` (the dispatch's inputs)."""
-    h = _routing(ep_id, key, pop=False)
+    h = _routing(inst, key, pop=False)
     expert_x, _ = h._compiled  # type: ignore[attr-defined]
     h._compiled = (None, h._compiled[1])  # type: ignore[attr-defined]
     assert h.row_weights is not None and expert_x is not None
@@ -137,22 +146,23 @@ def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 @dispatch_rows_op.register_fake
 def _dispatch_rows_fake(
-    x: torch.Tensor, topk_weights: torch.Tensor, key: torch.Tensor, ep_id: str, num_rows: int
+    x: torch.Tensor, topk_weights: torch.Tensor, key: torch.Tensor, inst: torch.Tensor, num_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty(num_rows, x.shape[1]), x.new_empty(num_rows, dtype=torch.float32)
 
 
 def _dispatch_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    x, _weights, key, ep_id, _rows = inputs
-    ctx.save_for_backward(key)
-    ctx.ep_id, ctx.num_tokens, ctx.x_dtype = ep_id, x.shape[0], x.dtype
+    x, weights, key, inst, _rows = inputs
+    ctx.save_for_backward(key, inst)
+    ctx.shape, ctx.x_dtype, ctx.device = (x.shape[0], x.shape[1], weights.shape[1]), x.dtype, x.device
 
 
 def _dispatch_backward(ctx: Any, grad_rows: Any, grad_row_weights: Any) -> tuple:
-    (key,) = ctx.saved_tensors
+    key, inst = ctx.saved_tensors
     wants_w = bool(ctx.needs_input_grad[1])
+    tokens, hidden, topk = ctx.shape
     grad_x, grad_w = dispatch_backward_op(
-        grad_rows, grad_row_weights, key, ctx.ep_id, ctx.num_tokens, ctx.x_dtype, wants_w
+        grad_rows, grad_row_weights, key, inst, tokens, hidden, topk, ctx.x_dtype, ctx.device, wants_w
     )
     return (grad_x if ctx.needs_input_grad[0] else None, grad_w if wants_w else None, None, None, None)
 
@@ -165,13 +175,16 @@ def dispatch_backward_op(
     grad_rows: torch.Tensor | None,
     grad_row_weights: torch.Tensor | None,
     key: torch.Tensor,
-    ep_id: str,
+    inst: torch.Tensor,
     num_tokens: int,
+    hidden: int,
+    topk: int,
     x_dtype: torch.dtype,
+    device: torch.device,
     weights_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    ep = _ep(ep_id)
-    h = _routing(ep_id, key, pop=True)  # its last use
+    ep = _ep(inst)
+    h = _routing(inst, key, pop=True)  # its last use
     if grad_rows is not None:  # capacity rows: the first num_rows are the dispatch's
         grad_rows = grad_rows[: h.num_rows]
     if grad_row_weights is not None:
@@ -187,16 +200,17 @@ def _dispatch_backward_fake(
     grad_rows: torch.Tensor | None,
     grad_row_weights: torch.Tensor | None,
     key: torch.Tensor,
-    ep_id: str,
+    inst: torch.Tensor,
     num_tokens: int,
+    hidden: int,
+    topk: int,
     x_dtype: torch.dtype,
+    device: torch.device,
     weights_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    ep = _ep(ep_id)
-    dev = ep.device
     return (
-        torch.empty(num_tokens, ep.cfg.hidden, dtype=x_dtype, device=dev),
-        torch.empty(num_tokens, ep.cfg.topk, dtype=torch.float32, device=dev),
+        torch.empty(num_tokens, hidden, dtype=x_dtype, device=device),
+        torch.empty(num_tokens, topk, dtype=torch.float32, device=device),
     )
 
 
@@ -208,18 +222,19 @@ def combine_op(
     y: torch.Tensor,
     row_weights: torch.Tensor,
     key: torch.Tensor,
-    ep_id: str,
+    inst: torch.Tensor,
     num_tokens: int,
+    out_dtype: torch.dtype,
     weighted: bool,
     backward: bool,
 ) -> torch.Tensor:
-    ep = _ep(ep_id)
+    ep = _ep(inst)
     ep._check_open()
-    h = _routing(ep_id, key, pop=False)
+    h = _routing(inst, key, pop=False)
     ep._forward_combine_send(y[: h.num_rows], h, weighted)  # capacity rows: the filled ones
     out = ep._forward_combine_recv()
     if not backward and not h._compiled[1]:  # type: ignore[attr-defined]  # no backward will come
-        _routings.pop((ep_id, h.seq), None)
+        _routings.pop((ep.id, h.seq), None)
     elif h.gathered is not None:  # as eager: the backward's row count, memoised now
         h.gathered.received_rows(ep.cfg.expert_padding)
     return out
@@ -230,26 +245,26 @@ def _combine_fake(
     y: torch.Tensor,
     row_weights: torch.Tensor,
     key: torch.Tensor,
-    ep_id: str,
+    inst: torch.Tensor,
     num_tokens: int,
+    out_dtype: torch.dtype,
     weighted: bool,
     backward: bool,
 ) -> torch.Tensor:
-    ep = _ep(ep_id)
-    return y.new_empty(num_tokens, ep.cfg.hidden, dtype=COMBINE_DTYPES[ep.cfg.combine_dtype])
+    return y.new_empty(num_tokens, y.shape[1], dtype=out_dtype)
 
 
 def _combine_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    y, _w, key, ep_id, _t, weighted, _backward = inputs
-    ctx.save_for_backward(y, key)
-    ctx.ep_id, ctx.weighted = ep_id, weighted
+    y, _w, key, inst, _t, _dtype, weighted, _backward = inputs
+    ctx.save_for_backward(y, key, inst)
+    ctx.weighted = weighted
 
 
 def _combine_backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
-    y, key = ctx.saved_tensors
+    y, key, inst = ctx.saved_tensors
     dot = bool(ctx.weighted and ctx.needs_input_grad[1])
-    grad_y, grad_w = combine_backward_op(grad_out, y, key, ctx.ep_id, ctx.weighted, dot)
-    return grad_y, (grad_w if dot else None), None, None, None, None, None
+    grad_y, grad_w = combine_backward_op(grad_out, y, key, inst, ctx.weighted, dot)
+    return grad_y, (grad_w if dot else None), None, None, None, None, None, None
 
 
 combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
@@ -257,15 +272,15 @@ combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 @torch.library.custom_op("moe_a2a::combine_backward", mutates_args=())
 def combine_backward_op(
-    grad_out: torch.Tensor, y: torch.Tensor, key: torch.Tensor, ep_id: str, weighted: bool, dot: bool
+    grad_out: torch.Tensor, y: torch.Tensor, key: torch.Tensor, inst: torch.Tensor, weighted: bool, dot: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    ep = _ep(ep_id)
-    h = _routing(ep_id, key, pop=False)
+    ep = _ep(inst)
+    h = _routing(inst, key, pop=False)
     if weighted and h.row_weights is None:
         raise RuntimeError("backward: this combine's dispatch ran with gradients disabled")
     grad_y, grad_w = ep._backward_combine(grad_out, h, weighted, y[: h.num_rows] if dot else None)
     if not h._compiled[1]:  # type: ignore[attr-defined]  # no dispatch backward will come
-        _routings.pop((ep_id, h.seq), None)
+        _routings.pop((ep.id, h.seq), None)
     if grad_w is None:
         grad_w = torch.zeros(grad_y.shape[0], dtype=torch.float32, device=grad_y.device)
     rows = y.shape[0]  # capacity rows: zero past the filled ones, as the dispatch gave them
@@ -274,7 +289,7 @@ def combine_backward_op(
 
 @combine_backward_op.register_fake
 def _combine_backward_fake(
-    grad_out: torch.Tensor, y: torch.Tensor, key: torch.Tensor, ep_id: str, weighted: bool, dot: bool
+    grad_out: torch.Tensor, y: torch.Tensor, key: torch.Tensor, inst: torch.Tensor, weighted: bool, dot: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(y), y.new_empty(y.shape[0], dtype=torch.float32)
 
