@@ -1,11 +1,14 @@
 """TorchTitan's trainer with moe-a2a's dispatcher against its own all-to-all: the loss table.
 
     python -m moe_a2a.integrations.titan_losses --ranks 2 4 --out out/titan-losses
+    python -m moe_a2a.integrations.titan_losses --ranks 2 --compile   # moe-a2a's blocks compiled
 
 For each rank count: one seed checkpoint (TorchTitan's, one rank), then 6 steps of
 the DeepSeek-V3 debug model on the CPU from it under torchrun, once with moe-a2a's
 dispatcher and once with TorchTitan's `AllToAllTokenDispatcher` over gloo, and the
-loss TorchTitan logged at every step as a Markdown table. The trainer test
+loss TorchTitan logged at every step as a Markdown table; with `--compile`, moe-a2a's
+run compiles each block as `--compile.enable` does (against the same eager reference).
+The trainer test
 (tests/unit/test_torchtitan_trainer.py) runs the same commands at 2 ranks.
 
 The two columns agree to within `LOSS_TOL` of the loss, not to the last digit: the
@@ -88,15 +91,19 @@ def seed_checkpoint(assets: tuple[Path, Path], out: Path) -> Path:
     return out / "checkpoint" / "step-0"
 
 
-def train(config: str, nproc: int, assets: tuple[Path, Path], out: Path, seed: Path, **env: str) -> str:
+def train(
+    config: str, nproc: int, assets: tuple[Path, Path], out: Path, seed: Path, *extra: str, **env: str
+) -> str:
     """STEPS steps from the seed checkpoint; the model is saved at the last step. Its log."""
-    args = ("--training.steps", str(STEPS), "--checkpoint.initial-load-path", str(seed))
+    args = ("--training.steps", str(STEPS), "--checkpoint.initial-load-path", str(seed), *extra)
     return torchrun(config, nproc, assets, out, *args, env=env)
 
 
-def train_ours(nproc: int, assets: tuple[Path, Path], out: Path, seed: Path) -> str:
-    """moe-a2a's dispatcher; its gloo group started in the launcher, as on one GPU shared by two ranks."""
-    return train(OURS, nproc, assets, out, seed, MOE_A2A_TORCHTITAN_BACKEND="gloo")
+def train_ours(nproc: int, assets: tuple[Path, Path], out: Path, seed: Path, compile: bool = False) -> str:
+    """moe-a2a's dispatcher; its gloo group started in the launcher, as on one GPU shared by two ranks.
+    `compile`: every block compiled (`--compile.enable`, which needs activation checkpointing off)."""
+    extra = ("--compile.enable", "activation-checkpoint:none") if compile else ()
+    return train(OURS, nproc, assets, out, seed, *extra, MOE_A2A_TORCHTITAN_BACKEND="gloo")
 
 
 def losses(log: str) -> list[float]:
@@ -116,6 +123,7 @@ class Curves:
     reference: list[float]
     ours_s: float
     reference_s: float
+    compiled: bool = False  # moe-a2a's blocks under torch.compile
 
     def largest_difference(self) -> tuple[float, float]:
         """The largest |ours - reference| over the steps, absolute and relative to the reference."""
@@ -124,21 +132,23 @@ class Curves:
         return abs(worst[0] - worst[1]), abs(worst[0] - worst[1]) / abs(worst[1])
 
 
-def curves(nproc: int, assets: tuple[Path, Path], work: Path) -> Curves:
-    """Both dispatchers at `nproc` ranks from one seed checkpoint."""
+def curves(nproc: int, assets: tuple[Path, Path], work: Path, compile: bool = False) -> Curves:
+    """Both dispatchers at `nproc` ranks from one seed checkpoint (`compile`: moe-a2a's compiled)."""
     seed = seed_checkpoint(assets, work / f"seed-{nproc}")
     start = time.monotonic()
-    ours = losses(train_ours(nproc, assets, work / f"ours-{nproc}", seed))
+    ours = losses(
+        train_ours(nproc, assets, work / f"ours-{nproc}{'-compiled' if compile else ''}", seed, compile)
+    )
     middle = time.monotonic()
     ref = losses(train(REFERENCE, nproc, assets, work / f"reference-{nproc}", seed))
-    return Curves(nproc, ours, ref, middle - start, time.monotonic() - middle)
+    return Curves(nproc, ours, ref, middle - start, time.monotonic() - middle, compile)
 
 
 def format_table(results: list[Curves]) -> str:
     """The loss TorchTitan logs at each step, per rank count and dispatcher (Markdown)."""
     head = ["step"]
     for c in results:
-        head += [f"{c.ranks} ranks, moe-a2a", f"{c.ranks} ranks, AllToAll"]
+        head += [f"{c.ranks} ranks, moe-a2a{' compiled' if c.compiled else ''}", f"{c.ranks} ranks, AllToAll"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for step in range(STEPS):
         cells = [str(step + 1)] + [f"{v[step]:.5f}" for c in results for v in (c.ours, c.reference)]
@@ -161,10 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="python -m moe_a2a.integrations.titan_losses", description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], metavar="N", help="(default: 2 4)")
     parser.add_argument("--out", default="out/titan-losses", metavar="DIR", help="(default: %(default)s)")
+    parser.add_argument(
+        "--compile", action="store_true", help="moe-a2a's run compiles every block (--compile.enable)"
+    )
     args = parser.parse_args(argv)
     work = Path(args.out).resolve()
     assets = write_tiny_assets(work / "assets")
-    results = [curves(n, assets, work) for n in args.ranks]
+    results = [curves(n, assets, work, args.compile) for n in args.ranks]
     print(format_table(results))
     bad = [c.ranks for c in results if c.largest_difference()[1] > LOSS_TOL]
     if bad:
