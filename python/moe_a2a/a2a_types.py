@@ -30,6 +30,12 @@ PATHS = ("same_node", "fabric")
 CORE_INT_MAX = 2**31 - 1
 
 
+def version_of(t: torch.Tensor) -> int | None:
+    """`t`'s version counter (in-place changes raise it); None for a tensor made under
+    `torch.inference_mode()`, which has none: checks that compare versions then do not run."""
+    return None if t.is_inference() else t._version
+
+
 def positive_int(name: str, value: Any, minimum: int = 1) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= CORE_INT_MAX:
         raise ValueError(f"{name}: got {value!r}; expected an integer in [{minimum}, {CORE_INT_MAX}]")
@@ -161,7 +167,10 @@ class Routing:
     def received_rows(self, padding: int) -> tuple[int, int]:
         """(output rows this rank receives along the matrix, each expert's padded to `padding`;
         the most copies any rank receives), computed again only if the matrix changed."""
-        key = (self.matrix._version, padding)
+        version = version_of(self.matrix)
+        if version is None:  # an inference tensor: no counter to see a change by, so no memo
+            return routing_rows(self.matrix, self.rank, padding)
+        key = (version, padding)
         if self._rows is None or self._rows[0] != key:
             object.__setattr__(self, "_rows", (key, routing_rows(self.matrix, self.rank, padding)))  # frozen
         return self._rows[1]

@@ -32,6 +32,7 @@ from moe_a2a.a2a_types import (
     PendingDispatch,
     Routing,
     RowRequest,
+    version_of,
 )
 from moe_a2a.agreement import all_to_all_settings, check_agreement
 from moe_a2a.backends.common import Backend, RecvRequest, RowMath, Setup
@@ -398,7 +399,7 @@ class AllToAll(LostRanks):
                 rank=self.rank,
                 world_size=self.world_size,
                 max_tokens=self.cfg.max_tokens,
-                ids_version=handle.topk_ids._version,
+                ids_version=version_of(handle.topk_ids),
             )
         d = Dispatched(
             expert_x=expert_x,

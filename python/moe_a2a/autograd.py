@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from moe_a2a import compiled_ops
-from moe_a2a.a2a_types import COMBINE_DTYPES, Config, Dispatched, RowRequest, describe
+from moe_a2a.a2a_types import COMBINE_DTYPES, Config, Dispatched, RowRequest, describe, version_of
 from moe_a2a.all_to_all import AllToAll
 from moe_a2a.ep_channel import Channel
 from moe_a2a.ep_types import CompiledRouting, ExpertRouting, PendingCombined, PendingRouted, Routed
@@ -327,7 +327,7 @@ class ExpertParallel:
             gathered=d.routing,
         )
         if h.row_weights is not None:
-            h._weights_version = h.row_weights._version
+            h._weights_version = version_of(h.row_weights)
         self._live += 1
         h._finalizer = weakref.finalize(h, self._drop_routing)
         return h
@@ -413,7 +413,7 @@ class ExpertParallel:
         scale = dot = None
         if weighted:
             assert h.row_weights is not None
-            if h.row_weights._version != h._weights_version:
+            if h._weights_version is not None and h.row_weights._version != h._weights_version:
                 raise RuntimeError(
                     "backward: routed.row_weights was changed in place after dispatch; the "
                     "weighted combine's backward scales by them: expected them unchanged"

@@ -32,7 +32,7 @@ class ExpertRouting:
     x_dtype: torch.dtype = torch.bfloat16
     gathered: Routing | None = None  # the forward's gathered routing: later dispatches along it exchange none
     _finalizer: Any = field(default=None, repr=False)
-    _weights_version: int = field(default=0, repr=False)  # row_weights' version counter when made
+    _weights_version: int | None = field(default=0, repr=False)  # row_weights' version counter when made
 
     @property
     def num_tokens(self) -> int:

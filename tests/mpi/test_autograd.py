@@ -290,6 +290,28 @@ def test_a_token_may_pick_an_expert_twice(ep: ExpertParallel, case: str, seed: i
     run_both(ep, case, seed + 10, weighted, repeat=True)
 
 
+def test_inference_mode_forward_equals_no_grad(ep: ExpertParallel, case: str, seed: int) -> None:
+    """The forward under torch.inference_mode() (evaluation, serving), whose tensors have no
+    version counter, gives no_grad's output bit for bit, along a cached routing too; it used to
+    fail inside the dispatch and stop the instance."""
+    p = problem(seed)
+    x, ids, wt = (t[RANK].to(DEVICE) for t in (p.xs, p.ids, p.weights))
+    w_local = p.w[local_slice()].to(DEVICE)
+    outs = []
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            routed = ep.dispatch(x.clone(), ids.clone(), wt.clone())
+            y = experts(routed.expert_x, routed.tokens_per_expert, w_local, ep.cfg.expert_padding)
+            outs.append(ep.combine(y, routed).cpu())
+            again = ep.dispatch(x.clone(), routing=routed.routing)
+            assert torch.equal(again.expert_x, routed.expert_x), "along the routing"
+            outs.append(ep.combine(y, again).cpu())
+            del routed, again  # the routings go
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[2], outs[3]), f"outputs differ (rank {RANK})"
+    assert torch.equal(outs[0], outs[2]), f"inference mode changed the output (rank {RANK})"
+    assert ep.live_routings == 0
+
+
 def test_row_weights_changed_in_place_are_refused(ep: ExpertParallel, case: str, seed: int) -> None:
     """The weighted combine's backward scales by the routing's row weights, which routed.row_weights
     shares: a change in place is an error on every rank (each made it), before anything is sent."""

@@ -174,6 +174,24 @@ def test_a_weighted_receive_scales_rows_and_takes_dots(
     torch.testing.assert_close(got.row_dot.cpu(), want_dot.cpu(), rtol=1e-5, atol=1e-4)
 
 
+def test_inference_mode_keeps_and_follows_a_routing(a2a: AllToAll, seed: int) -> None:
+    """Under torch.inference_mode() (serving, evaluation), whose tensors have no version
+    counter: a kept routing and a call along it give the rows of full calls, and the instance
+    stays usable. It used to fail inside the call, reading the ids' counter, and stop."""
+    x, ids, w, rows = layer_inputs(seed, 20)
+    want = round_trip(a2a, x, topk_ids=ids, topk_weights=w)
+    want_cached = round_trip(a2a, rows, topk_ids=ids, topk_weights=w)
+    with torch.inference_mode():
+        x_i, ids_i, w_i, rows_i = (t.clone() for t in (x, ids, w, rows))
+        *got, d = round_trip(a2a, x_i, topk_ids=ids_i, topk_weights=w_i, keep_routing=True)
+        assert d.routing is not None and d.routing.ids_version is None  # nothing to compare a change by
+        got_cached = round_trip(a2a, rows_i, routing=d.routing)
+    names = ("expert_x", "expert_x_scale", "tokens_per_expert") * 2  # full, then along the routing
+    for name, g, e in zip(names, [*got, *got_cached[:3]], [*want[:3], *want_cached[:3]], strict=True):
+        assert torch.equal(g, e), f"{name} differs under inference mode (rank {RANK})"
+    round_trip(a2a, x, topk_ids=ids, topk_weights=w)  # and the instance goes on
+
+
 def test_a_changed_routing_is_refused(a2a: AllToAll, seed: int) -> None:
     """topk_ids changed in place after dispatch returned the routing: refused, on every rank alike."""
     x, ids, w, rows = layer_inputs(seed, 10)
