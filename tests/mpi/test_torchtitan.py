@@ -128,6 +128,8 @@ def test_forward_and_every_gradient_match_local_dispatcher(ep_mesh: object, rout
     with torch.no_grad():
         want_out = ref(torch.cat(xs, dim=1).to(DEVICE))[:, lo : lo + xs[RANK].shape[1]]
         got_out = mine(xs[RANK].to(DEVICE))
+    with torch.inference_mode():  # evaluation and serving: the same output
+        assert torch.equal(mine(xs[RANK].to(DEVICE)), got_out), "inference mode changed the output"
     tol = 2e-2  # the experts' grouped matmuls run in bf16 in both
     assert max_err(got_out, want_out) <= tol
     assert ref_x.grad is not None and x.grad is not None
