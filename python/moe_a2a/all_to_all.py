@@ -82,7 +82,7 @@ def _counted(what: str) -> Callable[[F], F]:
     return wrap
 
 
-class AllToAll(LostRanks):
+class AllToAll(LostRanks, process.ProcessBound):
     """Dispatch tokens to the ranks that host their experts, and combine the results back.
 
     `device="cpu"` runs the compute steps as C++ loops on the calling thread;

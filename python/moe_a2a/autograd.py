@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from moe_a2a import compiled_ops
+from moe_a2a import compiled_ops, process
 from moe_a2a.a2a_types import COMBINE_DTYPES, Config, Dispatched, RowRequest, describe, version_of
 from moe_a2a.all_to_all import AllToAll
 from moe_a2a.ep_channel import Channel
@@ -41,7 +41,7 @@ COMPILED_ROWS = ("exact", "capacity")
 _ids = itertools.count(1)
 
 
-class ExpertParallel:
+class ExpertParallel(process.ProcessBound):
     """Differentiable dispatch and combine for one expert-parallel group.
 
     `cfg` is the forward's `Config`; `grad_dtype` ("bf16" or "fp32") is what

@@ -96,3 +96,24 @@ def _keep_inherited() -> None:
 
 
 os.register_at_fork(after_in_child=_keep_inherited)
+
+
+class ProcessBound:
+    """An instance tied to its process's connections (`AllToAll`, `ExpertParallel`).
+
+    A copy of a model that holds one (an EMA or reference model made with
+    `copy.deepcopy`) shares it, as a copied `DeviceMesh` shares its process groups:
+    making another is a collective call of every rank, and layers may share one.
+    Pickling is refused: another process has none of these connections."""
+
+    def __copy__(self) -> Any:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            f"{type(self).__name__} cannot be pickled: it holds this process's connections to its "
+            "peers; construct one in each process that calls it (a deep copy shares it)"
+        )

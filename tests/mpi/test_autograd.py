@@ -9,7 +9,9 @@ applies the same fp8 quantisation, with the straight-through gradient).
 
 from __future__ import annotations
 
+import copy
 import gc
+import pickle
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -310,6 +312,20 @@ def test_inference_mode_forward_equals_no_grad(ep: ExpertParallel, case: str, se
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[2], outs[3]), f"outputs differ (rank {RANK})"
     assert torch.equal(outs[0], outs[2]), f"inference mode changed the output (rank {RANK})"
     assert ep.live_routings == 0
+
+
+def test_a_deep_copy_shares_the_instance_and_pickling_is_refused(ep: ExpertParallel) -> None:
+    """copy.deepcopy of a model that holds an ExpertParallel (an EMA or reference model)
+    shares the instance, as a copied DeviceMesh shares its process groups: it could not be
+    built again without every rank. Pickling one is refused, naming the class."""
+    layer = torch.nn.Linear(2, 2)
+    layer.ep = ep  # type: ignore[assignment]
+    twin = copy.deepcopy(layer)
+    assert twin.ep is ep and twin.weight is not layer.weight
+    assert copy.copy(ep) is ep and copy.deepcopy(ep.forward_a2a) is ep.forward_a2a
+    for obj, name in ((ep, "ExpertParallel"), (ep.forward_a2a, "AllToAll")):
+        with pytest.raises(TypeError, match=f"^{name} cannot be pickled"):
+            pickle.dumps(obj)
 
 
 def test_row_weights_changed_in_place_are_refused(ep: ExpertParallel, case: str, seed: int) -> None:

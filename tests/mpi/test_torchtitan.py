@@ -10,6 +10,7 @@ SGD run whose loss curve must follow the reference's.
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import sys
@@ -130,6 +131,9 @@ def test_forward_and_every_gradient_match_local_dispatcher(ep_mesh: object, rout
         got_out = mine(xs[RANK].to(DEVICE))
     with torch.inference_mode():  # evaluation and serving: the same output
         assert torch.equal(mine(xs[RANK].to(DEVICE)), got_out), "inference mode changed the output"
+        twin = copy.deepcopy(mine)  # an EMA or reference model: it shares the dispatcher's instance
+        assert twin.routed_experts.token_dispatcher.ep is ep  # type: ignore[union-attr]
+        assert torch.equal(twin(xs[RANK].to(DEVICE)), got_out), "a deep copy gives another output"
     tol = 2e-2  # the experts' grouped matmuls run in bf16 in both
     assert max_err(got_out, want_out) <= tol
     assert ref_x.grad is not None and x.grad is not None
