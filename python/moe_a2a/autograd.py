@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from moe_a2a import compiled_ops, process
 from moe_a2a.a2a_types import COMBINE_DTYPES, Config, Dispatched, RowRequest, describe, version_of
@@ -508,6 +509,7 @@ class _DispatchFn(torch.autograd.Function):
         return expert_x, row_weights
 
     @staticmethod
+    @once_differentiable  # the exchange has no backward of its own: a double backward raises
     def backward(
         ctx: Any, grad_rows: torch.Tensor | None, grad_row_weights: torch.Tensor | None
     ) -> tuple[Any, ...]:
@@ -542,6 +544,7 @@ class _CombineFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # as _DispatchFn's: never a silently missing second-order term
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         ep: ExpertParallel = ctx.ep
         h: ExpertRouting = ctx.handle

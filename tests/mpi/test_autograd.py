@@ -328,6 +328,20 @@ def test_a_deep_copy_shares_the_instance_and_pickling_is_refused(ep: ExpertParal
             pickle.dumps(obj)
 
 
+def test_a_double_backward_raises_instead_of_dropping_terms(ep: ExpertParallel, case: str, seed: int) -> None:
+    """A gradient penalty (create_graph=True, then a backward through the gradient) over a
+    layer with a residual path: the exchange has no second derivative, so the second backward
+    raises on every rank. It used to run, with the MoE's second-order terms silently missing
+    (the experts' weights got no gradient at all)."""
+    p = problem(seed)
+    x = leaf(p.xs[RANK])
+    w_local = p.w[local_slice()].to(DEVICE).requires_grad_()
+    out = moe_a2a_layer(ep, x, p.ids[RANK].to(DEVICE), p.weights[RANK].to(DEVICE), w_local, True)
+    (gx,) = torch.autograd.grad((out.float() + x * x).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (gx.float() ** 2).sum().backward()
+
+
 def test_row_weights_changed_in_place_are_refused(ep: ExpertParallel, case: str, seed: int) -> None:
     """The weighted combine's backward scales by the routing's row weights, which routed.row_weights
     shares: a change in place is an error on every rank (each made it), before anything is sent."""
