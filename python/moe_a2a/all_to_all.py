@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -189,6 +190,7 @@ class AllToAll(LostRanks, process.ProcessBound):
         self._ones_buf = torch.ones(cfg.max_tokens, cfg.topk, dtype=torch.float32, device=self.device)
         self._state = "idle"
         self._calls = 0  # API calls so far, rejected ones included: failures name theirs
+        self._warned_grad = False  # _warn_no_backward: once per instance
         self._failure: str | None = None
         # The latest dispatch, weakly: combine checks it is the one in flight, and the
         # rows stay the caller's (held here, they would outlive the caller's use).
@@ -237,6 +239,7 @@ class AllToAll(LostRanks, process.ProcessBound):
         A whole call reads this rank's own copies from `x` in place; a send half copies
         them, so `x` may change before the receive half.
         """
+        self._warn_no_backward("dispatch", x=x, topk_weights=topk_weights)
         return self._dispatch(
             PLAIN, x, topk_ids, topk_weights, send, recv, handle, routing, keep_routing, dequantize
         )
@@ -437,6 +440,7 @@ class AllToAll(LostRanks, process.ProcessBound):
         that apply the routing weights themselves (as TorchTitan does, under autograd).
         As for dispatch, a whole call reads `y` in place and a send half copies it.
         """
+        self._warn_no_backward("combine", y=y)
         return self._combine(PLAIN, y, d, send, recv, handle, weighted)
 
     @_counted("combine")
@@ -513,6 +517,25 @@ class AllToAll(LostRanks, process.ProcessBound):
         return PendingCombine(epoch=d.epoch, num_tokens=d.num_tokens, topk_weights=weights, owner=self.id)
 
     # -- validation and state ---------------------------------------------------------------------
+
+    def _warn_no_backward(self, what: str, **inputs: Any) -> None:
+        """Once per instance: an input that requires grad, with gradients on, would silently get
+        none back (the public calls have no backward; ExpertParallel's entry points do not warn)."""
+        if self._warned_grad or not torch.is_grad_enabled():
+            return
+        for name, t in inputs.items():
+            if isinstance(t, tuple):  # prequantised (x, x_scale)
+                t = t[0]
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                self._warned_grad = True
+                warnings.warn(
+                    f"AllToAll.{what}: {name} requires grad, but AllToAll has no backward: what it "
+                    f"returns carries no gradient back to {name}. Train with "
+                    "moe_a2a.autograd.ExpertParallel; for inference call it under torch.no_grad() "
+                    "or torch.inference_mode()",
+                    stacklevel=4,
+                )
+                return
 
     def _ones(self, tokens: int) -> torch.Tensor:
         return self._ones_buf[:tokens]

@@ -10,6 +10,7 @@ several ranks share it, each its own process), plus CUDA graph capture on cuda.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 
 import pytest
@@ -521,6 +522,25 @@ def test_validation_errors() -> None:
 
 
 @pytest.mark.mpi(min_size=1)
+def test_inputs_that_require_grad_are_warned_once() -> None:
+    """AllToAll has no backward: an input that requires grad, with gradients on, would get none
+    back, so the first such call warns (naming the argument and ExpertParallel), once per
+    instance; under no_grad nothing is said, and the results are the same either way."""
+    with make_a2a(layouts()[-1]) as a2a:
+        inp = make_inputs(77, a2a.cfg)
+        x, ids, w = mine(inp)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            d = a2a.dispatch(x.requires_grad_(), ids, w)
+            want = a2a.combine(d.expert_x, d)
+        with pytest.warns(UserWarning, match=r"^AllToAll.dispatch: x requires grad, but AllToAll has no"):
+            d = a2a.dispatch(x, ids, w)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once per instance
+            got = a2a.combine(d.expert_x.requires_grad_(), d)
+        assert torch.equal(got, want) and not got.requires_grad
+
+
 def test_closed_instance_says_so() -> None:
     a2a = make_a2a(None)
     check_round(a2a, make_inputs(4, a2a.cfg))
