@@ -56,8 +56,8 @@ def _ep(inst: torch.Tensor) -> Any:
     return ep
 
 
-def _routing(inst: torch.Tensor, key: torch.Tensor, pop: bool) -> ExpertRouting:
-    k = (int(inst.item()), int(key.item()))
+def _routing(ep: Any, key: torch.Tensor, pop: bool) -> ExpertRouting:
+    k = (ep.id, int(key.item()))
     h = _routings.pop(k, None) if pop else _routings.get(k)
     if h is None:
         raise RuntimeError(
@@ -116,7 +116,7 @@ def dispatch_rows_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows [num_rows, H] and their routing weights [num_rows] of the dispatch `key`;
     differentiable w.r.t. `x` and `topk_weights` (the dispatch's inputs)."""
-    h = _routing(inst, key, pop=False)
+    h = _routing(_ep(inst), key, pop=False)
     expert_x, _ = h._compiled  # type: ignore[attr-defined]
     h._compiled = (None, h._compiled[1])  # type: ignore[attr-defined]
     assert h.row_weights is not None and expert_x is not None
@@ -184,7 +184,7 @@ def dispatch_backward_op(
     weights_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ep = _ep(inst)
-    h = _routing(inst, key, pop=True)  # its last use
+    h = _routing(ep, key, pop=True)  # its last use
     if grad_rows is not None:  # capacity rows: the first num_rows are the dispatch's
         grad_rows = grad_rows[: h.num_rows]
     if grad_row_weights is not None:
@@ -230,7 +230,7 @@ def combine_op(
 ) -> torch.Tensor:
     ep = _ep(inst)
     ep._check_open()
-    h = _routing(inst, key, pop=False)
+    h = _routing(ep, key, pop=False)
     ep._forward_combine_send(y[: h.num_rows], h, weighted)  # capacity rows: the filled ones
     out = ep._forward_combine_recv()
     if not backward and not h._compiled[1]:  # type: ignore[attr-defined]  # no backward will come
@@ -275,7 +275,7 @@ def combine_backward_op(
     grad_out: torch.Tensor, y: torch.Tensor, key: torch.Tensor, inst: torch.Tensor, weighted: bool, dot: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ep = _ep(inst)
-    h = _routing(inst, key, pop=False)
+    h = _routing(ep, key, pop=False)
     if weighted and h.row_weights is None:
         raise RuntimeError("backward: this combine's dispatch ran with gradients disabled")
     grad_y, grad_w = ep._backward_combine(grad_out, h, weighted, y[: h.num_rows] if dot else None)

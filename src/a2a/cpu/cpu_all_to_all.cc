@@ -353,9 +353,9 @@ std::pair<std::vector<uint64_t>, std::vector<uint64_t>> CpuAllToAll::forwarded_t
       for (int e = 0; e < m; ++e) {
         const int t = call_.rank_of_entry[w * m + e];
         if (t < 0 || t == cfg_.rank) continue;
-        const uint8_t staged = call_.staged_dtype[t];  // none read yet: the combine has not run
-        const uint64_t row = static_cast<uint64_t>(cfg_.hidden) * dtype_bytes(static_cast<DType>(staged));
-        if (staged != kNotStaged) output_bytes[t] += row + sizeof(float);
+        const uint8_t staged = call_.staged_dtype[t];
+        if (staged != kNotStaged)  // else none read yet: the combine has not run
+          output_bytes[t] += cfg_.hidden * dtype_bytes(static_cast<DType>(staged)) + sizeof(float);
         if (last[t] != static_cast<int>(w)) {
           last[t] = static_cast<int>(w);
           ++rows[t];
