@@ -328,6 +328,9 @@ class NodeRendezvous(Bootstrap):
             self._claimed = False
 
 
+_ABSENT = b"\x00moe-a2a: no such key"  # StoreRendezvous._read
+
+
 class StoreRendezvous(NodeRendezvous):
     """The same meeting over a `torch.distributed.Store` (a TCPStore every participant reaches),
     for ranks on several nodes, which share no /dev/shm. Keys replace the files (written whole,
@@ -386,8 +389,11 @@ class StoreRendezvous(NodeRendezvous):
             self._store.set(self._path(suffix), data)
 
     def _read(self, suffix: str) -> bytes | None:
-        key = self._path(suffix)
-        return bytes(self._store.get(key)) if self._store.check([key]) else None
+        # One atomic step: compare_set with an expected value no key holds returns the value, or
+        # that mark where there is none, and writes nothing. A check, then a get, blocked for the
+        # store's whole timeout where another participant's close removed the key in between.
+        value = bytes(self._store.compare_set(self._path(suffix), _ABSENT, _ABSENT))
+        return None if value == _ABSENT else value
 
     def _remove(self, suffix: str) -> None:
         self._store.delete_key(self._path(suffix))
