@@ -603,6 +603,11 @@ class CudaAllToAll:
         GPU-direct, before the first call: the proxy writes rows from and into the registered device workspace.
         """
 
+    def kernel_waits(self) -> None:
+        """
+        Graph-safe instances, before the first call: every receive waits in kernels, and rows per node are forwarded in the stream.
+        """
+
     def stop_proxy(self) -> None:
         """Stop the proxy thread (a retired close)."""
 

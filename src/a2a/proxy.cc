@@ -450,7 +450,7 @@ void Proxy::wait_dispatch_arrivals(uint64_t epoch) {
     senders.push_back(s);
     slices.push_back(dispatch_slices_of(view.rows(s, c.rank)));
   }
-  const bool forwarding = c.node_rows();
+  const bool forwarding = c.node_rows() && ctx_.raises_forward;
   auto stamp = [&](int s) {
     if (cached_) take_routing_stamp(epoch, s);
     // Rows per node of a sender whose forwarder we are: all in our workspace, so every rank of

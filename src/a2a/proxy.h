@@ -60,6 +60,9 @@ struct ProxyContext {
   // the proxy. Empty: the rows are readable where they landed (CPU, GPU-direct).
   std::function<void(int s, size_t private_off, size_t private_bytes, size_t shared_off, size_t shared_bytes)>
       before_forward;
+  // Rows per node: whether the proxy raises forward[s] at all. False where
+  // the compute side forwards in its stream (CUDA graph-safe instances).
+  bool raises_forward = true;
 };
 
 // The context of a rank's proxy: its workspace (and the node's mappings), the

@@ -212,6 +212,9 @@ void bind_cuda(nb::module_& m) {
       .def("rows_on_device", &CudaAllToAll::rows_on_device, nb::arg("region"), nb::arg("group"),
            nb::arg("nic_writes"),
            "GPU-direct, before the first call: the proxy writes rows from and into the registered device workspace.")
+      .def("kernel_waits", &CudaAllToAll::kernel_waits, release(),
+           "Graph-safe instances, before the first call: every receive waits in kernels, and rows per node are "
+           "forwarded in the stream.")
       .def("stop_proxy", &CudaAllToAll::stop_proxy, release(), "Stop the proxy thread (a retired close).")
       .def(
           "mask",

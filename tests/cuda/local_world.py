@@ -104,6 +104,9 @@ class LocalWorld:
         self.host_wait = host_wait  # else the kernels wait for the flags (as in a captured graph)
         self.private, self.max_recv = shape.resolved()
         self.ranks = [_core.CudaAllToAll(self._config(r)) for r in range(shape.world)]
+        if not host_wait:  # as a graph-safe instance: rows per node forwarded in the stream
+            for a in self.ranks:
+                a.kernel_waits()
         for a in range(shape.world):
             for b in range(shape.world):
                 if a != b and self.same_node(a, b):
@@ -181,7 +184,7 @@ class LocalWorld:
                     self._host(s, "send", (off + p) * row),
                     (c - p) * row,
                 )
-        if noded and not overflow:
+        if noded and not overflow and self.host_wait:  # else the forwarders' kernels forward
             self._play_forwarding(epoch)
         for rank in self.ranks:
             if overflow:

@@ -168,8 +168,6 @@ def replay_checked(
 def test_graph_capture_replays(rpn: int | None, mode: str, dtype: str) -> None:
     """A whole step captured once and replayed with new inputs: wire rows, entries and
     reduced rows all computed on the GPU (shapes fixed: every rank has tokens)."""
-    if mode == "node":
-        pytest.skip("fabric_rows='node' with graph_safe=True: refused at construction until qualified")
     with make(rpn, mode, dispatch_dtype=dtype, graph_safe=True) as a2a:
         held = mine(inputs(300, a2a.cfg, none_on_one=False))
 

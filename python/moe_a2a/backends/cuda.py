@@ -141,6 +141,8 @@ class CudaBackend:
         handles = boot.allgather(handle)
         with boot.together("opening the node's GPU memory"):
             self._impl.open_node([h if r in setup.node else b"" for r, h in enumerate(handles)])
+        if graph_safe:  # every receive waits in kernels: rows per node forwarded in the stream
+            self._impl.kernel_waits()
         # GPU-direct: (region, group) of the registered device workspace; at close, the memory too.
         self.device_rows: tuple[Any, ...] | None = None
         if setup.transfer is not None and setup.transfer.path == gpu_direct.GPU_DIRECT:

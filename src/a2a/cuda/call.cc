@@ -161,6 +161,11 @@ void CudaAllToAll::dispatch_recv(const DispatchRecvArgs& args, cudaStream_t stre
   check_recv_args(cfg_, args, call_.self_needs_dequant, call_.routing != nullptr);
   if (res_.rows_on_device() && !args.host_wait)
     throw std::invalid_argument("dispatch_recv: GPU-direct rows need host_wait (graph-safe instances stage)");
+  if (cfg_.node_rows() && has_remote_ && args.host_wait == kernel_waits_)
+    throw std::invalid_argument(std::string("dispatch_recv: fabric_rows='node': host_wait=") +
+                                (args.host_wait ? "true" : "false") + " on an instance that " +
+                                (kernel_waits_ ? "waits in kernels (kernel_waits)" : "forwards on the host") +
+                                "; expected host_wait=" + (kernel_waits_ ? "false" : "true"));
   call_.recv = args;
   if (args.host_wait && overlap_) return dispatch_recv_by_sender(stream);
   if (args.host_wait) wait_dispatch_host();

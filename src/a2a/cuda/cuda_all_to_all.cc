@@ -99,6 +99,16 @@ void CudaAllToAll::rows_on_device(fabric::RegionId region, fabric::GroupId group
   combine_dma_ = false;  // the rows land in GPU memory: nothing to copy back
 }
 
+void CudaAllToAll::kernel_waits() {
+  if (call_.epoch != 0) throw std::logic_error("kernel_waits: expected it before the first call");
+  kernel_waits_ = true;
+  if (!proxy_ || !cfg_.node_rows()) return;
+  proxy_.reset();  // idle: nothing was armed yet
+  proxy_ctx_.before_forward = nullptr;  // forward_kernel copies the rows we forward and raises
+  proxy_ctx_.raises_forward = false;    // forward[s], in the stream
+  proxy_ = std::make_unique<Proxy>(proxy_ctx_);
+}
+
 void CudaAllToAll::mask(const Masked& masked, uint64_t first_epoch, fabric::GroupId group, fabric::GroupId rows_group,
                         const std::vector<int>& remote_peers) {
   const std::string who = "mask: ";

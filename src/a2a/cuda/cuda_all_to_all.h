@@ -150,6 +150,11 @@ class CudaAllToAll {
   // staging copy, no copy back. Host staging is what runs otherwise.
   // `nic_writes`: a NIC provider (efa, verbs) writes them, not shm's CUDA copies.
   void rows_on_device(fabric::RegionId region, fabric::GroupId group, bool nic_writes);
+  // Graph-safe instances, before the first call: every call waits in kernels.
+  // Rows per node are then forwarded in the stream (forward_kernel), never by
+  // CUDA calls on the proxy's thread, which could wait behind a kernel that
+  // waits for the proxy (a module's lazy load synchronises the context).
+  void kernel_waits();
   bool gpu_direct() const { return res_.rows_on_device(); }
   // Stops the proxy (a close whose memory stays registered a while longer).
   void stop_proxy() { proxy_.reset(); }
@@ -259,6 +264,7 @@ class CudaAllToAll {
   // (MOE_A2A_CUDA_COMBINE_DMA, on unless 0).
   bool combine_dma_ = false;
   bool fused_recv_ = true;
+  bool kernel_waits_ = false;  // kernel_waits(): a graph-safe instance
   FabricReceive fabric_recv_;
   // A peer's announced failure or a dead same-host peer ends our host waits.
   mutable PeerWatch watch_;

@@ -55,13 +55,6 @@ __global__ void __launch_bounds__(kPlanThreads, kPlanMinBlocks) plan_kernel(Disp
   }
   compute_plan(p, matrix, ok);
   if (p.wait_in_kernel && !wait_peers(in, kFlagDispatch, epoch, deadline)) deliver_nothing(p);
-  // Rows per node: each remote sender's rows for our node readable at its
-  // forwarder here (forward[s], raised by the forwarder's proxy; none when
-  // over capacity, when there is no plan to deliver either).
-  if (p.wait_in_kernel && in.node_rows && in.has_remote &&
-      *reinterpret_cast<volatile uint64_t*>(p.scratch.plan_ok) == epoch &&
-      !wait_flags(in, kFlagForward, epoch, deadline, [&](int s) { return node_sender(in, s); }))
-    deliver_nothing(p);
   grid_dependency_wait();  // the routing before us reported its status too
   allow_dependents();
   // An eager host (the one that saw the flags itself) waits for this word,
@@ -108,6 +101,16 @@ __global__ void __launch_bounds__(kEntryThreads) entry_kernel(DispatchRecvParams
   if (noded ? *reinterpret_cast<volatile uint64_t*>(sc.plan_ok) != *in.epoch : *sc.output_rows == 0) return;
   const int L = in.local_experts, N = in.world, m = in.max_entries, rpn = in.ranks_per_node;
   const SenderPlan plan = sc.senders[s];
+  if (noded && p.wait_in_kernel) {  // s's rows readable at its forwarder here (forward_kernel there)
+    __shared__ int forwarded;
+    if (threadIdx.x == 0) {
+      const uint64_t deadline = global_timer_ns() + in.timeout_ns;
+      forwarded = wait_geq(flag_ptr(in.host_ws, in.layout, s, kFlagForward), *in.epoch, deadline);
+      if (!forwarded) report(in, kStatusTimeout);
+    }
+    __syncthreads();
+    if (!forwarded) return;
+  }
   // Rows per node: every key of the node where we forward s's rows, else ours
   // only (key i of our local index, the other entries skipped).
   const bool forwards = noded && plan.fwd == in.rank;
@@ -209,7 +212,56 @@ __global__ void __launch_bounds__(kEntryThreads) entry_kernel(DispatchRecvParams
   if (threadIdx.x == 0 && bad) report(in, kStatusBadRow);
 }
 
+// Rows per node, calls that wait in kernels (graph-safe): copies the rows of
+// every remote sender we forward from our host workspace, where the proxy
+// wrote them, to the same offsets of our device workspace, where our node's
+// ranks read them, then raises forward[s] at every rank of the node (the
+// proxy does this in eager calls: ProxyContext::before_forward). No plan
+// (capacity, a failed wait): nothing, and every rank's entry_kernel returns
+// before waiting, as all planned alike.
+__global__ void __launch_bounds__(kEntryThreads) forward_kernel(DispatchRecvParams p) {
+  if (stale_replay(p.inst)) return;  // a graph captured before a mask
+  kernel_prologue();                 // the plan, after the proxy saw every row land
+  const Instance& in = p.inst;
+  const Scratch& sc = p.scratch;
+  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(in.epoch);
+  if (*reinterpret_cast<volatile uint64_t*>(sc.plan_ok) != epoch) return;
+  const Layout& l = in.layout;
+  const int64_t P = in.max_private, row = static_cast<int64_t>(l.dispatch_row);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const auto copy = [&](size_t offset, int64_t bytes) {  // 16-byte pieces (rows and sections are aligned)
+    const uint4* src = reinterpret_cast<const uint4*>(in.host_ws + offset);
+    uint4* dst = reinterpret_cast<uint4*>(in.device_ws + offset);
+    for (int64_t i = first; i < bytes / 16; i += stride) dst[i] = ld_16_stream(reinterpret_cast<const uint8_t*>(src + i));
+  };
+  for (int s = 0; s < in.world; ++s) {
+    const SenderPlan sp = sc.senders[s];
+    if (!node_sender(in, s) || sp.fwd != in.rank || sp.read_rows == 0) continue;
+    const int64_t own = sp.read_rows < P ? sp.read_rows : P;
+    copy(l.private_rows + static_cast<size_t>(s * P * row), own * row);
+    copy(l.shared_rows + static_cast<size_t>(sp.read_shared_off * row), (sp.read_rows - own) * row);
+  }
+  if (!last_block_done(sc.done_blocks)) return;
+  const int rpn = in.ranks_per_node, node0 = in.rank / rpn * rpn;
+  for (int s = 0; s < in.world; ++s) {
+    if (!node_sender(in, s) || forwarder_of(in, s) != in.rank) continue;  // 0 rows too: the peers wait for it
+    for (int t = node0; t < node0 + rpn; ++t)
+      if (same_node(in, t)) st_release_sys(flag_ptr(in.peers[t].host, l, s, kFlagForward), epoch);
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_dispatch_forward(const DispatchRecvParams& p, cudaStream_t stream) {
+  const Instance& in = p.inst;
+  if (!in.node_rows || !in.has_remote) return cudaSuccess;
+  const int64_t rows = in.max_recv;  // the most wire rows we forward (capacity)
+  const int64_t pieces = rows * static_cast<int64_t>(in.layout.dispatch_row) / 16;
+  int blocks = static_cast<int>((pieces + kEntryThreads - 1) / kEntryThreads);
+  blocks = blocks < 1 ? 1 : (blocks > 264 ? 264 : blocks);  // two waves of an H200's 132 multiprocessors
+  return launch_kernel(forward_kernel, blocks, kEntryThreads, 0, stream, p);
+}
 
 cudaError_t launch_dispatch_entries(const DispatchRecvParams& p, cudaStream_t stream) {
   const Instance& in = p.inst;

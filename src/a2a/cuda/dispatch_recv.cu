@@ -218,6 +218,8 @@ cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t strea
     return launch_kernel(kernel, blocks, kCopyThreads, smem, stream, p);
   }
   cudaError_t err = launch_dispatch_plan(p, stream);
+  // Rows per node, waiting in kernels: the rows we forward, in the stream, before anyone's entries.
+  if (err == cudaSuccess && p.wait_in_kernel) err = launch_dispatch_forward(p, stream);
   if (err == cudaSuccess && wide(in)) {
     DispatchRecvParams every = p;
     every.sender = -1;

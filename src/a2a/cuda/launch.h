@@ -50,6 +50,10 @@ cudaError_t launch_copy_sender(const DispatchRecvParams& p, cudaStream_t stream)
 // plan, before the copies): every sender's (p.sender < 0), or p.sender's
 // wire rows [p.sender_first, p.sender_end). Nothing without rows per rank.
 cudaError_t launch_dispatch_entries(const DispatchRecvParams& p, cudaStream_t stream);
+// Rows per node, receives that wait in kernels: the rows we forward from our
+// host workspace to our device workspace, then forward[s] at the node's
+// ranks. Nothing otherwise.
+cudaError_t launch_dispatch_forward(const DispatchRecvParams& p, cudaStream_t stream);
 
 // The routing step of large dispatch sends, in two launches (dispatch_route.cu).
 cudaError_t launch_route(const DispatchSendParams& p, cudaStream_t stream);

@@ -14,16 +14,23 @@
 
 namespace moe_a2a::a2a::cuda {
 
+// Every thread of the grid calls it: true on thread 0 of the block that
+// finishes last, once every block's stores are visible system-wide.
+__device__ __forceinline__ bool last_block_done(uint32_t* done_blocks) {
+  __syncthreads();  // the block's stores precede thread 0's fence
+  if (threadIdx.x != 0) return false;
+  fence_sys();  // our rows are visible everywhere before we are counted
+  const uint32_t finished = atomicAdd(done_blocks, 1u);
+  if (finished != gridDim.x - 1) return false;
+  *done_blocks = 0;  // ready for the next launch (stream order)
+  fence_sys();       // every other block's rows, observed through the count, before the flags
+  return true;
+}
+
 __device__ __forceinline__ void signal_when_grid_done(const Instance& in, uint32_t* done_blocks, int kind,
                                                       uint64_t* proxy_flag) {
   if (in.world == 1) return;  // nobody to tell: our own later kernels follow in stream order
-  __syncthreads();            // the block's stores precede thread 0's fence
-  if (threadIdx.x != 0) return;
-  fence_sys();  // our rows are visible everywhere before we are counted
-  const uint32_t finished = atomicAdd(done_blocks, 1u);
-  if (finished != gridDim.x - 1) return;
-  *done_blocks = 0;  // ready for the next launch (stream order)
-  fence_sys();       // every other block's rows, observed through the count, before the flags
+  if (!last_block_done(done_blocks)) return;
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(in.epoch);
   for (int r = 0; r < in.world; ++r)
     if (same_node(in, r)) st_release_sys(flag_ptr(in.peers[r].host, in.layout, in.rank, kind), epoch);
