@@ -261,7 +261,12 @@ class LocalWorld:
         dtype = DTYPES[s_.dispatch_dtype]
         blocks = -(-s_.hidden // FP8_BLOCK)
         outs = []
+        # Rows per node waiting in kernels: a rank's entries wait for the forward kernel of
+        # another rank, so each rank receives on a stream of its own (one stream would queue
+        # that kernel behind the wait).
+        noded = s_.fabric_rows == "node" and s_.world > s_.ranks_per_node and not self.host_wait
         for a in self.ranks:
+            recv_stream = torch.cuda.Stream().cuda_stream if noded else stream
             rows = a.max_output_rows
             x = torch.empty(rows, s_.hidden, dtype=dtype, device="cuda")
             x.view(torch.uint8).fill_(POISON_BYTE)
@@ -270,7 +275,7 @@ class LocalWorld:
                 scale = torch.full((rows, blocks), float("nan"), dtype=torch.float32, device="cuda")
             tpe = torch.full((s_.local_experts,), -1, dtype=torch.int32, device="cuda")
             scale_ptr = scale.data_ptr() if scale is not None else 0
-            a.dispatch_recv(x.data_ptr(), scale_ptr, tpe.data_ptr(), self.host_wait, stream)
+            a.dispatch_recv(x.data_ptr(), scale_ptr, tpe.data_ptr(), self.host_wait, recv_stream)
             outs.append(RankOutput(x, scale, tpe))
         filled = []
         if self.host_wait:  # as eager AllToAll: the plan's host word, before any stream synchronisation
