@@ -101,16 +101,6 @@ __global__ void __launch_bounds__(kEntryThreads) entry_kernel(DispatchRecvParams
   if (noded ? *reinterpret_cast<volatile uint64_t*>(sc.plan_ok) != *in.epoch : *sc.output_rows == 0) return;
   const int L = in.local_experts, N = in.world, m = in.max_entries, rpn = in.ranks_per_node;
   const SenderPlan plan = sc.senders[s];
-  if (noded && p.wait_in_kernel) {  // s's rows readable at its forwarder here (forward_kernel there)
-    __shared__ int forwarded;
-    if (threadIdx.x == 0) {
-      const uint64_t deadline = global_timer_ns() + in.timeout_ns;
-      forwarded = wait_geq(flag_ptr(in.host_ws, in.layout, s, kFlagForward), *in.epoch, deadline);
-      if (!forwarded) report(in, kStatusTimeout);
-    }
-    __syncthreads();
-    if (!forwarded) return;
-  }
   // Rows per node: every key of the node where we forward s's rows, else ours
   // only (key i of our local index, the other entries skipped).
   const bool forwards = noded && plan.fwd == in.rank;
@@ -251,6 +241,22 @@ __global__ void __launch_bounds__(kEntryThreads) forward_kernel(DispatchRecvPara
   }
 }
 
+// Rows per node, calls that wait in kernels: one block waits for forward[s]
+// of every remote sender of our node (forward_kernel at s's forwarder), so
+// that no block of entry_kernel's wide grid ever spins: spinning blocks could
+// hold every multiprocessor that the forwarder's kernel needs where ranks
+// share a GPU (MPS, or the kernel tests' ranks in one process). A timeout
+// delivers nothing, with the status set.
+__global__ void forward_wait_kernel(DispatchRecvParams p) {
+  if (stale_replay(p.inst)) return;  // a graph captured before a mask
+  grid_dependency_wait();            // dependents start when it ends (it spins on other ranks)
+  const Instance& in = p.inst;
+  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(in.epoch);
+  if (*reinterpret_cast<volatile uint64_t*>(p.scratch.plan_ok) != epoch) return;  // no plan: no forwarder raises
+  const uint64_t deadline = global_timer_ns() + in.timeout_ns;
+  if (!wait_flags(in, kFlagForward, epoch, deadline, [&](int s) { return node_sender(in, s); })) deliver_nothing(p);
+}
+
 }  // namespace
 
 cudaError_t launch_dispatch_forward(const DispatchRecvParams& p, cudaStream_t stream) {
@@ -260,7 +266,8 @@ cudaError_t launch_dispatch_forward(const DispatchRecvParams& p, cudaStream_t st
   const int64_t pieces = rows * static_cast<int64_t>(in.layout.dispatch_row) / 16;
   int blocks = static_cast<int>((pieces + kEntryThreads - 1) / kEntryThreads);
   blocks = blocks < 1 ? 1 : (blocks > 264 ? 264 : blocks);  // two waves of an H200's 132 multiprocessors
-  return launch_kernel(forward_kernel, blocks, kEntryThreads, 0, stream, p);
+  const cudaError_t err = launch_kernel(forward_kernel, blocks, kEntryThreads, 0, stream, p);
+  return err != cudaSuccess ? err : launch_kernel(forward_wait_kernel, 1, kWarp, 0, stream, p);
 }
 
 cudaError_t launch_dispatch_entries(const DispatchRecvParams& p, cudaStream_t stream) {

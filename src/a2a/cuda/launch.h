@@ -52,7 +52,7 @@ cudaError_t launch_copy_sender(const DispatchRecvParams& p, cudaStream_t stream)
 cudaError_t launch_dispatch_entries(const DispatchRecvParams& p, cudaStream_t stream);
 // Rows per node, receives that wait in kernels: the rows we forward from our
 // host workspace to our device workspace, then forward[s] at the node's
-// ranks. Nothing otherwise.
+// ranks; then one block waits for every forward[s] of ours. Nothing otherwise.
 cudaError_t launch_dispatch_forward(const DispatchRecvParams& p, cudaStream_t stream);
 
 // The routing step of large dispatch sends, in two launches (dispatch_route.cu).
