@@ -98,6 +98,38 @@ def test_bench_a2a_rows_and_table() -> None:
     assert cells(lines[2])[:4] == ["decode", "128", "rank", "dispatch"] and cells(lines[2])[-1] == "3.00"
 
 
+def test_bench_a2a_graph_rows_compare_the_replayed_step_with_the_baseline_step() -> None:
+    """--graph: each mode gets a `graph` row, the replayed step against the baseline's
+    dispatch + combine of the same iterations."""
+    (od, bd), (oc, bc), (og, _) = _samples(10, 30), _samples(20, 20), _samples(25, 0)
+    result = dict(
+        shape="decode",
+        tokens=128,
+        samples_ns={"base_dispatch": bd, "base_combine": bc},
+        modes={
+            "rank": {"samples_ns": {"ours_dispatch": od, "ours_combine": oc, "ours_graph": og}},
+            "node": {"samples_ns": {"ours_dispatch": od, "ours_combine": oc}},
+        },
+    )
+    rows = a2a.rows_of(result)
+    assert [(r["fabric_rows"], r["phase"]) for r in rows][3:5] == [("rank", "graph"), ("node", "dispatch")]
+    graph = rows[3]
+    assert graph["moe_a2a_p50_us"] == pytest.approx(np.percentile(og, 50) / 1e3)
+    assert graph["ratio"] == pytest.approx(2.0)  # 50 us of baseline dispatch + combine over 25
+
+
+@pytest.mark.parametrize("flags", [["--device", "cpu"], ["--device", "cuda"]])
+def test_bench_a2a_graph_needs_cuda_and_a_baseline(flags: list[str]) -> None:
+    from moe_a2a.usage import UsageError
+
+    args = cli.build_parser().parse_args(["bench", "a2a", "--graph", *flags])
+    with pytest.raises(UsageError, match=r"^--graph: got it with --device .*; expected --device cuda and a"):
+        a2a.check_graph(args)
+    a2a.check_graph(
+        cli.build_parser().parse_args(["bench", "a2a", "--graph", "--device", "cuda", "--baseline", "mpi"])
+    )
+
+
 def test_bench_a2a_byte_rows_per_mode_with_ratios_to_expert() -> None:
     def mode(fabric: int, node: int, rows: int, ranks: int, ns: float) -> dict:
         tally = dict(

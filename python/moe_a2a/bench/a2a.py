@@ -148,6 +148,15 @@ def check_shapes(args: argparse.Namespace, world: int) -> None:
             )
 
 
+def check_graph(args: argparse.Namespace) -> None:
+    """--graph needs CUDA and a baseline (the per-phase CUDA benchmark times its own graph)."""
+    if args.graph and (args.device != "cuda" or args.baseline is None):
+        raise UsageError(
+            f"--graph: got it with --device {args.device} and --baseline {args.baseline}; expected "
+            "--device cuda and a --baseline (the per-phase CUDA benchmark times its own graph)"
+        )
+
+
 def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, device: Any) -> dict[str, Any]:
     """Time one shape in every --fabric-rows mode (one AllToAll each, the same tokens); every rank
     gets the slowest rank's samples (ns) per side and phase, and each mode's byte tallies."""
@@ -176,7 +185,9 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, dev
     baseline = Baseline(exchange, world, cfg.num_experts, cfg.dispatch_dtype)
     times: dict[str, list[float]] = {key: [] for key in SIDES if key.startswith("base")}
     modes: dict[str, dict[str, Any]] = {}
-    bar = report.progress(args.warmup + args.iters, name, rank=rank, mode=args.progress)
+    graphs = len(args.fabric_rows) if args.graph else 0
+    bar = report.progress(args.warmup + args.iters + graphs, name, rank=rank, mode=args.progress)
+    first: tuple[Round, Any] | None = None  # round 0 and the baseline's result of it
     with bar, contextlib.ExitStack() as stack:
         a2as = {
             mode: stack.enter_context(
@@ -224,6 +235,7 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, dev
                 assert isinstance(out, torch.Tensor)
                 if it == 0:
                     check_agree(out, ref, cfg.dispatch_dtype == "fp8" and device.type == "cuda")
+                    first = (r, ref)
                 if keep:
                     m["samples_ns"]["ours_dispatch"].append(t_d)
                     m["samples_ns"]["ours_combine"].append(t_c)
@@ -237,6 +249,13 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, dev
                 alone.close()
             m["bytes"] = m.pop("tally").gathered(comm)
         rows_path = next(iter(a2as.values())).rows_path
+        if graphs:  # after the eager instances' samples, each mode's graph-safe one alone
+            assert first is not None
+            for mode, m in modes.items():
+                m["samples_ns"]["ours_graph"] = graph_samples(
+                    replace(cfg, fabric_rows=mode), args, comm, *first
+                )
+                bar.update()
     bound = routing.bound(world, ranks_per_node)
     return dict(
         shape=name,
@@ -248,6 +267,39 @@ def run_shape(name: str, args: argparse.Namespace, comm: Any, exchange: Any, dev
         samples_ns=times,
         modes=modes,
     )
+
+
+def graph_samples(cfg: Any, args: argparse.Namespace, comm: Any, r: Round, ref: Any) -> list[float]:
+    """--graph: one step (dispatch, the expert stand-in, combine) of a graph-safe AllToAll, run
+    once, captured in a CUDA graph and replayed warmup + iters times; the timed replays' samples
+    (ns, each from a barrier to the slowest rank's end). The replay's result must agree with `ref`."""
+    import torch
+
+    from moe_a2a.all_to_all import AllToAll
+
+    with AllToAll(
+        cfg,
+        comm=comm,
+        device="cuda",
+        provider=args.provider,
+        ranks_per_node=args.ranks_per_node,
+        graph_safe=True,
+    ) as a2a:
+
+        def step() -> torch.Tensor:
+            d = a2a.dispatch(r.x, r.ids, r.weights)
+            return a2a.combine(expert_stand_in(d.expert_x, d.expert_x_scale), d)
+
+        step()
+        torch.cuda.synchronize()
+        a2a.check()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        samples = [timed(comm, graph.replay, r.x.device)[1] for _ in range(args.warmup + args.iters)]
+        a2a.check()
+        check_agree(out, ref, cfg.dispatch_dtype == "fp8")
+    return samples[args.warmup :]
 
 
 # Samples of each side and phase; with every peer remote also engine_dispatch and engine_combine.
@@ -263,8 +315,10 @@ def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for mode, m in result["modes"].items():
         t = {**base, **{k: np.asarray(v) for k, v in m["samples_ns"].items()}}
-        for phase in PHASES:
-            if phase == "total":
+        for phase in (*PHASES, "graph") if "ours_graph" in t else PHASES:
+            if phase == "graph":  # the whole step replayed, against the baseline's dispatch + combine
+                ours, theirs = t["ours_graph"], t["base_dispatch"] + t["base_combine"]
+            elif phase == "total":
                 ours, theirs = t["ours_dispatch"] + t["ours_combine"], t["base_dispatch"] + t["base_combine"]
             else:
                 ours, theirs = t[f"ours_{phase}"], t[f"base_{phase}"]
@@ -400,6 +454,7 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError("--compile: only used with --train")
     if args.compiled_rows is not None:
         raise UsageError("--compiled-rows: only used with --train --compile")
+    check_graph(args)
     args.mode = args.mode or "both"
     args.dispatch_dtype = args.dispatch_dtype or "fp8"
     if args.device == "cuda" and args.baseline is None:
@@ -652,6 +707,13 @@ def add_parser(subparsers: Any) -> None:
         help="with --compile: what moe-a2a's compiled dispatch gives the expert, the rows received "
         "(a data-dependent size) or max_output_rows rows, zero past them (a static size) "
         "(ExpertParallel's compiled_rows; default: exact)",
+    )
+    p.add_argument(
+        "--graph",
+        action="store_true",
+        help="with --device cuda and a --baseline: also each mode's step (dispatch, combine) in a "
+        "graph-safe AllToAll, captured in a CUDA graph and replayed, its own row (phase graph) "
+        "(default: off)",
     )
     p.add_argument(
         "--grad-dtype",
