@@ -41,10 +41,12 @@ def positive_int(name: str, value: Any, minimum: int = 1) -> None:
         raise ValueError(f"{name}: got {value!r}; expected an integer in [{minimum}, {CORE_INT_MAX}]")
 
 
-def default_fabric_rows(world_size: int, ranks_per_node: int, on_peer_loss: str = "stop") -> str:
+def default_fabric_rows(
+    world_size: int, ranks_per_node: int, on_peer_loss: str = "stop", graph_safe: bool = False
+) -> str:
     """What fabric_rows="auto" runs over `world_size` ranks, `ranks_per_node` to a node."""
     spans = 1 < ranks_per_node < world_size  # several ranks a node, and other nodes
-    return "node" if spans and on_peer_loss != "mask" else "rank"
+    return "node" if spans and on_peer_loss != "mask" and not graph_safe else "rank"
 
 
 @dataclass(frozen=True)
@@ -106,16 +108,17 @@ class Config:
                 f"expected at most {CORE_INT_MAX}"
             )
 
-    def fabric_rows_for(self, world_size: int, ranks_per_node: int) -> str:
+    def fabric_rows_for(self, world_size: int, ranks_per_node: int, graph_safe: bool = False) -> str:
         """The mode an instance over `world_size` ranks, `ranks_per_node` to a node, runs:
         `fabric_rows` itself unless it is "auto". "auto" is "node" where a node has several ranks
         and peers on other nodes, which put fewer bytes on the fabric and measured faster in every
         shape where a NIC or a GPU bounds the step (docs/benchmarks-fabric.md, "Which mode auto runs");
-        "rank" where node is not built (on_peer_loss="mask") or adds
-        nothing (one rank per node, or one node)."""
+        "rank" where node is not built (on_peer_loss="mask") or adds nothing (one rank per node,
+        or one node), and in graph-safe instances, whose replayed decode step measured slower with
+        node (its kernels wait twice more; "node" may be named there)."""
         if self.fabric_rows != "auto":
             return self.fabric_rows
-        return default_fabric_rows(world_size, ranks_per_node, self.on_peer_loss)
+        return default_fabric_rows(world_size, ranks_per_node, self.on_peer_loss, graph_safe)
 
     def resolved(self, world_size: int) -> tuple[int, int]:
         """(max_private_tokens, max_recv_tokens) for a world size, defaults filled in."""

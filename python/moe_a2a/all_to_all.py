@@ -163,7 +163,7 @@ class AllToAll(LostRanks, process.ProcessBound):
         )
         check_agreement(self._boot, settings)
         # "auto" resolved from what every rank agreed on: a2a.cfg names the mode that runs.
-        cfg = replace(cfg, fabric_rows=cfg.fabric_rows_for(self.world_size, topo.local_size))
+        cfg = replace(cfg, fabric_rows=cfg.fabric_rows_for(self.world_size, topo.local_size, graph_safe))
         self.cfg = cfg
         # on_peer_loss="mask": ranks masked so far (a rejoin's survivor keeps its own).
         self._live = live_ranks(self._boot, cfg, device)

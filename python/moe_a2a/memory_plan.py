@@ -142,19 +142,22 @@ def plan(
     world_size: int,
     ranks_per_node: int | None = None,
     device: str = "cpu",
+    graph_safe: bool = False,
 ) -> MemoryPlan:
-    """Bytes per rank of `AllToAll(cfg, device=device)` over `world_size`
+    """Bytes per rank of `AllToAll(cfg, device=device, graph_safe=graph_safe)` over `world_size`
     ranks, `ranks_per_node` of them on each node (default: all on one), computed without
     allocating anything (fabric_rows="auto" resolved as the instance would)."""
     for name, value in (("world_size", world_size), ("ranks_per_node", ranks_per_node)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{name}: got {value!r}; expected a positive integer")
+    if not isinstance(graph_safe, bool):
+        raise ValueError(f"graph_safe: got {graph_safe!r}; expected True or False")
     local = world_size if ranks_per_node is None else ranks_per_node
     if world_size % local:
         raise ValueError(f"ranks_per_node: got {local}; expected a divisor of the world size {world_size}")
     from moe_a2a.a2a_startup import core_config
 
-    cfg = replace(cfg, fabric_rows=cfg.fabric_rows_for(world_size, local))
+    cfg = replace(cfg, fabric_rows=cfg.fabric_rows_for(world_size, local, graph_safe))
     return plan_of(core_config(cfg, 0, world_size, local), cfg, device)
 
 

@@ -170,22 +170,24 @@ def test_config_takes_the_modes_it_has() -> None:
 
 
 @pytest.mark.parametrize(
-    ("world", "rpn", "overrides", "mode"),
+    ("world", "rpn", "overrides", "graph_safe", "mode"),
     [
-        (8, 2, {}, "node"),  # several ranks a node, peers on other nodes
-        (8, 4, {}, "node"),
-        (8, 1, {}, "rank"),  # a node of one rank: nothing to forward inside it
-        (8, 8, {}, "rank"),  # one node: no fabric (rank and node alike)
-        (8, 2, {"on_peer_loss": "mask"}, "rank"),  # mask: node is not built
-        (8, 2, {"fabric_rows": "expert"}, "expert"),  # a mode named is the mode
-        (8, 1, {"fabric_rows": "node"}, "node"),
+        (8, 2, {}, False, "node"),  # several ranks a node, peers on other nodes
+        (8, 4, {}, False, "node"),
+        (8, 1, {}, False, "rank"),  # a node of one rank: nothing to forward inside it
+        (8, 8, {}, False, "rank"),  # one node: no fabric (rank and node alike)
+        (8, 2, {}, True, "rank"),  # graph-safe: a replayed decode step measured faster with rank
+        (8, 2, {"fabric_rows": "node"}, True, "node"),  # and node runs there when named
+        (8, 2, {"on_peer_loss": "mask"}, False, "rank"),  # mask: node is not built
+        (8, 2, {"fabric_rows": "expert"}, False, "expert"),  # a mode named is the mode
+        (8, 1, {"fabric_rows": "node"}, False, "node"),
     ],
 )
 def test_auto_is_the_fastest_mode_the_instance_runs(
-    world: int, rpn: int, overrides: dict[str, str], mode: str
+    world: int, rpn: int, overrides: dict[str, str], graph_safe: bool, mode: str
 ) -> None:
     cfg = Config(max_tokens=4, hidden=8, num_experts=16, topk=2, **overrides)  # type: ignore[arg-type]
-    assert cfg.fabric_rows_for(world, rpn) == mode
+    assert cfg.fabric_rows_for(world, rpn, graph_safe) == mode
 
 
 def test_a_world_of_virtual_nodes_runs_node_by_default(make_world) -> None:

@@ -100,6 +100,9 @@ def test_plan_resolves_auto_as_the_instance_does() -> None:
     plans = {m: memory_plan.plan(replace(CFG, fabric_rows=m), 8, 2, device="cuda") for m in ("rank", "node")}
     assert plans["node"] != plans["rank"]
     assert memory_plan.plan(CFG, 8, 2, device="cuda") == plans["node"]
+    assert memory_plan.plan(CFG, 8, 2, device="cuda", graph_safe=True) == plans["rank"]
+    with pytest.raises(ValueError, match="graph_safe: got 1; expected True or False"):
+        memory_plan.plan(CFG, 8, 2, graph_safe=1)  # type: ignore[arg-type]
 
 
 def test_a_configuration_that_cannot_fit_is_refused_before_anything_is_allocated() -> None:
