@@ -500,6 +500,7 @@ void Proxy::wait_slices(Tag kind, const std::vector<int>& senders, const std::ve
                                                ctx_.config.timeout_s, [this] { on_idle(); });
     const int s = peers[k];
     take_slice(kind, s, cut[k].part_of(done[k]), cut[k].index_in_part(done[k]));  // there already
+    if (ctx_.after_landing) ctx_.after_landing();
     ++done[k];
     if (progress != nullptr) progress[s].set(progress_word(epoch, done[k]));
     if (done[k] < cut[k].count()) continue;

@@ -60,6 +60,11 @@ struct ProxyContext {
   // the proxy. Empty: the rows are readable where they landed (CPU, GPU-direct).
   std::function<void(int s, size_t private_off, size_t private_bytes, size_t shared_off, size_t shared_bytes)>
       before_forward;
+  // After each slice of rows lands, before the proxy says so (progress,
+  // landed, forward): makes it readable where the provider's completion
+  // comes before its copy ends (GPU-direct over shm). Blocks; a throw fails
+  // the proxy. Empty: rows are readable once reported.
+  std::function<void()> after_landing;
   // Rows per node: whether the proxy raises forward[s] at all. False where
   // the compute side forwards in its stream (CUDA graph-safe instances).
   bool raises_forward = true;

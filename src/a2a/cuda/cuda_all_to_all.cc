@@ -94,6 +94,8 @@ void CudaAllToAll::rows_on_device(fabric::RegionId region, fabric::GroupId group
       check_cuda(cudaSetDevice(res_.device()), "cudaSetDevice(forward)");
       res_.flush_fabric_writes();
     };
+  if (!nic_writes)  // shm: its copies into our device workspace may still run when it reports them
+    proxy_ctx_.after_landing = [this] { res_.wait_provider_copies(); };
   proxy_ = std::make_unique<Proxy>(proxy_ctx_);
   res_.set_rows_on_device(nic_writes);
   combine_dma_ = false;  // the rows land in GPU memory: nothing to copy back

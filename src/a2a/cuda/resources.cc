@@ -206,6 +206,11 @@ void CudaResources::flush_fabric_writes() const {
                "cudaDeviceFlushGPUDirectRDMAWrites");
 }
 
+void CudaResources::wait_provider_copies() const {
+  check_cuda(cudaSetDevice(device_), "cudaSetDevice(landed rows)");  // the proxy's thread
+  check_cuda(cudaStreamSynchronize(cudaStreamLegacy), "cudaStreamSynchronize(provider's copies)");
+}
+
 void CudaResources::forward_to_device(size_t offset, size_t bytes) {
   if (bytes == 0) return;
   if (offset + bytes > layout_.total)

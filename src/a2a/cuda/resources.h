@@ -69,13 +69,20 @@ class CudaResources {
   // (registered with FI_HMEM), so the kernels' fabric sections are there too.
   // `nic_writes`: a NIC (efa, verbs) writes them, whose PCIe writes into GPU
   // memory this device may not order before the completion the host sees:
-  // then flush_fabric_writes() flushes them (shm's CUDA copies need none).
+  // then flush_fabric_writes() flushes them. Otherwise the provider copies
+  // them itself (shm: cudaMemcpy on the thread that progresses it, which may
+  // return before the copy ends): wait_provider_copies() waits for those.
   void set_rows_on_device(bool nic_writes);
   bool rows_on_device() const { return rows_on_device_; }
   // Before kernels read rows the host saw land (GPU-direct): a no-op unless
   // this device needs a flush of a NIC's writes.
   void flush_fabric_writes() const;
   bool flushes() const { return flush_writes_; }
+  // GPU-direct without a NIC: the calling thread's legacy-stream work done,
+  // where the provider's copies into our device workspace were queued. Our
+  // own kernels on a blocking stream would follow them anyway; a node peer's
+  // (rows per node) or a non-blocking stream's would not.
+  void wait_provider_copies() const;
   // Rows per node, staged: copies [offset, offset + bytes) of our host
   // workspace to the same offsets of the device workspace, where node peers
   // read the rows we forward, and waits for it. The proxy's thread calls it
