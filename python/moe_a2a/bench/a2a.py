@@ -275,7 +275,7 @@ def graph_samples(cfg: Any, args: argparse.Namespace, comm: Any, r: Round, ref: 
     (ns, each from a barrier to the slowest rank's end). The replay's result must agree with `ref`."""
     import torch
 
-    from moe_a2a.all_to_all import AllToAll
+    from moe_a2a.all_to_all import AllToAll, Dispatched
 
     with AllToAll(
         cfg,
@@ -288,7 +288,10 @@ def graph_samples(cfg: Any, args: argparse.Namespace, comm: Any, r: Round, ref: 
 
         def step() -> torch.Tensor:
             d = a2a.dispatch(r.x, r.ids, r.weights)
-            return a2a.combine(expert_stand_in(d.expert_x, d.expert_x_scale), d)
+            assert isinstance(d, Dispatched)  # whole calls, not halves
+            out = a2a.combine(expert_stand_in(d.expert_x, d.expert_x_scale), d)
+            assert isinstance(out, torch.Tensor)
+            return out
 
         step()
         torch.cuda.synchronize()
