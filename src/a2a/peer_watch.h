@@ -49,6 +49,9 @@ struct PeerWatch {
   std::chrono::steady_clock::time_point next{};
   std::chrono::steady_clock::time_point next_pids{};
   uint64_t phase = 0;  // the phase our waits are in (its owner sets it as each phase starts)
+  // The last phase in which every remote peer's part has landed (its owner sets it once its proxy
+  // says so): a remote peer gone since is not missing from that phase.
+  uint64_t landed = 0;
 
   PeerWatch() = default;
   PeerWatch(const A2AConfig& c, const Layout& l, uint8_t* ws, fabric::ProxyEngine* e, std::vector<int> remotes,
@@ -92,18 +95,30 @@ struct PeerWatch {
     next_pids = now + kPidInterval;
     for (int s = 0; s < static_cast<int>(pids.size()); ++s) {
       if (s == cfg.rank || pids[s] <= 0 || is_masked(masked, s)) continue;
-      if (gone(pids[s]))
+      if (gone(pids[s]) && !delivered(s))
         throw fabric::FabricError("rank " + std::to_string(cfg.rank) + ": peer " + std::to_string(s) + " (pid " +
                                   std::to_string(pids[s]) + " on this host) is gone: it exited or was killed");
     }
     // Peers on other hosts: the engine's control connection to each (engine.h, watch_peers; none
     // for a peer on this host, which its pid covers).
     for (int s : remote_peers) {
-      if (!is_masked(masked, s) && engine->peer_gone(s))
+      if (!is_masked(masked, s) && engine->peer_gone(s) && !delivered(s))
         throw fabric::FabricError("rank " + std::to_string(cfg.rank) + ": peer " + std::to_string(s) +
                                   " (on another host) is gone: its control connection closed, so its process "
                                   "exited or was killed");
     }
+  }
+
+  // Whether peer s gave us its whole part of our phase before it went. Ranks finish a job at
+  // different times: one that ended its last call and exited has not failed the combine a slower
+  // peer is still in; only that peer's next call misses it. A node peer's combine flag for us
+  // follows its staged outputs, the last thing we read from it in a combine. (In a dispatch it may
+  // still owe us rows it forwards, which no flag of its own shows: there, gone is gone.)
+  bool delivered(int s) const {
+    if (phase == 0) return false;
+    if (!cfg.same_node(s)) return landed >= phase;
+    return phase == combine_phase(phase / 2) &&
+           flag_at(workspace, layout, s, kFlagCombine)->load(std::memory_order_acquire) >= phase / 2;
   }
 
   // No such process, or a zombie that its parent has not reaped yet (a

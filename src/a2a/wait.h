@@ -59,14 +59,19 @@ struct Backoff {
 };
 
 // True once `*seq >= target`; false at the deadline. `on_idle` runs between
-// polls (it may throw to abort the wait).
+// polls (it may throw to abort the wait, unless `*seq` reached `target` meanwhile).
 template <typename OnIdle>
 bool wait_at_least(const std::atomic<uint64_t>* seq, uint64_t target, std::chrono::steady_clock::time_point deadline,
                    OnIdle&& on_idle) {
   Backoff backoff;
   while (seq->load(std::memory_order_acquire) < target) {
     if ((backoff.round & 63) == 0) {
-      on_idle();
+      try {
+        on_idle();
+      } catch (...) {  // a peer that raised `seq` and then left: what we waited for came
+        if (seq->load(std::memory_order_acquire) >= target) return true;
+        throw;
+      }
       if (std::chrono::steady_clock::now() >= deadline) return false;
     }
     backoff.pause();

@@ -69,7 +69,13 @@ class ImmCounters {
         return true;
       }
       lock.unlock();
-      check_failed();
+      try {
+        check_failed();
+      } catch (...) {  // a peer that wrote and then left: what we waited for came
+        lock.lock();
+        if (counts_[imm] < want) throw;
+        continue;
+      }
       lock.lock();
       if (std::chrono::steady_clock::now() >= deadline) {
         *seen = counts_[imm] / per_write_;
@@ -95,7 +101,16 @@ class ImmCounters {
         if (it != counts_.end() && it->second >= need[i] * per_write_) return static_cast<int>(i);
       }
       lock.unlock();
-      check_failed();
+      try {
+        check_failed();
+      } catch (...) {
+        lock.lock();
+        for (size_t i = 0; i < n; ++i) {
+          auto it = counts_.find(imms[i]);
+          if (it != counts_.end() && it->second >= need[i] * per_write_) return static_cast<int>(i);
+        }
+        throw;
+      }
       lock.lock();
       if (std::chrono::steady_clock::now() >= deadline) return -1;
       cv_.wait_for(lock, kCheckInterval);

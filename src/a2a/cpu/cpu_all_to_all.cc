@@ -67,11 +67,12 @@ void CpuAllToAll::check_stamps(bool force) {
     if (node_peer(s)) check_node_stamps(cfg_, layout_, maps_.self, call_.at, s);
 }
 
-void CpuAllToAll::wait_proxy(const Seq& seq, const char* what) {
+void CpuAllToAll::wait_proxy(const Seq& seq, const char* what, bool lands_phase) {
   if (!wait_at_least(&seq.value, call_.epoch, deadline_after(cfg_.caller_timeout_s()), [this] { check_failed(); }))
     throw fabric::TimeoutError("rank " + std::to_string(cfg_.rank) +
                                ": timed out waiting for the proxy to finish the " + what + " of epoch " +
                                std::to_string(call_.epoch));
+  if (lands_phase) watch_.landed = watch_.phase;  // every remote part is here: a peer gone since owes us nothing
   check_failed();
 }
 
@@ -324,7 +325,7 @@ void CpuAllToAll::combine_send(const CombineSendArgs& args) {
 }
 
 void CpuAllToAll::combine_recv(const CombineRecvArgs& args) {
-  wait_proxy(signals_.combine_done, "combine");
+  wait_proxy(signals_.combine_done, "combine", true);
   wait_node(kFlagCombine, "combine rows");
   check_stamps(true);
   CombineRecvParams p;

@@ -124,7 +124,8 @@ class CpuAllToAll {
   uint64_t routing_rows_received() const { return proxy_->routing_rows_received(); }
 
  private:
-  void wait_proxy(const Seq& seq, const char* what);
+  // `lands_phase`: the proxy's `seq` means every remote part of the phase has landed.
+  void wait_proxy(const Seq& seq, const char* what, bool lands_phase = false);
   // How long we wait for the proxy: it times out on its own waits first and
   // reports why.
   void wait_node(FlagKind kind, const char* what);

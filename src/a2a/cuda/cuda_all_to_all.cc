@@ -209,6 +209,7 @@ void CudaAllToAll::wait_host(FlagKind kind, const Seq& done, const char* what) {
     if (!wait_at_least(&done.value, epoch, deadline, [this] { check_proxy(); }))
       throw fabric::TimeoutError(who + "waiting for the proxy to finish the " + what + " of epoch " +
                                  std::to_string(epoch));
+    watch_.landed = watch_.phase;  // every remote part is here: a peer gone since owes us nothing
     check_proxy();
   }
   // Our own kernels come first on the stream.
