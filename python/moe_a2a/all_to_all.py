@@ -7,6 +7,7 @@ the C++ core, which does the work with the GIL released.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import sys
@@ -647,6 +648,18 @@ class AllToAll(LostRanks, process.ProcessBound):
                 torch.cuda.synchronize(self.device)  # our own writes into peers are done
             self._boot.barrier()
         self._shut(settled)
+
+    def __del__(self) -> None:
+        # Dropped without close() (a failed call's instance, as often as not): the engine is the
+        # process's and lives on, and a peer may still write into this instance's registered
+        # memory. Freed now, those writes would land in memory that is gone (a SIGSEGV in the
+        # engine's thread); closed unsettled, it is retired with its registration instead.
+        if getattr(self, "_setup", None) is None or self._busy is not None:
+            return
+        if process.in_forked_child(self._pid):
+            return
+        with contextlib.suppress(Exception):  # at interpreter exit, modules may already be gone
+            self._shut(settled=False)
 
     def _shut(self, settled: bool) -> None:
         """close() past its barrier; `settled`: no peer can still write here (else retired)."""
