@@ -95,20 +95,21 @@ class ImmCounters {
     WaiterScope scope(&waiters_);
     auto deadline = std::chrono::steady_clock::now() + timeout;
     std::unique_lock<std::mutex> lock(mu_);
-    for (;;) {
+    auto first_ready = [&]() -> int {  // under the lock
       for (size_t i = 0; i < n; ++i) {
         auto it = counts_.find(imms[i]);
         if (it != counts_.end() && it->second >= need[i] * per_write_) return static_cast<int>(i);
       }
+      return -1;
+    };
+    for (;;) {
+      if (int i = first_ready(); i >= 0) return i;
       lock.unlock();
       try {
         check_failed();
-      } catch (...) {
+      } catch (...) {  // as in wait()
         lock.lock();
-        for (size_t i = 0; i < n; ++i) {
-          auto it = counts_.find(imms[i]);
-          if (it != counts_.end() && it->second >= need[i] * per_write_) return static_cast<int>(i);
-        }
+        if (int i = first_ready(); i >= 0) return i;
         throw;
       }
       lock.lock();
