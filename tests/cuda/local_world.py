@@ -266,7 +266,6 @@ class LocalWorld:
         # that kernel behind the wait).
         noded = s_.fabric_rows == "node" and s_.world > s_.ranks_per_node and not self.host_wait
         for a in self.ranks:
-            recv_stream = torch.cuda.Stream().cuda_stream if noded else stream
             rows = a.max_output_rows
             x = torch.empty(rows, s_.hidden, dtype=dtype, device="cuda")
             x.view(torch.uint8).fill_(POISON_BYTE)
@@ -275,6 +274,7 @@ class LocalWorld:
                 scale = torch.full((rows, blocks), float("nan"), dtype=torch.float32, device="cuda")
             tpe = torch.full((s_.local_experts,), -1, dtype=torch.int32, device="cuda")
             scale_ptr = scale.data_ptr() if scale is not None else 0
+            recv_stream = _side_stream() if noded else stream  # after the fills above
             a.dispatch_recv(x.data_ptr(), scale_ptr, tpe.data_ptr(), self.host_wait, recv_stream)
             outs.append(RankOutput(x, scale, tpe))
         filled = []
@@ -301,7 +301,7 @@ class LocalWorld:
         noded = self.shape.fabric_rows == "node" and self.shape.world > self.shape.ranks_per_node
         # Rows per node: each rank's send waits for its node peers' staged outputs (on the
         # host, or in a kernel), so each runs in a thread and on a stream of its own.
-        streams = [torch.cuda.Stream().cuda_stream if noded else stream for _ in self.ranks]
+        streams = [_side_stream() if noded else stream for _ in self.ranks]
         sends = [
             lambda a=a, y=y, s=s: a.combine_send(
                 y.data_ptr(), CORE_DTYPE[y.dtype], y.shape[0], s, weighted=weighted
@@ -328,6 +328,15 @@ class LocalWorld:
         for a in self.ranks:
             a.check()
         return outs
+
+
+def _side_stream() -> int:
+    """A stream of its own whose work starts after what the current stream has queued (the
+    outputs' poison fills). torch's streams do not wait for the default stream by themselves:
+    a receive on one raced the fill of its own output (counts of -1 on the H100)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    return side.cuda_stream
 
 
 def _in_threads(calls: list) -> None:
