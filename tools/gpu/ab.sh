@@ -11,12 +11,14 @@
 #   tools/gpu/ab.sh .ab-old [ROUNDS]
 #
 # BENCH is the command (default: `moe-a2a bench a2a --train --device cuda`,
-# 30 iterations after 5), DTYPES the dispatch dtypes (default "bf16 fp8"),
-# NP its MPI ranks (default 1), ROUNDS how many old/new pairs per dtype
-# (default 2). Prints the tables' rows.
+# 30 iterations after 5), DTYPES the dispatch dtypes (default "bf16 fp8"; "-":
+# the command's own, no --dispatch-dtype), NP its MPI ranks (default 1),
+# NEW_ARGS flags for the new side only (an option old lacks, such as
+# --fabric-rows rank), ROUNDS how many old/new pairs per dtype (default 2).
+# Prints the tables' rows.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-case ${1:-} in -h | --help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
+case ${1:-} in -h | --help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 usage="usage: ab.sh OLD [ROUNDS] (OLD: a python/moe_a2a package or a source tree; see --help)"
 [[ $# -ge 1 && $# -le 2 ]] || { echo "ab.sh: $usage" >&2; exit 2; }
 if [[ -f $1/__init__.py && -f $1/autograd.py ]]; then
@@ -63,9 +65,13 @@ for dtype in ${DTYPES:-bf16 fp8}; do
     for side in old new; do
       use $side
       echo "== $dtype $side"
-      # BENCH is split into words on purpose.
+      extra=()
+      [[ $dtype != - ]] && extra=(--dispatch-dtype "$dtype")
+      # NEW_ARGS and BENCH are split into words on purpose.
+      # shellcheck disable=SC2206
+      [[ $side == new ]] && extra+=(${NEW_ARGS:-})
       # shellcheck disable=SC2086
-      mpirun --allow-run-as-root --oversubscribe -n "$NP" -x PYTHONPATH $BENCH --dispatch-dtype "$dtype" 2>&1 |
+      mpirun --allow-run-as-root --oversubscribe -n "$NP" -x PYTHONPATH $BENCH "${extra[@]}" 2>&1 |
         grep -a "^| \|agreement"
     done
   done
