@@ -130,6 +130,16 @@ def test_bench_a2a_graph_needs_cuda_and_a_baseline(flags: list[str]) -> None:
     )
 
 
+def test_bench_a2a_modes_take_turns_at_running_first() -> None:
+    modes = ["expert", "rank", "node"]
+    orders = [a2a.in_turn(modes, it) for it in range(6)]
+    assert orders[:3] == [["expert", "rank", "node"], ["rank", "node", "expert"], ["node", "expert", "rank"]]
+    assert orders[3:] == orders[:3]
+    # each mode runs first equally often
+    assert sorted(o[0] for o in orders) == sorted(modes * 2)
+    assert a2a.in_turn(["rank"], 5) == ["rank"] and a2a.in_turn([], 3) == []
+
+
 def test_bench_a2a_byte_rows_per_mode_with_ratios_to_expert() -> None:
     def mode(fabric: int, node: int, rows: int, ranks: int, ns: float) -> dict:
         tally = dict(
