@@ -608,6 +608,11 @@ class CudaAllToAll:
         Graph-safe instances, before the first call: every receive waits in kernels, and rows per node are forwarded in the stream.
         """
 
+    def maskable(self) -> None:
+        """
+        Instances that may be masked (on_peer_loss='mask'), before the first call: every kernel checks that its graph was not captured before a mask.
+        """
+
     def stop_proxy(self) -> None:
         """Stop the proxy thread (a retired close)."""
 

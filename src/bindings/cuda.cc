@@ -215,6 +215,9 @@ void bind_cuda(nb::module_& m) {
       .def("kernel_waits", &CudaAllToAll::kernel_waits, release(),
            "Graph-safe instances, before the first call: every receive waits in kernels, and rows per node are "
            "forwarded in the stream.")
+      .def("maskable", &CudaAllToAll::maskable, release(),
+           "Instances that may be masked (on_peer_loss='mask'), before the first call: every kernel checks that "
+           "its graph was not captured before a mask.")
       .def("stop_proxy", &CudaAllToAll::stop_proxy, release(), "Stop the proxy thread (a retired close).")
       .def(
           "mask",

@@ -138,6 +138,8 @@ class CudaBackend:
                 setup.workspace, engine, setup.region, setup.group, setup.remote_peers, setup.pids
             )
             handle = self._impl.ipc_handle()
+        if setup.cfg.on_peer_loss == "mask":  # kernels check for a graph captured before a mask
+            self._impl.maskable()
         handles = boot.allgather(handle)
         with boot.together("opening the node's GPU memory"):
             self._impl.open_node([h if r in setup.node else b"" for r, h in enumerate(handles)])

@@ -101,6 +101,11 @@ void CudaAllToAll::rows_on_device(fabric::RegionId region, fabric::GroupId group
   combine_dma_ = false;  // the rows land in GPU memory: nothing to copy back
 }
 
+void CudaAllToAll::maskable() {
+  if (call_.epoch != 0) throw std::logic_error("maskable: expected it before the first call");
+  res_.set_maskable();
+}
+
 void CudaAllToAll::kernel_waits() {
   if (call_.epoch != 0) throw std::logic_error("kernel_waits: expected it before the first call");
   kernel_waits_ = true;

@@ -155,6 +155,10 @@ class CudaAllToAll {
   // CUDA calls on the proxy's thread, which could wait behind a kernel that
   // waits for the proxy (a module's lazy load synchronises the context).
   void kernel_waits();
+  // Instances that may be masked (on_peer_loss="mask"), before the first
+  // call: every kernel then checks that its graph was not captured before a
+  // mask. Others skip that read; mask() refuses them.
+  void maskable();
   bool gpu_direct() const { return res_.rows_on_device(); }
   // Stops the proxy (a close whose memory stays registered a while longer).
   void stop_proxy() { proxy_.reset(); }

@@ -320,6 +320,8 @@ void CudaResources::connect(int rank, uint8_t* device_ws, uint8_t* host_ws) {
 }
 
 void CudaResources::mask_peers(const Masked& masked) {
+  // A graph captured by an unmaskable instance would replay after the mask.
+  if (!maskable_) throw std::logic_error("mask_peers: this instance was not made maskable before its first call");
   masked_ = masked;
   const size_t row_bytes = static_cast<size_t>(cfg_.routing_width()) * sizeof(uint32_t);
   for (int r = 0; r < cfg_.world; ++r) {
@@ -408,6 +410,7 @@ const Instance& CudaResources::instance(bool has_remote, bool staged, int64_t ti
   in.slice_bytes = static_cast<int64_t>(cfg_.slice_bytes);
   in.epoch = epoch_device_;
   in.generation = generation_;
+  in.maskable = maskable_ ? 1 : 0;
   in.status = status_device_;
   return in;
 }

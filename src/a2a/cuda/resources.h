@@ -94,6 +94,10 @@ class CudaResources {
   // for a rank of another node that is sent nothing), and every masked rank's
   // routing row in our workspaces is zeroed (its last one is stale).
   void mask_peers(const Masked& masked);
+  // Instances made from then on check the generation in every kernel; without
+  // it mask_peers is refused (CudaAllToAll::maskable).
+  void set_maskable() { maskable_ = true; }
+  bool maskable() const { return maskable_; }
   // The device's epoch counter (a rebuilt call sequence resumes after it),
   // with the generation word after it: mask_peers counts one more, and every
   // Instance made from then on carries it (a graph captured before replays
@@ -138,6 +142,7 @@ class CudaResources {
   std::vector<PeerWorkspaces> peers_;  // index = rank
   Masked masked_;                      // ranks never reached again (mask_peers)
   uint64_t generation_ = 0;            // mask_peers calls so far (Instance::generation)
+  bool maskable_ = false;              // set_maskable (Instance::maskable)
   PeerWorkspaces* peers_device_ = nullptr;
   bool peers_dirty_ = true;
   bool rows_on_device_ = false;  // GPU-direct

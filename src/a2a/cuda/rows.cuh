@@ -328,8 +328,10 @@ __device__ __forceinline__ void report(const Instance& in, int32_t status) {
 // Every kernel's first step: whether it belongs to a graph captured before
 // the ranks were masked (Instance::generation). Its whole launch then returns
 // at once, so a stale replay writes to no peer and waits for none, and the
-// host's check() raises StaleGraphError. One load of a word beside the epoch.
+// host's check() raises StaleGraphError. One load of a word beside the epoch,
+// in instances that may be masked only (Instance::maskable).
 __device__ __forceinline__ bool stale_replay(const Instance& in) {
+  if (!in.maskable) return false;
   if (*reinterpret_cast<volatile const uint64_t*>(in.epoch + 1) == in.generation) return false;
   if (threadIdx.x == 0 && blockIdx.x == 0) report(in, kStatusStaleGraph);
   return true;
