@@ -97,7 +97,6 @@ class CudaResources {
   // Instances made from then on check the generation in every kernel; without
   // it mask_peers is refused (CudaAllToAll::maskable).
   void set_maskable() { maskable_ = true; }
-  bool maskable() const { return maskable_; }
   // The device's epoch counter (a rebuilt call sequence resumes after it),
   // with the generation word after it: mask_peers counts one more, and every
   // Instance made from then on carries it (a graph captured before replays
