@@ -186,6 +186,16 @@ class TransferEngine(ProxyEngine):
     def peer_gone(self, peer: int) -> bool:
         """Whether the peer's control connection (watch_peers) has closed."""
 
+    def leave(self) -> None:
+        """
+        This process is ending after its writes were handed over (wait_tx first): tell the peers on other hosts, whose waits then let those writes land after its control connection closes.
+        """
+
+    def peer_left(self, peer: int) -> bool:
+        """
+        Whether the peer said goodbye (leave) on its control connection before it went.
+        """
+
     def forgive_peer(self, peer: int) -> None:
         """
         The peer is gone and every survivor masked it: failures of writes to it, past and future, no longer fail the engine (every instance that shares it).

@@ -3,11 +3,13 @@
 A peer on this host is watched by its pid (`PeerWatch` in src/a2a/peer_watch.h).
 One on another host was only noticed where the provider reported a failed
 write, else at `timeout_s`. So the engine also holds one TCP connection to each
-peer on another host (`TransferEngine.watch_peers`): nothing is ever sent on
-it, and when the peer's process ends for any reason, SIGKILL included, its
-kernel closes the connection and our waits see the EOF at their next check
-(every 100 ms). A whole host that stops answering is noticed by TCP keepalive
-(about 16 s here), else at `timeout_s` as before.
+peer on another host (`TransferEngine.watch_peers`): nothing is sent on it but
+one goodbye byte where the peer's script ends (`TransferEngine.leave`, at
+interpreter exit: its writes may still land), and when the peer's process ends
+for any reason, SIGKILL included, its kernel closes the connection and our
+waits see the EOF at their next check (every 100 ms). A whole host that stops
+answering is noticed by TCP keepalive (about 16 s here), else at `timeout_s` as
+before.
 
 The connections are best effort, and agreed: where one rank cannot make its
 own (no IPv4 address a peer reaches, a firewall), every rank goes without them

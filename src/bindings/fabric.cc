@@ -239,6 +239,11 @@ void bind_transfer_engine(nb::module_& m) {
            "the peer is gone; the engine owns and closes them.")
       .def("peer_gone", &TransferEngine::peer_gone, nb::arg("peer"),
            "Whether the peer's control connection (watch_peers) has closed.")
+      .def("leave", &TransferEngine::leave,
+           "This process is ending after its writes were handed over (wait_tx first): tell the peers on "
+           "other hosts, whose waits then let those writes land after its control connection closes.")
+      .def("peer_left", &TransferEngine::peer_left, nb::arg("peer"),
+           "Whether the peer said goodbye (leave) on its control connection before it went.")
       .def("forgive_peer", &TransferEngine::forgive_peer, nb::arg("peer"),
            "The peer is gone and every survivor masked it: failures of writes to it, past and future, no "
            "longer fail the engine (every instance that shares it).")

@@ -65,14 +65,29 @@ void TransferEngine::watch_peers(const std::vector<int>& fds) {
 
 bool TransferEngine::peer_gone(int peer) const {
   if (peer < 0 || peer >= static_cast<int>(peer_fds_.size()) || peer_fds_[peer] < 0) return false;
-  // Nobody writes on these connections: readable means EOF (or a reset), i.e.
-  // the peer's kernel closed it because its process ended.
+  // Nobody writes on these connections but a peer that leaves (one byte, then its end): the end,
+  // or a reset, means the peer's kernel closed it because its process ended.
   pollfd p{peer_fds_[peer], POLLIN | POLLRDHUP, 0};
   if (::poll(&p, 1, 0) <= 0) return false;
   if (p.revents & (POLLHUP | POLLERR | POLLRDHUP)) return true;
   char byte;
   const ssize_t n = ::recv(peer_fds_[peer], &byte, 1, MSG_PEEK | MSG_DONTWAIT);
   return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
+namespace {
+constexpr char kGoodbye = 'G';  // the only byte ever sent on a control connection
+}  // namespace
+
+void TransferEngine::leave() {
+  for (int fd : peer_fds_)
+    if (fd >= 0) (void)::send(fd, &kGoodbye, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+}
+
+bool TransferEngine::peer_left(int peer) const {
+  if (peer < 0 || peer >= static_cast<int>(peer_fds_.size()) || peer_fds_[peer] < 0) return false;
+  char byte = 0;
+  return ::recv(peer_fds_[peer], &byte, 1, MSG_PEEK | MSG_DONTWAIT) == 1 && byte == kGoodbye;
 }
 
 std::string TransferEngine::where() const {

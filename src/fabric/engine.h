@@ -61,6 +61,11 @@ class TransferEngine : public ProxyEngine {
   // from here on and closes them with itself.
   void watch_peers(const std::vector<int>& fds);
   bool peer_gone(int peer) const override;
+  // This process is ending (its script did, at interpreter exit) and its writes were handed over
+  // (wait_tx first): one byte on each control connection tells the peers, whose waits then let the
+  // writes land after the connection's end (peer_left). Never blocks; best effort.
+  void leave();
+  bool peer_left(int peer) const override;
   // `peer` is gone and every survivor masked it (moe_a2a.masking): failures
   // of writes to it, past and future, no longer fail the engine. Affects every
   // instance that shares the engine. Never blocks.

@@ -116,6 +116,10 @@ class ProxyEngine {
   // host); false where it cannot tell. Never blocks; may be called from the
   // proxy's and the compute side's waits at once.
   virtual bool peer_gone(int /*peer*/) const { return false; }
+  // Whether `peer` said goodbye before it went (TransferEngine::leave): its process
+  // ended its script after its writes were on their way, which may still land.
+  // Never blocks.
+  virtual bool peer_left(int /*peer*/) const { return false; }
 
   // The group's size and the rank of its peer `index`.
   virtual size_t group_size(GroupId group) const = 0;

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import socket
 import time
 import warnings
 from pathlib import Path
@@ -126,3 +127,20 @@ def test_a_stranger_s_hello_is_refused(tmp_path: Path) -> None:
     sock.close()
     got["socks"][0].close()
     listener.close()
+
+
+@pytest.mark.parametrize("leaves", [True, False])
+def test_a_peer_that_leaves_says_so_before_its_end(leaves: bool) -> None:
+    """TransferEngine.leave: one goodbye byte on each control connection, which the peer reads as
+    peer_left (its script ended, its writes may still land) and not yet as gone; its end then
+    reads as gone. A peer that ends without leave() (a kill) is gone and never left."""
+    ours, theirs = socket.socketpair()
+    us, them = _core.TransferEngine(0, 2, "tcp"), _core.TransferEngine(1, 2, "tcp")
+    us.watch_peers([-1, ours.detach()])
+    them.watch_peers([theirs.detach(), -1])
+    if leaves:
+        them.leave()
+        assert us.peer_left(1) and not us.peer_gone(1)
+    del them  # its engine closes its control connections, as its process's end would
+    assert us.peer_gone(1) and us.peer_left(1) == leaves
+    assert not us.peer_gone(0) and not us.peer_left(0)  # no connection to itself
