@@ -5,6 +5,8 @@ Regions, remote regions and groups are typed handles (`Region`, `RemoteRegion`,
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import pickle
 import socket
@@ -225,6 +227,22 @@ class Engine:
 _MAX_SLOTS = int(_core.A2AConfig.max_instances)
 _shared: dict[tuple[Any, ...], _SharedEngine] = {}
 _shared_lock = threading.Lock()
+# A rank whose script ends right after its last call may still have that call's writes queued in its
+# engine, at its NIC's pace, and its slower peers' calls wait for them. At interpreter exit each
+# engine hands them over, then says goodbye on its control connections: a peer on another host
+# then lets them land after the connection's end (peer_watch.h). os._exit and a kill skip this.
+_EXIT_FLUSH_S = 10.0
+
+
+@atexit.register
+def _leave_at_exit() -> None:
+    """At interpreter exit, each engine's writes go to the network before the process does."""
+    with _shared_lock:  # a forked child's copies are its parent's: their connections too
+        engines = [s.engine for s in _shared.values() if s.pid == os.getpid()]
+    for engine in engines:
+        with contextlib.suppress(Exception):  # a failed engine: its peers see their own errors
+            engine.core.wait_tx(_EXIT_FLUSH_S)
+            engine.core.leave()
 
 
 @dataclass
@@ -241,6 +259,7 @@ class _Retired:
 class _SharedEngine:
     def __init__(self, engine: Engine, token: bytes) -> None:
         self.engine = engine
+        self.pid = os.getpid()  # the process whose engine it is
         self.token = token  # the same on every rank: proof that all ranks hold this engine
         self.slots: set[int] = set()  # of open instances
         self.retired: list[_Retired] = []

@@ -3,6 +3,11 @@
 // this host that no longer exists, or a peer on another host whose control
 // connection the engine saw close (ProxyEngine::peer_gone). The proxy and the compute side each hold
 // one and call check() from their waits; it looks at most every kInterval.
+//
+// A peer on another host whose script ends right after its last call closes its control connection
+// at once, while what it wrote may still be on its way in its data connections, which are others.
+// It says goodbye first (ProxyEngine::peer_left); such a peer is missing only once its part of our
+// phase has not landed and nothing of it has landed for kGoneGrace. Any other end is a loss at once.
 #pragma once
 
 #include <signal.h>
@@ -35,6 +40,11 @@ inline uint64_t combine_phase(uint64_t epoch) { return 2 * epoch + 1; }
 struct PeerWatch {
   static constexpr std::chrono::milliseconds kInterval{20};
   static constexpr std::chrono::milliseconds kPidInterval{100};
+  // How long a remote peer that left may go without landing a slice of its part before it is missing:
+  // what it wrote before it exited still drains from its socket (4 MB at most by default on Linux:
+  // 32 ms at 1 Gbit/s), and one segment lost on the way costs TCP's minimum retransmission timeout,
+  // 200 ms.
+  static constexpr std::chrono::milliseconds kGoneGrace{250};
 
   A2AConfig cfg;
   Layout layout;
@@ -52,17 +62,28 @@ struct PeerWatch {
   // The last phase in which every remote peer's part has landed (its owner sets it once its proxy
   // says so): a remote peer gone since is not missing from that phase.
   uint64_t landed = 0;
+  // The proxy's words for each remote sender (signals.h): its whole part of a phase landed, and the
+  // slices of it so far. Null pointers where there is no proxy.
+  PeerSignals peers{};
+  struct Gone {  // a remote peer that left, seen gone while its part of `phase` had not landed
+    uint64_t phase = 0;
+    uint64_t progress = 0;  // its slice words then
+    std::chrono::steady_clock::time_point since{};  // first seen gone in `phase`, or its last slice since
+  };
+  std::vector<Gone> gone_remote;  // index: as remote_peers
 
   PeerWatch() = default;
   PeerWatch(const A2AConfig& c, const Layout& l, uint8_t* ws, fabric::ProxyEngine* e, std::vector<int> remotes,
-            std::vector<int> peer_pids, Masked m = {})
+            std::vector<int> peer_pids, Masked m = {}, PeerSignals p = {})
       : cfg(c),
         layout(l),
         workspace(ws),
         engine(e),
         remote_peers(std::move(remotes)),
         pids(std::move(peer_pids)),
-        masked(std::move(m)) {
+        masked(std::move(m)),
+        peers(p),
+        gone_remote(remote_peers.size()) {
     for (int s : remote_peers) seen_aborts.push_back(engine->imm_count(abort_tag(), s));
   }
 
@@ -101,11 +122,23 @@ struct PeerWatch {
     }
     // Peers on other hosts: the engine's control connection to each (engine.h, watch_peers; none
     // for a peer on this host, which its pid covers).
-    for (int s : remote_peers) {
-      if (!is_masked(masked, s) && engine->peer_gone(s) && !delivered(s))
-        throw fabric::FabricError("rank " + std::to_string(cfg.rank) + ": peer " + std::to_string(s) +
-                                  " (on another host) is gone: its control connection closed, so its process "
-                                  "exited or was killed");
+    for (size_t i = 0; i < remote_peers.size(); ++i) {
+      const int s = remote_peers[i];
+      if (is_masked(masked, s) || !engine->peer_gone(s) || delivered(s)) continue;
+      // A peer that left (its script ended, its writes on their way) is given them to land.
+      const bool left = engine->peer_left(s);
+      if (left && !force) {
+        Gone& g = gone_remote[i];
+        const uint64_t progress = slices_landed(s);
+        if (g.phase != phase || g.progress != progress || g.since == std::chrono::steady_clock::time_point{}) {
+          g = {phase, progress, now};  // first seen gone in this phase, or its writes still land
+          continue;
+        }
+        if (now - g.since < kGoneGrace) continue;
+      }
+      throw fabric::FabricError("rank " + std::to_string(cfg.rank) + ": peer " + std::to_string(s) +
+                                " (on another host) is gone: its control connection closed, so its process " +
+                                (left ? "ended, without all of its part of this call" : "exited or was killed"));
     }
   }
 
@@ -116,7 +149,7 @@ struct PeerWatch {
   // still owe us rows it forwards, which no flag of its own shows: there, gone is gone.)
   bool delivered(int s) const {
     if (phase == 0) return false;
-    if (!cfg.same_node(s)) return landed >= phase;
+    if (!cfg.same_node(s)) return landed >= phase || part_landed(s);
     return phase == combine_phase(phase / 2) &&
            flag_at(workspace, layout, s, kFlagCombine)->load(std::memory_order_acquire) >= phase / 2;
   }
@@ -137,6 +170,18 @@ struct PeerWatch {
   }
 
  private:
+  // Whether remote sender s's whole part of our phase has landed, by the proxy's word for it.
+  bool part_landed(int s) const {
+    if (peers.landed == nullptr || phase == 0) return false;
+    const Seq* words = phase == dispatch_phase(phase / 2) ? peers.landed : peers.combine_landed;
+    return words[s].get() >= phase / 2;
+  }
+
+  uint64_t slices_landed(int s) const {
+    if (peers.slices_landed == nullptr) return 0;
+    return peers.slices_landed[s].get() + peers.combine_slices_landed[s].get();
+  }
+
   [[noreturn]] void announced(int s, const AbortRecord* rec) const {
     std::string text(rec->text, strnlen(rec->text, sizeof(rec->text)));
     throw PeerFailedError("rank " + std::to_string(cfg.rank) + ": peer " + std::to_string(s) +

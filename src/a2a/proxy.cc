@@ -37,7 +37,8 @@ std::vector<size_t> serving_order(const ProxyContext& ctx) {
 
 Proxy::Proxy(ProxyContext ctx)
     : ctx_(std::move(ctx)), order_(serving_order(ctx_)), delay_ms_(env_count("MOE_A2A_TEST_DELAY_WRITES_MS")) {
-  watch_ = PeerWatch(ctx_.config, ctx_.layout, ctx_.workspace, ctx_.engine, ctx_.remote_peers, ctx_.pids, ctx_.masked);
+  watch_ = PeerWatch(ctx_.config, ctx_.layout, ctx_.workspace, ctx_.engine, ctx_.remote_peers, ctx_.pids, ctx_.masked,
+                     ctx_.peers);
   const A2AConfig& c = ctx_.config;
   group_index_.assign(c.world, -1);
   for (size_t i = 0; i < ctx_.remote_peers.size(); ++i) group_index_[ctx_.remote_peers[i]] = static_cast<int>(i);

@@ -27,6 +27,13 @@ management veth. Scenarios:
         equal to the reference with the lost rank's experts masked. With `rejoin_at`, the
         survivors call rejoin(`key`) there, meeting a replacement started with REPLACEMENT_KEY
         in rank 0's TCPStore (MOE_A2A_REJOIN_STORE), and the full reference holds again.
+  finish
+        rank 1's script ends right after its last call (no close, no collective), that call's
+        combine rows to rank 0 still queued for its rate-limited NIC: rank 0's tokens all pick
+        rank 1's experts, so the whole combine flows from rank 1 to rank 0. The other ranks
+        report how their last call ended, and whether its output equals their input.
+        `teardown=0`: rank 1 runs the exit hook and ends at once (os._exit), without the
+        interpreter's teardown, in which the rows have time to drain before its end.
   a2a_rate
         timed dispatch + combine steps (after one untimed step) with one rank per
         emulated host; each rank reports its seconds and the payload bytes it sent
@@ -360,6 +367,37 @@ def mask(group: object, rank: int, world: int, args: dict[str, str], out: str) -
     }
 
 
+def finish(group: object, rank: int, world: int, args: dict[str, str], out: str) -> dict[str, object]:
+    from moe_a2a.all_to_all import AllToAll, Config
+
+    T, H, E = int(args["tokens"]), int(args["hidden"]), 2 * world
+    cfg = Config(max_tokens=T, hidden=H, num_experts=E, topk=1, timeout_s=TIMEOUT_S)
+    a2a = AllToAll(cfg, comm=group, device="cpu", provider="tcp", ranks_per_node=1, num_nics=1)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+    # Rank 0's tokens go to rank 1's first expert; every other rank's stay at home.
+    ids = torch.full((T, 1), 2 if rank == 0 else 2 * rank, dtype=torch.int32)
+    w = torch.ones(T, 1)
+    d = a2a.dispatch(x, ids, w)  # a first call: every connection is up before the one that counts
+    a2a.combine(d.expert_x, d)
+    dist.barrier(group)
+    t0 = time.monotonic()
+    d = a2a.dispatch(x, ids, w)
+    try:
+        y = a2a.combine(d.expert_x, d)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
+    if rank == 1:
+        with open(out, "w") as f:
+            json.dump({"rank": rank, "left_at": time.time()}, f)
+        if args.get("teardown") == "0":  # the interpreter's exit without the time its teardown takes
+            from moe_a2a import fabric
+
+            fabric._leave_at_exit()  # what atexit runs first
+            os._exit(0)
+        sys.exit(0)  # the script ends: no close, no collective
+    return {"error": None, "seconds": time.monotonic() - t0, "equal": bool(torch.equal(y, x))}
+
+
 def main() -> int:
     scenario, out = sys.argv[1], sys.argv[2]
     args = dict(a.split("=", 1) for a in sys.argv[3:])
@@ -371,8 +409,8 @@ def main() -> int:
     dist.init_process_group("gloo", init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(range(world)), backend="gloo")
-    if scenario in ("death", "mask"):  # a peer is gone: no collective may follow, nor a close that waits
-        lossy = death if scenario == "death" else mask
+    lossy = {"death": death, "mask": mask, "finish": finish}.get(scenario)
+    if lossy is not None:  # a peer is gone: no collective may follow, nor a close that waits
         with open(out, "w") as f:
             json.dump({"rank": rank, **lossy(group, rank, world, args, out)}, f)
         os._exit(0)

@@ -313,3 +313,21 @@ def test_failure_inside_still_tears_down() -> None:
     with pytest.raises(RuntimeError, match="boom"), testbed.Testbed(1, prefix=prefix):
         raise RuntimeError("boom")
     assert prefix not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+@pytest.mark.parametrize("teardown", ["1", "0"])
+def test_a_rank_whose_script_ends_fails_no_slower_peer(
+    bed3_limited: testbed.Testbed, tmp_path: Path, teardown: str
+) -> None:
+    """Rank 1's script ends right after its last call, whose 3.7 MB of combine rows to rank 0 are
+    still queued for its 30 mbit NIC (a second's worth). At exit its engine hands them to the
+    kernel and says goodbye on its control connections (moe_a2a.fabric); without the interpreter's
+    teardown (`teardown` "0") the process then ends at once, its control connection before the
+    rows land. Rank 0's call must still complete with every row, and rank 2's too. The rows go in
+    64 KiB writes: rank 0 waits for a peer that left while its writes keep landing."""
+    env = {"MOE_A2A_SLICE_BYTES": str(64 << 10)}
+    shape = {"tokens": 256, "hidden": 7168}
+    reports = run_ranks(bed3_limited, tmp_path, "finish", "va1", env, teardown=teardown, **shape)
+    print(f"\ntestbed: rank 1 left; rank 0's last call took {reports[0]['seconds']:.3f} s")
+    assert reports[0]["error"] is None and reports[0]["equal"], reports[0]
+    assert reports[2]["error"] is None and reports[2]["equal"], reports[2]

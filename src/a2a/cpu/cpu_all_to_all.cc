@@ -44,7 +44,7 @@ CpuAllToAll::CpuAllToAll(Workspace* workspace, fabric::ProxyEngine* engine, fabr
   ctx.masked = masked_;
   ctx.first_epoch = first_epoch;
   proxy_ = std::make_unique<Proxy>(std::move(ctx));
-  watch_ = PeerWatch(cfg_, layout_, ws_->self(), engine, remote_peers, pids, masked_);
+  watch_ = PeerWatch(cfg_, layout_, ws_->self(), engine, remote_peers, pids, masked_, peers_);
 }
 
 CpuAllToAll::~CpuAllToAll() { proxy_.reset(); }

@@ -32,7 +32,7 @@ CudaAllToAll::CudaAllToAll(Workspace* host_workspace, fabric::ProxyEngine* engin
       pids_(pids) {
   init_switches();
   res_.map_node(host_workspace->node());
-  watch_ = PeerWatch(cfg_, layout_, res_.host_ws_cpu(), engine, remote_peers, pids);
+  watch_ = PeerWatch(cfg_, layout_, res_.host_ws_cpu(), engine, remote_peers, pids, {}, res_.peer_signals());
   // Every peer on this node: kernels reach them all through CUDA IPC and
   // nothing waits for the proxy (its flags are read only with remote peers),
   // so no thread polls through steps that move nothing.
@@ -140,7 +140,7 @@ void CudaAllToAll::mask(const Masked& masked, uint64_t first_epoch, fabric::Grou
   call_ = Call{};
   call_.epoch = first_epoch;  // every earlier call counts as done
   call_.done = first_epoch > 0 ? combine_phase(first_epoch) : 0;
-  watch_ = PeerWatch(cfg_, layout_, res_.host_ws_cpu(), engine_, remote_peers, pids_, masked_);
+  watch_ = PeerWatch(cfg_, layout_, res_.host_ws_cpu(), engine_, remote_peers, pids_, masked_, res_.peer_signals());
   if (has_remote_) {
     proxy_ctx_.group = group;
     proxy_ctx_.rows_group = res_.rows_on_device() ? rows_group : group;
