@@ -110,16 +110,16 @@ void Worker::fail(const std::string& message, int peer) {
     if (!forgiven) {
       failures_.emplace_back(peer, message);
       if (error_.empty()) error_ = message;
+      // Under idle_mu_, so a wait_idle() between its check and its sleep sees it; and still under
+      // error_mu_ (forgive()'s order), so a forgive() cannot clear the failure before this flag
+      // and leave the engine failed with no error.
+      std::lock_guard<std::mutex> idle(idle_mu_);
+      failed_.store(true);
     }
   }
   if (forgiven) {
     write_done();  // a write to a masked peer: done with, as far as waits go (and they are woken)
     return;
-  }
-  {
-    // Under idle_mu_, so a wait_idle() between its check and its sleep sees it.
-    std::lock_guard<std::mutex> lock(idle_mu_);
-    failed_.store(true);
   }
   idle_cv_.notify_all();
 }
