@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(kLargeThreads) slot_kernel(DispatchSendParams 
   }
   for (int i = threadIdx.x; i < kLargeWarps * E; i += kLargeThreads) hist[i] = 0;
   __syncthreads();
-  block_exclusive_scan<kLargeThreads, int32_t>(
+  const int32_t send_rows = block_exclusive_scan<kLargeThreads, int32_t>(
       E, [&](int o) { return key_rows(in, counts, key_at(in, o)); },
       [&](int o, int32_t v) { first[key_at(in, o)] = v; });
   for (int e = threadIdx.x; e < E; e += kLargeThreads) mine[e] += first[e];
@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kLargeThreads) slot_kernel(DispatchSendParams 
       dropped = *s.dropped;
       *s.dropped = 0;  // for the next call
     }
-    write_routing(p, counts);
+    write_routing(p, counts, first, send_rows);
     __syncthreads();
     if (threadIdx.x == 0) publish_routing(in, epoch, dropped != 0, p.cached != 0);
   }

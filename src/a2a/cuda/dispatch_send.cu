@@ -240,10 +240,10 @@ __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) rout
   __syncthreads();
   warp_offsets(hist, kRouteWarps, E, nullptr, counts);
   __syncthreads();
-  block_exclusive_scan<kRoutePackThreads, int32_t>(
+  const int32_t send_rows = block_exclusive_scan<kRoutePackThreads, int32_t>(
       E, [&](int o) { return key_rows(in, counts, key_at(in, o)); },
       [&](int o, int32_t v) { first[key_at(in, o)] = v; });
-  if (leader) write_routing(p, counts);
+  if (leader) write_routing(p, counts, first, send_rows);
   const Scratch& s = p.scratch;
   const auto sink = [&](int64_t i, int slot, int e, int32_t word) {
     table[i] = make_int2(slot, e);

@@ -105,9 +105,10 @@ __device__ inline void compute_plan(const DispatchRecvParams& p, int32_t* matrix
       for (int i = lane; i < N * L; i += kWarp) received += matrix[(i / L) * W + r * L + i % L];
       received = warp_sum(received);
       int64_t wire = 0;  // rows per node: a forwarder's wire rows may outnumber its copies (plan.h worst_overflow)
-      if (in.node_rows)
+      if (in.node_rows) {
         for (int q = lane; q < N; q += kWarp) wire += matrix[q * W + E + r];
-      wire = warp_sum(wire);
+        wire = warp_sum(wire);
+      }
       if (lane == 0 && (received > in.max_recv || wire > in.max_recv)) ok = 0, report(in, kStatusCapacity);
     }
   }

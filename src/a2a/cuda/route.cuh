@@ -198,12 +198,16 @@ __device__ __forceinline__ int32_t key_rows(const Instance& in, const int32_t* c
   return wide_remote(in, key / in.local_experts) ? 0 : counts[key];
 }
 
-// u[r]: wire rows to rank r (routing row words E + r).
-__device__ __forceinline__ uint32_t wire_rows(const Instance& in, const int32_t* counts, int r) {
-  if (wide_remote(in, r)) return static_cast<uint32_t>(counts[in.num_experts + r]);
-  uint32_t n = 0;
-  for (int i = 0; i < in.local_experts; ++i) n += static_cast<uint32_t>(counts[r * in.local_experts + i]);
-  return n;
+// u[r]: wire rows to rank r (routing row words E + r), from the send order's
+// row starts (first: by key, total: every key's rows): rank r's keys are
+// contiguous there, so its rows are the next rank's start less its own. Not
+// a sum over r's experts: alone on a node that is one thread adding all E.
+__device__ __forceinline__ uint32_t wire_rows(const Instance& in, const int32_t* first, int32_t total, int r) {
+  const auto start = [&](int q) {
+    if (q == in.world) return total;
+    return wide(in) ? first[in.num_experts + q] : first[q * in.local_experts];
+  };
+  return static_cast<uint32_t>(start(r + 1) - start(r));
 }
 
 // First walk: hist[e] += this warp's copies of e.
@@ -297,11 +301,15 @@ __device__ __forceinline__ void warp_offsets(int32_t* hist, int warps, int E, co
 // proxy scatters it to remote peers, and the host reads it) and device
 // workspace (where their plan reads it, without a trip over PCIe). Every
 // thread of the block calls it.
-// The row is count[0..E) then u[0..N) (counts: the routing keys' totals).
-__device__ __forceinline__ void write_routing(const DispatchSendParams& p, const int32_t* counts) {
+// The row is count[0..E) then u[0..N) (counts: the routing keys' totals;
+// first and total: their send rows, block_exclusive_scan's).
+__device__ __forceinline__ void write_routing(const DispatchSendParams& p, const int32_t* counts, const int32_t* first,
+                                              int32_t total) {
   const Instance& in = p.inst;
   const int E = in.num_experts, words = E + in.world;
-  const auto word = [&](int w) { return w < E ? static_cast<uint32_t>(counts[w]) : wire_rows(in, counts, w - E); };
+  const auto word = [&](int w) {
+    return w < E ? static_cast<uint32_t>(counts[w]) : wire_rows(in, first, total, w - E);
+  };
   if (p.cached) {
     // Every receiver plans from its handle's matrix: nothing is published. Our
     // own device row still gets this call's counts, because stage_kernel sizes
