@@ -96,10 +96,19 @@ def _to_stderr(config: pytest.Config, text: str) -> None:
 
 
 def _abort(config: pytest.Config, text: str) -> None:
-    """Report, then end every rank of the job."""
+    """Report, then end every rank of the job. The report also goes to
+    $MOE_A2A_RANK_LOGS/rankN.abort.log, where tools/run_tests.sh names the failed test from
+    (rank 0 writes to the console alone, tools/rank0_console.sh)."""
     from mpi4py import MPI
 
     _to_stderr(config, text)
+    logs = os.environ.get("MOE_A2A_RANK_LOGS")
+    if logs:
+        with (
+            contextlib.suppress(OSError),
+            open(os.path.join(logs, f"rank{MPI.COMM_WORLD.Get_rank()}.abort.log"), "w") as f,
+        ):
+            f.write(text)
     MPI.COMM_WORLD.Abort(1)
 
 

@@ -50,6 +50,7 @@ for entry in "${MATRIX[@]}"; do
     step "multi-rank tests: provider=$provider ranks=$n"
     run="$LOGS/$provider-n$n"
     mkdir -p "$run"
+    rm -f "$run"/rank*.abort.log  # an earlier run's (tests/conftest.py writes one where a test aborts the job)
     if ! MOE_A2A_TEST_PROVIDER=$provider MOE_A2A_RANK_LOGS=$run timeout 1500 \
         "${MPIRUN[@]}" -n "$n" "$ROOT/tools/rank0_console.sh" \
         python -m pytest -q -rs -p no:cacheprovider --with-mpi tests/mpi --junitxml="$run/junit.xml"; then

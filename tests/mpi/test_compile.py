@@ -30,8 +30,10 @@ def assert_close_but_bf16_flips(got: torch.Tensor, want: torch.Tensor, what: str
     """Within TOL of the scale (the largest magnitude), except where the fp32 difference
     Inductor makes flips a bf16 rounding (eager's bf16 casts are emulated): a flip moves one
     value by one bf16 ulp, which sums and products downstream carry into a few elements; those
-    may differ by up to 4 bf16 ulps of the scale (2^-6 of it), and must be few (at most 1 in 10:
-    one flip in a token's bf16 row reaches every element of that token's gradient)."""
+    may differ by up to 4 bf16 ulps of the scale (2^-6 of it), and must be few: at most 1 in 10
+    of the elements, or all within 1 in 10 of the rows (last dimension; one row always may):
+    one flip in a token's bf16 row reaches every element of that token's gradient, which on a
+    rank of 3 tokens is a third of x.grad."""
     import titan_case as tc
 
     g, w = got.detach().float().cpu(), want.detach().float().cpu()
@@ -40,7 +42,12 @@ def assert_close_but_bf16_flips(got: torch.Tensor, want: torch.Tensor, what: str
     if not bool(off.any()):
         return
     assert float(diff.max()) <= 2.0**-6 * tc.scale(want), f"{what}: max err {float(diff.max())}"
-    assert int(off.sum()) <= max(1, off.numel() // 10), f"{what}: {int(off.sum())} of {off.numel()} differ"
+    rows_off = off.reshape(-1, off.shape[-1]).any(dim=1)
+    few = int(off.sum()) <= max(1, off.numel() // 10) or int(rows_off.sum()) <= max(1, rows_off.numel() // 10)
+    assert few, (
+        f"{what}: {int(off.sum())} of {off.numel()} elements differ, in {int(rows_off.sum())} of "
+        f"{rows_off.numel()} rows"
+    )
 
 
 @pytest.fixture(autouse=True)
