@@ -28,6 +28,8 @@ constexpr int kPlanMinBlocks = kRegistersPerSm / (kPlanThreads * PlanTuning::kMa
 // (ours through the grid dependency, the peers' through their dispatch
 // flags) only before it ends, because the copy kernel after it reads their
 // rows.
+// kWide: as source_row's (recv_rows.cuh).
+template <bool kWide>
 __global__ void __launch_bounds__(kPlanThreads, kPlanMinBlocks) plan_kernel(DispatchRecvParams p) {
   if (stale_replay(p.inst)) return;  // a graph captured before a mask
   extern __shared__ int32_t matrix[];
@@ -53,7 +55,7 @@ __global__ void __launch_bounds__(kPlanThreads, kPlanMinBlocks) plan_kernel(Disp
     __syncthreads();
     ok = ok && proxy_ok;
   }
-  compute_plan(p, matrix, ok);
+  compute_plan<kWide>(p, matrix, ok);
   if (p.wait_in_kernel && !wait_peers(in, kFlagDispatch, epoch, deadline)) deliver_nothing(p);
   grid_dependency_wait();  // the routing before us reported its status too
   allow_dependents();
@@ -282,9 +284,10 @@ cudaError_t launch_dispatch_entries(const DispatchRecvParams& p, cudaStream_t st
 
 cudaError_t launch_dispatch_plan(const DispatchRecvParams& p, cudaStream_t stream) {
   const size_t smem = plan_smem_bytes(p.inst);
-  cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(plan_kernel), smem);
+  const auto kernel = wide(p.inst) ? plan_kernel<true> : plan_kernel<false>;
+  cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   if (err != cudaSuccess) return err;
-  return launch_kernel(plan_kernel, 1, kPlanThreads, smem, stream, p);
+  return launch_kernel(kernel, 1, kPlanThreads, smem, stream, p);
 }
 
 }  // namespace moe_a2a::a2a::cuda

@@ -40,11 +40,12 @@ __host__ __device__ __forceinline__ int recv_row_chunks(const DispatchRecvParams
 // Copy (s, j) into output row `row`: the walk's chunk of it, or (weighted) all
 // of it. Weighted receives are kernels of their own, so that the plain copy
 // keeps its registers.
-template <int kMode>
+// kWide: as source_row's (recv_rows.cuh).
+template <int kMode, bool kWide = true>
 __device__ __forceinline__ void receive_row(const DispatchRecvParams& p, int s, int j, int row, const ChunkWalk& walk) {
-  if constexpr (kMode == kRecvScaled) copy_row_scaled(p, s, j, row, walk.lane);
-  else if constexpr (kMode == kRecvDequant) dequant_row(p, s, j, row, walk.lane);
-  else copy_chunk(p, s, j, row, walk.chunk, walk.lane);
+  if constexpr (kMode == kRecvScaled) copy_row_scaled<kWide>(p, s, j, row, walk.lane);
+  else if constexpr (kMode == kRecvDequant) dequant_row<kWide>(p, s, j, row, walk.lane);
+  else copy_chunk<kWide>(p, s, j, row, walk.chunk, walk.lane);
 }
 
 // Items of the walk of our copies: tokens, or copies when weighted.
@@ -76,7 +77,7 @@ __device__ __forceinline__ bool walk_self(const DispatchRecvParams& p, const Seg
 
 // Copies every received row into the output, from the plan in scratch; our
 // copies left in x by token (self_copy_of), the rest in output order.
-template <int kMode>
+template <int kMode, bool kWide>
 __device__ __forceinline__ void copy_rows(const DispatchRecvParams& p, Segment* segs) {
   const Instance& in = p.inst;
   load_segments(segs, p.scratch.segments, in.num_experts);
@@ -94,10 +95,10 @@ __device__ __forceinline__ void copy_rows(const DispatchRecvParams& p, Segment* 
       row = walk.row - items;
       if (!locate(segs, in.num_experts, row, &s, &j)) continue;  // padding
       if (by_token && s == in.rank) continue;
-      if (per_rank(in, s)) j = wire_row_of(p, s, row);  // a row per rank holds it
-      else if (node_sender(in, s)) j = p.scratch.row_wire[row];  // a row per node, at its forwarder
+      if (kWide && per_rank(in, s)) j = wire_row_of(p, s, row);  // a row per rank holds it
+      else if (kWide && node_sender(in, s)) j = p.scratch.row_wire[row];  // a row per node, at its forwarder
     }
-    receive_row<kMode>(p, s, j, row, walk);
+    receive_row<kMode, kWide>(p, s, j, row, walk);
   }
 }
 
@@ -131,12 +132,12 @@ __device__ __forceinline__ void copy_sender_rows(const DispatchRecvParams& p, Se
   }
 }
 
-template <int kMode>
+template <int kMode, bool kWide>
 __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) copy_kernel(DispatchRecvParams p) {
   if (stale_replay(p.inst)) return;  // a graph captured before a mask
   extern __shared__ Segment segs[];
   kernel_prologue();
-  copy_rows<kMode>(p, segs);
+  copy_rows<kMode, kWide>(p, segs);
 }
 
 template <int kMode>
@@ -168,7 +169,7 @@ __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) plan_copy_kern
   }
   __syncthreads();
   if (planner) {
-    compute_plan(p, smem, true);
+    compute_plan<false>(p, smem, true);  // launched without rows per rank or node
     __threadfence();  // every thread's plan before thread 0's word
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -183,7 +184,7 @@ __global__ void __launch_bounds__(kCopyThreads, kCopyBlocksPerSm) plan_copy_kern
   }
   __syncthreads();
   if (!planned || ld_acquire_gpu(p.scratch.plan_ready) < epoch) return;  // each thread acquires the plan
-  copy_rows<kMode>(p, reinterpret_cast<Segment*>(smem));
+  copy_rows<kMode, false>(p, reinterpret_cast<Segment*>(smem));
 }
 
 }  // namespace
@@ -226,9 +227,10 @@ cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t strea
     err = launch_dispatch_entries(every, stream);
   }
   if (err != cudaSuccess) return err;
-  const auto copy = p.dequant                ? copy_kernel<kRecvDequant>
-                    : p.row_scale != nullptr ? copy_kernel<kRecvScaled>
-                                             : copy_kernel<kRecvCopy>;
+  const bool w = wide(in);
+  const auto copy = p.dequant                ? (w ? copy_kernel<kRecvDequant, true> : copy_kernel<kRecvDequant, false>)
+                    : p.row_scale != nullptr ? (w ? copy_kernel<kRecvScaled, true> : copy_kernel<kRecvScaled, false>)
+                                             : (w ? copy_kernel<kRecvCopy, true> : copy_kernel<kRecvCopy, false>);
   err = allow_dynamic_smem(reinterpret_cast<const void*>(copy), seg_smem);
   if (err != cudaSuccess) return err;
   return launch_kernel(copy, blocks, kCopyThreads, seg_smem, stream, p);

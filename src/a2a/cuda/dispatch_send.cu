@@ -192,8 +192,8 @@ __host__ __device__ constexpr size_t route_pack_smem(int64_t max_copies, int num
 // each copy's slot and rank for the receive and combine kernels; it lets our
 // next kernel (the plan, which reads the epoch and the routing row) be
 // scheduled only after publishing them, the other blocks as soon as they
-// start. kRanked: rows per rank (Instance::rank_rows), an instantiation of
-// its own, so that the decode path without them keeps its registers.
+// start. kRanked: rows per rank or node (wide), an instantiation of its
+// own, so that the decode path without them keeps its registers and code.
 template <int kMode, bool kRanked>
 __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) route_pack_kernel(DispatchSendParams p) {
   if (stale_replay(p.inst)) return;  // a graph captured before a mask
@@ -241,15 +241,15 @@ __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) rout
   warp_offsets(hist, kRouteWarps, E, nullptr, counts);
   __syncthreads();
   const int32_t send_rows = block_exclusive_scan<kRoutePackThreads, int32_t>(
-      E, [&](int o) { return key_rows(in, counts, key_at(in, o)); },
-      [&](int o, int32_t v) { first[key_at(in, o)] = v; });
-  if (leader) write_routing(p, counts, first, send_rows);
+      E, [&](int o) { return key_rows<kRanked>(in, counts, key_at<kRanked>(in, o)); },
+      [&](int o, int32_t v) { first[key_at<kRanked>(in, o)] = v; });
+  if (leader) write_routing<kRanked>(p, counts, first, send_rows);
   const Scratch& s = p.scratch;
   const auto sink = [&](int64_t i, int slot, int e, int32_t word) {
     table[i] = make_int2(slot, e);
     if (!leader) return;
     const int r = e >= 0 ? e / L : -1;
-    s.slots[i] = slot, s.copy_rank[i] = r >= 0 ? wire_dest(in, r) : -1;  // where its combine comes back from
+    s.slots[i] = slot, s.copy_rank[i] = r >= 0 && kRanked ? wire_dest(in, r) : r;  // where its combine comes back from
     if (kRanked) s.copy_entry[i] = word;
     if (r == in.rank && p.self_in_place) s.self_copy[slot - first[r * L]] = static_cast<int32_t>(i);
   };

@@ -75,7 +75,9 @@ __device__ inline void node_segments(const DispatchRecvParams& p, const int32_t*
 // `ok` false (a wait failed) or over capacity it delivers nothing. Rows of
 // the matrix are count[s][0..E) then u[s][0..N): positions on the wire
 // count wire rows, the output copies.
-// Shared memory: matrix [world][E + world], n[L], start[L].
+// Shared memory: matrix [world][E + world], n[L], start[L]. kWide: as
+// source_row's (recv_rows.cuh).
+template <bool kWide = true>
 __device__ inline void compute_plan(const DispatchRecvParams& p, int32_t* matrix, bool ok_in) {
   const Instance& in = p.inst;
   const Layout& l = in.layout;
@@ -105,7 +107,7 @@ __device__ inline void compute_plan(const DispatchRecvParams& p, int32_t* matrix
       for (int i = lane; i < N * L; i += kWarp) received += matrix[(i / L) * W + r * L + i % L];
       received = warp_sum(received);
       int64_t wire = 0;  // rows per node: a forwarder's wire rows may outnumber its copies (plan.h worst_overflow)
-      if (in.node_rows) {
+      if (kWide && in.node_rows) {
         for (int q = lane; q < N; q += kWarp) wire += matrix[q * W + E + r];
         wire = warp_sum(wire);
       }
@@ -123,7 +125,7 @@ __device__ inline void compute_plan(const DispatchRecvParams& p, int32_t* matrix
     copies = warp_sum(copies);
     before = warp_sum(before);
     // Rows per node: where s's rows for our node sit, at its forwarder here.
-    const int fwd = node_sender(in, s) ? forwarder_of(in, s) : -1;
+    const int fwd = kWide && node_sender(in, s) ? forwarder_of(in, s) : -1;
     int64_t read_shared_off = 0;
     if (fwd >= 0) {
       for (int q = lane; q < s; q += kWarp) {
@@ -142,7 +144,7 @@ __device__ inline void compute_plan(const DispatchRecvParams& p, int32_t* matrix
       sp.read_shared_off = read_shared_off;
     }
   }
-  if (wide(in)) {  // entry_kernel hands out each wide sender's rows from here
+  if (kWide && wide(in)) {  // entry_kernel hands out each wide sender's rows from here
     const int keys = N * L * (in.node_rows ? in.ranks_per_node : 1);
     for (int i = tid; i < keys; i += kPlanThreads) p.scratch.entry_next[i] = 0;
   }
@@ -182,11 +184,11 @@ __device__ inline void compute_plan(const DispatchRecvParams& p, int32_t* matrix
       at += mine[s * W + i];
     }
   }
-  if (in.node_rows) node_segments(p, matrix, n, start);
+  if (kWide && in.node_rows) node_segments(p, matrix, n, start);
   __syncthreads();
   if (tid == 0) {
     *p.scratch.output_rows = *p.scratch.output_rows_host = rows_out;
-    if (in.node_rows) *p.scratch.plan_ok = *in.epoch;
+    if (kWide && in.node_rows) *p.scratch.plan_ok = *in.epoch;
   }
 }
 

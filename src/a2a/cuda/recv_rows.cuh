@@ -11,11 +11,16 @@
 
 namespace moe_a2a::a2a::cuda {
 
+// kWide: the instance may have rows per rank or node (wide); kernels of
+// instances without them take false, leaving those paths out of their code
+// (their one-node decode step is the shortest there is: 7% of it went to
+// the wide paths compiled in beside it).
+template <bool kWide = true>
 __device__ __forceinline__ const uint8_t* source_row(const Instance& in, const SenderPlan* senders, int s, int64_t j) {
   const Layout& l = in.layout;
   const size_t row = l.dispatch_row;
   const int64_t P = in.max_private;
-  if (node_sender(in, s)) {  // its row for our node, in its forwarder's device workspace
+  if (kWide && node_sender(in, s)) {  // its row for our node, in its forwarder's device workspace
     const SenderPlan& sp = senders[s];
     const uint8_t* ws = in.peers[sp.fwd].device;
     if (j < P) return ws + l.private_rows + (static_cast<size_t>(s) * P + j) * row;
@@ -33,11 +38,12 @@ __device__ __forceinline__ const uint8_t* source_row(const Instance& in, const S
 // the send half left them in place. Every one of ours has its output row
 // noted (once, by the warp's lane 0 of its first chunk) for a combine that
 // reads it in place.
+template <bool kWide = true>
 __device__ __forceinline__ const uint8_t* row_source(const DispatchRecvParams& p, int s, int j, int row, bool note) {
   const Instance& in = p.inst;
-  if (s != in.rank) return source_row(in, p.scratch.senders, s, j);
+  if (s != in.rank) return source_row<kWide>(in, p.scratch.senders, s, j);
   if (note) p.scratch.self_row[j] = row;
-  if (p.self_x == nullptr) return source_row(in, p.scratch.senders, s, j);
+  if (p.self_x == nullptr) return source_row<kWide>(in, p.scratch.senders, s, j);
   const int64_t token = p.scratch.self_copy[j] / in.topk;
   return static_cast<const uint8_t*>(p.self_x) + token * in.payload_bytes;
 }
@@ -45,15 +51,16 @@ __device__ __forceinline__ const uint8_t* row_source(const DispatchRecvParams& p
 // Output row `row`'s weight, copy (s, j)'s: from its row's tail (a row per
 // rank or node: its entry's, as entry_kernel took it), or for one of ours read in
 // place from the send half's weights.
+template <bool kWide = true>
 __device__ __forceinline__ void deliver_weight(const DispatchRecvParams& p, int s, int j, int row) {
   if (p.out_weight == nullptr) return;
   const Instance& in = p.inst;
   float w;
   if (s == in.rank && p.self_x != nullptr)
     w = p.self_weights != nullptr ? p.self_weights[p.scratch.self_copy[j]] : 0.0f;
-  else if (per_rank(in, s)) w = p.scratch.entry_weight[p.scratch.row_entry[row]];
-  else if (node_sender(in, s)) w = p.scratch.row_weight[row];
-  else w = load_f32(source_row(in, p.scratch.senders, s, j) + in.layout.dispatch_tail);
+  else if (kWide && per_rank(in, s)) w = p.scratch.entry_weight[p.scratch.row_entry[row]];
+  else if (kWide && node_sender(in, s)) w = p.scratch.row_weight[row];
+  else w = load_f32(source_row<kWide>(in, p.scratch.senders, s, j) + in.layout.dispatch_tail);
   p.out_weight[row] = w;
 }
 
@@ -64,13 +71,14 @@ __device__ __forceinline__ int wire_row_of(const DispatchRecvParams& p, int s, i
 }
 
 // One warp: chunk `chunk` of copy (s, j) into output row `row`.
+template <bool kWide = true>
 __device__ __forceinline__ void copy_chunk(const DispatchRecvParams& p, int s, int j, int row, int chunk, int lane) {
   const Instance& in = p.inst;
   const int64_t payload = in.payload_bytes;
   const int64_t scale_bytes = static_cast<int64_t>(in.num_scales) * sizeof(float);
   const int64_t row_bytes = payload + scale_bytes;
-  const uint8_t* src = row_source(p, s, j, row, chunk == 0 && lane == 0);
-  if (chunk == 0 && lane == 0) deliver_weight(p, s, j, row);
+  const uint8_t* src = row_source<kWide>(p, s, j, row, chunk == 0 && lane == 0);
+  if (chunk == 0 && lane == 0) deliver_weight<kWide>(p, s, j, row);
   uint8_t* dst_x = static_cast<uint8_t*>(p.out_x) + row * payload;
   uint8_t* dst_scale = reinterpret_cast<uint8_t*>(p.out_scale) + row * scale_bytes;
   if (split_copyable(dst_x, dst_scale, src, payload, scale_bytes)) {

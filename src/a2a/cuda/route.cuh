@@ -181,9 +181,12 @@ __device__ __forceinline__ int route_keys(const Instance& in) {
 }
 
 // The key at position o of the send order: per rank its row key (rows per
-// rank), then its experts; without rows per rank the experts alone.
+// rank), then its experts; without rows per rank the experts alone. kWide
+// here and below: the instance may have rows per rank or node (false: a
+// kernel launched without them, which leaves their paths out of its code).
+template <bool kWide = true>
 __device__ __forceinline__ int key_at(const Instance& in, int o) {
-  if (!wide(in)) return o;
+  if (!kWide || !wide(in)) return o;
   const int L = in.local_experts, r = o / (L + 1), i = o % (L + 1);
   return i == 0 ? in.num_experts + r : r * L + i - 1;
 }
@@ -192,7 +195,9 @@ __device__ __forceinline__ int key_at(const Instance& in, int o) {
 // those with a copy on its node, where it is our forwarder; 0 for the node's
 // other ranks), its experts none; a same-node rank's experts their copies,
 // its row key none.
+template <bool kWide = true>
 __device__ __forceinline__ int32_t key_rows(const Instance& in, const int32_t* counts, int key) {
+  if (!kWide) return counts[key];
   const int E = in.num_experts;
   if (key >= E) return wide_remote(in, key - E) ? counts[key] : 0;
   return wide_remote(in, key / in.local_experts) ? 0 : counts[key];
@@ -202,10 +207,11 @@ __device__ __forceinline__ int32_t key_rows(const Instance& in, const int32_t* c
 // row starts (first: by key, total: every key's rows): rank r's keys are
 // contiguous there, so its rows are the next rank's start less its own. Not
 // a sum over r's experts: alone on a node that is one thread adding all E.
+template <bool kWide = true>
 __device__ __forceinline__ uint32_t wire_rows(const Instance& in, const int32_t* first, int32_t total, int r) {
   const auto start = [&](int q) {
     if (q == in.world) return total;
-    return wide(in) ? first[in.num_experts + q] : first[q * in.local_experts];
+    return kWide && wide(in) ? first[in.num_experts + q] : first[q * in.local_experts];
   };
   return static_cast<uint32_t>(start(r + 1) - start(r));
 }
@@ -303,12 +309,13 @@ __device__ __forceinline__ void warp_offsets(int32_t* hist, int warps, int E, co
 // thread of the block calls it.
 // The row is count[0..E) then u[0..N) (counts: the routing keys' totals;
 // first and total: their send rows, block_exclusive_scan's).
+template <bool kWide = true>
 __device__ __forceinline__ void write_routing(const DispatchSendParams& p, const int32_t* counts, const int32_t* first,
                                               int32_t total) {
   const Instance& in = p.inst;
   const int E = in.num_experts, words = E + in.world;
   const auto word = [&](int w) {
-    return w < E ? static_cast<uint32_t>(counts[w]) : wire_rows(in, first, total, w - E);
+    return w < E ? static_cast<uint32_t>(counts[w]) : wire_rows<kWide>(in, first, total, w - E);
   };
   if (p.cached) {
     // Every receiver plans from its handle's matrix: nothing is published. Our

@@ -119,11 +119,12 @@ __device__ __forceinline__ void scale_row_any(const DispatchRecvParams& p, const
   }
 }
 
+template <bool kWide = true>  // recv_rows.cuh's source_row
 __device__ __forceinline__ void copy_row_scaled(const DispatchRecvParams& p, int s, int j, int row, int lane) {
   const Instance& in = p.inst;
   const int H = in.hidden;
-  const uint8_t* src = row_source(p, s, j, row, lane == 0);
-  if (lane == 0) deliver_weight(p, s, j, row);
+  const uint8_t* src = row_source<kWide>(p, s, j, row, lane == 0);
+  if (lane == 0) deliver_weight<kWide>(p, s, j, row);
   uint8_t* dst = static_cast<uint8_t*>(p.out_x) + static_cast<int64_t>(row) * in.payload_bytes;
   const uint8_t* y = p.dot_y == nullptr ? nullptr
                                         : static_cast<const uint8_t*>(p.dot_y) +
@@ -164,11 +165,12 @@ __device__ __forceinline__ void round_trip_fp8(const DispatchRecvParams& p, cons
   decode_fp8(encode_fp8(v, scale), scale, v);
 }
 
+template <bool kWide = true>  // recv_rows.cuh's source_row
 __device__ __forceinline__ void dequant_row(const DispatchRecvParams& p, int s, int j, int row, int lane) {
   const Instance& in = p.inst;
   const int H = in.hidden, out_bytes = dtype_size(p.out_dtype);
-  const uint8_t* src = row_source(p, s, j, row, lane == 0);
-  if (lane == 0) deliver_weight(p, s, j, row);
+  const uint8_t* src = row_source<kWide>(p, s, j, row, lane == 0);
+  if (lane == 0) deliver_weight<kWide>(p, s, j, row);
   uint8_t* dst = static_cast<uint8_t*>(p.out_x) + static_cast<int64_t>(row) * H * out_bytes;
   for (int64_t first = static_cast<int64_t>(lane) * kVec; first < H; first += kWarp * kVec) {
     const int n = H - first < kVec ? static_cast<int>(H - first) : kVec;
