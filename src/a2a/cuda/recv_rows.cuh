@@ -13,8 +13,8 @@ namespace moe_a2a::a2a::cuda {
 
 // kWide: the instance may have rows per rank or node (wide); kernels of
 // instances without them take false, leaving those paths out of their code
-// (their one-node decode step is the shortest there is: 7% of it went to
-// the wide paths compiled in beside it).
+// (a rank alone replays its decode step in about 27 us; with those paths
+// compiled in beside its own it took 7% longer: docs/benchmarks-fabric.md).
 template <bool kWide = true>
 __device__ __forceinline__ const uint8_t* source_row(const Instance& in, const SenderPlan* senders, int s, int64_t j) {
   const Layout& l = in.layout;
