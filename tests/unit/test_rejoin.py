@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import time
 import uuid
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -157,8 +158,12 @@ def test_rejoin_with_nothing_to_rejoin_is_an_error_naming_why() -> None:
 # -- across nodes: the meeting in a torch.distributed.Store (StoreRendezvous) --------------------
 
 
-def _store_meet(parts: list[tuple[int, str, tuple[int, ...], int]], world: int, rpn: int | None) -> dict:
-    """Each participant (rank, role, masked, epoch) as a thread meeting in one in-process store."""
+def _store_meet(
+    parts: list[tuple[int, str, tuple[int, ...], int]], world: int, rpn: int | None, staged: bool = False
+) -> dict:
+    """Each participant (rank, role, masked, epoch) as a thread meeting in one in-process store.
+    `staged`: the first starts and claims its rank, each middle one then starts and ends (a
+    refused claim), and the last starts after them: the order the test means, whatever the load."""
     import threading
 
     import torch.distributed as dist
@@ -182,8 +187,12 @@ def _store_meet(parts: list[tuple[int, str, tuple[int, ...], int]], world: int, 
         out[rank] = out[rank] + [result] if rank in out else [result]
 
     threads = [threading.Thread(target=run, args=part) for part in parts]
-    for t in threads:
+    for i, t in enumerate(threads):
         t.start()
+        if staged and i == 0:
+            store.wait([f"moe-a2a-rejoin/{key}/r{parts[0][0]}"], timedelta(seconds=30))
+        elif staged and i < len(threads) - 1:
+            t.join(30)
     for t in threads:
         t.join(30)
     out["keys"] = store.num_keys()
@@ -209,8 +218,8 @@ def test_across_nodes_a_replacement_for_a_live_rank_fails_every_participant() ->
 def test_across_nodes_a_rank_comes_once_per_key() -> None:
     """Two replacements for rank 1 with one key: the second's claim is refused, naming why; the
     first meets the survivor."""
-    parts = [(0, SURVIVOR, (1,), 4), (1, REPLACEMENT, (), 0), (1, REPLACEMENT, (), 0)]
-    out = _store_meet(parts, 2, 1)
+    parts = [(1, REPLACEMENT, (), 0), (1, REPLACEMENT, (), 0), (0, SURVIVOR, (1,), 4)]
+    out = _store_meet(parts, 2, 1, staged=True)  # the second comes while the first's claim is held
     kinds = sorted(r[0] for r in out[1])
     assert kinds == ["RejoinError", "ok"], out
     refused = next(r for r in out[1] if r[0] == "RejoinError")[1]
