@@ -285,7 +285,9 @@ class LocalWorld:
         torch.cuda.synchronize()
         for a in self.ranks:
             a.check()
-        filled = filled or [a.output_rows for a in self.ranks]
+        if not filled:  # calls that wait in kernels leave output_rows: the padded counts' sum
+            pad = s_.expert_padding
+            filled = [int(((o.tokens_per_expert + pad - 1) // pad * pad).sum()) for o in outs]
         for rows, o in zip(filled, outs, strict=True):
             o.expert_x = o.expert_x[:rows]
             if o.expert_x_scale is not None:

@@ -198,6 +198,8 @@ class CudaAllToAll {
   // plan keeps running.
   void wait_planned();
   int32_t status() const { return res_.words()->status; }
+  // Output rows of the last dispatch_recv with host_wait (eager calls): calls
+  // that wait in kernels (graphs) leave it, as no host reads it there.
   int64_t output_rows() const { return res_.words()->output_rows; }
   int64_t max_output_rows() const;
   // Wire rows each sender sent us in the last planned dispatch, from the

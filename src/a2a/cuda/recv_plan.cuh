@@ -184,10 +184,15 @@ __device__ inline void compute_plan(const DispatchRecvParams& p, int32_t* matrix
       at += mine[s * W + i];
     }
   }
-  if (kWide && in.node_rows) node_segments(p, matrix, n, start);
-  __syncthreads();
+  if (kWide && in.node_rows) {
+    node_segments(p, matrix, n, start);
+    __syncthreads();  // every thread's segments before plan_ok
+  }
   if (tid == 0) {
-    *p.scratch.output_rows = *p.scratch.output_rows_host = rows_out;
+    *p.scratch.output_rows = rows_out;
+    // Only an eager host reads the mapped copy (CudaAllToAll::output_rows); a
+    // store to host memory delays the end of a graph's replay (about 0.3 us).
+    if (!p.wait_in_kernel) *p.scratch.output_rows_host = rows_out;
     if (kWide && in.node_rows) *p.scratch.plan_ok = *in.epoch;
   }
 }
