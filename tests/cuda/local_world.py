@@ -26,6 +26,7 @@ from moe_a2a import _core
 from moe_a2a.all_to_all import COMBINE_DTYPES, DISPATCH_DTYPES, Config
 from moe_a2a.backends.common import CORE_DTYPE, FP8_BLOCK
 from moe_a2a.backends.cuda import cuda_available
+from moe_a2a.layers.experts import padded_offsets
 
 DTYPES = {**DISPATCH_DTYPES, **COMBINE_DTYPES}
 POISON_BYTE = 0xA5
@@ -285,9 +286,8 @@ class LocalWorld:
         torch.cuda.synchronize()
         for a in self.ranks:
             a.check()
-        if not filled:  # calls that wait in kernels leave output_rows: the padded counts' sum
-            pad = s_.expert_padding
-            filled = [int(((o.tokens_per_expert + pad - 1) // pad * pad).sum()) for o in outs]
+        if not filled:  # calls that wait in kernels leave output_rows: the padded segments' end
+            filled = [int(padded_offsets(o.tokens_per_expert, s_.expert_padding)[-1]) for o in outs]
         for rows, o in zip(filled, outs, strict=True):
             o.expert_x = o.expert_x[:rows]
             if o.expert_x_scale is not None:
