@@ -63,7 +63,10 @@ for entry in "${MATRIX[@]}"; do
       done
       # The test that stopped the job, as tests/conftest.py announces it on the failing rank.
       first=$(grep -ahm1 -o "=== moe-a2a: rank .* FAILED during .*" "$run"/rank*.log | head -1)
-      fail "multi-rank provider=$provider ranks=$n: ${first:-no test reported a failure (see the rank logs above)}"
+      # and its error's first line, from the same rank's log (CI shows only the end of the output)
+      log=$(grep -alm1 -F "${first:-no announcement}" "$run"/rank*.log | head -1)
+      why=$([[ -n $log ]] && grep -am1 "^E  " "$log" | sed 's/^E  *//')
+      fail "multi-rank provider=$provider ranks=$n: ${first:-no test reported a failure (see the rank logs above)}${why:+ -- $why}"
     fi
   done
 done
