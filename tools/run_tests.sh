@@ -64,8 +64,11 @@ for entry in "${MATRIX[@]}"; do
       # The test that stopped the job, as tests/conftest.py announces it on the failing rank.
       first=$(grep -ahm1 -o "=== moe-a2a: rank .* FAILED during .*" "$run"/rank*.log | head -1)
       # and its error's first line, from the same rank's log (CI shows only the end of the output)
-      log=$(grep -alm1 -F "${first:-no announcement}" "$run"/rank*.log | head -1)
-      why=$([[ -n $log ]] && grep -am1 "^E  " "$log" | sed 's/^E  *//')
+      why=
+      if [[ -n $first ]]; then
+        log=$(grep -alF "$first" "$run"/rank*.log | head -1)
+        why=$(grep -am1 "^E  " "$log" | sed 's/^E  *//')
+      fi
       fail "multi-rank provider=$provider ranks=$n: ${first:-no test reported a failure (see the rank logs above)}${why:+ -- $why}"
     fi
   done
