@@ -28,10 +28,10 @@ constexpr int kPlanMinBlocks = kRegistersPerSm / (kPlanThreads * PlanTuning::kMa
 // (ours through the grid dependency, the peers' through their dispatch
 // flags) only before it ends, because the copy kernel after it reads their
 // rows.
-// kWide: as source_row's (recv_rows.cuh).
-template <bool kWide>
+// kWide: as source_row's (recv_rows.cuh); kCheck: as stale_replay's (rows.cuh).
+template <bool kWide, bool kCheck>
 __global__ void __launch_bounds__(kPlanThreads, kPlanMinBlocks) plan_kernel(DispatchRecvParams p) {
-  if (stale_replay(p.inst)) return;  // a graph captured before a mask
+  if (stale_replay<kCheck>(p.inst)) return;  // a graph captured before a mask
   extern __shared__ int32_t matrix[];
   const Instance& in = p.inst;
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(in.epoch);  // published before we were scheduled
@@ -284,7 +284,9 @@ cudaError_t launch_dispatch_entries(const DispatchRecvParams& p, cudaStream_t st
 
 cudaError_t launch_dispatch_plan(const DispatchRecvParams& p, cudaStream_t stream) {
   const size_t smem = plan_smem_bytes(p.inst);
-  const auto kernel = wide(p.inst) ? plan_kernel<true> : plan_kernel<false>;
+  const bool check = p.inst.maskable != 0;
+  const auto kernel = wide(p.inst) ? (check ? plan_kernel<true, true> : plan_kernel<true, false>)
+                                   : (check ? plan_kernel<false, true> : plan_kernel<false, false>);
   cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   if (err != cudaSuccess) return err;
   return launch_kernel(kernel, 1, kPlanThreads, smem, stream, p);

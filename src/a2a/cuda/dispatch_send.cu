@@ -194,9 +194,10 @@ __host__ __device__ constexpr size_t route_pack_smem(int64_t max_copies, int num
 // scheduled only after publishing them, the other blocks as soon as they
 // start. kRanked: rows per rank or node (wide), an instantiation of its
 // own, so that the decode path without them keeps its registers and code.
-template <int kMode, bool kRanked>
+// kCheck: as stale_replay's (rows.cuh).
+template <int kMode, bool kRanked, bool kCheck>
 __global__ void __launch_bounds__(kRoutePackThreads, kRoutePackBlocksPerSm) route_pack_kernel(DispatchSendParams p) {
-  if (stale_replay(p.inst)) return;  // a graph captured before a mask
+  if (stale_replay<kCheck>(p.inst)) return;  // a graph captured before a mask
   extern __shared__ int2 route_smem[];  // the copy table first: 8-byte aligned
   grid_dependency_wait();
   const bool leader = blockIdx.x == 0;
@@ -308,7 +309,11 @@ cudaError_t launch_pack(const DispatchSendParams& p, cudaStream_t stream) {
   const int64_t max_copies = static_cast<int64_t>(in.max_tokens) * in.topk;
   const size_t smem = route_pack_smem(max_copies, in.num_experts + (wide(in) ? in.world : 0));  // route_keys
   if (max_copies <= kRoutePackMaxCopies && smem <= kRoutePackSmemBytes) {
-    const auto kernel = wide(in) ? route_pack_kernel<kMode, true> : route_pack_kernel<kMode, false>;
+    const bool check = in.maskable != 0;
+    const auto kernel = wide(in) ? (check ? route_pack_kernel<kMode, true, true>  // rows per rank or node
+                                          : route_pack_kernel<kMode, true, false>)
+                                 : (check ? route_pack_kernel<kMode, false, true>  // rows per copy
+                                          : route_pack_kernel<kMode, false, false>);
     cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
     if (err != cudaSuccess) return err;
     const int blocks = persistent_blocks(items, kRoutePackWarps, kRoutePackBlocksPerSm);

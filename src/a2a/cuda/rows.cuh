@@ -329,9 +329,13 @@ __device__ __forceinline__ void report(const Instance& in, int32_t status) {
 // the ranks were masked (Instance::generation). Its whole launch then returns
 // at once, so a stale replay writes to no peer and waits for none, and the
 // host's check() raises StaleGraphError. One load of a word beside the epoch,
-// in instances that may be masked only (Instance::maskable).
+// in instances that may be masked only (Instance::maskable). kCheck false:
+// kernels of the latency-bound path (route_pack, plan) instantiated for
+// instances never masked, where the check would return false anyway, leave
+// out even that load and branch (a replayed decode step's first steps).
+template <bool kCheck = true>
 __device__ __forceinline__ bool stale_replay(const Instance& in) {
-  if (!in.maskable) return false;
+  if (!kCheck || !in.maskable) return false;
   if (*reinterpret_cast<volatile const uint64_t*>(in.epoch + 1) == in.generation) return false;
   if (threadIdx.x == 0 && blockIdx.x == 0) report(in, kStatusStaleGraph);
   return true;
