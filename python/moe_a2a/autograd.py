@@ -179,12 +179,17 @@ class ExpertParallel(process.ProcessBound):
         return p
 
     def _dispatch_recv(self, p: PendingRouted, sent: bool) -> Routed:
-        box: dict[str, Any] = {}
+        # The kernels first, then the autograd node around what they return: its Python then
+        # runs while the GPU copies, not before the first launch. No graph is recorded here
+        # (the core keeps its inputs until its kernels ran; no graph may outlive the step).
+        with torch.no_grad():
+            if sent:
+                rows, h = self._forward_dispatch_recv(p.x.dtype, p.topk_ids, p.topk_weights, p.cached)
+            else:
+                rows, h = self._forward_dispatch(p.x, p.topk_ids, p.topk_weights, p.cached)
         with torch.set_grad_enabled(p.track):
-            expert_x, row_weights = _DispatchFn.apply(
-                self, box, p.x, p.topk_weights, p.topk_ids, p.cached, sent
-            )
-        h: ExpertRouting = box["routing"]
+            # rows in a box, not as an input: an input returned as it is would come back as a view
+            expert_x, row_weights = _DispatchFn.apply(self, h, {"rows": rows}, p.x, p.topk_weights, p.cached)
         if not p.track or p.cached is not None:
             row_weights = h.row_weights
         return Routed(
@@ -487,18 +492,15 @@ class _DispatchFn(torch.autograd.Function):
     def forward(
         ctx: Any,
         ep: ExpertParallel,
-        box: dict,
+        h: ExpertRouting,
+        box: dict[str, torch.Tensor],
         x: torch.Tensor,
         weights: torch.Tensor,
-        ids: torch.Tensor,
         cached: ExpertRouting | None,
-        sent: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if sent:
-            expert_x, h = ep._forward_dispatch_recv(x.dtype, ids, weights, cached)
-        else:
-            expert_x, h = ep._forward_dispatch(x, ids, weights, cached)
-        box["routing"] = h
+        """The node of a dispatch already launched (ExpertParallel._dispatch_recv): `h` is its
+        routing and `box["rows"]` its received rows; `x` and `weights` the inputs they have
+        gradients for."""
         ctx.ep, ctx.handle = ep, h
         assert h.row_weights is not None
         # A new tensor object on the routing's storage (autograd sets its grad_fn; the routing
@@ -506,7 +508,7 @@ class _DispatchFn(torch.autograd.Function):
         row_weights = h.row_weights.detach()
         if cached is not None:
             ctx.mark_non_differentiable(row_weights)
-        return expert_x, row_weights
+        return box["rows"], row_weights
 
     @staticmethod
     @once_differentiable  # the exchange has no backward of its own: a double backward raises
@@ -514,10 +516,10 @@ class _DispatchFn(torch.autograd.Function):
         ctx: Any, grad_rows: torch.Tensor | None, grad_row_weights: torch.Tensor | None
     ) -> tuple[Any, ...]:
         h: ExpertRouting = ctx.handle
-        weights_grad = bool(ctx.needs_input_grad[3])
+        weights_grad = bool(ctx.needs_input_grad[4])
         grad_x, grad_w = ctx.ep._backward_dispatch(grad_rows, grad_row_weights, h, weights_grad)
-        grad_x = grad_x.to(h.x_dtype) if ctx.needs_input_grad[2] else None
-        return None, None, grad_x, grad_w, None, None, None
+        grad_x = grad_x.to(h.x_dtype) if ctx.needs_input_grad[3] else None
+        return None, None, None, grad_x, grad_w, None
 
 
 class _CombineFn(torch.autograd.Function):
