@@ -2,6 +2,7 @@
 
     python3 tools/gpu/profile_train.py [--dispatch-dtype bf16|fp8] [--compile] [--steps 3]
                                        [--compiled-rows exact|capacity] [--trace FILE.json] [--stacks]
+                                       [--timeline]
 
 The step of `moe-a2a bench a2a --train` at the DeepSeek-V3 training shape
 (4096 tokens, hidden 7168, 256 experts, top-8, bf16 gradients, the identity
@@ -12,17 +13,23 @@ trace (host calls and kernels on one clock), where the host waits show as
 gaps between kernels; `--stacks` records the Python functions too (slower
 steps, but it names the host's work in each gap). `--compile` profiles the
 forward under torch.compile (fullgraph), as `bench a2a --train --compile` runs it.
+`--timeline` prints, for the forward and the backward, each kernel's start after the
+phase's call, its duration and how long the GPU idled before it (medians over the
+profiled steps): the idle time before the first kernel is the host's, exposed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import tempfile
 import time
 
 import torch
 from mpi4py import MPI
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from moe_a2a import Config
 from moe_a2a.autograd import ExpertParallel
@@ -42,6 +49,9 @@ def main() -> None:
         choices=("exact", "capacity"),
         default="exact",
         help="with --compile: ExpertParallel's compiled_rows",
+    )
+    p.add_argument(
+        "--timeline", action="store_true", help="each phase's kernels, and the GPU's idle time before each"
     )
     args = p.parse_args()
     torch.cuda.set_device(0)
@@ -74,11 +84,13 @@ def main() -> None:
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = forward(x, w)
-        torch.cuda.synchronize()
+        with record_function(PHASES[0]):  # the marks --timeline splits the trace by
+            out = forward(x, w)
+            torch.cuda.synchronize()
         t1 = time.perf_counter()
-        out.backward(grad_out)
-        torch.cuda.synchronize()
+        with record_function(PHASES[1]):
+            out.backward(grad_out)
+            torch.cuda.synchronize()
         return (t1 - t0) * 1e6, (time.perf_counter() - t1) * 1e6
 
     for _ in range(5):
@@ -96,7 +108,56 @@ def main() -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
     if args.trace:
         prof.export_chrome_trace(args.trace)
+    if args.timeline:
+        print_timeline(prof)
     ep.close()
+
+
+PHASES = ("train_step_forward", "train_step_backward")
+
+
+def print_timeline(prof: profile) -> None:
+    """Per phase, every kernel's start (after the phase's call), duration and the GPU's idle
+    time before it, as medians over the profiled steps (host and GPU share the trace's clock)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            print_phases(json.load(f)["traceEvents"])
+
+
+def print_phases(events: list[dict]) -> None:
+    """print_timeline's table, from the events of a Chrome trace."""
+    gpu = sorted(
+        (e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+        key=lambda e: e["ts"],
+    )
+    for phase in PHASES:
+        spans = [
+            e
+            for e in events
+            if e.get("ph") == "X" and e.get("name") == phase and e.get("cat") == "user_annotation"
+        ]
+        steps = []  # per step: [(name, start, duration, idle before)], idle after the last
+        for span in spans:
+            start, end = span["ts"], span["ts"] + span["dur"]
+            rows, free = [], start
+            for k in (k for k in gpu if start <= k["ts"] < end):
+                rows.append((k["name"], k["ts"] - start, k["dur"], k["ts"] - free))
+                free = max(free, k["ts"] + k["dur"])
+            steps.append((span["dur"], rows, end - free))
+        n = min((len(rows) for _, rows, _ in steps), default=0)
+        if n == 0 or any(len(rows) != n for _, rows, _ in steps):
+            print(f"{phase}: the profiled steps ran different kernels; see --trace")
+            continue
+        med = statistics.median
+        print(f"{phase}: {med(d for d, _, _ in steps):.0f} us (median of {len(steps)} profiled steps)")
+        print(f"  {'start us':>9} {'kernel us':>9} {'idle before':>11}  kernel")
+        for i in range(n):
+            name = steps[0][1][i][0]
+            start, dur, idle = (med(rows[i][j] for _, rows, _ in steps) for j in (1, 2, 3))
+            print(f"  {start:9.1f} {dur:9.1f} {idle:11.1f}  {name[:90]}")
+        print(f"  idle after the last kernel (the host's synchronise): {med(t for _, _, t in steps):.1f} us")
 
 
 if __name__ == "__main__":
