@@ -26,9 +26,9 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
-from mpi4py import MPI
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from moe_a2a import Config
@@ -54,6 +54,8 @@ def main() -> None:
         "--timeline", action="store_true", help="each phase's kernels, and the GPU's idle time before each"
     )
     args = p.parse_args()
+    from mpi4py import MPI  # here: importing the timeline (tests/unit) starts no MPI
+
     torch.cuda.set_device(0)
     cfg = Config(
         max_tokens=T,
@@ -123,41 +125,66 @@ def print_timeline(prof: profile) -> None:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            print_phases(json.load(f)["traceEvents"])
+            events = json.load(f)["traceEvents"]
+    for phase, t in phase_timelines(events).items():
+        if isinstance(t, str):
+            print(f"{phase}: {t}")
+            continue
+        print(f"{phase}: {t.span_us:.0f} us (median of {t.steps} profiled steps)")
+        print(f"  {'start us':>9} {'kernel us':>9} {'idle before':>11}  kernel")
+        for name, start, dur, idle in t.kernels:
+            print(f"  {start:9.1f} {dur:9.1f} {idle:11.1f}  {name[:90]}")
+        print(f"  idle after the last kernel (the host's synchronise): {t.idle_after_us:.1f} us")
 
 
-def print_phases(events: list[dict]) -> None:
-    """print_timeline's table, from the events of a Chrome trace."""
+@dataclass(frozen=True)
+class PhaseTimeline:
+    """One phase's kernels over the profiled steps, medians: (name, start after the phase's
+    call, duration, GPU idle before it), all in us."""
+
+    steps: int
+    span_us: float
+    kernels: list[tuple[str, float, float, float]]
+    idle_after_us: float
+
+
+def phase_timelines(events: list[dict]) -> dict[str, PhaseTimeline | str]:
+    """Each phase's timeline from a Chrome trace's events, or why there is none."""
     gpu = sorted(
         (e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
         key=lambda e: e["ts"],
     )
+    out: dict[str, PhaseTimeline | str] = {}
+    med = statistics.median
     for phase in PHASES:
         spans = [
             e
             for e in events
             if e.get("ph") == "X" and e.get("name") == phase and e.get("cat") == "user_annotation"
         ]
-        steps = []  # per step: [(name, start, duration, idle before)], idle after the last
+        steps = []  # per step: its span, its kernels (name, start, duration, idle before), idle after
         for span in spans:
             start, end = span["ts"], span["ts"] + span["dur"]
             rows, free = [], start
             for k in (k for k in gpu if start <= k["ts"] < end):
-                rows.append((k["name"], k["ts"] - start, k["dur"], k["ts"] - free))
+                rows.append((k["name"], k["ts"] - start, k["dur"], max(0.0, k["ts"] - free)))
                 free = max(free, k["ts"] + k["dur"])
             steps.append((span["dur"], rows, end - free))
-        n = min((len(rows) for _, rows, _ in steps), default=0)
-        if n == 0 or any(len(rows) != n for _, rows, _ in steps):
-            print(f"{phase}: the profiled steps ran different kernels; see --trace")
+        names = {tuple(r[0] for r in rows) for _, rows, _ in steps}
+        if not steps or len(names) != 1 or not next(iter(names)):
+            out[phase] = "no kernels, or not the same kernels in every profiled step; see --trace"
             continue
-        med = statistics.median
-        print(f"{phase}: {med(d for d, _, _ in steps):.0f} us (median of {len(steps)} profiled steps)")
-        print(f"  {'start us':>9} {'kernel us':>9} {'idle before':>11}  kernel")
-        for i in range(n):
-            name = steps[0][1][i][0]
-            start, dur, idle = (med(rows[i][j] for _, rows, _ in steps) for j in (1, 2, 3))
-            print(f"  {start:9.1f} {dur:9.1f} {idle:11.1f}  {name[:90]}")
-        print(f"  idle after the last kernel (the host's synchronise): {med(t for _, _, t in steps):.1f} us")
+        kernels = []
+        for i, first in enumerate(steps[0][1]):
+            start, dur, idle = (med(r[i][j] for _, r, _ in steps) for j in (1, 2, 3))
+            kernels.append((first[0], start, dur, idle))
+        out[phase] = PhaseTimeline(
+            steps=len(steps),
+            span_us=med(d for d, _, _ in steps),
+            kernels=kernels,
+            idle_after_us=med(t for _, _, t in steps),
+        )
+    return out
 
 
 if __name__ == "__main__":
