@@ -111,19 +111,21 @@ def main() -> None:
     if args.trace:
         prof.export_chrome_trace(args.trace)
     if args.timeline:
-        print_timeline(prof)
+        print_timeline(prof, args.trace)
     ep.close()
 
 
 PHASES = ("train_step_forward", "train_step_backward")
 
 
-def print_timeline(prof: profile) -> None:
+def print_timeline(prof: profile, trace: str | None) -> None:
     """Per phase, every kernel's start (after the phase's call), duration and the GPU's idle
-    time before it, as medians over the profiled steps (host and GPU share the trace's clock)."""
+    time before it, as medians over the profiled steps (host and GPU share the trace's clock).
+    `trace`: the file --trace already wrote, read instead of exporting the trace again."""
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
+        path = trace or os.path.join(tmp, "trace.json")
+        if trace is None:
+            prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f)["traceEvents"]
     for phase, t in phase_timelines(events).items():
