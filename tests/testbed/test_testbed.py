@@ -173,9 +173,11 @@ def test_a2a_over_two_rate_limited_nics(bed3_limited: testbed.Testbed, tmp_path:
           f"({one['seconds']:.2f} s), two NICs {two['mbit']:.1f} mbit/s ({two['seconds']:.2f} s), "
           f"ratio {two['mbit'] / one['mbit']:.2f}; wire bytes {one['wire']} / {two['wire']}")  # fmt: skip
     assert 0.6 * RATE_MBIT < one["mbit"] <= 1.05 * RATE_MBIT, results
-    # Less than twice: a step's phases follow one another, and small messages
-    # (routing rows, barriers) queue behind rows in a NIC's one tbf queue.
-    assert 1.3 < two["mbit"] / one["mbit"] < 2.3, results
+    # Faster than one NIC, but under both NICs' limit: a step's phases follow one another,
+    # and small messages (routing rows, barriers) queue behind rows in a NIC's one tbf
+    # queue. The bound is the limit, not the one-NIC run's rate, which host load can lower.
+    assert 1.3 < two["mbit"] / one["mbit"], results
+    assert two["mbit"] < 2 * RATE_MBIT, results
 
 
 def test_a_killed_rank_on_another_host_is_noticed_at_once(bed3: testbed.Testbed, tmp_path: Path) -> None:
