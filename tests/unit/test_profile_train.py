@@ -45,6 +45,8 @@ def test_phase_timeline_medians_and_idle_gaps() -> None:
     assert fwd.kernels == [("route", 0 + 101.0, 10.0, 101.0), ("copy", 113.0, 700.0, 2.0)]
     assert fwd.idle_after_us == 900.0 - 813.0
     assert bwd.kernels == [("receive", 160.0, 900.0, 160.0)] and bwd.idle_after_us == 40.0
+    assert fwd.busy_us == 710.0 and fwd.idle_us == 101.0 + 2.0 + 87.0
+    assert bwd.busy_us + bwd.idle_us == bwd.span_us
 
 
 def test_phase_timeline_refuses_steps_that_ran_other_kernels() -> None:

@@ -15,7 +15,8 @@ steps, but it names the host's work in each gap). `--compile` profiles the
 forward under torch.compile (fullgraph), as `bench a2a --train --compile` runs it.
 `--timeline` prints, for the forward and the backward, each kernel's start after the
 phase's call, its duration and how long the GPU idled before it (medians over the
-profiled steps): the idle time before the first kernel is the host's, exposed.
+profiled steps): the idle time before the first kernel is the host's, exposed; then the
+phase's GPU busy and idle totals.
 """
 
 from __future__ import annotations
@@ -137,6 +138,8 @@ def print_timeline(prof: profile, trace: str | None) -> None:
         for name, start, dur, idle in t.kernels:
             print(f"  {start:9.1f} {dur:9.1f} {idle:11.1f}  {name[:90]}")
         print(f"  idle after the last kernel (the host's synchronise): {t.idle_after_us:.1f} us")
+        share = 100 * t.idle_us / t.span_us
+        print(f"  GPU busy {t.busy_us:.0f} us, idle {t.idle_us:.0f} us ({share:.0f}% of the phase)")
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,16 @@ class PhaseTimeline:
     span_us: float
     kernels: list[tuple[str, float, float, float]]
     idle_after_us: float
+
+    @property
+    def busy_us(self) -> float:
+        """The kernels' durations, summed: what the phase would take with no host time."""
+        return sum(k[2] for k in self.kernels)
+
+    @property
+    def idle_us(self) -> float:
+        """The GPU's idle time in the phase: before each kernel, and after the last."""
+        return sum(k[3] for k in self.kernels) + self.idle_after_us
 
 
 def phase_timelines(events: list[dict]) -> dict[str, PhaseTimeline | str]:
