@@ -16,7 +16,7 @@ forward under torch.compile (fullgraph), as `bench a2a --train --compile` runs i
 `--timeline` prints, for the forward and the backward, each kernel's start after the
 phase's call, its duration and how long the GPU idled before it (medians over the
 profiled steps): the idle time before the first kernel is the host's, exposed; then the
-phase's GPU busy and idle totals.
+phase's kernel time, summed, and the GPU's idle time.
 """
 
 from __future__ import annotations
@@ -139,7 +139,8 @@ def print_timeline(prof: profile, trace: str | None) -> None:
             print(f"  {start:9.1f} {dur:9.1f} {idle:11.1f}  {name[:90]}")
         print(f"  idle after the last kernel (the host's synchronise): {t.idle_after_us:.1f} us")
         share = 100 * t.idle_us / t.span_us
-        print(f"  GPU busy {t.busy_us:.0f} us, idle {t.idle_us:.0f} us ({share:.0f}% of the phase)")
+        # Kernels that overlap (programmatic dependent launch) count each in full.
+        print(f"  kernels {t.busy_us:.0f} us summed, GPU idle {t.idle_us:.0f} us ({share:.0f}% of the phase)")
 
 
 @dataclass(frozen=True)
