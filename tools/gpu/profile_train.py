@@ -38,6 +38,31 @@ from moe_a2a.autograd import ExpertParallel
 T, H, E, K = 4096, 7168, 256, 8
 
 
+def training_case(
+    dispatch_dtype: str, compiled_rows: str = "exact"
+) -> tuple[ExpertParallel, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's ExpertParallel (one rank, GPU 0) and its inputs: x, ids, weights, the output's gradient."""
+    from mpi4py import MPI  # here: importing the timeline (tests/unit) starts no MPI
+
+    torch.cuda.set_device(0)
+    cfg = Config(
+        max_tokens=T,
+        hidden=H,
+        num_experts=E,
+        topk=K,
+        dispatch_dtype=dispatch_dtype,
+        combine_dtype="bf16",
+        max_recv_tokens=T * K,
+    )
+    ep = ExpertParallel(cfg, MPI.COMM_WORLD, device="cuda", grad_dtype="bf16", compiled_rows=compiled_rows)
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(T, H, generator=g).bfloat16().cuda()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).cuda()
+    w0 = torch.rand(T, K, generator=g).cuda()
+    grad_out = torch.randn(T, H, generator=g).bfloat16().cuda()
+    return ep, x0, ids, w0, grad_out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dispatch-dtype", choices=("bf16", "fp8"), default="bf16")
@@ -55,25 +80,7 @@ def main() -> None:
         "--timeline", action="store_true", help="each phase's kernels, and the GPU's idle time before each"
     )
     args = p.parse_args()
-    from mpi4py import MPI  # here: importing the timeline (tests/unit) starts no MPI
-
-    torch.cuda.set_device(0)
-    cfg = Config(
-        max_tokens=T,
-        hidden=H,
-        num_experts=E,
-        topk=K,
-        dispatch_dtype=args.dispatch_dtype,
-        combine_dtype="bf16",
-        max_recv_tokens=T * K,
-    )
-    rows = args.compiled_rows
-    ep = ExpertParallel(cfg, MPI.COMM_WORLD, device="cuda", grad_dtype="bf16", compiled_rows=rows)
-    g = torch.Generator().manual_seed(0)
-    x0 = torch.randn(T, H, generator=g).bfloat16().cuda()
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).cuda()
-    w0 = torch.rand(T, K, generator=g).cuda()
-    grad_out = torch.randn(T, H, generator=g).bfloat16().cuda()
+    ep, x0, ids, w0, grad_out = training_case(args.dispatch_dtype, args.compiled_rows)
 
     def forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         r = ep.dispatch(x, ids, w)

@@ -1,0 +1,106 @@
+"""Where the host's time goes in one rank's training step, layer by layer (one process, no mpirun).
+
+    python3 tools/gpu/host_marks.py [--dispatch-dtype bf16|fp8] [--steps 30]
+
+The step of `tools/gpu/profile_train.py` (DeepSeek-V3 training shape, the identity
+expert), unprofiled: each layer of moe-a2a's call path is wrapped to note when it is
+entered and left, and the medians over `--steps` steps are printed as microseconds
+after the phase's call (`ep.dispatch` for the forward, `out.backward` for the backward),
+then when the call returned and when the GPU was done. Where the profiler's timeline
+(`profile_train.py --timeline`) shows the GPU idle before a phase's first kernel, this
+names the host's work in that time without the profiler's own cost: the first line of
+the backward is the time torch's autograd engine takes before our backward starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from typing import Any
+
+import torch
+from profile_train import training_case  # this folder's: the same step
+
+from moe_a2a import autograd as ag
+from moe_a2a.all_to_all import AllToAll
+from moe_a2a.backends.cuda import CudaBackend
+from moe_a2a.ep_channel import Channel
+
+LAYERS: list[tuple[type, str]] = [
+    (ag.ExpertParallel, "dispatch"),
+    (ag.ExpertParallel, "combine"),
+    (ag._CombineFn, "forward"),
+    (ag._CombineFn, "backward"),
+    (ag._DispatchFn, "backward"),
+    (Channel, "dispatch_whole"),
+    (AllToAll, "_dispatch"),
+    (AllToAll, "_dispatch_send"),
+    (CudaBackend, "dispatch_send"),
+    (CudaBackend, "_recv_buffers"),
+    (CudaBackend, "_launch_recv"),
+    (CudaBackend, "dispatch_recv"),
+    (CudaBackend, "combine_send"),
+    (CudaBackend, "combine_recv"),
+]
+marks: list[tuple[str, float]] = []
+
+
+def wrap(cls: type, name: str) -> None:
+    fn = getattr(cls, name)
+    label = f"{cls.__name__}.{name}"
+
+    @functools.wraps(fn)
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        marks.append((label, time.perf_counter()))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            marks.append((label + " returns", time.perf_counter()))
+
+    static = isinstance(cls.__dict__[name], staticmethod)  # autograd.Function's forward and backward
+    setattr(cls, name, staticmethod(marked) if static else marked)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dispatch-dtype", choices=("bf16", "fp8"), default="bf16")
+    p.add_argument("--steps", type=int, default=30, help="timed steps (after 10 untimed)")
+    args = p.parse_args()
+    for cls, name in LAYERS:
+        wrap(cls, name)
+    ep, x0, ids, w0, grad_out = training_case(args.dispatch_dtype)
+    times: dict[tuple[str, int, str], list[float]] = {}
+
+    def note(phase: str, start: float, returned: float) -> None:
+        torch.cuda.synchronize()
+        done = time.perf_counter()
+        seen = [*marks, ("(call returned)", returned), ("(GPU done)", done)]
+        for i, (label, t) in enumerate(seen):
+            times.setdefault((phase, i, label), []).append((t - start) * 1e6)
+        marks.clear()
+
+    for step in range(10 + args.steps):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        torch.cuda.synchronize()
+        marks.clear()
+        t0 = time.perf_counter()
+        r = ep.dispatch(x, ids, w)
+        out = ep.combine(r.expert_x * 1.0, r)
+        note("forward", t0, time.perf_counter())
+        t1 = time.perf_counter()
+        out.backward(grad_out)
+        note("backward", t1, time.perf_counter())
+        if step < 10:
+            times.clear()
+    for phase in ("forward", "backward"):
+        print(f"{phase}: us after the call (medians of {args.steps} steps)")
+        for (ph, _, label), us in sorted(times.items()):
+            if ph == phase:
+                print(f"  {statistics.median(us):8.1f}  {label}")
+    ep.close()
+
+
+if __name__ == "__main__":
+    main()
