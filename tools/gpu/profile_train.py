@@ -63,6 +63,12 @@ def training_case(
     return ep, x0, ids, w0, grad_out
 
 
+def step_forward(ep: ExpertParallel, ids: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The step's forward: dispatch, the identity expert, combine."""
+    r = ep.dispatch(x, ids, w)
+    return ep.combine(r.expert_x * 1.0, r)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dispatch-dtype", choices=("bf16", "fp8"), default="bf16")
@@ -83,8 +89,7 @@ def main() -> None:
     ep, x0, ids, w0, grad_out = training_case(args.dispatch_dtype, args.compiled_rows)
 
     def forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        r = ep.dispatch(x, ids, w)
-        return ep.combine(r.expert_x * 1.0, r)
+        return step_forward(ep, ids, x, w)
 
     if args.compile:
         torch._dynamo.config.capture_scalar_outputs = True
