@@ -238,11 +238,13 @@ class RowRequest:
 
     def check_for(self, what: str) -> None:
         """Refuse the other call kind's fields (a dispatch's on a combine and the reverse)."""
-        others = ("row_values", "values_out") if what == "dispatch" else _DISPATCH_FIELDS
-        given = [
-            name for name in others if getattr(self, name) is not None and getattr(self, name) is not False
-        ]
-        if given:
+        if what == "dispatch":
+            wrong = self.row_values is not None or self.values_out is not None
+        else:  # attribute reads, not getattr by name: every call of a training step passes here
+            wrong = self.row_weights is not False or self.row_scale is not None or self.row_dot is not None
+        if wrong:
+            others = ("row_values", "values_out") if what == "dispatch" else _DISPATCH_FIELDS
+            given = [n for n in others if getattr(self, n) is not None and getattr(self, n) is not False]
             raise ValueError(f"{what}: {', '.join(given)} belong to the other call kind, not to {what}")
 
 

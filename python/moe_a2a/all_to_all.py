@@ -266,7 +266,7 @@ class AllToAll(LostRanks, process.ProcessBound):
     ) -> Dispatched | PendingDispatch:
         if not send and not recv:
             raise ValueError("dispatch: send and recv are both False; nothing to do")
-        if rows is not PLAIN and self.masked_ranks:
+        if rows is not PLAIN and self._live is not None and self._live.masked:
             raise ValueError(f"dispatch: training extras with ranks {list(self.masked_ranks)} masked")
         rows.check_for("dispatch")
         in_place = resolve_in_place("dispatch", rows.in_place, send, recv)

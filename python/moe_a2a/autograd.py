@@ -40,6 +40,9 @@ from moe_a2a.ep_types import CompiledRouting, ExpertRouting, PendingCombined, Pe
 GRAD_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 COMPILED_ROWS = ("exact", "capacity")
 _ids = itertools.count(1)
+# The forward dispatch's receive extras: each row's weight, unless along a cached routing (which has them).
+_NEW_ROWS = RowRequest(row_weights=True)
+_CACHED_ROWS = RowRequest(row_weights=False)  # not PLAIN: training extras all the same
 
 
 class ExpertParallel(process.ProcessBound):
@@ -368,7 +371,7 @@ class ExpertParallel(process.ProcessBound):
             closable=False,
             routing=routing,
             keep_routing=True,
-            rows=RowRequest(row_weights=cached is None),
+            rows=_NEW_ROWS if cached is None else _CACHED_ROWS,
             dequantize=self._dequantize(x.dtype),
         )
         return self._forward_routed(d, x.dtype, ids, weights, cached)
@@ -381,7 +384,7 @@ class ExpertParallel(process.ProcessBound):
         self, x_dtype: torch.dtype, ids: torch.Tensor, weights: torch.Tensor, cached: ExpertRouting | None
     ) -> tuple[torch.Tensor, ExpertRouting]:
         # Each row's weight rides in its tail; along a cached routing they are the routing's.
-        d = self._fwd.dispatch_recv(RowRequest(row_weights=cached is None), self._dequantize(x_dtype))
+        d = self._fwd.dispatch_recv(_NEW_ROWS if cached is None else _CACHED_ROWS, self._dequantize(x_dtype))
         return self._forward_routed(d, x_dtype, ids, weights, cached)
 
     def _forward_routed(
@@ -465,8 +468,9 @@ class ExpertParallel(process.ProcessBound):
     def _check_open(self) -> None:
         if self.forward_a2a._setup is None:
             raise RuntimeError("ExpertParallel is closed")
-        for a2a in self._all:  # a failure in any of them stops them all
-            a2a._check_usable()
+        for a2a in self._all:  # a failure in any of them stops them all (the called one checks the rest)
+            if a2a._failure is not None or a2a._setup is None:
+                a2a._check_usable()
 
     def _check_routing(self, what: str, h: Any) -> None:
         if not isinstance(h, ExpertRouting):

@@ -33,6 +33,9 @@ import torch
 from moe_a2a import FabricError, _core, gpu_direct, switches
 from moe_a2a.backends.common import CORE_DTYPE, RecvRequest, Setup, num_scales
 
+# The current stream's raw handle by device index (torch's private binding; None where it lacks it).
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
 
 def cuda_available() -> str | None:
     """None when the CUDA path can run here, else why not."""
@@ -127,6 +130,7 @@ class CudaBackend:
         self.cfg = setup.cfg
         self.graph_safe = graph_safe
         self.device = torch.device("cuda", torch.cuda.current_device())
+        self._device_index = self.device.index
         self._setup = setup
         engine = setup.engine.core if setup.engine is not None else None  # None: no remote peer
         boot = setup.bootstrap
@@ -158,6 +162,8 @@ class CudaBackend:
         self._alive: tuple[Any, ...] = ()  # tensors (and RowMath) the kernels read
         self._last_matrix: torch.Tensor | None = None  # the last call's, when it was cached
         self._last_rows: tuple[int, int] | None = None  # and its routing_rows
+        # The copy kernel skips padding rows (and, graph-safe, rows past the last): theirs are 0.
+        self._per_row = torch.zeros if setup.cfg.expert_padding > 1 or graph_safe else torch.empty
 
     def rejoin(self, setup: Setup, reuse: Any, first_epoch: int) -> None:
         """The constructor's collectives on a survivor of a rejoin (moe_a2a.rejoin), halted: the
@@ -200,9 +206,8 @@ class CudaBackend:
     def _stream(self) -> int:
         # The raw handle without building a torch.cuda.Stream (a few us per call on
         # a slow host, four calls a step); the public route where torch lacks it.
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        if raw is not None:
-            return int(raw(self.device.index))
+        if _RAW_STREAM is not None:
+            return int(_RAW_STREAM(self._device_index))
         return torch.cuda.current_stream(self.device).cuda_stream
 
     def dispatch_send(
@@ -283,8 +288,7 @@ class CudaBackend:
         if dtype == torch.float8_e4m3fn:
             scale = torch.empty(rows, num_scales(hidden), dtype=torch.float32, device=self.device)
         counts = torch.empty(self._local_experts, dtype=torch.int32, device=self.device)
-        # The copy kernel skips padding rows (and, graph-safe, rows past the last): theirs are 0.
-        per_row = torch.zeros if self.cfg.expert_padding > 1 or self.graph_safe else torch.empty
+        per_row = self._per_row
         dot = None
         if req.math is not None and req.math.dot_y is not None:
             dot = per_row(rows, dtype=torch.float32, device=self.device)
