@@ -149,7 +149,9 @@ class Routing:
     `dispatch(x, routing=r)` on any instance of the same ranks and shape then
     publishes no routing row and waits for none (docs/protocol.md, "Cached
     calls"). Every rank must make the same call cached. Leave the tensors as
-    they are: the positions of every rank's rows follow from them.
+    they are: the positions of every rank's rows follow from them. Once the
+    Routing is gone its matrix serves a later kept routing: keep the Routing,
+    not the matrix alone.
     """
 
     # [world, num_experts + world] int32, on the host (pinned for CUDA): row s is count[s][e],

@@ -197,6 +197,10 @@ class AllToAll(LostRanks, process.ProcessBound):
         # rows stay the caller's (held here, they would outlive the caller's use).
         self._last: weakref.ref[Dispatched] | None = None
         self._last_cached = False
+        # The matrices of kept routings that are gone, for the next ones: on CUDA a pinned
+        # allocation, made before the call's first kernel, is host time the GPU waits for. The
+        # kernels that read a matrix come earlier in the stream than those that write it again.
+        self._spare_matrices: list[torch.Tensor] = []
         self._boot.barrier()  # every proxy runs and every peer is mapped before anyone writes
         if self._live is not None:  # a loss another instance of the job sees is masked here too
             register_masking(self)
@@ -316,7 +320,9 @@ class AllToAll(LostRanks, process.ProcessBound):
         self, keep_routing: bool, math: RowMath | None, row_weights: bool, dequantize: torch.dtype | None
     ) -> RecvRequest:
         keep = None
-        if keep_routing:
+        if keep_routing and self._spare_matrices:
+            keep = self._spare_matrices.pop()
+        elif keep_routing:
             keep = torch.empty(
                 self.world_size,
                 self.cfg.num_experts + self.world_size,
@@ -405,6 +411,7 @@ class AllToAll(LostRanks, process.ProcessBound):
                 max_tokens=self.cfg.max_tokens,
                 ids_version=version_of(handle.topk_ids),
             )
+            weakref.finalize(routing, self._spare_matrices.append, keep)
         d = Dispatched(
             expert_x=expert_x,
             expert_x_scale=scale,

@@ -108,6 +108,24 @@ def test_cached_dispatch_equals_a_full_one_with_layers_between(a2a: AllToAll, se
         assert torch.equal(kept[layer].matrix, matrices[layer]), "a call changed a kept routing"
 
 
+def test_a_gone_routings_matrix_serves_a_later_dispatch(a2a: AllToAll, seed: int) -> None:
+    """A kept routing's matrix (pinned on CUDA) is reused once its Routing is gone, never while it lives."""
+    x, ids, w, rows = layer_inputs(seed, 0)
+    *_, d1 = round_trip(a2a, x, topk_ids=ids, topk_weights=w, keep_routing=True)
+    *_, d2 = round_trip(a2a, x, topk_ids=ids, topk_weights=w, keep_routing=True)
+    first, second = d1.routing.matrix.data_ptr(), d2.routing.matrix.data_ptr()
+    assert first != second, "a live routing's matrix was handed to the next dispatch"
+    want = d1.routing.matrix.clone()
+    del d1  # its Routing goes with it: the next kept routing takes its matrix
+    *_, d3 = round_trip(a2a, x, topk_ids=ids, topk_weights=w, keep_routing=True)
+    assert d3.routing.matrix.data_ptr() == first
+    assert torch.equal(d3.routing.matrix, want), "the reused matrix does not hold the new call's routing"
+    got = round_trip(a2a, rows, routing=d3.routing)
+    expect = round_trip(a2a, rows, topk_ids=ids, topk_weights=w)
+    for g, e in zip(got[:3], expect[:3], strict=True):
+        assert torch.equal(g, e), f"a dispatch along a reused matrix differs from a full one (rank {RANK})"
+
+
 def test_a_routing_travels_to_an_instance_of_the_same_shape(
     a2a: AllToAll, rpn: int | None, seed: int
 ) -> None:
