@@ -201,6 +201,7 @@ class AllToAll(LostRanks, process.ProcessBound):
         # allocation, made before the call's first kernel, is host time the GPU waits for. The
         # kernels that read a matrix come earlier in the stream than those that write it again.
         self._spare_matrices: list[torch.Tensor] = []
+        self._cached_routing: Routing | None = None
         self._boot.barrier()  # every proxy runs and every peer is mapped before anyone writes
         if self._live is not None:  # a loss another instance of the job sees is masked here too
             register_masking(self)
@@ -365,6 +366,9 @@ class AllToAll(LostRanks, process.ProcessBound):
         matrix = routing.matrix if routing is not None else None
         rows = routing.received_rows(self.cfg.expert_padding) if routing is not None else None
         self._backend.dispatch_send(x, scale, ids, matrix, in_place, weights, rows, then_recv)
+        # A cached call's statistics (traffic()) read its matrix again: held until the next
+        # call, so that no kept routing takes it over (_spare_matrices) meanwhile.
+        self._cached_routing = routing
         self._state = "dispatch_sent"
         return PendingDispatch(
             epoch=self.epoch,

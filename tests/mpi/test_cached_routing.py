@@ -109,7 +109,8 @@ def test_cached_dispatch_equals_a_full_one_with_layers_between(a2a: AllToAll, se
 
 
 def test_a_gone_routings_matrix_serves_a_later_dispatch(a2a: AllToAll, seed: int) -> None:
-    """A kept routing's matrix (pinned on CUDA) is reused once its Routing is gone, never while it lives."""
+    """A kept routing's matrix (pinned on CUDA) is reused once its Routing is gone, never while it lives
+    or while the last call, cached along it, may still be asked for its traffic."""
     x, ids, w, rows = layer_inputs(seed, 0)
     *_, d1 = round_trip(a2a, x, topk_ids=ids, topk_weights=w, keep_routing=True)
     *_, d2 = round_trip(a2a, x, topk_ids=ids, topk_weights=w, keep_routing=True)
@@ -120,10 +121,14 @@ def test_a_gone_routings_matrix_serves_a_later_dispatch(a2a: AllToAll, seed: int
     *_, d3 = round_trip(a2a, x, topk_ids=ids, topk_weights=w, keep_routing=True)
     assert d3.routing.matrix.data_ptr() == first
     assert torch.equal(d3.routing.matrix, want), "the reused matrix does not hold the new call's routing"
-    got = round_trip(a2a, rows, routing=d3.routing)
     expect = round_trip(a2a, rows, topk_ids=ids, topk_weights=w)
+    got = round_trip(a2a, rows, routing=d3.routing)
     for g, e in zip(got[:3], expect[:3], strict=True):
         assert torch.equal(g, e), f"a dispatch along a reused matrix differs from a full one (rank {RANK})"
+    third = d3.routing.matrix.data_ptr()
+    del d3, got  # the last call went along it: held until the next call
+    *_, d4 = round_trip(a2a, x, topk_ids=ids, topk_weights=w, keep_routing=True)
+    assert d4.routing.matrix.data_ptr() != third, "the last cached call's matrix was taken over"
 
 
 def test_a_routing_travels_to_an_instance_of_the_same_shape(
