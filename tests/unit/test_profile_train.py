@@ -57,3 +57,25 @@ def test_phase_timeline_refuses_steps_that_ran_other_kernels() -> None:
     t = pt.phase_timelines(events)
     assert "not the same kernels" in t[forward]
     assert "no kernels" in t[backward]  # no backward span at all
+
+
+def test_host_marks_runs_on_the_cpu() -> None:
+    """tools/gpu/host_marks.py --device cpu: every layer of both phases noted, in call order."""
+    import subprocess
+
+    tool = ROOT / "tools" / "gpu" / "host_marks.py"
+    run = subprocess.run(
+        [sys.executable, str(tool), "--device", "cpu", "--steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    forward, backward = run.stdout.split("backward: ")
+    for layer in ("ExpertParallel.dispatch", "CpuBackend.dispatch_send", "CpuBackend.combine_recv", "(done)"):
+        assert layer in forward, f"{layer} missing from the forward:\n{forward}"
+    for layer in ("_CombineFn.backward", "_DispatchFn.backward", "CpuBackend.combine_recv returns"):
+        assert layer in backward, f"{layer} missing from the backward:\n{backward}"
+    us = [float(line.split()[0]) for line in forward.splitlines()[1:] if line.strip()]
+    assert us == sorted(us), f"the forward's marks are not in call order:\n{forward}"

@@ -1,6 +1,6 @@
 """Where the host's time goes in one rank's training step, layer by layer (one process, no mpirun).
 
-    python3 tools/gpu/host_marks.py [--dispatch-dtype bf16|fp8] [--steps 30]
+    python3 tools/gpu/host_marks.py [--dispatch-dtype bf16|fp8] [--steps 30] [--device cuda|cpu]
 
 The step of `tools/gpu/profile_train.py` (DeepSeek-V3 training shape, the identity
 expert), unprofiled: each layer of moe-a2a's call path is wrapped to note when it is
@@ -10,6 +10,9 @@ then when the call returned and when the GPU was done. Where the profiler's time
 (`profile_train.py --timeline`) shows the GPU idle before a phase's first kernel, this
 names the host's work in that time without the profiler's own cost: the first line of
 the backward is the time torch's autograd engine takes before our backward starts.
+`--device cpu` runs the same calls on the CPU backend at a small shape (`CPU_SHAPE`),
+where no GPU is: the backend's calls then do the copies themselves, and the front end
+checks the ids on the host, which CUDA leaves to its kernels; compare runs, not devices.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from profile_train import step_forward, training_case  # this folder's: the same
 
 from moe_a2a import autograd as ag
 from moe_a2a.all_to_all import AllToAll
+from moe_a2a.backends.cpu import CpuBackend
 from moe_a2a.backends.cuda import CudaBackend
 from moe_a2a.ep_channel import Channel
 
@@ -43,6 +47,10 @@ LAYERS: list[tuple[type, str]] = [
     (CudaBackend, "dispatch_recv"),
     (CudaBackend, "combine_send"),
     (CudaBackend, "combine_recv"),
+]
+CPU_LAYERS: list[tuple[type, str]] = [
+    *(layer for layer in LAYERS if layer[0] is not CudaBackend),
+    *((CpuBackend, name) for name in ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")),
 ]
 marks: list[tuple[str, float]] = []
 
@@ -67,23 +75,27 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dispatch-dtype", choices=("bf16", "fp8"), default="bf16")
     p.add_argument("--steps", type=int, default=30, help="timed steps (after 10 untimed)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: at CPU_SHAPE, no GPU")
     args = p.parse_args()
-    for cls, name in LAYERS:
+    cuda = args.device == "cuda"
+    for cls, name in LAYERS if cuda else CPU_LAYERS:
         wrap(cls, name)
-    ep, x0, ids, w0, grad_out = training_case(args.dispatch_dtype)
+    ep, x0, ids, w0, grad_out = training_case(args.dispatch_dtype, device=args.device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    end = "(GPU done)" if cuda else "(done)"
     times: dict[tuple[str, int, str], list[float]] = {}
 
     def note(phase: str, start: float, returned: float) -> None:
-        torch.cuda.synchronize()
+        sync()
         done = time.perf_counter()
-        seen = [*marks, ("(call returned)", returned), ("(GPU done)", done)]
+        seen = [*marks, ("(call returned)", returned), (end, done)]
         for i, (label, t) in enumerate(seen):
             times.setdefault((phase, i, label), []).append((t - start) * 1e6)
         marks.clear()
 
     for step in range(10 + args.steps):
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-        torch.cuda.synchronize()
+        sync()
         marks.clear()
         t0 = time.perf_counter()
         out = step_forward(ep, ids, x, w)

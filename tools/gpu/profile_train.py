@@ -36,30 +36,34 @@ from moe_a2a import Config
 from moe_a2a.autograd import ExpertParallel
 
 T, H, E, K = 4096, 7168, 256, 8
+CPU_SHAPE = (64, 128, 16, 4)  # device "cpu": the same calls at a size the host's Python dominates
 
 
 def training_case(
-    dispatch_dtype: str, compiled_rows: str = "exact"
+    dispatch_dtype: str, compiled_rows: str = "exact", device: str = "cuda"
 ) -> tuple[ExpertParallel, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The step's ExpertParallel (one rank, GPU 0) and its inputs: x, ids, weights, the output's gradient."""
+    """The step's ExpertParallel (one rank, GPU 0, or the CPU at CPU_SHAPE) and its inputs: x, ids,
+    weights, the output's gradient."""
     from mpi4py import MPI  # here: importing the timeline (tests/unit) starts no MPI
 
-    torch.cuda.set_device(0)
+    tokens, hidden, experts, topk = CPU_SHAPE if device == "cpu" else (T, H, E, K)
+    if device == "cuda":
+        torch.cuda.set_device(0)
     cfg = Config(
-        max_tokens=T,
-        hidden=H,
-        num_experts=E,
-        topk=K,
+        max_tokens=tokens,
+        hidden=hidden,
+        num_experts=experts,
+        topk=topk,
         dispatch_dtype=dispatch_dtype,
         combine_dtype="bf16",
-        max_recv_tokens=T * K,
+        max_recv_tokens=tokens * topk,
     )
-    ep = ExpertParallel(cfg, MPI.COMM_WORLD, device="cuda", grad_dtype="bf16", compiled_rows=compiled_rows)
+    ep = ExpertParallel(cfg, MPI.COMM_WORLD, device=device, grad_dtype="bf16", compiled_rows=compiled_rows)
     g = torch.Generator().manual_seed(0)
-    x0 = torch.randn(T, H, generator=g).bfloat16().cuda()
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).cuda()
-    w0 = torch.rand(T, K, generator=g).cuda()
-    grad_out = torch.randn(T, H, generator=g).bfloat16().cuda()
+    x0 = torch.randn(tokens, hidden, generator=g).bfloat16().to(device)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)]).to(device)
+    w0 = torch.rand(tokens, topk, generator=g).to(device)
+    grad_out = torch.randn(tokens, hidden, generator=g).bfloat16().to(device)
     return ep, x0, ids, w0, grad_out
 
 
