@@ -7,7 +7,6 @@ the C++ core, which does the work with the GIL released.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import sys
@@ -667,10 +666,13 @@ class AllToAll(LostRanks, process.ProcessBound):
         # engine's thread); closed unsettled, it is retired with its registration instead.
         if getattr(self, "_setup", None) is None or self._busy is not None:
             return
-        if process.in_forked_child(self._pid):
-            return
-        with contextlib.suppress(Exception):  # at interpreter exit, modules may already be gone
-            self._shut(settled=False)
+        # At interpreter exit this module's globals may already be None: no name of it is used
+        # before the try, and whatever fails there is dropped (__del__ would only print it).
+        try:
+            if not process.in_forked_child(self._pid):
+                self._shut(settled=False)
+        except Exception:
+            pass
 
     def _shut(self, settled: bool) -> None:
         """close() past its barrier; `settled`: no peer can still write here (else retired)."""
