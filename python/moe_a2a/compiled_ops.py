@@ -1,14 +1,18 @@
-"""Dispatch and combine as `torch.library` custom operators, for training under torch.compile.
+"""Dispatch and combine as `torch.library` operators, for training under torch.compile.
 
 Dynamo cannot trace into the core (it would hand it fake tensors) nor carry an
 `ExpertRouting` through a graph, so under compile `ExpertParallel`'s whole calls go
-through four operators:
+through five operators:
 
 - `moe_a2a::dispatch(x, ids, weights, inst, E, keep)` -> tokens per local expert [E],
   routing key [] and row count U [] (int64): the exchange itself;
 - `moe_a2a::dispatch_rows(x, weights, key, inst, U)` -> rows [U, H], row weights [U];
 - `moe_a2a::combine(y, row_weights, key, inst, T, out_dtype, weighted, backward)` -> [T, H];
 - their backwards, `moe_a2a::dispatch_backward` and `moe_a2a::combine_backward`.
+
+Each is defined with `torch.library.Library` and autograd passes through it in the
+dispatcher (`_gradless_op`); `dispatch_rows_op` and `combine_op` are autograd.Functions
+around theirs whose backward calls the backward operator, traced by Dynamo into the graph.
 
 Shapes: the row count U is data-dependent. With `ExpertParallel(compiled_rows="exact")`
 the caller reads it with `.item()`, which TorchTitan's `capture_scalar_outputs=True`
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -72,10 +77,59 @@ def drop_routings(ep_id: int) -> None:
         del _routings[k]
 
 
+_LIB = torch.library.Library("moe_a2a", "FRAGMENT")
+
+
+def _gradless_op(schema: str, fake: Callable[..., Any]) -> Callable[[Callable[..., Any]], Any]:
+    """`schema`'s operator with the decorated function as its kernel, which autograd passes
+    through in the dispatcher itself: no `torch.library.custom_op` Python layers around each
+    call (10-15 us a call on the CPU VM, and the compiled step waits on the host). Operators
+    with a gradient get it from an autograd.Function around them (`_DispatchRows`,
+    `_Combine`), which Dynamo traces into the graph; their kernels refuse a call that autograd
+    would need to record (`_no_grad_needed`). `fake` gives Dynamo the shapes. Returns the
+    operator (`torch.ops.moe_a2a.NAME.default`)."""
+
+    def register(fn: Callable[..., Any]) -> Any:
+        name = schema.split("(", 1)[0]
+        _LIB.define(schema)
+        _LIB.impl(name, fn, "CompositeExplicitAutograd")
+        _LIB.impl(name, torch.library.fallthrough_kernel, "Autograd")
+        torch.library.register_fake(f"moe_a2a::{name}", fake, lib=_LIB)
+        return getattr(torch.ops.moe_a2a, name).default
+
+    return register
+
+
+def _no_grad_needed(op: str, *inputs: torch.Tensor) -> None:
+    """A differentiable operator's kernel, called where autograd would record it: the gradient
+    would be lost without a word, so refuse (the autograd.Function runs it without grad)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        raise RuntimeError(
+            f"moe_a2a::{op}: called directly on inputs that require grad; expected "
+            f"moe_a2a.compiled_ops.{op}_op (differentiable), or ExpertParallel under torch.compile"
+        )
+
+
 # -- dispatch ---------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("moe_a2a::dispatch", mutates_args=())
+def _dispatch_fake(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    inst: torch.Tensor,
+    num_local_experts: int,
+    keep: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    scalar = torch.empty((), dtype=torch.int64)
+    return x.new_empty(num_local_experts, dtype=torch.int32), scalar, scalar.clone()
+
+
+@_gradless_op(
+    "dispatch(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor inst, SymInt num_local_experts, "
+    "bool keep) -> (Tensor, Tensor, Tensor)",
+    _dispatch_fake,
+)
 def dispatch_op(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -97,25 +151,21 @@ def dispatch_op(
     return h.tokens_per_expert.to(x.device, copy=True), key, rows  # where the fake one says
 
 
-@dispatch_op.register_fake
-def _dispatch_fake(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    inst: torch.Tensor,
-    num_local_experts: int,
-    keep: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    scalar = torch.empty((), dtype=torch.int64)
-    return x.new_empty(num_local_experts, dtype=torch.int32), scalar, scalar.clone()
-
-
-@torch.library.custom_op("moe_a2a::dispatch_rows", mutates_args=())
-def dispatch_rows_op(
+def _dispatch_rows_fake(
     x: torch.Tensor, topk_weights: torch.Tensor, key: torch.Tensor, inst: torch.Tensor, num_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows [num_rows, H] and their routing weights [num_rows] of the dispatch `key`;
-    differentiable w.r.t. `x` and `topk_weights` (the dispatch's inputs)."""
+    return x.new_empty(num_rows, x.shape[1]), x.new_empty(num_rows, dtype=torch.float32)
+
+
+@_gradless_op(
+    "dispatch_rows(Tensor x, Tensor topk_weights, Tensor key, Tensor inst, SymInt num_rows) "
+    "-> (Tensor, Tensor)",
+    _dispatch_rows_fake,
+)
+def _dispatch_rows_kernel(
+    x: torch.Tensor, topk_weights: torch.Tensor, key: torch.Tensor, inst: torch.Tensor, num_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _no_grad_needed("dispatch_rows", x, topk_weights)
     h = _routing(_ep(inst), key, pop=False)
     expert_x, _ = h._compiled  # type: ignore[attr-defined]
     h._compiled = (None, h._compiled[1])  # type: ignore[attr-defined]
@@ -144,13 +194,6 @@ def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
     return full
 
 
-@dispatch_rows_op.register_fake
-def _dispatch_rows_fake(
-    x: torch.Tensor, topk_weights: torch.Tensor, key: torch.Tensor, inst: torch.Tensor, num_rows: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return x.new_empty(num_rows, x.shape[1]), x.new_empty(num_rows, dtype=torch.float32)
-
-
 def _dispatch_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     x, weights, key, inst, _rows = inputs
     ctx.save_for_backward(key, inst)
@@ -167,10 +210,49 @@ def _dispatch_backward(ctx: Any, grad_rows: Any, grad_row_weights: Any) -> tuple
     return (grad_x if ctx.needs_input_grad[0] else None, grad_w if wants_w else None, None, None, None)
 
 
-dispatch_rows_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+class _DispatchRows(torch.autograd.Function):
+    """dispatch_rows with its gradient: the backward operator along the same routing."""
+
+    @staticmethod
+    def forward(x: Any, topk_weights: Any, key: Any, inst: Any, num_rows: Any) -> Any:
+        return _dispatch_rows_kernel(x, topk_weights, key, inst, num_rows)
+
+    setup_context = staticmethod(_dispatch_setup)
+    backward = staticmethod(_dispatch_backward)
 
 
-@torch.library.custom_op("moe_a2a::dispatch_backward", mutates_args=())
+def dispatch_rows_op(
+    x: torch.Tensor, topk_weights: torch.Tensor, key: torch.Tensor, inst: torch.Tensor, num_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows [num_rows, H] and their routing weights [num_rows] of the dispatch `key`;
+    differentiable w.r.t. `x` and `topk_weights` (the dispatch's inputs)."""
+    return _DispatchRows.apply(x, topk_weights, key, inst, num_rows)
+
+
+def _dispatch_backward_fake(
+    grad_rows: torch.Tensor | None,
+    grad_row_weights: torch.Tensor | None,
+    key: torch.Tensor,
+    inst: torch.Tensor,
+    num_tokens: int,
+    hidden: int,
+    topk: int,
+    x_dtype: torch.dtype,
+    device: torch.device,
+    weights_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.empty(num_tokens, hidden, dtype=x_dtype, device=device),
+        torch.empty(num_tokens, topk, dtype=torch.float32, device=device),
+    )
+
+
+@_gradless_op(
+    "dispatch_backward(Tensor? grad_rows, Tensor? grad_row_weights, Tensor key, Tensor inst, "
+    "SymInt num_tokens, SymInt hidden, SymInt topk, ScalarType x_dtype, Device device, bool weights_grad) "
+    "-> (Tensor, Tensor)",
+    _dispatch_backward_fake,
+)
 def dispatch_backward_op(
     grad_rows: torch.Tensor | None,
     grad_row_weights: torch.Tensor | None,
@@ -195,52 +277,9 @@ def dispatch_backward_op(
     return grad_x.to(x_dtype), grad_w
 
 
-@dispatch_backward_op.register_fake
-def _dispatch_backward_fake(
-    grad_rows: torch.Tensor | None,
-    grad_row_weights: torch.Tensor | None,
-    key: torch.Tensor,
-    inst: torch.Tensor,
-    num_tokens: int,
-    hidden: int,
-    topk: int,
-    x_dtype: torch.dtype,
-    device: torch.device,
-    weights_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return (
-        torch.empty(num_tokens, hidden, dtype=x_dtype, device=device),
-        torch.empty(num_tokens, topk, dtype=torch.float32, device=device),
-    )
-
-
 # -- combine ----------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("moe_a2a::combine", mutates_args=())
-def combine_op(
-    y: torch.Tensor,
-    row_weights: torch.Tensor,
-    key: torch.Tensor,
-    inst: torch.Tensor,
-    num_tokens: int,
-    out_dtype: torch.dtype,
-    weighted: bool,
-    backward: bool,
-) -> torch.Tensor:
-    ep = _ep(inst)
-    ep._check_open()
-    h = _routing(ep, key, pop=False)
-    ep._forward_combine_send(y[: h.num_rows], h, weighted)  # capacity rows: the filled ones
-    out = ep._forward_combine_recv()
-    if not backward and not h._compiled[1]:  # type: ignore[attr-defined]  # no backward will come
-        _routings.pop((ep.id, h.seq), None)
-    elif h.gathered is not None:  # as eager: the backward's row count, memoised now
-        h.gathered.received_rows(ep.cfg.expert_padding)
-    return out
-
-
-@combine_op.register_fake
 def _combine_fake(
     y: torch.Tensor,
     row_weights: torch.Tensor,
@@ -252,6 +291,34 @@ def _combine_fake(
     backward: bool,
 ) -> torch.Tensor:
     return y.new_empty(num_tokens, y.shape[1], dtype=out_dtype)
+
+
+@_gradless_op(
+    "combine(Tensor y, Tensor row_weights, Tensor key, Tensor inst, SymInt num_tokens, ScalarType out_dtype, "
+    "bool weighted, bool backward) -> Tensor",
+    _combine_fake,
+)
+def _combine_kernel(
+    y: torch.Tensor,
+    row_weights: torch.Tensor,
+    key: torch.Tensor,
+    inst: torch.Tensor,
+    num_tokens: int,
+    out_dtype: torch.dtype,
+    weighted: bool,
+    backward: bool,
+) -> torch.Tensor:
+    _no_grad_needed("combine", y, row_weights)
+    ep = _ep(inst)
+    ep._check_open()
+    h = _routing(ep, key, pop=False)
+    ep._forward_combine_send(y[: h.num_rows], h, weighted)  # capacity rows: the filled ones
+    out = ep._forward_combine_recv()
+    if not backward and not h._compiled[1]:  # type: ignore[attr-defined]  # no backward will come
+        _routings.pop((ep.id, h.seq), None)
+    elif h.gathered is not None:  # as eager: the backward's row count, memoised now
+        h.gathered.received_rows(ep.cfg.expert_padding)
+    return out
 
 
 def _combine_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -267,10 +334,52 @@ def _combine_backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
     return grad_y, (grad_w if dot else None), None, None, None, None, None, None
 
 
-combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
+class _Combine(torch.autograd.Function):
+    """combine with its gradient: the backward operator along the same routing."""
+
+    @staticmethod
+    def forward(
+        y: Any,
+        row_weights: Any,
+        key: Any,
+        inst: Any,
+        num_tokens: Any,
+        out_dtype: Any,
+        weighted: Any,
+        backward: Any,
+    ) -> Any:
+        return _combine_kernel(y, row_weights, key, inst, num_tokens, out_dtype, weighted, backward)
+
+    setup_context = staticmethod(_combine_setup)
+    backward = staticmethod(_combine_backward)
 
 
-@torch.library.custom_op("moe_a2a::combine_backward", mutates_args=())
+def combine_op(
+    y: torch.Tensor,
+    row_weights: torch.Tensor,
+    key: torch.Tensor,
+    inst: torch.Tensor,
+    num_tokens: int,
+    out_dtype: torch.dtype,
+    weighted: bool,
+    backward: bool,
+) -> torch.Tensor:
+    """The combined rows [num_tokens, H] of the dispatch `key`; differentiable w.r.t. `y` and
+    `row_weights` (the weights' gradient where `weighted`)."""
+    return _Combine.apply(y, row_weights, key, inst, num_tokens, out_dtype, weighted, backward)
+
+
+def _combine_backward_fake(
+    grad_out: torch.Tensor, y: torch.Tensor, key: torch.Tensor, inst: torch.Tensor, weighted: bool, dot: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(y), y.new_empty(y.shape[0], dtype=torch.float32)
+
+
+@_gradless_op(
+    "combine_backward(Tensor grad_out, Tensor y, Tensor key, Tensor inst, bool weighted, bool dot) "
+    "-> (Tensor, Tensor)",
+    _combine_backward_fake,
+)
 def combine_backward_op(
     grad_out: torch.Tensor, y: torch.Tensor, key: torch.Tensor, inst: torch.Tensor, weighted: bool, dot: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,14 +396,7 @@ def combine_backward_op(
     return _padded(grad_y.to(y.dtype), rows), _padded(grad_w.to(torch.float32), rows)
 
 
-@combine_backward_op.register_fake
-def _combine_backward_fake(
-    grad_out: torch.Tensor, y: torch.Tensor, key: torch.Tensor, inst: torch.Tensor, weighted: bool, dot: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(y), y.new_empty(y.shape[0], dtype=torch.float32)
-
-
 # Communication: every rank must run these in program order, once each. Ordered effects
 # keep torch.compile from reordering them, dropping them or recomputing them in the backward.
-for _op in (dispatch_op, dispatch_rows_op, dispatch_backward_op, combine_op, combine_backward_op):
-    torch.library._register_effectful_op(_op._qualname, torch._library.effects.EffectType.ORDERED)
+for _name in ("dispatch", "dispatch_rows", "dispatch_backward", "combine", "combine_backward"):
+    torch.library._register_effectful_op(f"moe_a2a::{_name}", torch._library.effects.EffectType.ORDERED)
