@@ -221,12 +221,9 @@ class _DispatchRows(torch.autograd.Function):
     backward = staticmethod(_dispatch_backward)
 
 
-def dispatch_rows_op(
-    x: torch.Tensor, topk_weights: torch.Tensor, key: torch.Tensor, inst: torch.Tensor, num_rows: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows [num_rows, H] and their routing weights [num_rows] of the dispatch `key`;
-    differentiable w.r.t. `x` and `topk_weights` (the dispatch's inputs)."""
-    return _DispatchRows.apply(x, topk_weights, key, inst, num_rows)
+# The rows [num_rows, H] and their routing weights [num_rows] of the dispatch `key`;
+# differentiable w.r.t. `x` and `topk_weights` (the dispatch's inputs).
+dispatch_rows_op = _DispatchRows.apply
 
 
 def _dispatch_backward_fake(
@@ -354,19 +351,9 @@ class _Combine(torch.autograd.Function):
     backward = staticmethod(_combine_backward)
 
 
-def combine_op(
-    y: torch.Tensor,
-    row_weights: torch.Tensor,
-    key: torch.Tensor,
-    inst: torch.Tensor,
-    num_tokens: int,
-    out_dtype: torch.dtype,
-    weighted: bool,
-    backward: bool,
-) -> torch.Tensor:
-    """The combined rows [num_tokens, H] of the dispatch `key`; differentiable w.r.t. `y` and
-    `row_weights` (the weights' gradient where `weighted`)."""
-    return _Combine.apply(y, row_weights, key, inst, num_tokens, out_dtype, weighted, backward)
+# The combined rows [num_tokens, H] of the dispatch `key`; differentiable w.r.t. `y` and
+# `row_weights` (the weights' gradient where `weighted`).
+combine_op = _Combine.apply
 
 
 def _combine_backward_fake(
