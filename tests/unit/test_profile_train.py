@@ -59,13 +59,18 @@ def test_phase_timeline_refuses_steps_that_ran_other_kernels() -> None:
     assert "no kernels" in t[backward]  # no backward span at all
 
 
-def test_host_marks_runs_on_the_cpu() -> None:
-    """tools/gpu/host_marks.py --device cpu: every layer of both phases noted, in call order."""
+COMPILED = ["--compile", "--compiled-rows", "capacity"]
+
+
+@pytest.mark.parametrize("extra", [[], COMPILED], ids=["eager", "compiled"])
+def test_host_marks_runs_on_the_cpu(extra: list[str]) -> None:
+    """tools/gpu/host_marks.py --device cpu: every layer of both phases noted, in call order;
+    compiled, from Inductor's graph to the layers the operators' kernels call."""
     import subprocess
 
     tool = ROOT / "tools" / "gpu" / "host_marks.py"
     run = subprocess.run(
-        [sys.executable, str(tool), "--device", "cpu", "--steps", "3"],
+        [sys.executable, str(tool), "--device", "cpu", "--steps", "3", *extra],
         capture_output=True,
         text=True,
         timeout=300,
@@ -73,9 +78,18 @@ def test_host_marks_runs_on_the_cpu() -> None:
     )
     assert run.returncode == 0, run.stderr[-2000:]
     forward, backward = run.stdout.split("backward: ")
-    for layer in ("ExpertParallel.dispatch", "CpuBackend.dispatch_send", "CpuBackend.combine_recv", "(done)"):
+    first = "CompiledFxGraph.__call__" if extra else "ExpertParallel.dispatch"
+    for layer in (first, "CpuBackend.dispatch_send", "CpuBackend.combine_recv", "(done)"):
         assert layer in forward, f"{layer} missing from the forward:\n{forward}"
-    for layer in ("_CombineFn.backward", "_DispatchFn.backward", "CpuBackend.combine_recv returns"):
+    bwd = (
+        ("ExpertParallel._backward_combine", "ExpertParallel._backward_dispatch")
+        if extra
+        else (
+            "_CombineFn.backward",
+            "_DispatchFn.backward",
+        )
+    )
+    for layer in (*bwd, "CpuBackend.combine_recv returns"):
         assert layer in backward, f"{layer} missing from the backward:\n{backward}"
     us = [float(line.split()[0]) for line in forward.splitlines()[1:] if line.strip()]
     assert us == sorted(us), f"the forward's marks are not in call order:\n{forward}"

@@ -1,6 +1,7 @@
 """Where the host's time goes in one rank's training step, layer by layer (one process, no mpirun).
 
     python3 tools/gpu/host_marks.py [--dispatch-dtype bf16|fp8] [--steps 30] [--device cuda|cpu]
+                                    [--compile [--compiled-rows exact|capacity]]
 
 The step of `tools/gpu/profile_train.py` (DeepSeek-V3 training shape, the identity
 expert), unprofiled: each layer of moe-a2a's call path is wrapped to note when it is
@@ -13,6 +14,9 @@ the backward is the time torch's autograd engine takes before our backward start
 `--device cpu` runs the same calls on the CPU backend at a small shape (`CPU_SHAPE`),
 where no GPU is: the backend's calls then do the copies themselves, and the front end
 checks the ids on the host, which CUDA leaves to its kernels; compare runs, not devices.
+`--compile` runs the forward under torch.compile (fullgraph), as `profile_train.py
+--compile` does: the layers are then those the operators' kernels call (the ones Dynamo
+traces cannot be wrapped), with Inductor's compiled graph as the first and last mark.
 """
 
 from __future__ import annotations
@@ -31,6 +35,11 @@ from moe_a2a.all_to_all import AllToAll
 from moe_a2a.backends.cpu import CpuBackend
 from moe_a2a.backends.cuda import CudaBackend
 from moe_a2a.ep_channel import Channel
+
+try:  # the compiled graphs' entry (torch's private module: absent, no such mark)
+    from torch._inductor.output_code import CompiledFxGraph
+except ImportError:
+    CompiledFxGraph = None
 
 LAYERS: list[tuple[type, str]] = [
     (ag.ExpertParallel, "dispatch"),
@@ -52,6 +61,17 @@ CPU_LAYERS: list[tuple[type, str]] = [
     *(layer for layer in LAYERS if layer[0] is not CudaBackend),
     *((CpuBackend, name) for name in ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")),
 ]
+# Under compile: where the operators' kernels enter our code (ExpertParallel.dispatch and
+# combine, and the autograd Functions, are traced or unused there).
+COMPILED_ENTRIES: list[tuple[type, str]] = [
+    *([(CompiledFxGraph, "__call__")] if CompiledFxGraph is not None else []),
+    *(
+        (ag.ExpertParallel, n)
+        for n in ("_forward_dispatch", "_forward_combine_send", "_forward_combine_recv")
+    ),
+    *((ag.ExpertParallel, n) for n in ("_backward_combine", "_backward_dispatch")),
+]
+TRACED = {(ag.ExpertParallel, "dispatch"), (ag.ExpertParallel, "combine")}
 marks: list[tuple[str, float]] = []
 
 
@@ -76,11 +96,23 @@ def main() -> None:
     p.add_argument("--dispatch-dtype", choices=("bf16", "fp8"), default="bf16")
     p.add_argument("--steps", type=int, default=30, help="timed steps (after 10 untimed)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: at CPU_SHAPE, no GPU")
+    p.add_argument("--compile", action="store_true", help="the forward under torch.compile (fullgraph)")
+    p.add_argument("--compiled-rows", choices=("exact", "capacity"), default="exact", help="with --compile")
     args = p.parse_args()
     cuda = args.device == "cuda"
-    for cls, name in LAYERS if cuda else CPU_LAYERS:
+    layers = LAYERS if cuda else CPU_LAYERS
+    if args.compile:
+        layers = [*COMPILED_ENTRIES, *(layer for layer in layers if layer not in TRACED)]
+    for cls, name in layers:
         wrap(cls, name)
-    ep, x0, ids, w0, grad_out = training_case(args.dispatch_dtype, device=args.device)
+    ep, x0, ids, w0, grad_out = training_case(args.dispatch_dtype, args.compiled_rows, device=args.device)
+
+    def forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return step_forward(ep, ids, x, w)
+
+    if args.compile:
+        torch._dynamo.config.capture_scalar_outputs = True
+        forward = torch.compile(forward, fullgraph=True)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     end = "(GPU done)" if cuda else "(done)"
     times: dict[tuple[str, int, str], list[float]] = {}
@@ -98,7 +130,7 @@ def main() -> None:
         sync()
         marks.clear()
         t0 = time.perf_counter()
-        out = step_forward(ep, ids, x, w)
+        out = forward(x, w)
         note("forward", t0, time.perf_counter())
         t1 = time.perf_counter()
         out.backward(grad_out)
