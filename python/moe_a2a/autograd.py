@@ -45,6 +45,19 @@ _NEW_ROWS = RowRequest(row_weights=True)
 _CACHED_ROWS = RowRequest(row_weights=False)  # not PLAIN: training extras all the same
 
 
+# Torch that deprecates _check_is_size (a FutureWarning at every compile) takes _check(n >= 0)
+# as making an unbacked size one; older torch needs _check_is_size for it.
+_IS_SIZE_DEPRECATED = getattr(torch._check_is_size, "__deprecated__", None) is not None
+
+
+def _check_size(n: Any) -> None:
+    """The dispatch's row count, an unbacked size under compile, checked as one."""
+    if _IS_SIZE_DEPRECATED:
+        torch._check(n >= 0)
+    else:
+        torch._check_is_size(n)
+
+
 class ExpertParallel(process.ProcessBound):
     """Differentiable dispatch and combine for one expert-parallel group.
 
@@ -268,7 +281,7 @@ class ExpertParallel(process.ProcessBound):
             rows = self._capacity_rows  # static: nothing read on the host
         else:
             rows = num_rows.item()  # an unbacked size under capture_scalar_outputs
-            torch._check_is_size(rows)
+            _check_size(rows)
         expert_x, row_weights = compiled_ops.dispatch_rows_op(x, topk_weights, key, self._op_handle, rows)
         return Routed(
             expert_x=expert_x,

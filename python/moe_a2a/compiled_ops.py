@@ -16,7 +16,7 @@ around theirs whose backward calls the backward operator, traced by Dynamo into 
 
 Shapes: the row count U is data-dependent. With `ExpertParallel(compiled_rows="exact")`
 the caller reads it with `.item()`, which TorchTitan's `capture_scalar_outputs=True`
-turns into an unbacked size (checked with `torch._check_is_size`), and hands it to
+turns into an unbacked size (checked as one: `autograd._check_size`), and hands it to
 `dispatch_rows`, whose fake implementation gives rows of that size: the experts see
 exactly eager's rows. With `"capacity"` the caller passes the instance's
 `max_output_rows` R instead (a constant): rows [R, H] with zeros past U, and the ops
