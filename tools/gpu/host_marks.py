@@ -67,9 +67,14 @@ COMPILED_ENTRIES: list[tuple[type, str]] = [
     *([(CompiledFxGraph, "__call__")] if CompiledFxGraph is not None else []),
     *(
         (ag.ExpertParallel, n)
-        for n in ("_forward_dispatch", "_forward_combine_send", "_forward_combine_recv")
+        for n in (
+            "_forward_dispatch",
+            "_forward_combine_send",
+            "_forward_combine_recv",
+            "_backward_combine",
+            "_backward_dispatch",
+        )
     ),
-    *((ag.ExpertParallel, n) for n in ("_backward_combine", "_backward_dispatch")),
 ]
 TRACED = {(ag.ExpertParallel, "dispatch"), (ag.ExpertParallel, "combine")}
 marks: list[tuple[str, float]] = []
