@@ -52,6 +52,7 @@ LAYERS: list[tuple[type, str]] = [
     (AllToAll, "_dispatch_send"),
     (CudaBackend, "dispatch_send"),
     (CudaBackend, "_recv_buffers"),
+    (CudaBackend, "_recv_args"),
     (CudaBackend, "_launch_recv"),
     (CudaBackend, "dispatch_recv"),
     (CudaBackend, "combine_send"),

@@ -225,11 +225,17 @@ class CudaBackend:
         `in_place`: this rank's copies to itself are read from `x` by the receive half.
         `weights` ([T, topk] float32) go with the copies' rows. `rows`: a cached call's
         (output rows, most copies any rank receives), from its matrix on the host.
-        `then_recv`: its buffers are made first and its kernel launched right after the send
-        half's, so the GPU does not wait for the host between the two."""
-        if then_recv is not None:
-            self._recv_buffers(then_recv)
+        `then_recv`: its buffers and arguments are made first and its kernel launched right
+        after the send half's, so the GPU does not wait for the host between the two."""
         stream = self._stream()
+        # Until the kernels that read them have run; detached, so no autograd graph
+        # (and no routing handle behind it) outlives its step.
+        self._alive = (x.detach(), ids, scale, routing, weights)
+        recv_args = None
+        if then_recv is not None:  # every argument ready: no Python between the two launches
+            self._recv_buffers(then_recv)
+            recv_args = self._recv_args(then_recv, stream)
+            self._alive = (*self._alive, then_recv.routing_out, then_recv.math)
         dequant_recv = then_recv is not None and then_recv.dequant is not None
         self._impl.dispatch_send(
             x.data_ptr(),
@@ -245,13 +251,12 @@ class CudaBackend:
             weights.data_ptr() if weights is not None else 0,
             dequant_recv,
         )
-        # Until the kernels that read them have run; detached, so no autograd graph
-        # (and no routing handle behind it) outlives its step.
-        self._alive = (x.detach(), ids, scale, routing, weights)
+        if recv_args is not None:
+            assert then_recv is not None
+            self._impl.dispatch_recv(*recv_args)
+            then_recv.launched = True
         self._last_matrix = routing
         self._last_rows = rows
-        if then_recv is not None:
-            self._launch_recv(then_recv, stream)
 
     def dispatch_recv(
         self, req: RecvRequest
@@ -296,10 +301,16 @@ class CudaBackend:
         req.out = (expert_x, scale, counts, dot, weights)
 
     def _launch_recv(self, req: RecvRequest, stream: int) -> None:
+        self._impl.dispatch_recv(*self._recv_args(req, stream))
+        self._alive = (*self._alive, req.routing_out, req.math)
+        req.launched = True
+
+    def _recv_args(self, req: RecvRequest, stream: int) -> tuple[Any, ...]:
+        """The receive kernel's arguments (`_impl.dispatch_recv`'s), from `req`'s buffers."""
         expert_x, scale, counts, dot, weights = req.out
         math, routing_out = req.math, req.routing_out
         dot_y = math.dot_y if math is not None else None
-        self._impl.dispatch_recv(
+        return (
             expert_x.data_ptr(),
             scale.data_ptr() if scale is not None else 0,
             counts.data_ptr(),
@@ -314,8 +325,6 @@ class CudaBackend:
             req.dequant is not None,
             CORE_DTYPE[req.dequant] if req.dequant is not None else _core.DType.bf16,
         )
-        self._alive = (*self._alive, routing_out, math)
-        req.launched = True
 
     def _known_rows(self, rows_most: tuple[int, int]) -> int | None:
         """A cached call's output rows, from its matrix on the host: its receive half then waits
