@@ -38,6 +38,7 @@ def test_shape_flags_shrink_it() -> None:
         (["--warmup", "-1"], "--warmup"),
         (["--dispatch-dtype", "fp16"], "--dispatch-dtype"),
         (["--grad-dtype", "fp8"], "--grad-dtype"),
+        (["--gpu-busy-us", "0"], "--gpu-busy-us"),
     ],
 )
 def test_argparse_refuses_bad_values(
@@ -55,6 +56,7 @@ def test_argparse_refuses_bad_values(
         (["--num-experts", "4", "--topk", "5"], 2, "--topk: got 5"),
         (["--mode", "decode"], 1, "--mode: got 'decode'"),
         (["--baseline", "gloo"], 2, "--baseline: got 'gloo'"),
+        (["--gpu-busy-us", "300"], 1, "--gpu-busy-us: got 300; it needs --device cuda"),
     ],
 )
 def test_check_args_names_the_flag(flags: list[str], world: int, named: str) -> None:
@@ -72,3 +74,14 @@ def test_compile_needs_a_warm_up_call_and_train() -> None:
 
     with pytest.raises(UsageError, match=r"^--compile: only used with --train"):
         a2a.main(parser.parse_args(["a2a", "--compile"]))
+
+
+def test_gpu_busy_is_for_train_on_cuda() -> None:
+    args = parse(["--gpu-busy-us", "300", "--device", "cuda"])
+    assert args.gpu_busy_us == 300 and train.check_args(args, world=1)["tokens"] == 4096
+    parser = argparse.ArgumentParser(prog="moe-a2a bench")
+    a2a.add_parser(parser.add_subparsers())
+    from moe_a2a.usage import UsageError
+
+    with pytest.raises(UsageError, match=r"^--gpu-busy-us: only used with --train"):
+        a2a.main(parser.parse_args(["a2a", "--gpu-busy-us", "300"]))

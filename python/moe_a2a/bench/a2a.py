@@ -466,6 +466,8 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError("--compile: only used with --train")
     if args.compiled_rows is not None:
         raise UsageError("--compiled-rows: only used with --train --compile")
+    if args.gpu_busy_us is not None:
+        raise UsageError("--gpu-busy-us: only used with --train")
     check_graph(args)
     args.mode = args.mode or "both"
     args.dispatch_dtype = args.dispatch_dtype or "fp8"
@@ -719,6 +721,15 @@ def add_parser(subparsers: Any) -> None:
         help="with --compile: what moe-a2a's compiled dispatch gives the expert, the rows received "
         "(a data-dependent size) or max_output_rows rows, zero past them (a static size) "
         "(ExpertParallel's compiled_rows; default: exact)",
+    )
+    p.add_argument(
+        "--gpu-busy-us",
+        type=POSITIVE,
+        default=None,
+        metavar="US",
+        help="with --train --device cuda: a kernel keeps the GPU busy about US microseconds before "
+        "each timed phase, which is timed from its end, so the host's time before the phase's first "
+        "kernel is hidden as a model's earlier layers hide it (default: off)",
     )
     p.add_argument(
         "--graph",

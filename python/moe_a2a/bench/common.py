@@ -22,16 +22,22 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def elapsed_ns(fn: Callable[[], T], device: Any = None) -> tuple[T, float]:
+def elapsed_ns(
+    fn: Callable[[], T], device: Any = None, lead: Callable[[], None] | None = None
+) -> tuple[T, float]:
     """fn's result and how long it took on this rank, in ns.
 
     On a CUDA `device` the span is between two CUDA events on the current stream:
-    everything fn queued is in it, and the host waits on the end event only.
+    everything fn queued is in it, and the host waits on the end event only. `lead`
+    (CUDA only) queues GPU work before the start event, which then fires once that work
+    is done: fn's host time before its first kernel runs meanwhile, out of the span.
     """
     if device is not None and getattr(device, "type", device) == "cuda":
         import torch
 
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if lead is not None:
+            lead()
         start.record()
         result = fn()
         end.record()
@@ -42,10 +48,12 @@ def elapsed_ns(fn: Callable[[], T], device: Any = None) -> tuple[T, float]:
     return result, float(time.perf_counter_ns() - t0)
 
 
-def timed(comm: Any, fn: Callable[[], T], device: Any = None) -> tuple[T, float]:
+def timed(
+    comm: Any, fn: Callable[[], T], device: Any = None, lead: Callable[[], None] | None = None
+) -> tuple[T, float]:
     """After a barrier, fn's result and the slowest rank's `elapsed_ns`."""
     comm.Barrier()
-    result, ns = elapsed_ns(fn, device)
+    result, ns = elapsed_ns(fn, device, lead)
     return result, float(comm.allreduce(ns, op=max_op()))
 
 

@@ -27,6 +27,12 @@ slowest rank's time (`moe_a2a.bench.a2a.timed`), reported as fwd and bwd;
 fwd+bwd is their sum for the iteration. Medians are over `--iters` after
 `--warmup`. On the first iteration `out`, `x.grad` and the scores' gradient of
 every baseline are compared with moe-a2a's.
+
+`--gpu-busy-us US` (CUDA) queues a kernel that keeps the GPU busy about US
+microseconds before each timed phase of every contender, as a model's layers
+before the MoE block do, and times the phase from that kernel's end: the host's
+time before the phase's first kernel runs meanwhile and leaves the span, so the
+figures are what the block adds to a step whose host runs ahead of its GPU.
 """
 
 from __future__ import annotations
@@ -89,6 +95,11 @@ def check_args(args: argparse.Namespace, world: int) -> dict[str, int]:
     if args.compiled_rows is not None and not args.compile:
         raise TrainArgumentError(f"--compiled-rows: got {args.compiled_rows!r}; only used with --compile")
     args.compiled_rows = args.compiled_rows or "exact"
+    if args.gpu_busy_us is not None and args.device != "cuda":
+        raise TrainArgumentError(
+            f"--gpu-busy-us: got {args.gpu_busy_us}; it needs --device cuda (a kernel that keeps "
+            f"the GPU busy before each phase), not --device {args.device}"
+        )
     if args.compile and args.warmup < 1:
         raise TrainArgumentError(
             f"--warmup: got {args.warmup}; --compile needs 1 or more (the first call compiles, untimed)"
@@ -251,16 +262,41 @@ def gather_agreement(comm: Any, checks: list[dict[str, Any]]) -> list[dict[str, 
 # ---------------------------------------------------------------- the run
 
 
-def step(comm: Any, device: Any, c: Contender, b: Batch, grad_out: Any, keep: bool) -> dict[str, Any]:
-    """One measured step of one contender; its out and gradients, the times kept if `keep`."""
+def step(
+    comm: Any,
+    device: Any,
+    c: Contender,
+    b: Batch,
+    grad_out: Any,
+    keep: bool,
+    lead: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """One measured step of one contender; its out and gradients, the times kept if `keep`.
+    `lead`: GPU work queued before each phase, out of its time (`--gpu-busy-us`)."""
     x = b.x.detach().requires_grad_()
     scores = b.scores.detach().requires_grad_()
-    out, t_fwd = timed(comm, lambda: c.forward(x, scores, b.ids, b.counts), device)
-    _, t_bwd = timed(comm, lambda: out.backward(grad_out), device)
+    out, t_fwd = timed(comm, lambda: c.forward(x, scores, b.ids, b.counts), device, lead)
+    _, t_bwd = timed(comm, lambda: out.backward(grad_out), device, lead)
     if keep:
         c.fwd_ns.append(t_fwd)
         c.bwd_ns.append(t_bwd)
     return {"out": out.detach(), "x.grad": x.grad, "scores.grad": scores.grad}
+
+
+def gpu_busy(us: int) -> Callable[[], None]:
+    """A launch that keeps the current GPU busy about `us` microseconds: torch's spin kernel,
+    its cycles a microsecond measured here (the clock the GPU runs at now)."""
+    import torch
+
+    probe = 1_000_000
+    torch.cuda._sleep(probe)  # the first launch loads the kernel
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    end.synchronize()
+    cycles = max(1, round(us * probe / (start.elapsed_time(end) * 1e3)))
+    return lambda: torch.cuda._sleep(cycles)
 
 
 def compile_contenders(contenders: list[Contender]) -> None:
@@ -342,10 +378,11 @@ def run(args: argparse.Namespace, comm: Any, device: Any, shape: dict[str, int])
                 contenders.append(torchtitan_dispatcher(titan.LocalTokenDispatcher, None, E, K))
         if args.compile:
             compile_contenders(contenders)
+        lead = gpu_busy(args.gpu_busy_us) if args.gpu_busy_us is not None else None
         checks = []
         bar = report.progress(len(batches), "train", rank=rank, mode=args.progress)
         for it, b in enumerate(batches):
-            results = [step(comm, device, c, b, grad_out, it >= args.warmup) for c in contenders]
+            results = [step(comm, device, c, b, grad_out, it >= args.warmup, lead) for c in contenders]
             bar.update()
             if it == 0:
                 fp8 = args.dispatch_dtype == "fp8"
@@ -382,6 +419,7 @@ def settings_of(
         warmup=args.warmup,
         compile=bool(args.compile),
         compiled_rows=args.compiled_rows,
+        gpu_busy_us=args.gpu_busy_us,
         **shape,
     )
 
@@ -442,6 +480,9 @@ def format_config(result: dict[str, Any]) -> str:
             "compile": f"each forward torch.compile'd, fullgraph; moe-a2a's rows {s['compiled_rows']}"
             if s["compile"]
             else "off (eager)",
+            "GPU busy": f"{s['gpu_busy_us']} us before each phase, timed from its end (host lead-in hidden)"
+            if s["gpu_busy_us"] is not None
+            else "off (each phase timed from its call)",
             "peak RSS": f"{result['peak_rss_mib_per_rank']} MiB/rank",
             **({"tuning": report.tuning_set()} if s["device"] == "cuda" else {}),
             "switches": report.switches_set(),
