@@ -145,13 +145,15 @@ struct PeerWatch {
   // Whether peer s gave us its whole part of our phase before it went. Ranks finish a job at
   // different times: one that ended its last call and exited has not failed the combine a slower
   // peer is still in; only that peer's next call misses it. A node peer's combine flag for us
-  // follows its staged outputs, the last thing we read from it in a combine. (In a dispatch it may
-  // still owe us rows it forwards, which no flag of its own shows: there, gone is gone.)
+  // follows its staged outputs, the last thing we read from it in a combine. In a dispatch, gone
+  // is gone, wherever the peer ran: no peer ends its job inside a dispatch (its combine needs
+  // ours), and a live peer whose own part depends on the gone one's (rows it forwards, or its
+  // call failing on the loss) never sends us the rest, so a wait that excused the gone peer for
+  // its own part having landed would wait out its timeout on the live one.
   bool delivered(int s) const {
-    if (phase == 0) return false;
+    if (phase == 0 || phase == dispatch_phase(phase / 2)) return false;
     if (!cfg.same_node(s)) return landed >= phase || part_landed(s);
-    return phase == combine_phase(phase / 2) &&
-           flag_at(workspace, layout, s, kFlagCombine)->load(std::memory_order_acquire) >= phase / 2;
+    return flag_at(workspace, layout, s, kFlagCombine)->load(std::memory_order_acquire) >= phase / 2;
   }
 
   // No such process, or a zombie that its parent has not reaped yet (a
