@@ -21,6 +21,7 @@ rank r through `moe_a2a.rejoin.replacement` and joins the loop at the survivors'
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -31,6 +32,9 @@ import torch
 import torch.distributed as dist
 
 from moe_a2a import AllToAll, Config, PeerLostError, StaleGraphError, rejoin
+
+# A job the test finds hung gets SIGUSR1 before it is killed: every thread's stack, to say where.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 provider, calls = sys.argv[1], int(sys.argv[2])
 DEVICE = os.environ.get("MOE_A2A_TEST_DEVICE", "cpu")

@@ -49,11 +49,30 @@ def _launch(
     try:
         for p in procs:
             outs.append(p.communicate(timeout=200)[0])
+    except subprocess.TimeoutExpired:
+        hung = _stacks(procs, outs)
+        pytest.fail(f"the job hung: each rank's output, the stacks of those still running\n{hung}")
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
     return procs, outs
+
+
+def _stacks(procs: list[subprocess.Popen[str]], outs: list[str]) -> str:
+    """Each rank's output (`outs`: those read already); a rank still running first dumps its
+    threads' stacks (SIGUSR1, faulthandler in peer_loss_job.py) and is then killed."""
+    for p in procs[len(outs) :]:
+        if p.poll() is None:
+            p.send_signal(signal.SIGUSR1)
+    time.sleep(2.0)
+    texts = [*outs]
+    for p in procs[len(outs) :]:
+        if p.poll() is None:
+            p.kill()
+        texts.append(p.communicate()[0])
+    ranks = enumerate(zip(procs, texts, strict=True))
+    return "\n".join(f"== rank {r} (rc {p.returncode})\n{t}" for r, (p, t) in ranks)
 
 
 @pytest.mark.timeout(240)
