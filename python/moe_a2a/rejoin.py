@@ -209,7 +209,8 @@ class NodeRendezvous(Bootstrap):
             self._claims[rank] = (pid, nonce)
         return self._claims[rank]
 
-    def _check(self, waiting_for: int) -> None:
+    def _check(self) -> None:
+        """Raise the error another participant recorded, if any."""
         for r in range(self.world_size):
             error = self._error_of(r) if r != self.rank else None
             if error is not None:
@@ -218,11 +219,6 @@ class NodeRendezvous(Bootstrap):
                 )
                 relayed.relayed = True
                 raise relayed
-        claim = self._claim_of(waiting_for)
-        if claim is not None and claim[0] > 0 and not pid_alive(claim[0]):  # 0: on another host
-            self._fail(
-                f"rank {waiting_for} (pid {claim[0]}) is gone: it died during the rejoin {self._key!r}"
-            )
 
     def _wait(self, rank: int, n: int) -> bytes:
         """Rank `rank`'s file of all-gather `n`, once its claimant has written it."""
@@ -230,11 +226,17 @@ class NodeRendezvous(Bootstrap):
         pause = 0.0005
         while True:
             claim = self._claim_of(rank)
+            pid = claim[0] if claim is not None else 0  # 0: no claim yet, or on another host
+            # Gone before we look for its file: one that writes it and exits (its close)
+            # between our look and this test has not died in the rejoin.
+            gone = pid > 0 and not pid_alive(pid)
             if claim is not None:
                 data = self._read(f"r{rank}-{claim[1]}-g{n}")
                 if data is not None:
                     return data
-            self._check(rank)
+            self._check()
+            if gone:
+                self._fail(f"rank {rank} (pid {pid}) is gone: it died during the rejoin {self._key!r}")
             if time.monotonic() > deadline:
                 self._fail(
                     f"rank {self.rank} waited {self._timeout_s:g} s for rank {rank} in the rejoin "

@@ -120,6 +120,40 @@ def test_a_participant_that_dies_is_an_error_at_once(key: str) -> None:
     assert time.monotonic() - start < 3
 
 
+def _gather_close_and_exit(key: str) -> None:
+    rdzv = NodeRendezvous(key, 1, 2, REPLACEMENT, 5.0)
+    rdzv.allgather(b"1")
+    rdzv.close()
+    os._exit(0)
+
+
+class _Preempted(NodeRendezvous):
+    """Looks for rank 1's last all-gather file once just before it appears, then is held off
+    the CPU until rank 1 has written it, closed and exited."""
+
+    peer: Any = None
+
+    def _read(self, suffix: str) -> bytes | None:
+        if self.peer is not None and suffix.startswith("r1-") and suffix.endswith(f"-g{self._gen}"):
+            self.peer.join(timeout=10)
+            self.peer = None
+            return None
+        return super()._read(suffix)
+
+
+def test_a_participant_that_wrote_its_part_and_exited_has_not_died(key: str) -> None:
+    """A rank leaves the job right after its last all-gather and close; a rank slower to read
+    that all-gather still gets its part (found once on the CPU VM: "rank 1 is gone")."""
+    p = CTX.Process(target=_gather_close_and_exit, args=(key,))
+    p.start()
+    rdzv = _Preempted(key, 0, 2, SURVIVOR, 5.0, (1,), 3)
+    rdzv.peer = p
+    assert rdzv.allgather(b"0") == [b"0", b"1"]
+    assert p.exitcode == 0
+    rdzv.close()
+    assert leftovers(key) == []
+
+
 def test_a_claim_left_by_a_dead_process_is_taken_over(key: str) -> None:
     p = CTX.Process(target=_claim_and_die, args=(key,))
     p.start()
