@@ -292,8 +292,11 @@ def test_replacements_rejoin_and_the_full_set_resumes(tmp_path: Path, across_nod
     # failed skips the second layer's: 1 or 2 calls of the two layers per loss. Which layer sees
     # it is timing across nodes (a survivor whose first layer's call needed nothing from the dead
     # rank goes on to the second layer's), where a survivor a call behind the others when a loss
-    # comes also skips that call. The survivors of both losses count every call but those; the
-    # replacements every call from the one they joined at (rank 3's but the second loss's).
+    # comes also skips that call. Across nodes a loss can also come between calls (the dead rank's
+    # connection closed before the next dispatch): that dispatch fails before it starts and runs
+    # again at the same epoch ("the dispatch of epoch E failed ... after epoch E"), losing nothing.
+    # The survivors of both losses count every call but those; the replacements every call from
+    # the one they joined at (rank 3's but the second loss's).
     skipped = 2 if across_nodes else 0
 
     def lost(name: str, calls: int) -> int:
@@ -302,8 +305,14 @@ def test_replacements_rejoin_and_the_full_set_resumes(tmp_path: Path, across_nod
         assert calls - 2 - skipped <= int(first[1]) <= calls, text
         return 2 * calls - int(first[1]) - int(second[1])
 
-    assert 2 <= lost("0", CALLS) <= 2 * (2 + skipped), text
-    assert 1 <= lost("3'", CALLS - 12) <= 2 * (1 + skipped // 2), text
+    def retried(name: str) -> int:
+        seen = re.finditer(
+            r"masked \(\d+,\) at [0-9.]+ resume (\d+): .*? the dispatch of epoch (\d+) failed", outs[name]
+        )
+        return sum(m[1] == m[2] for m in seen)
+
+    assert 2 - retried("0") <= lost("0", CALLS) <= 2 * (2 + skipped), text
+    assert 1 - retried("3'") <= lost("3'", CALLS - 12) <= 2 * (1 + skipped // 2), text
     assert int(re.search(DONE, outs["1'"])[1]) == CALLS - 24, text  # type: ignore[index]
     # The survivors wait in rejoin() for the replacement to start: Python and torch (the CPU
     # machine's goal: 5 s), and on a GPU its CUDA context too (4.0-5.1 s on the H200).
