@@ -7,7 +7,9 @@
 // A peer on another host whose script ends right after its last call closes its control connection
 // at once, while what it wrote may still be on its way in its data connections, which are others.
 // It says goodbye first (ProxyEngine::peer_left); such a peer is missing only once its part of our
-// phase has not landed and nothing of it has landed for kGoneGrace. Any other end is a loss at once.
+// phase has not landed and nothing of it has landed for kGoneGrace. A peer on another node of this
+// host (virtual nodes) is watched by its pid, which cannot tell an end from a kill: in a combine,
+// either gets the same grace. Any other end is a loss at once.
 #pragma once
 
 #include <signal.h>
@@ -65,7 +67,7 @@ struct PeerWatch {
   // The proxy's words for each remote sender (signals.h): its whole part of a phase landed, and the
   // slices of it so far. Null pointers where there is no proxy.
   PeerSignals peers{};
-  struct Gone {  // a remote peer that left, seen gone while its part of `phase` had not landed
+  struct Gone {  // a remote peer gone (draining) while its part of `phase` had not landed
     uint64_t phase = 0;
     uint64_t progress = 0;  // its slice words then
     std::chrono::steady_clock::time_point since{};  // first seen gone in `phase`, or its last slice since
@@ -115,10 +117,13 @@ struct PeerWatch {
     if (now < next_pids && !force) return;
     next_pids = now + kPidInterval;
     for (int s = 0; s < static_cast<int>(pids.size()); ++s) {
-      if (s == cfg.rank || pids[s] <= 0 || is_masked(masked, s)) continue;
-      if (gone(pids[s]) && !delivered(s))
-        throw fabric::FabricError("rank " + std::to_string(cfg.rank) + ": peer " + std::to_string(s) + " (pid " +
-                                  std::to_string(pids[s]) + " on this host) is gone: it exited or was killed");
+      if (s == cfg.rank || pids[s] <= 0 || is_masked(masked, s) || !gone(pids[s]) || delivered(s)) continue;
+      // One on another node of this host (virtual nodes) that ended its job after its last call:
+      // its part of our combine may still drain from its data connections. Its pid cannot tell
+      // that from a kill, so a combine gives either the grace of a peer that left.
+      if (!cfg.same_node(s) && !force && phase != dispatch_phase(phase / 2) && draining(s, now)) continue;
+      throw fabric::FabricError("rank " + std::to_string(cfg.rank) + ": peer " + std::to_string(s) + " (pid " +
+                                std::to_string(pids[s]) + " on this host) is gone: it exited or was killed");
     }
     // Peers on other hosts: the engine's control connection to each (engine.h, watch_peers; none
     // for a peer on this host, which its pid covers).
@@ -127,15 +132,7 @@ struct PeerWatch {
       if (is_masked(masked, s) || !engine->peer_gone(s) || delivered(s)) continue;
       // A peer that left (its script ended, its writes on their way) is given them to land.
       const bool left = engine->peer_left(s);
-      if (left && !force) {
-        Gone& g = gone_remote[i];
-        const uint64_t progress = slices_landed(s);
-        if (g.phase != phase || g.progress != progress || g.since == std::chrono::steady_clock::time_point{}) {
-          g = {phase, progress, now};  // first seen gone in this phase, or its writes still land
-          continue;
-        }
-        if (now - g.since < kGoneGrace) continue;
-      }
+      if (left && !force && draining(s, now)) continue;
       throw fabric::FabricError("rank " + std::to_string(cfg.rank) + ": peer " + std::to_string(s) +
                                 " (on another host) is gone: its control connection closed, so its process " +
                                 (left ? "ended, without all of its part of this call" : "exited or was killed"));
@@ -177,6 +174,20 @@ struct PeerWatch {
     if (peers.landed == nullptr || phase == 0) return false;
     const Seq* words = phase == dispatch_phase(phase / 2) ? peers.landed : peers.combine_landed;
     return words[s].get() >= phase / 2;
+  }
+
+  // Whether remote sender s, gone with its part of our phase not landed, may still be landing it:
+  // within kGoneGrace of first being seen gone in this phase, or of the last slice of it landing.
+  bool draining(int s, std::chrono::steady_clock::time_point now) {
+    const auto at = std::find(remote_peers.begin(), remote_peers.end(), s);
+    if (at == remote_peers.end()) return false;
+    Gone& g = gone_remote[static_cast<size_t>(at - remote_peers.begin())];
+    const uint64_t progress = slices_landed(s);
+    if (g.phase != phase || g.progress != progress || g.since == std::chrono::steady_clock::time_point{}) {
+      g = {phase, progress, now};
+      return true;
+    }
+    return now - g.since < kGoneGrace;
   }
 
   uint64_t slices_landed(int s) const {
